@@ -1,0 +1,319 @@
+"""Stage configurations: one pydantic model per stage, filled from YAML and from flags.
+
+The same models are the parameters of the Prefect flows (so the UI renders forms) and the
+arguments of the `rlhf` CLI. Flag names are the field names, which follow OpenRLHF
+(`--pretrain`, `--micro_train_batch_size`, `--zero_stage`, ...), so its users feel at home.
+Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors everywhere
+(`extra="forbid"`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(StrictModel):
+    """Where the examples come from and how they become token ids."""
+
+    dataset: str = Field(..., description="Comma-separated datasets: jsonl/json/parquet files, json@DIR, or hub names")
+    dataset_probs: str | None = Field(None, description="Comma-separated mixing probabilities, one per dataset")
+    dataset_split: str = "train"
+    eval_dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it has one")
+    eval_split: str = "test"
+    input_key: str = "prompt"
+    output_key: str = "response"
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    label_key: str = "label"
+    margin_key: str | None = Field(None, description="Reward-model margin column (optional)")
+    input_template: str | None = Field(None, description="Python format string with one {} for the prompt")
+    apply_chat_template: bool = False
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's")
+    max_samples: int = Field(100_000_000, gt=0)
+    max_eval_samples: int = Field(100_000_000, gt=0)
+    max_len: int = Field(512, gt=1)
+    truncate: bool = Field(False, description="Truncate rows longer than max_len instead of failing")
+    packing_samples: bool = False
+
+    @model_validator(mode="after")
+    def _check_probs(self) -> DataConfig:
+        if self.dataset_probs is not None:
+            probs = [p.strip() for p in self.dataset_probs.split(",")]
+            n = len([d for d in self.dataset.split(",") if d.strip()])
+            if len(probs) != n:
+                raise ValueError(f"dataset_probs has {len(probs)} values for {n} datasets")
+            try:
+                values = [float(p) for p in probs]
+            except ValueError as e:
+                raise ValueError(f"dataset_probs must be numbers: {self.dataset_probs!r}") from e
+            if any(v < 0 for v in values) or sum(values) <= 0:
+                raise ValueError("dataset_probs must be non-negative with a positive sum")
+        if self.input_template is not None and "{}" not in self.input_template:
+            raise ValueError("input_template must contain '{}' where the prompt goes")
+        return self
+
+    @property
+    def probs(self) -> list[float] | None:
+        if self.dataset_probs is None:
+            return None
+        values = [float(p) for p in self.dataset_probs.split(",")]
+        return [v / sum(values) for v in values]
+
+
+class TrainConfig(StrictModel):
+    """What every trainer shares: model, engine, optimisation, checkpoints, tracking."""
+
+    pretrain: str = Field(..., description="Model to start from (HF directory or hub name)")
+    save_path: str = Field(..., description="Stage output: local directory or s3:// URI")
+    data: DataConfig
+
+    # Engine and parallelism.
+    zero_stage: int = Field(2, ge=0, le=3)
+    adam_offload: bool = False
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    flash_attn: bool = False
+    num_nodes: int = Field(1, ge=1)
+    num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)")
+
+    # Optimisation (ALGORITHMS.md defaults).
+    train_batch_size: int = Field(32, gt=0, description="Global batch: micro x accumulation x ranks")
+    micro_train_batch_size: int = Field(8, gt=0)
+    learning_rate: float = Field(5e-6, gt=0)
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    l2: float = Field(0.0, ge=0, description="Weight decay")
+    max_norm: float = Field(1.0, gt=0)
+    max_epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps")
+    seed: int = 42
+
+    # LoRA (merged into the base weights on save).
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: int = Field(16, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str = Field("all-linear", description="Comma-separated module names or 'all-linear'")
+
+    # Checkpoints and evaluation.
+    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)")
+    ckpt_path: str | None = None
+    max_ckpt_num: int = Field(3, gt=0)
+    load_checkpoint: bool = False
+    eval_steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
+    logging_steps: int = Field(1, gt=0)
+
+    # Tracking.
+    mlflow_experiment: str = "rlhf"
+    mlflow_run_name: str | None = None
+    mlflow_parent_run_id: str | None = None
+    use_mlflow: bool = True
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> TrainConfig:
+        per_step = self.micro_train_batch_size * self.world_size
+        if self.train_batch_size % per_step:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be a multiple of "
+                f"micro_train_batch_size x ranks ({self.micro_train_batch_size} x {self.world_size})"
+            )
+        if self.save_steps > 0 and not self.ckpt_path:
+            raise ValueError("save_steps needs ckpt_path")
+        if self.load_checkpoint and not self.ckpt_path:
+            raise ValueError("load_checkpoint needs ckpt_path")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.train_batch_size // (self.micro_train_batch_size * self.world_size)
+
+
+class SFTConfig(TrainConfig):
+    stage: Literal["sft"] = "sft"
+    learning_rate: float = Field(1e-5, gt=0)
+    pretrain_mode: bool = Field(False, description="Continued pretraining: loss on every token")
+
+
+class RewardLossName(str, Enum):
+    SIGMOID = "sigmoid"
+    LOGEXP = "logexp"
+
+
+class RMConfig(TrainConfig):
+    stage: Literal["rm"] = "rm"
+    learning_rate: float = Field(9e-6, gt=0)
+    loss: RewardLossName = RewardLossName.SIGMOID
+    value_head_prefix: str = Field("score", description="Name of the value head in the pretrained weights")
+
+
+class DPOLossName(str, Enum):
+    SIGMOID = "sigmoid"
+    IPO = "ipo"
+    HINGE = "hinge"
+
+
+class DPOConfig(TrainConfig):
+    stage: Literal["dpo"] = "dpo"
+    learning_rate: float = Field(5e-7, gt=0)
+    ref_pretrain: str | None = Field(None, description="Reference model (default: --pretrain)")
+    beta: float = Field(0.1, gt=0)
+    loss_type: DPOLossName = DPOLossName.SIGMOID
+    ipo: bool = Field(False, description="Same as --loss_type ipo")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO epsilon")
+    nll_loss_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _resolve(self) -> DPOConfig:
+        if self.ipo and self.loss_type != DPOLossName.IPO:
+            object.__setattr__(self, "loss_type", DPOLossName.IPO)
+        if self.ref_pretrain is None:
+            object.__setattr__(self, "ref_pretrain", self.pretrain)
+        if self.label_smoothing and self.loss_type != DPOLossName.SIGMOID:
+            raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only")
+        return self
+
+
+class KTOConfig(TrainConfig):
+    stage: Literal["kto"] = "kto"
+    learning_rate: float = Field(5e-7, gt=0)
+    ref_pretrain: str | None = None
+    beta: float = Field(0.1, gt=0)
+    desirable_loss_weight: float = Field(1.0, gt=0)
+    undesirable_loss_weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _resolve(self) -> KTOConfig:
+        if self.ref_pretrain is None:
+            object.__setattr__(self, "ref_pretrain", self.pretrain)
+        return self
+
+
+STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
+    "sft": SFTConfig,
+    "rm": RMConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+}
+
+
+def state_dir() -> Path:
+    """The project's state directory (MLflow store, compiled ops, demo outputs)."""
+    return Path(os.environ.get("RLHF_HOME", Path.cwd() / ".rlhf")).resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags and YAML -> config. Flags are the flat field names; data fields may be given flat too.
+
+class ConfigError(ValueError):
+    """A configuration problem with a message that names the field or flag."""
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _add_field_flags(parser, model_cls: type[BaseModel], skip: set[str]) -> None:
+    import argparse
+    import types
+    import typing
+
+    for name, field in model_cls.model_fields.items():
+        if name in skip:
+            continue
+        ann = field.annotation
+        origin = typing.get_origin(ann)
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if origin in (typing.Union, types.UnionType) and len(args) == 1:
+            ann, origin = args[0], typing.get_origin(args[0])
+        kwargs: dict = {"default": argparse.SUPPRESS, "help": field.description}
+        if ann is bool:
+            kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        elif origin is tuple:
+            kwargs.update(nargs=len(typing.get_args(ann)), type=typing.get_args(ann)[0])
+        elif isinstance(ann, type) and issubclass(ann, Enum):
+            kwargs.update(choices=[m.value for m in ann])
+        elif ann in (int, float, str):
+            kwargs.update(type=ann)
+        else:
+            continue
+        parser.add_argument(f"--{name}", **kwargs)
+
+
+def add_config_flags(parser, config_cls: type[TrainConfig]) -> None:
+    """Register one flag per config field (and per data field) on an argparse parser."""
+    parser.add_argument("--config", default=None, help="YAML file with any of these fields")
+    _add_field_flags(parser, config_cls, skip={"data", "stage"})
+    _add_field_flags(parser, DataConfig, skip=set())
+
+
+def _nest_data_fields(values: dict) -> dict:
+    values = dict(values)
+    data = dict(values.pop("data", None) or {})
+    for key in list(values):
+        if key in DataConfig.model_fields:
+            data[key] = values.pop(key)
+    values["data"] = data
+    return values
+
+
+def _format_validation_error(err, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if p != "data"]
+        name = "--" + ".".join(loc) if loc else "(config)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {name}: unknown field")
+        elif e["type"] == "missing":
+            lines.append(f"  {name}: required")
+        else:
+            lines.append(f"  {name}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+    except FileNotFoundError as e:
+        raise ConfigError(f"--config: file not found: {path}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of field: value, got {type(loaded).__name__}")
+    return loaded
+
+
+def build_config(config_cls: type[TrainConfig], yaml_values: dict | None, flag_values: dict) -> TrainConfig:
+    """Merge YAML (lower precedence) and flags into a validated config, or raise ConfigError."""
+    from pydantic import ValidationError
+
+    merged = _nest_data_fields(yaml_values or {})
+    flags = _nest_data_fields(flag_values)
+    merged_data = {**merged.pop("data"), **flags.pop("data")}
+    merged.update(flags)
+    merged["data"] = merged_data
+    try:
+        return config_cls.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, "flags and --config")) from None

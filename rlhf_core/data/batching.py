@@ -1,0 +1,111 @@
+"""Batches: right-padded or packed (padding-free), and the deterministic global batch order.
+
+Both layouts carry `seq_ids (rows, T)`: the index of the sample each token belongs to, -1 for
+padding. Per-sample sums (sequence log-probs, last-token scores) are computed from `seq_ids`
+alone, so losses never care which layout produced them.
+
+Packing concatenates a micro-batch into one row; position ids restart at 0 for each sample and a
+block-diagonal causal mask keeps attention inside each sample (with flash-attn on GPU the
+position ids alone are enough and no dense mask is built).
+
+The global order of an epoch is a seeded permutation cut into global batches; rank r takes its
+slice of each, then its micro-batches. Resuming at (epoch, step) replays exactly the same data,
+and the union of what all ranks see in one step does not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (rows, T)
+    attention_mask: torch.Tensor | None  # (rows, T) for padded; (1, 1, T, T) additive for packed
+    position_ids: torch.Tensor  # (rows, T)
+    loss_mask: torch.Tensor  # (rows, T) float, 1 on tokens that carry loss
+    seq_ids: torch.Tensor  # (rows, T) long, sample index or -1 for padding
+    num_samples: int
+
+    def to(self, device) -> Batch:
+        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+        return Batch(move(self.input_ids), None if self.attention_mask is None else move(self.attention_mask),
+                     move(self.position_ids), move(self.loss_mask), move(self.seq_ids), self.num_samples)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Flat index (into rows*T) of each sample's last token: `(num_samples,)`."""
+        flat = self.seq_ids.reshape(-1)
+        positions = torch.arange(flat.numel(), device=flat.device)
+        last = torch.full((self.num_samples,), -1, dtype=torch.long, device=flat.device)
+        valid = flat >= 0
+        return last.scatter_reduce(0, flat[valid], positions[valid], reduce="amax")
+
+
+def pad_batch(seqs: list[list[int]], loss_masks: list[list[int]], pad_id: int) -> Batch:
+    """Right-pad sequences into `(B, T_max)`."""
+    width = max(len(s) for s in seqs)
+    n = len(seqs)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    loss = torch.zeros((n, width), dtype=torch.float32)
+    seq_ids = torch.full((n, width), -1, dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, loss_masks, strict=True)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention[i, : len(s)] = 1
+        loss[i, : len(s)] = torch.tensor(m, dtype=torch.float32)
+        seq_ids[i, : len(s)] = i
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return Batch(input_ids, attention, position_ids, loss, seq_ids, n)
+
+
+def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], dense_mask: bool = True) -> Batch:
+    """Concatenate sequences into one row `(1, sum(len))`, attention confined to each sample."""
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+    loss = torch.tensor([v for m in loss_masks for v in m], dtype=torch.float32)[None]
+    seq_ids = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])[None]
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    mask = block_causal_mask(seq_ids[0]) if dense_mask else None
+    return Batch(input_ids, mask, position_ids, loss, seq_ids, len(seqs))
+
+
+def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive mask `(1, 1, T, T)`: 0 where token i may attend token j (same sample, j <= i)."""
+    t = seq_ids.numel()
+    allowed = (seq_ids[:, None] == seq_ids[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    return torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def make_batch(seqs, loss_masks, pad_id: int, packing: bool, dense_mask: bool = True) -> Batch:
+    return pack_batch(seqs, loss_masks, dense_mask) if packing else pad_batch(seqs, loss_masks, pad_id)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which example indices rank `rank` uses at each optimizer step of each epoch."""
+
+    num_examples: int
+    global_batch: int
+    micro_batch: int
+    rank: int
+    world_size: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.global_batch
+
+    def micro_batches(self, epoch: int, step: int) -> list[list[int]]:
+        order = _epoch_order(self.num_examples, self.seed + epoch)
+        batch = order[step * self.global_batch : (step + 1) * self.global_batch].tolist()
+        per_rank = self.global_batch // self.world_size
+        mine = batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return [mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
+
+
+@lru_cache(maxsize=2)
+def _epoch_order(num_examples: int, seed: int) -> torch.Tensor:
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed))

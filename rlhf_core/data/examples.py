@@ -1,0 +1,190 @@
+"""Turn checked rows into token-id examples for each kind of stage.
+
+A prompt is formatted once (chat template, `--input_template`, or as is) and tokenized apart
+from its completion; the completion gets the EOS token. Concatenating separately tokenized parts
+keeps the prompt/response boundary exact, so the loss mask never leaks into the prompt.
+
+Rows longer than `max_len` fail with the source and row number unless `--truncate` is set, in
+which case the completion (never the prompt) is cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_core.config import DataConfig
+from rlhf_core.data.loading import DataError, check_rows, load_mixture
+
+
+@dataclass
+class Sequence:
+    """One tokenized text: `input_ids` and a 0/1 `loss_mask` of the same length."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first loss token (the prompt, for prompt/completion sequences)."""
+        return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.loss_mask)
+
+
+@dataclass
+class SFTExample:
+    seq: Sequence
+
+
+@dataclass
+class PairExample:
+    chosen: Sequence
+    rejected: Sequence
+    margin: float = 0.0
+
+
+@dataclass
+class UnpairedExample:
+    seq: Sequence
+    desirable: bool
+
+
+class PromptFormatter:
+    """Formats prompts and completions as token ids for one tokenizer and data config."""
+
+    def __init__(self, tokenizer, cfg: DataConfig):
+        self.tok = tokenizer
+        self.cfg = cfg
+        if cfg.tokenizer_chat_template:
+            tokenizer.chat_template = cfg.tokenizer_chat_template
+        if cfg.apply_chat_template and not tokenizer.chat_template:
+            raise DataError("--apply_chat_template: the tokenizer has no chat template (give --tokenizer_chat_template)")
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no eos_token: completions could never end")
+
+    def prompt_text(self, prompt) -> str:
+        if self.cfg.apply_chat_template:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if isinstance(prompt, list):
+            raise DataError("chat-format prompts need --apply_chat_template")
+        return self.cfg.input_template.format(prompt) if self.cfg.input_template else prompt
+
+    def prompt_ids(self, prompt) -> list[int]:
+        text = self.prompt_text(prompt)
+        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
+        return self.tok(text, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"]
+
+    def completion_ids(self, completion: str) -> list[int]:
+        ids = self.tok(completion, add_special_tokens=False)["input_ids"]
+        return ids if ids and ids[-1] == self.tok.eos_token_id else [*ids, self.tok.eos_token_id]
+
+    def join(self, prompt_ids: list[int], completion_ids: list[int], where: str, row: int,
+             loss_on_prompt: bool = False) -> Sequence:
+        ids = prompt_ids + completion_ids
+        mask = [1 if loss_on_prompt else 0] * len(prompt_ids) + [1] * len(completion_ids)
+        mask[0] = 0  # nothing predicts the first token
+        if len(ids) > self.cfg.max_len:
+            if not self.cfg.truncate:
+                raise DataError(f"{where}: row {row}: {len(ids)} tokens, longer than --max_len {self.cfg.max_len} "
+                                "(raise --max_len or pass --truncate)")
+            if len(prompt_ids) >= self.cfg.max_len:
+                raise DataError(f"{where}: row {row}: the prompt alone has {len(prompt_ids)} tokens "
+                                f"(--max_len {self.cfg.max_len}); truncation only cuts completions")
+            ids, mask = ids[: self.cfg.max_len], mask[: self.cfg.max_len]
+        return Sequence(ids, mask)
+
+
+def _rows_with_origin(ds, described):
+    """Yield (row, where, row_number) for a (possibly mixed) dataset, best effort for mixtures."""
+    where = described[0]["path"] if len(described) == 1 else "+".join(d["path"] for d in described)
+    for i, row in enumerate(ds, start=1):
+        yield row, where, i
+
+
+def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: bool = False):
+    keys = [cfg.input_key] if pretrain_mode else [cfg.input_key, cfg.output_key]
+    chat = {cfg.input_key} if cfg.apply_chat_template else set()
+    ds, described = _load(cfg, split, seed, keys, lambda d, w: check_rows(d, w, keys, chat_keys=chat))
+    if ds is None:
+        return None, []
+    fmt = PromptFormatter(tokenizer, cfg)
+    examples = []
+    for row, where, i in _rows_with_origin(ds, described):
+        if pretrain_mode:
+            ids = tokenizer(row[cfg.input_key], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+            examples.append(SFTExample(fmt.join(ids[:1], ids[1:], where, i, loss_on_prompt=True)))
+        else:
+            p = fmt.prompt_ids(row[cfg.input_key])
+            examples.append(SFTExample(fmt.join(p, fmt.completion_ids(row[cfg.output_key]), where, i)))
+    return examples, described
+
+
+def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int):
+    keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
+    other = {cfg.margin_key: (int, float)} if cfg.margin_key else {}
+    chat = {cfg.prompt_key} if cfg.apply_chat_template else set()
+    ds, described = _load(cfg, split, seed, keys + list(other),
+                          lambda d, w: check_rows(d, w, keys, other, chat_keys=chat))
+    if ds is None:
+        return None, []
+    fmt = PromptFormatter(tokenizer, cfg)
+    examples = []
+    for row, where, i in _rows_with_origin(ds, described):
+        p = fmt.prompt_ids(row[cfg.prompt_key])
+        examples.append(PairExample(
+            fmt.join(p, fmt.completion_ids(row[cfg.chosen_key]), where, i),
+            fmt.join(p, fmt.completion_ids(row[cfg.rejected_key]), where, i),
+            float(row[cfg.margin_key]) if cfg.margin_key else 0.0,
+        ))
+    return examples, described
+
+
+def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
+    """KTO data: (prompt, completion, label) rows; paired preference rows are unpaired.
+
+    A source with `chosen_key`/`rejected_key` columns gives one desirable and one undesirable
+    example per row; otherwise `input_key`, `output_key` and a boolean `label_key` are required.
+    """
+    probe, _ = _load(cfg, split, seed, None, lambda d, w: None)
+    if probe is None:
+        return None, []
+    paired = cfg.chosen_key in probe.column_names and cfg.rejected_key in probe.column_names
+    if paired:
+        pairs, described = load_pairs(cfg, tokenizer, split, seed)
+        out = []
+        for ex in pairs:
+            out.append(UnpairedExample(ex.chosen, True))
+            out.append(UnpairedExample(ex.rejected, False))
+        return out, described
+    keys = [cfg.input_key, cfg.output_key]
+    chat = {cfg.input_key} if cfg.apply_chat_template else set()
+    ds, described = _load(cfg, split, seed, keys + [cfg.label_key],
+                          lambda d, w: check_rows(d, w, keys, {cfg.label_key: (bool,)}, chat_keys=chat))
+    fmt = PromptFormatter(tokenizer, cfg)
+    out = []
+    for row, where, i in _rows_with_origin(ds, described):
+        p = fmt.prompt_ids(row[cfg.input_key])
+        c = fmt.completion_ids(row[cfg.output_key])
+        out.append(UnpairedExample(fmt.join(p, c, where, i), bool(row[cfg.label_key])))
+    return out, described
+
+
+def _load(cfg: DataConfig, split: str, seed: int, keys, check):
+    is_eval = split != cfg.dataset_split
+    specs = cfg.eval_dataset if (is_eval and cfg.eval_dataset) else cfg.dataset
+    ds, described = load_mixture(
+        specs, split, None if is_eval else cfg.probs,
+        cfg.max_eval_samples if is_eval else cfg.max_samples, seed,
+        keys if keys is not None else _all_columns(specs, split), check,
+    )
+    return ds, described
+
+
+def _all_columns(specs: str, split: str) -> list[str]:
+    from rlhf_core.data.loading import has_split, load_split, resolve_source
+
+    cols: list[str] = []
+    for s in specs.split(","):
+        source = resolve_source(s)
+        if has_split(source, split):
+            cols += [c for c in load_split(source, split).column_names if c not in cols]
+    return cols

@@ -1,0 +1,127 @@
+"""DeepSpeed ZeRO engine setup, the same on GPU (NCCL) and CPU (gloo).
+
+Each rank is one process (a Ray actor, or the current process for a single local rank) that
+has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before
+`deepspeed.init_distributed`. On CPU, bf16 means autocast around the forward pass with fp32
+master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU it is DeepSpeed's own bf16.
+
+The LR schedule is ALGORITHMS.md's: linear warmup, then cosine down to `min_lr_ratio` x LR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+
+import torch
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                     master_port: int | None = None, local_rank: int | None = None) -> None:
+    """Set the rank variables and start the process group (idempotent)."""
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank if local_rank is None else local_rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def cosine_schedule(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """LR multiplier at `step`: linear warmup to 1, then cosine decay to `min_ratio`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(cfg, train: bool = True) -> dict:
+    zero: dict = {"stage": cfg.zero_stage if train else (3 if cfg.zero_stage == 3 else 0)}
+    if train and cfg.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if zero["stage"] == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
+        "gradient_accumulation_steps": cfg.accumulation_steps,
+        "train_batch_size": cfg.train_batch_size,
+        "gradient_clipping": cfg.max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(cfg.bf16 and torch.cuda.is_available())},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_optimizer(params, cfg):
+    trainable = [p for p in params if p.requires_grad]
+    kwargs = dict(lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2)
+    if cfg.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(trainable, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(trainable, **kwargs)
+
+
+def initialize(model, cfg, total_steps: int):
+    """Wrap `model` in a DeepSpeed engine with AdamW and the warmup-cosine schedule."""
+    import deepspeed
+
+    optimizer = build_optimizer(model.parameters(), cfg)
+    warmup = math.ceil(cfg.lr_warmup_ratio * total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: cosine_schedule(s, total_steps, warmup, cfg.min_lr_ratio))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg))
+    return engine
+
+
+def initialize_frozen(model, cfg):
+    """A frozen model (reference): sharded with ZeRO-3 when training uses it, else plain."""
+    model.requires_grad_(False).eval()
+    if cfg.zero_stage != 3:
+        return model.to(device())
+    import deepspeed
+
+    ds_cfg = deepspeed_config(cfg, train=False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
+    engine.eval()
+    return engine
+
+
+def autocast(enabled: bool):
+    """bf16 autocast on CPU (where DeepSpeed's bf16 mode does not apply); no-op otherwise."""
+    if enabled and not torch.cuda.is_available():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+    return value
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return all_reduce_sum(value) / world

@@ -1,0 +1,73 @@
+"""Run a stage as a group of Ray actors (the job's single controller lives here).
+
+With `RAY_ADDRESS` set the group joins that cluster; otherwise a local Ray is started for the
+run and shut down after it. Settings the ranks need (state directory, MLflow run, S3 endpoint)
+travel as an explicit allow-list of environment variables, never the whole environment, so
+secrets stay where the cluster keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rlhf_core.config import TrainConfig, state_dir
+
+FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
+                 "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
+                 "TOKENIZERS_PARALLELISM")
+
+
+class StageFailed(RuntimeError):
+    """A rank failed; `cause` is the original exception raised inside the actor."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def prepare_environment() -> None:
+    """Defaults every process of a stage shares (set before Ray starts, so actors inherit them)."""
+    home = state_dir()
+    os.environ.setdefault("RLHF_HOME", str(home))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
+
+
+def ensure_ray() -> bool:
+    """Connect to RAY_ADDRESS or start a local Ray; returns True when we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
+        return False
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": env}, configure_logging=False)
+    return True
+
+
+def run_stage(cfg: TrainConfig) -> dict:
+    """Train one stage on `cfg.world_size` ranks and return its manifest (from rank 0)."""
+    import ray
+    import torch
+
+    from rlhf_core.distributed.worker_group import WorkerGroup
+
+    prepare_environment()
+    started = ensure_ray()
+    group = None
+    try:
+        group = WorkerGroup(cfg.world_size, use_gpu=torch.cuda.is_available())
+        return group.run_stage(cfg.model_dump(mode="json"))
+    except ray.exceptions.RayTaskError as e:
+        raise StageFailed(e.cause if getattr(e, "cause", None) is not None else e) from None
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()
+        sys.stderr.flush()

@@ -1,0 +1,45 @@
+"""Forward passes that turn a `Batch` into the quantities losses need.
+
+Token log-probs are aligned with `input_ids`: position t holds log p(x_t | x_<t) and position 0
+holds 0 (nothing predicts the first token; the loss mask is 0 there). Per-sample reductions go
+through `seq_ids`, so padded and packed batches give the same per-sample numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.data.batching import Batch
+from rlhf_core.losses import gather_token_logprobs
+from rlhf_core.models.loading import backbone
+
+
+def token_logprobs(model, batch: Batch) -> torch.Tensor:
+    """Log-prob of each input token under `model`: `(rows, T)`, float32."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
+    logprobs = gather_token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])
+    return F.pad(logprobs, (1, 0))
+
+
+def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Sum `values * loss_mask` over each sample's tokens: `(rows, T)` -> `(num_samples,)`."""
+    flat_ids = batch.seq_ids.reshape(-1)
+    weighted = (values * batch.loss_mask).reshape(-1) * (flat_ids >= 0)
+    out = torch.zeros(batch.num_samples, dtype=values.dtype, device=values.device)
+    return out.index_add(0, flat_ids.clamp(min=0), weighted)
+
+
+def sequence_logprobs(model, batch: Batch) -> torch.Tensor:
+    """Summed response log-probs per sample: `(num_samples,)`."""
+    return per_sample_sum(token_logprobs(model, batch), batch)
+
+
+def reward_scores(model, batch: Batch) -> torch.Tensor:
+    """Scalar reward per sample from a sequence classifier, read at its last token: `(num_samples,)`."""
+    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    values = base.score(hidden).squeeze(-1).float()
+    return values.reshape(-1)[batch.last_token_index]

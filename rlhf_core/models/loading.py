@@ -1,0 +1,138 @@
+"""Load policies and reward models in Hugging Face format, apply LoRA, export for saving.
+
+Reward models are plain `*ForSequenceClassification` with one label, so a saved one is scored
+by `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` with nothing of ours
+imported: the head is the architecture's own `score` layer and the score is read at the last
+non-pad token, exactly where our trainer reads it. `value_head_prefix` lets us start from reward
+models whose head is stored under another name (OpenRLHF saves `value_head.*`).
+
+Attention: flash-attn 2 when asked for and installed on a GPU; otherwise PyTorch SDPA, the best
+kernel available everywhere, with a one-line notice so nobody mistakes one for the other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def attention_implementation(flash_attn: bool) -> str:
+    if flash_attn:
+        if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        reason = "no CUDA device" if not torch.cuda.is_available() else "flash_attn is not installed"
+        log.warning("--flash_attn: %s; using PyTorch SDPA attention instead", reason)
+    return "sdpa"
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def load_causal_lm(path: str, flash_attn: bool = False, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(flash_attn))
+
+
+def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "score", flash_attn: bool = False,
+                      dtype: torch.dtype = torch.float32):
+    """A one-label sequence classifier; a head saved as `{value_head_prefix}.*` is mapped onto `score`."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(flash_attn))
+    model.config.pad_token_id = pad_token_id
+    if value_head_prefix != "score":
+        _load_renamed_head(model, path, value_head_prefix)
+    return model
+
+
+def _load_renamed_head(model, path: str, prefix: str) -> None:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix + ".") or key.startswith(f"model.{prefix}."):
+                    name = key.split(prefix + ".", 1)[1]
+                    getattr(model.score, name).data.copy_(f.get_tensor(key).reshape_as(getattr(model.score, name)))
+                    return
+    raise ValueError(f"--value_head_prefix {prefix!r}: no '{prefix}.*' weights in {path}")
+
+
+def backbone(model):
+    """The transformer body of a causal LM or sequence classifier (e.g. `LlamaModel`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix)
+
+
+def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, is_reward_model: bool):
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        task_type="SEQ_CLS" if is_reward_model else "CAUSAL_LM",
+                        modules_to_save=["score"] if is_reward_model else None)
+    return get_peft_model(model, config)
+
+
+def gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
+    """Full (un-sharded) fp32 CPU state dict on rank 0, None elsewhere; works for ZeRO-0..3.
+
+    Parameters are gathered one at a time (ZeRO-3 keeps only a shard per rank); tied weights
+    appear under every name `state_dict()` gives them.
+    """
+    import deepspeed
+
+    entries = module.state_dict(keep_vars=True)
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in entries.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for _, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+            if rank == 0:
+                full = param.detach().to("cpu", torch.float32).clone()
+                for name in names_of.get(id(param), []):
+                    state[name] = full
+    if rank == 0:
+        for name, tensor in entries.items():
+            state.setdefault(name, tensor.detach().cpu().clone())
+    return state
+
+
+def export_for_saving(module, state: dict[str, torch.Tensor]):
+    """A plain HF model (LoRA merged) holding `state`, ready for `save_pretrained`."""
+    import copy
+
+    if hasattr(module, "ds_id") or any(hasattr(p, "ds_id") for p in module.parameters()):
+        from transformers import AutoModel
+
+        # ZeRO-3 params are partitioned placeholders: rebuild an empty model of the same class.
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        fresh = type(base)._from_config(base.config) if hasattr(type(base), "_from_config") else AutoModel.from_config(base.config)
+        if hasattr(module, "peft_config"):
+            from peft import get_peft_model
+
+            fresh = get_peft_model(fresh, module.peft_config["default"])
+        clone = fresh
+    else:
+        clone = copy.deepcopy(module)
+    clone.load_state_dict(state, strict=True)
+    if hasattr(clone, "merge_and_unload"):
+        clone = clone.merge_and_unload()
+    return clone.to(torch.float32)

@@ -1,0 +1,120 @@
+"""The tiny-model factory: a BPE tokenizer trained on task text and a small random Llama.
+
+With no model hub, ``rlhf prep`` still has to hand the pipeline a model and tokenizer that plain
+``transformers`` loads (``AutoTokenizer`` / ``AutoModelForCausalLM``), small enough to train on a
+laptop CPU in a minute or two, and shaped so the synthetic tasks are learnable.
+
+Tokenizer choices:
+- Byte-level BPE (``ByteLevel`` pre-tokenizer without its GPT-2 regex, ``ByteLevel`` decoder,
+  all 256 bytes in the initial alphabet): any text encodes without an unknown token and
+  ``decode(encode(t)) == t`` exactly, spaces included.
+- Before the byte mapping, every digit and every uppercase letter is split off into its own
+  pre-token, so each is exactly one token: the payload of the synthetic tasks is per-character,
+  and a tiny model can learn carries and reversals only when it sees characters. Lowercase
+  template words ("add", "reverse: ") are free to merge.
+- Special tokens ``<|pad|> <|bos|> <|eos|> <|user|> <|assistant|>`` get ids 0-4. Encoding does
+  not add BOS by itself: the chat template writes it, so templated text must be encoded with
+  ``add_special_tokens=False`` (as ``apply_chat_template`` does) and raw text stays raw.
+- The chat template renders ``<|bos|><|user|>PROMPT<|assistant|>RESPONSE<|eos|>``. With
+  ``add_generation_prompt=True`` a user-only conversation renders as the exact prefix that ends
+  in ``<|assistant|>``, and the boundary sits on a special token, so the token ids of the prompt
+  are also a prefix of the ids of the full conversation: response-only loss masks rely on it.
+
+Model choices: a standard ``LlamaForCausalLM`` (RMSNorm, RoPE, SwiGLU) so every engine we run
+(DeepSpeed, vLLM, peft) knows the architecture; tied embeddings because the vocabulary is tiny
+relative to the model; initialised under a forked torch RNG so building a model neither depends
+on nor disturbs the caller's random state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, USER, ASSISTANT = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT]
+
+DEFAULT_VOCAB_SIZE = 384
+MAX_POSITION_EMBEDDINGS = 256
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('tiny chat template supports only user and assistant roles') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
+)
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    # ~0.8M parameters besides embeddings: a few thousand steps a minute on 2 CPU cores.
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
+    # ~4.7M parameters besides embeddings: for machines with more cores, or a GPU.
+    "small": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "intermediate_size": 1024},
+}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` (see the module docstring for its rules).
+
+    ``vocab_size`` is an upper bound: task text has few distinct words, so training usually stops
+    with fewer merges than that allows.
+    """
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("[A-Z]"), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised Llama sized by ``MODEL_SIZES[size]``, matched to ``tokenizer``."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")
+    dims = MODEL_SIZES[size]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        num_key_value_heads=dims["num_attention_heads"],
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **dims,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

@@ -1,0 +1,109 @@
+"""Stage outputs on local disk or object storage (s3:// through s3fs, via fsspec).
+
+A stage is finished when its `stage.json` exists, and `stage.json` is always written last:
+locally the whole directory is built under a temporary name and renamed into place; on S3 the
+files are uploaded first and the manifest after them (an older manifest is removed before the
+upload starts). So a crash never leaves something that looks like a finished stage.
+
+S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_URL`,
+`AWS_ACCESS_KEY_ID`, ...), which s3fs reads itself; they never pass through our configs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+MANIFEST = "stage.json"
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def normalize_uri(uri: str) -> str:
+    """Absolute local path, or the remote URI without a trailing slash."""
+    if is_remote(uri):
+        return uri.rstrip("/")
+    return str(Path(uri.removeprefix("file://")).expanduser().resolve())
+
+
+def _fs(uri: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(uri)[0]
+
+
+def publish_dir(local_dir: str | Path, uri: str, manifest: dict) -> str:
+    """Move/upload a finished local directory to `uri`, then write its manifest last."""
+    local_dir = Path(local_dir)
+    (local_dir / MANIFEST).unlink(missing_ok=True)
+    if not is_remote(uri):
+        dest = Path(uri.removeprefix("file://")).expanduser().resolve()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        shutil.copytree(local_dir, staging) if local_dir.parent != dest.parent else local_dir.rename(staging)
+        _write_json_atomic(staging / MANIFEST, manifest)
+        if dest.exists():
+            trash = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+            dest.rename(trash)
+            staging.rename(dest)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            staging.rename(dest)
+        return str(dest)
+    fs = _fs(uri)
+    target = uri.rstrip("/")
+    if fs.exists(f"{target}/{MANIFEST}"):
+        fs.rm(f"{target}/{MANIFEST}")
+    for path in sorted(local_dir.rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), f"{target}/{path.relative_to(local_dir).as_posix()}")
+    with fs.open(f"{target}/{MANIFEST}", "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+    return target
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_manifest(uri: str) -> dict | None:
+    """The stage manifest at `uri`, or None when the stage is not finished there."""
+    if not is_remote(uri):
+        path = Path(uri.removeprefix("file://")).expanduser() / MANIFEST
+        return json.loads(path.read_text()) if path.exists() else None
+    fs = _fs(uri)
+    target = f"{uri.rstrip('/')}/{MANIFEST}"
+    if not fs.exists(target):
+        return None
+    with fs.open(target) as f:
+        return json.load(f)
+
+
+def local_copy(uri: str, cache_root: str | Path) -> str:
+    """A local directory with the contents of `uri` (itself when local; else a cached download)."""
+    if not is_remote(uri):
+        return str(Path(uri.removeprefix("file://")).expanduser())
+    fs = _fs(uri)
+    manifest = read_manifest(uri)
+    key = hashlib.sha256((uri + json.dumps(manifest, sort_keys=True)).encode()).hexdigest()[:16]
+    dest = Path(cache_root) / "downloads" / key
+    if (dest / ".complete").exists():
+        return str(dest)
+    tmp = Path(tempfile.mkdtemp(dir=Path(cache_root).mkdir(parents=True, exist_ok=True) or cache_root))
+    fs.get(uri.rstrip("/") + "/", str(tmp), recursive=True)
+    (tmp / ".complete").touch()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another rank finished the same download first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)

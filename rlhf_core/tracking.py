@@ -1,0 +1,153 @@
+"""MLflow tracking for training stages, from rank 0 only.
+
+Embedded default: a SQLite store (the model registry needs a database) and an artifact folder
+under the project's state directory. `MLFLOW_TRACKING_URI` points at a server instead. An
+orchestrator hands a pre-created run through `MLFLOW_RUN_ID`; a parent pipeline run through
+`--mlflow_parent_run_id`.
+
+Params are the flattened stage config with anything that looks like a secret redacted, and
+credentials stripped out of URIs, so tokens and passwords never reach the tracking server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from rlhf_core.config import state_dir
+
+SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "auth", "apikey"}
+SECRET_SUFFIXES = ("api_key", "access_key", "secret_key", "private_key", "access_key_id", "session_token")
+SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{8,}|sk-[A-Za-z0-9-]{8,}|gh[pousr]_[A-Za-z0-9]{8,}|AKIA[0-9A-Z]{12,})")
+URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
+REDACTED = "***"
+
+
+def tracking_uri() -> str:
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    home = state_dir()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'mlflow.db'}"
+
+
+def artifact_root() -> str:
+    return os.environ.get("RLHF_ARTIFACT_ROOT") or (state_dir() / "mlartifacts").as_uri()
+
+
+def ensure_experiment(name: str) -> str:
+    import mlflow
+
+    server = os.environ.get("MLFLOW_TRACKING_URI")  # read first: set_tracking_uri exports it
+    mlflow.set_tracking_uri(tracking_uri())
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None if server and not os.environ.get("RLHF_ARTIFACT_ROOT") else f"{artifact_root().rstrip('/')}/{name}"
+    try:
+        return mlflow.create_experiment(name, artifact_location=location)
+    except mlflow.exceptions.MlflowException:  # created concurrently by another process
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def is_secret_key(key: str) -> bool:
+    lowered = key.lower()
+    return bool(SECRET_WORDS & set(re.split(r"[^a-z0-9]+", lowered))) or lowered.endswith(SECRET_SUFFIXES)
+
+
+def redact(values):
+    """The same nested structure with secret-looking keys and values replaced by '***'."""
+    if isinstance(values, dict):
+        return {k: REDACTED if is_secret_key(str(k)) and v is not None else redact(v) for k, v in values.items()}
+    if isinstance(values, list):
+        return [redact(v) for v in values]
+    if isinstance(values, str):
+        if SECRET_VALUE.match(values):
+            return REDACTED
+        return URI_CREDENTIALS.sub(r"\g<scheme>" + REDACTED + "@", values)
+    return values
+
+
+def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into MLflow params (strings), secrets redacted."""
+    flat: dict[str, str] = {}
+    for key, value in redact(values).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(redact_params(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value.value if hasattr(value, "value") else value)[:6000]
+    return flat
+
+
+class Tracker:
+    """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled."""
+
+    def __init__(self, enabled: bool, experiment: str, run_name: str | None, parent_run_id: str | None,
+                 tags: dict[str, str] | None = None):
+        self.enabled = enabled
+        self.run_id: str | None = None
+        if not enabled:
+            return
+        import mlflow
+
+        experiment_id = ensure_experiment(experiment)
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID") or None, experiment_id=experiment_id,
+                               run_name=run_name, tags=all_tags)
+        self.run_id = run.info.run_id
+
+    def log_params(self, params: dict) -> None:
+        if self.enabled:
+            import mlflow
+
+            flat = redact_params(params)
+            items = list(flat.items())
+            for i in range(0, len(items), 100):
+                mlflow.log_params(dict(items[i : i + 100]))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.enabled and metrics:
+            import mlflow
+
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_datasets(self, described: list[dict], context: str) -> None:
+        if not self.enabled:
+            return
+        import mlflow
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+
+        for d in described:
+            source = LocalArtifactDatasetSource(d["path"]) if Path(d["path"]).exists() else None
+            if source is None:
+                from mlflow.data.http_dataset_source import HTTPDatasetSource
+
+                source = HTTPDatasetSource(url=f"https://huggingface.co/datasets/{d['spec']}")
+            ds = MetaDataset(source=source, name=f"{d['spec']}[{d['split']}]", digest=d["digest"][-32:])
+            mlflow.log_input(ds, context=context)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.enabled:
+            import mlflow
+
+            mlflow.set_tags(tags)
+
+    def log_artifact(self, path: str) -> None:
+        if self.enabled:
+            import mlflow
+
+            mlflow.log_artifact(path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.enabled:
+            import mlflow
+
+            mlflow.end_run(status=status)

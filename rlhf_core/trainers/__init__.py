@@ -1,0 +1,31 @@
+"""One recipe per stage, each `setup -> train -> save`, run on every rank of a worker group."""
+
+from __future__ import annotations
+
+import importlib
+
+RECIPES = {
+    "sft": "rlhf_core.trainers.sft:SFTRecipe",
+    "rm": "rlhf_core.trainers.rm:RewardModelRecipe",
+    "dpo": "rlhf_core.trainers.dpo:DPORecipe",
+    "kto": "rlhf_core.trainers.kto:KTORecipe",
+}
+
+
+def recipe_class(stage: str):
+    module, name = RECIPES[stage].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_recipe(cfg) -> dict | None:
+    """Run one stage on this rank; returns the stage manifest on rank 0, None elsewhere."""
+    recipe = recipe_class(cfg.stage)(cfg)
+    recipe.setup()
+    try:
+        recipe.train()
+        manifest = recipe.save()
+    except BaseException:
+        recipe.ctx.tracker.finish("FAILED")
+        raise
+    recipe.ctx.tracker.finish("FINISHED")
+    return manifest

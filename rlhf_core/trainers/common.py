@@ -1,0 +1,150 @@
+"""What every stage recipe does around its own math: rank setup, tracking, loading, saving.
+
+Recipes compose these helpers instead of inheriting from a base class: each recipe module
+stays readable top to bottom (setup -> train -> save), in the manner of torchtune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlhf_core import storage
+from rlhf_core.config import TrainConfig, state_dir
+from rlhf_core.distributed.engine import device, init_distributed
+from rlhf_core.models.loading import apply_lora, export_for_saving, gathered_state_dict, load_tokenizer
+from rlhf_core.tracking import Tracker, redact
+
+# Fields that say where things go or how they are watched, not what is trained.
+NON_SEMANTIC = {"save_path", "ckpt_path", "save_steps", "max_ckpt_num", "load_checkpoint", "logging_steps",
+                "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow", "eval_steps"}
+
+
+@dataclass
+class StageContext:
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    tracker: Tracker
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def start_stage(cfg: TrainConfig) -> StageContext:
+    """Join (or start, for one local rank) the process group, seed, open the MLflow run on rank 0."""
+    if not torch.distributed.is_initialized():
+        init_distributed(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                         os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if world != cfg.world_size:
+        raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (num_nodes x num_gpus_per_node)")
+    seed_everything(cfg.seed + rank)
+    tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
+                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
+    tracker.log_params(cfg.model_dump(mode="json"))
+    return StageContext(cfg, rank, world, device(), tracker)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def local_model_path(uri: str) -> str:
+    """Models on s3:// are downloaded once into the state directory's cache."""
+    return storage.local_copy(uri, state_dir() / "cache")
+
+
+def load_stage_tokenizer(cfg: TrainConfig):
+    return load_tokenizer(local_model_path(cfg.pretrain))
+
+
+def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_rank > 0:
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules,
+                           is_reward_model)
+    return model
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NON_SEMANTIC}
+    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pkg = version("rlhf-lifecycle")
+    except PackageNotFoundError:
+        pkg = "0+unknown"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{pkg}+{sha}" if sha else pkg
+
+
+def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict,
+               config_updates: dict | None = None) -> dict | None:
+    """Write the stage output (HF model + tokenizer + stage.json) from rank 0; returns the manifest.
+
+    Every rank must call this: ZeRO-3 parameters are gathered collectively.
+    """
+    state = gathered_state_dict(module, ctx.rank)
+    manifest = None
+    if ctx.is_main:
+        model = export_for_saving(module, state)
+        for key, value in (config_updates or {}).items():
+            setattr(model.config, key, value)
+        model.config.use_cache = True
+        cfg = ctx.cfg
+        manifest = {
+            "stage": cfg.stage,
+            "config_hash": config_hash(cfg),
+            "config": redact(cfg.model_dump(mode="json")),
+            "inputs": inputs,
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "mlflow_run_id": ctx.tracker.run_id,
+            "code_version": code_version(),
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
+        if local_parent is not None:
+            local_parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
+            out = Path(tmp) / "model"
+            model.save_pretrained(out, safe_serialization=True)
+            tokenizer.save_pretrained(out)
+            manifest["output_uri"] = storage.normalize_uri(cfg.save_path)
+            storage.publish_dir(out, cfg.save_path, manifest)
+        ctx.tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
+        ctx.tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / storage.MANIFEST
+            path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            ctx.tracker.log_artifact(str(path))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return manifest

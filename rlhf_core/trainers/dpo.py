@@ -1,0 +1,80 @@
+"""Direct preference optimisation and its variants (IPO, cDPO via label smoothing, hinge).
+
+Chosen and rejected sequences go through the policy in one forward; the frozen reference's
+log-probs for the same batch are computed once, without grad. Besides the loss, evaluation
+reports the implicit-reward accuracy/margin and the policy's own preference: how often, and by
+how much, it gives the chosen response a higher log-prob than the rejected one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.config import DPOConfig
+from rlhf_core.data.batching import make_batch
+from rlhf_core.data.examples import load_pairs
+from rlhf_core.distributed.engine import initialize, initialize_frozen
+from rlhf_core.losses import dpo_loss
+from rlhf_core.models.forward import per_sample_sum, token_logprobs
+from rlhf_core.models.loading import attention_implementation, load_causal_lm
+from rlhf_core.trainers.common import (
+    load_stage_tokenizer,
+    local_model_path,
+    prepare_trainable,
+    save_stage,
+    start_stage,
+)
+from rlhf_core.trainers.loop import TrainLoop, total_steps
+
+
+class DPORecipe:
+    def __init__(self, cfg: DPOConfig):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_stage_tokenizer(cfg)
+        self.train_set, self.train_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed)
+        self.eval_set, self.eval_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed)
+        self.ctx = start_stage(cfg)
+        self.ctx.tracker.log_datasets(self.train_sources, "training")
+        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
+        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
+
+    def count(self, examples) -> int:
+        return len(examples)
+
+    def micro_step(self, model, examples):
+        n = len(examples)
+        seqs = [e.chosen for e in examples] + [e.rejected for e in examples]
+        batch = make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
+                           self.cfg.data.packing_samples, self.dense_mask).to(self.ctx.device)
+        token_lp = token_logprobs(model, batch)
+        logps = per_sample_sum(token_lp, batch)
+        with torch.no_grad():
+            ref_logps = per_sample_sum(token_logprobs(self.reference, batch), batch)
+        losses, chosen_r, rejected_r = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.cfg.beta,
+                                                self.cfg.loss_type.value, self.cfg.label_smoothing)
+        if self.cfg.nll_loss_coef > 0:
+            lengths = torch.tensor([sum(s.loss_mask) for s in seqs[:n]], device=logps.device, dtype=logps.dtype)
+            losses = losses + self.cfg.nll_loss_coef * (-logps[:n] / lengths)
+        logp_margin = (logps[:n] - logps[n:]).detach()
+        stats = {"loss": losses.sum(), "reward_accuracy": (chosen_r > rejected_r).float().sum(),
+                 "reward_margin": (chosen_r - rejected_r).sum(), "chosen_reward": chosen_r.sum(),
+                 "rejected_reward": rejected_r.sum(), "logp_accuracy": (logp_margin > 0).float().sum(),
+                 "logp_margin": logp_margin.sum()}
+        return losses.sum(), stats, int((batch.seq_ids >= 0).sum())
+
+    def train(self) -> dict:
+        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
+                              self.ctx.rank, self.ctx.world_size)
+        self.metrics = self.loop.run()
+        return self.metrics
+
+    def save(self) -> dict | None:
+        inputs = {"pretrain": self.cfg.pretrain, "ref_pretrain": self.cfg.ref_pretrain,
+                  "datasets": self.train_sources + self.eval_sources}
+        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs)

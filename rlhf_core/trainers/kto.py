@@ -1,0 +1,90 @@
+"""KTO: learning from unpaired desirable/undesirable completions.
+
+The reference point z_ref is a KL estimate between policy and reference on mismatched pairs
+(prompt i with the completion of example i+1 in the micro-batch), averaged over all ranks and
+not back-propagated, as in the KTO paper. Paired preference data is accepted and unpaired.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.config import KTOConfig
+from rlhf_core.data.batching import make_batch
+from rlhf_core.data.examples import Sequence, load_unpaired
+from rlhf_core.distributed.engine import all_reduce_mean, initialize, initialize_frozen
+from rlhf_core.losses import kto_kl_estimate, kto_loss
+from rlhf_core.models.forward import sequence_logprobs
+from rlhf_core.models.loading import attention_implementation, load_causal_lm
+from rlhf_core.trainers.common import (
+    load_stage_tokenizer,
+    local_model_path,
+    prepare_trainable,
+    save_stage,
+    start_stage,
+)
+from rlhf_core.trainers.loop import TrainLoop, total_steps
+
+
+def mismatched(seqs: list[Sequence], max_len: int) -> list[Sequence]:
+    """Prompt of sequence i with the completion of sequence i+1 (cyclic), cut to max_len."""
+    out = []
+    for i, s in enumerate(seqs):
+        other = seqs[(i + 1) % len(seqs)]
+        prompt, completion = s.input_ids[: s.prompt_len], other.input_ids[other.prompt_len :]
+        ids = (prompt + completion)[:max_len]
+        out.append(Sequence(ids, ([0] * len(prompt) + [1] * len(completion))[:max_len]))
+    return out
+
+
+class KTORecipe:
+    def __init__(self, cfg: KTOConfig):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_stage_tokenizer(cfg)
+        self.train_set, self.train_sources = load_unpaired(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed)
+        self.eval_set, self.eval_sources = load_unpaired(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed)
+        self.ctx = start_stage(cfg)
+        self.ctx.tracker.log_datasets(self.train_sources, "training")
+        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
+        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
+
+    def _batch(self, seqs):
+        return make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
+                          self.cfg.data.packing_samples, self.dense_mask).to(self.ctx.device)
+
+    def count(self, examples) -> int:
+        return len(examples)
+
+    def micro_step(self, model, examples):
+        seqs = [e.seq for e in examples]
+        batch = self._batch(seqs)
+        logps = sequence_logprobs(model, batch)
+        kl_batch = self._batch(mismatched(seqs, self.cfg.data.max_len))
+        with torch.no_grad():
+            ref_logps = sequence_logprobs(self.reference, batch)
+            kl = kto_kl_estimate(sequence_logprobs(model, kl_batch), sequence_logprobs(self.reference, kl_batch))
+            kl = all_reduce_mean(kl.float().cpu()).to(logps.device) if model.training else kl
+        desirable = torch.tensor([e.desirable for e in examples], device=logps.device)
+        losses, rewards, z_ref = kto_loss(logps, ref_logps, desirable, kl, self.cfg.beta,
+                                          self.cfg.desirable_loss_weight, self.cfg.undesirable_loss_weight)
+        signed = torch.where(desirable, rewards, -rewards)
+        stats = {"loss": losses.sum(), "kl": z_ref * len(examples), "signed_reward": signed.sum(),
+                 "accuracy": (signed > 0).float().sum()}
+        return losses.sum(), stats, int((batch.seq_ids >= 0).sum())
+
+    def train(self) -> dict:
+        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
+                              self.ctx.rank, self.ctx.world_size)
+        self.metrics = self.loop.run()
+        return self.metrics
+
+    def save(self) -> dict | None:
+        inputs = {"pretrain": self.cfg.pretrain, "ref_pretrain": self.cfg.ref_pretrain,
+                  "datasets": self.train_sources + self.eval_sources}
+        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs)

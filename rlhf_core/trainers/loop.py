@@ -1,0 +1,194 @@
+"""The optimisation loop every supervised/preference recipe shares.
+
+A recipe says how to count the loss units of some examples (tokens for SFT, pairs for RM/DPO,
+examples for KTO) and how to compute the *sum* of the loss over a micro-batch. The loop divides
+by the global count of units in the optimizer step (all ranks, all micro-batches), so the loss
+and its gradient are the same whether a batch runs at once, in micro-batches or on several
+ranks. DeepSpeed divides by the accumulation steps and averages over ranks; the loop multiplies
+both back.
+
+Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's own format), the
+step (which fixes the data position, see `BatchPlan`) and every rank's RNG states, so a resumed
+run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from rlhf_core.data.batching import BatchPlan
+from rlhf_core.distributed.engine import all_reduce_sum, autocast
+
+log = logging.getLogger(__name__)
+
+
+class Recipe(Protocol):
+    def count(self, examples: list) -> int: ...
+
+    def micro_step(self, model, examples: list) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """(loss summed over units, metric sums, tokens processed) for one micro-batch."""
+
+
+class TrainLoop:
+    def __init__(self, cfg, engine, recipe: Recipe, train_examples: list, eval_examples: list | None,
+                 tracker, rank: int, world_size: int):
+        self.cfg, self.engine, self.recipe = cfg, engine, recipe
+        self.train_examples, self.eval_examples = train_examples, eval_examples or []
+        self.tracker, self.rank, self.world_size = tracker, rank, world_size
+        self.plan = BatchPlan(len(train_examples), cfg.train_batch_size, cfg.micro_train_batch_size,
+                              rank, world_size, cfg.seed)
+        if self.plan.steps_per_epoch == 0:
+            raise ValueError(f"{len(train_examples)} training examples are fewer than one global batch "
+                             f"(train_batch_size {cfg.train_batch_size})")
+        self.total_steps = total_steps(cfg, len(train_examples))
+        self.step = 0
+        self.history: list[dict] = []
+
+    # -- training --------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        if self.cfg.load_checkpoint:
+            self.step = self.load_checkpoint()
+        initial = self.evaluate(prefix="eval_initial/") if self.step == 0 and self.eval_examples else {}
+        self._log(initial)
+        bar = self._progress_bar()
+        while self.step < self.total_steps:
+            t0 = time.perf_counter()
+            metrics, tokens = self.train_step()
+            self.step += 1
+            elapsed = time.perf_counter() - t0
+            metrics.update({"train/lr": self.engine.get_lr()[0], "train/tokens_per_s": tokens / elapsed,
+                            "train/samples_per_s": self.cfg.train_batch_size / elapsed, "train/epoch":
+                            self.step / self.plan.steps_per_epoch})
+            if self.step % self.cfg.logging_steps == 0 or self.step == self.total_steps:
+                self._log(metrics)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            if self.cfg.eval_steps > 0 and self.step % self.cfg.eval_steps == 0 and self.step < self.total_steps:
+                self._log(self.evaluate())
+            if self.cfg.save_steps > 0 and self.step % self.cfg.save_steps == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        final = self.evaluate() if self.eval_examples else {}
+        self._log(final)
+        summary = {k: v for k, v in {**initial, **final}.items()}
+        summary["train/steps"] = self.step
+        if self.history:
+            summary["train/final_loss"] = self.history[-1].get("train/loss", float("nan"))
+        return summary
+
+    def train_step(self) -> tuple[dict[str, float], int]:
+        epoch, index = divmod(self.step, self.plan.steps_per_epoch)
+        micro = [[self.train_examples[i] for i in mb] for mb in self.plan.micro_batches(epoch, index)]
+        units = all_reduce_sum(torch.tensor(float(sum(self.recipe.count(m) for m in micro))))
+        scale = self.world_size * self.cfg.accumulation_steps / units.clamp(min=1.0)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+        tokens = 0
+        self.engine.train()
+        for examples in micro:
+            with autocast(self.cfg.bf16):
+                loss_sum, stats, n_tok = self.recipe.micro_step(self.engine, examples)
+            self.engine.backward(loss_sum * scale.to(loss_sum.device))
+            self.engine.step()
+            for k, v in stats.items():
+                sums[k] = sums[k] + v.detach().float().cpu()
+            tokens += n_tok
+        totals = all_reduce_sum(torch.stack([sums[k] for k in sorted(sums)]))
+        metrics = {f"train/{k}": (v / units).item() for k, v in zip(sorted(sums), totals, strict=True)}
+        tokens = int(all_reduce_sum(torch.tensor(float(tokens))).item())
+        return metrics, tokens
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
+        """Held-out metrics, averaged over the recipe's units across all ranks."""
+        usable = len(self.eval_examples) - len(self.eval_examples) % self.world_size
+        mine = self.eval_examples[self.rank : usable : self.world_size]  # equal shards: ZeRO-3 needs lockstep
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+        units = 0
+        self.engine.eval()
+        for i in range(0, len(mine), self.cfg.micro_train_batch_size):
+            examples = mine[i : i + self.cfg.micro_train_batch_size]
+            with autocast(self.cfg.bf16):
+                _, stats, _ = self.recipe.micro_step(self.engine, examples)
+            for k, v in stats.items():
+                sums[k] = sums[k] + v.detach().float().cpu()
+            units += self.recipe.count(examples)
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(units))]))
+        return {f"{prefix}{k}": (v / totals[-1]).item() for k, v in zip(keys, totals[:-1], strict=True)}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        ckpt = Path(self.cfg.ckpt_path)
+        tag = f"global_step{self.step}"
+        self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": self.step})
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save(rng, ckpt / tag / f"rng_state_rank{self.rank}.pt")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if self.rank == 0:
+            tags = sorted((p for p in ckpt.glob("global_step*") if p.is_dir()),
+                          key=lambda p: int(p.name.removeprefix("global_step")))
+            for old in tags[: -self.cfg.max_ckpt_num]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self) -> int:
+        ckpt = Path(self.cfg.ckpt_path)
+        if not (ckpt / "latest").exists():
+            if self.rank == 0:
+                log.warning("--load_checkpoint: no checkpoint in %s yet; starting from step 0", ckpt)
+            return 0
+        path, client = self.engine.load_checkpoint(str(ckpt), load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load a checkpoint from {ckpt}")
+        rng = torch.load(Path(path) / f"rng_state_rank{self.rank}.pt", weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.rank == 0:
+            print(f"resumed from {path} at step {client['step']}", file=sys.stderr, flush=True)
+        return int(client["step"])
+
+    # -- reporting -------------------------------------------------------------------------
+    def _log(self, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        if any(k.startswith("train/") for k in metrics):
+            self.history.append(metrics)
+        if self.rank == 0:
+            self.tracker.log_metrics(metrics, step=self.step)
+            if not any(k.startswith("train/") for k in metrics):
+                shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+                print(f"[step {self.step}] {shown}", file=sys.stderr, flush=True)
+
+    def _progress_bar(self):
+        if self.rank != 0 or os.environ.get("RLHF_NO_PROGRESS"):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc=f"{self.cfg.stage} steps",
+                    file=sys.stderr, mininterval=2.0, dynamic_ncols=True)
+
+
+def total_steps(cfg, num_examples: int) -> int:
+    steps = (num_examples // cfg.train_batch_size) * cfg.max_epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps

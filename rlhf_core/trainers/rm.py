@@ -1,0 +1,94 @@
+"""Reward model: Bradley-Terry on (chosen, rejected) pairs, scored at the last token.
+
+Chosen and rejected sequences of a micro-batch go through the model together (one forward of
+2B sequences). After training, one forward pass over the training set measures the reward
+mean/std, stored in the saved config (`reward_mean`, `reward_std`) for later normalisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.config import RMConfig
+from rlhf_core.data.batching import make_batch
+from rlhf_core.data.examples import load_pairs
+from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize
+from rlhf_core.losses import pairwise_reward_loss
+from rlhf_core.models.forward import reward_scores
+from rlhf_core.models.loading import attention_implementation, load_reward_model
+from rlhf_core.trainers.common import (
+    load_stage_tokenizer,
+    local_model_path,
+    prepare_trainable,
+    save_stage,
+    start_stage,
+)
+from rlhf_core.trainers.loop import TrainLoop, total_steps
+
+
+class RewardModelRecipe:
+    def __init__(self, cfg: RMConfig):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_stage_tokenizer(cfg)
+        self.train_set, self.train_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed)
+        self.eval_set, self.eval_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed)
+        self.ctx = start_stage(cfg)
+        self.ctx.tracker.log_datasets(self.train_sources, "training")
+        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
+        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
+        model = load_reward_model(local_model_path(cfg.pretrain), self.tokenizer.pad_token_id,
+                                  cfg.value_head_prefix, cfg.flash_attn)
+        model = prepare_trainable(model, cfg, is_reward_model=True)
+        self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
+
+    def scores(self, model, sequences) -> torch.Tensor:
+        batch = make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences],
+                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples, self.dense_mask)
+        return reward_scores(model, batch.to(self.ctx.device))
+
+    def count(self, examples) -> int:
+        return len(examples)
+
+    def micro_step(self, model, examples):
+        n = len(examples)
+        rewards = self.scores(model, [e.chosen for e in examples] + [e.rejected for e in examples])
+        chosen, rejected = rewards[:n], rewards[n:]
+        margin = torch.tensor([e.margin for e in examples], device=rewards.device) if self.cfg.data.margin_key else None
+        losses = pairwise_reward_loss(chosen, rejected, self.cfg.loss.value, margin)
+        tokens = sum(len(e.chosen.input_ids) + len(e.rejected.input_ids) for e in examples)
+        stats = {"loss": losses.sum(), "accuracy": (chosen > rejected).float().sum(),
+                 "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum()}
+        return losses.sum(), stats, tokens
+
+    def train(self) -> dict:
+        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
+                              self.ctx.rank, self.ctx.world_size)
+        self.metrics = self.loop.run()
+        return self.metrics
+
+    @torch.no_grad()
+    def reward_statistics(self) -> tuple[float, float]:
+        """Mean and std of the rewards of all training sequences (chosen and rejected)."""
+        self.engine.eval()
+        world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.micro_train_batch_size
+        usable = len(self.train_set) - len(self.train_set) % world
+        mine = self.train_set[rank:usable:world]
+        total = torch.zeros(3, dtype=torch.float64)
+        for i in range(0, len(mine), micro):
+            chunk = mine[i : i + micro]
+            with autocast(self.cfg.bf16):
+                r = self.scores(self.engine, [e.chosen for e in chunk] + [e.rejected for e in chunk]).double().cpu()
+            total += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
+        s, s2, n = all_reduce_sum(total).tolist()
+        mean = s / n
+        return mean, max(s2 / n - mean * mean, 0.0) ** 0.5
+
+    def save(self) -> dict | None:
+        mean, std = self.reward_statistics()
+        self.metrics.update({"reward_mean": mean, "reward_std": std})
+        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.train_sources + self.eval_sources}
+        updates = {"reward_mean": mean, "reward_std": std, "value_head_prefix": "score"}
+        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs, updates)
