@@ -56,8 +56,10 @@ def run_stage(cfg: TrainConfig) -> dict:
     import torch
 
     from rlhf_core.distributed.worker_group import WorkerGroup
+    from rlhf_core.trainers import check_data
 
     prepare_environment()
+    check_data(cfg)
     started = ensure_ray()
     group = None
     try:

@@ -4,9 +4,9 @@ Both layouts carry `seq_ids (rows, T)`: the index of the sample each token belon
 padding. Per-sample sums (sequence log-probs, last-token scores) are computed from `seq_ids`
 alone, so losses never care which layout produced them.
 
-Packing concatenates a micro-batch into one row; position ids restart at 0 for each sample and a
-block-diagonal causal mask keeps attention inside each sample (with flash-attn on GPU the
-position ids alone are enough and no dense mask is built).
+Packing concatenates a micro-batch into one row with no attention mask; position ids restart at
+0 for each sample. transformers reads sample boundaries from those restarts (for SDPA, eager and
+flash-attn alike, when no KV cache is used), so attention stays inside each sample.
 
 The global order of an epoch is a seeded permutation cut into global batches; rank r takes its
 slice of each, then its micro-batches. Resuming at (epoch, step) replays exactly the same data,
@@ -24,7 +24,7 @@ import torch
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (rows, T)
-    attention_mask: torch.Tensor | None  # (rows, T) for padded; (1, 1, T, T) additive for packed
+    attention_mask: torch.Tensor | None  # (rows, T) for padded; None for packed
     position_ids: torch.Tensor  # (rows, T)
     loss_mask: torch.Tensor  # (rows, T) float, 1 on tokens that carry loss
     seq_ids: torch.Tensor  # (rows, T) long, sample index or -1 for padding
@@ -62,25 +62,17 @@ def pad_batch(seqs: list[list[int]], loss_masks: list[list[int]], pad_id: int) -
     return Batch(input_ids, attention, position_ids, loss, seq_ids, n)
 
 
-def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], dense_mask: bool = True) -> Batch:
+def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]]) -> Batch:
     """Concatenate sequences into one row `(1, sum(len))`, attention confined to each sample."""
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
     loss = torch.tensor([v for m in loss_masks for v in m], dtype=torch.float32)[None]
     seq_ids = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])[None]
     position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    mask = block_causal_mask(seq_ids[0]) if dense_mask else None
-    return Batch(input_ids, mask, position_ids, loss, seq_ids, len(seqs))
+    return Batch(input_ids, None, position_ids, loss, seq_ids, len(seqs))
 
 
-def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Additive mask `(1, 1, T, T)`: 0 where token i may attend token j (same sample, j <= i)."""
-    t = seq_ids.numel()
-    allowed = (seq_ids[:, None] == seq_ids[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    return torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-
-
-def make_batch(seqs, loss_masks, pad_id: int, packing: bool, dense_mask: bool = True) -> Batch:
-    return pack_batch(seqs, loss_masks, dense_mask) if packing else pad_batch(seqs, loss_masks, pad_id)
+def make_batch(seqs, loss_masks, pad_id: int, packing: bool) -> Batch:
+    return pack_batch(seqs, loss_masks) if packing else pad_batch(seqs, loss_masks, pad_id)
 
 
 @dataclass(frozen=True)

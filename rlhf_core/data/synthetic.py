@@ -152,28 +152,38 @@ def get_task(name: str) -> SyntheticTask:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown synthetic task {name!r}; valid names: {', '.join(sorted(TASKS))}") from None
+        raise ValueError(
+            f"unknown synthetic task {name!r}; valid names: {', '.join(sorted(TASKS))}"
+        ) from None
 
 
 # --- splits --------------------------------------------------------------------------------------
+
+# Duplicate draws in a row before giving up: the task spaces are far larger than any sensible
+# split, so only a request close to the number of distinct prompts gets there.
+MAX_DUPLICATE_DRAWS = 10_000
 
 
 def _unique_examples(task: SyntheticTask, rng: random.Random, n: int, exclude: set[str]) -> list[Example]:
     examples: list[Example] = []
     seen = set(exclude)
-    # The task spaces are far larger than any sensible n; the cap only turns a bad request
-    # (n close to the number of distinct prompts) into an error instead of a hang.
-    for _ in range(50 * n + 1000):
-        if len(examples) == n:
-            return examples
+    misses = 0
+    while len(examples) < n:
         prompt, answer = task.make_example(rng)
-        if prompt not in seen:
-            seen.add(prompt)
-            examples.append((prompt, answer))
-    raise ValueError(f"{task.name}: could not draw {n} distinct prompts (got {len(examples)})")
+        if prompt in seen:
+            misses += 1
+            if misses == MAX_DUPLICATE_DRAWS:
+                raise ValueError(f"{task.name}: could not draw {n} distinct prompts (got {len(examples)})")
+            continue
+        misses = 0
+        seen.add(prompt)
+        examples.append((prompt, answer))
+    return examples
 
 
-def build_splits(task: SyntheticTask, seed: int, n_train: int, n_test: int) -> dict[str, dict[str, list[dict]]]:
+def build_splits(
+    task: SyntheticTask, seed: int, n_train: int, n_test: int
+) -> dict[str, dict[str, list[dict]]]:
     """Draw disjoint train/test examples and lay them out as the three kinds of data.
 
     Returns ``{"sft": {...}, "preference": {...}, "prompts": {...}}``, each ``{"train": rows,

@@ -55,7 +55,12 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     # ~0.8M parameters besides embeddings: a few thousand steps a minute on 2 CPU cores.
     "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
     # ~4.7M parameters besides embeddings: for machines with more cores, or a GPU.
-    "small": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "intermediate_size": 1024},
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "intermediate_size": 1024,
+    },
 }
 
 
@@ -96,7 +101,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     return tokenizer
 
 
-def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0) -> LlamaForCausalLM:
+def build_tiny_llama(
+    tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0
+) -> LlamaForCausalLM:
     """A randomly initialised Llama sized by ``MODEL_SIZES[size]``, matched to ``tokenizer``."""
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")

@@ -16,7 +16,7 @@ from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import initialize, initialize_frozen
 from rlhf_core.losses import dpo_loss
 from rlhf_core.models.forward import per_sample_sum, token_logprobs
-from rlhf_core.models.loading import attention_implementation, load_causal_lm
+from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     load_stage_tokenizer,
     local_model_path,
@@ -39,7 +39,6 @@ class DPORecipe:
         self.ctx = start_stage(cfg)
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
-        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
@@ -51,7 +50,7 @@ class DPORecipe:
         n = len(examples)
         seqs = [e.chosen for e in examples] + [e.rejected for e in examples]
         batch = make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
-                           self.cfg.data.packing_samples, self.dense_mask).to(self.ctx.device)
+                           self.cfg.data.packing_samples).to(self.ctx.device)
         token_lp = token_logprobs(model, batch)
         logps = per_sample_sum(token_lp, batch)
         with torch.no_grad():

@@ -15,7 +15,7 @@ from rlhf_core.data.examples import Sequence, load_unpaired
 from rlhf_core.distributed.engine import all_reduce_mean, initialize, initialize_frozen
 from rlhf_core.losses import kto_kl_estimate, kto_loss
 from rlhf_core.models.forward import sequence_logprobs
-from rlhf_core.models.loading import attention_implementation, load_causal_lm
+from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     load_stage_tokenizer,
     local_model_path,
@@ -49,14 +49,13 @@ class KTORecipe:
         self.ctx = start_stage(cfg)
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
-        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
 
     def _batch(self, seqs):
         return make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
-                          self.cfg.data.packing_samples, self.dense_mask).to(self.ctx.device)
+                          self.cfg.data.packing_samples).to(self.ctx.device)
 
     def count(self, examples) -> int:
         return len(examples)

@@ -15,7 +15,7 @@ from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
-from rlhf_core.models.loading import attention_implementation, load_reward_model
+from rlhf_core.models.loading import load_reward_model
 from rlhf_core.trainers.common import (
     load_stage_tokenizer,
     local_model_path,
@@ -38,7 +38,6 @@ class RewardModelRecipe:
         self.ctx = start_stage(cfg)
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
-        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
         model = load_reward_model(local_model_path(cfg.pretrain), self.tokenizer.pad_token_id,
                                   cfg.value_head_prefix, cfg.flash_attn)
         model = prepare_trainable(model, cfg, is_reward_model=True)
@@ -46,7 +45,7 @@ class RewardModelRecipe:
 
     def scores(self, model, sequences) -> torch.Tensor:
         batch = make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences],
-                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples, self.dense_mask)
+                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples)
         return reward_scores(model, batch.to(self.ctx.device))
 
     def count(self, examples) -> int:

@@ -12,7 +12,7 @@ from rlhf_core.data.batching import make_batch
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import initialize
 from rlhf_core.models.forward import token_logprobs
-from rlhf_core.models.loading import attention_implementation, load_causal_lm
+from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     load_stage_tokenizer,
     local_model_path,
@@ -37,7 +37,6 @@ class SFTRecipe:
         self.ctx = start_stage(cfg)
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
-        self.dense_mask = attention_implementation(cfg.flash_attn) != "flash_attention_2"
         model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
         self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
 
@@ -47,7 +46,7 @@ class SFTRecipe:
 
     def micro_step(self, model, examples):
         batch = make_batch([e.seq.input_ids for e in examples], [e.seq.loss_mask for e in examples],
-                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples, self.dense_mask)
+                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples)
         batch = batch.to(self.ctx.device)
         logprobs = token_logprobs(model, batch)
         nll_sum = -(logprobs * batch.loss_mask).sum()

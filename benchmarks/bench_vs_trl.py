@@ -1,0 +1,431 @@
+"""SFT and DPO step speed, this project against TRL, on the same model, data and batch.
+
+Both sides train the `rlhf prep` Llama (model_size small by default) on the addition task with
+the same tokenizer and chat template, the same rows in the same order (TRL gets the dataset
+reordered by our `BatchPlan` and a sequential sampler), the same global batch, micro batch,
+max_len, bf16 autocast on fp32 weights, torch AdamW and number of optimizer steps. Each side
+uses what its users get by default otherwise: ours packs samples and runs DeepSpeed ZeRO-2,
+TRL pads (and, as a second SFT run, trains padding-free).
+
+Choices, and why:
+- Every run is a fresh subprocess (`--side ours|trl --stage sft|dpo`): DeepSpeed and
+  torch.distributed keep per-process state, and a fresh process has no warm caches to share.
+- Runs alternate (ours, trl, ours, trl, ...) and medians are reported: the machine is shared and
+  noisy, so drift hits every setup alike instead of whichever happened to run last.
+- Only optimizer steps are timed, after warm-up steps: loading, tokenization and DeepSpeed setup
+  are one-off costs. A step is the wall time from the end of one optimizer step to the end of the
+  next, so batch collation, the forward/backward passes, clipping, the optimizer and each side's
+  per-step bookkeeping are all inside it.
+- Tokens are the real (non-pad) tokens of prompt+response in the step's batches, counted the
+  same way on both sides; DPO counts chosen and rejected sequences. pairs/s is steps x global
+  batch / time.
+- Nothing is asserted about time: the script prints throughput and ratios (DESIGN.md).
+
+Usage: python benchmarks/bench_vs_trl.py [--stages sft,dpo] [--steps 20] [--repeats 3]
+(see benchmarks/README.md). Needs TRL: pip install -e '.[bench]'; exits 2 without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+# What each named run is. "ours" (packed, ZeRO-2) is the reference every TRL run is compared to;
+# the other "ours-*" runs are diagnostics that split our step time into its causes.
+VARIANTS: dict[str, dict] = {
+    "ours": {"side": "ours", "packing": True, "zero_stage": 2},
+    "ours-padded": {"side": "ours", "packing": False, "zero_stage": 2},
+    "ours-zero0": {"side": "ours", "packing": True, "zero_stage": 0},
+    "trl": {"side": "trl", "padding_free": False},
+    "trl-padding-free": {"side": "trl", "padding_free": True},  # SFT only: TRL 1.x disables it for DPO
+}
+DEFAULT_VARIANTS = {"sft": ["ours", "trl", "trl-padding-free"], "dpo": ["ours", "trl"]}
+LEARNING_RATE = {"sft": 1e-4, "dpo": 5e-7}
+SEED = 42  # our configs' default seed; it fixes the row order both sides train on
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes: one side, one stage, one JSON line on stdout.
+
+def autocast_probe(model) -> dict:
+    """Record the autocast state the first decoder layer runs under (precision check).
+
+    Hooked on a layer, not on the model: accelerate enters autocast inside a wrapped `forward`,
+    after the model's own pre-hooks have run.
+    """
+    import torch
+
+    seen: dict = {}
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+
+    def hook(_module, _inputs):
+        if not seen:
+            seen["autocast"] = (str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+                                if torch.is_autocast_enabled("cpu") else "off")
+
+    layer.register_forward_pre_hook(hook)
+    return seen
+
+
+def real_tokens(inputs: dict) -> int:
+    """Non-pad tokens of a TRL batch (padded batches have attention_mask; padding-free ones have none)."""
+    if "attention_mask" in inputs:
+        return int(inputs["attention_mask"].sum())
+    return int(inputs["input_ids"].numel())
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    from rlhf_core.config import STAGE_CONFIGS, build_config
+    from rlhf_core.launch import prepare_environment
+    from rlhf_core.trainers import recipe_class
+    from rlhf_core.trainers.loop import TrainLoop
+
+    prepare_environment()
+    torch.set_num_threads(args.threads)
+    data = Path(args.data_root) / "data" / ("sft" if args.stage == "sft" else "preference")
+    cfg = build_config(STAGE_CONFIGS[args.stage], None, {
+        "pretrain": str(Path(args.data_root) / "base"), "dataset": f"json@{data}", "save_path": args.out_dir,
+        "apply_chat_template": True, "max_len": args.max_len, "train_batch_size": args.train_batch_size,
+        "micro_train_batch_size": args.micro_train_batch_size, "learning_rate": LEARNING_RATE[args.stage],
+        "bf16": True, "zero_stage": args.zero_stage, "max_steps": args.warmup + args.steps, "use_mlflow": False,
+        "packing_samples": args.packing, "seed": SEED,
+    })
+    recipe = recipe_class(args.stage)(cfg)
+    recipe.setup()
+    probe = autocast_probe(recipe.engine.module)
+    loop = TrainLoop(cfg, recipe.engine, recipe, recipe.train_set, None, recipe.ctx.tracker, 0, 1)
+
+    def step() -> int:
+        _, tokens = loop.train_step()
+        loop.step += 1
+        return tokens
+
+    for _ in range(args.warmup):
+        step()
+    ends, tokens = [time.perf_counter()], 0
+    for _ in range(args.steps):
+        tokens += step()
+        ends.append(time.perf_counter())
+    inner = getattr(recipe.engine.optimizer, "optimizer", recipe.engine.optimizer)
+    setup = {"packing": args.packing, "zero_stage": args.zero_stage, "autocast": probe.get("autocast"),
+             "optimizer": f"{type(recipe.engine.optimizer).__name__}({type(inner).__name__})",
+             "attention": recipe.engine.module.config._attn_implementation,
+             "gradient_checkpointing": cfg.gradient_checkpointing}
+    return summarize(args, ends, tokens, setup, torch.get_num_threads())
+
+
+def trl_rows(args) -> list[dict]:
+    """The stage's train rows as TRL conversational data, in the order our BatchPlan trains them."""
+    from rlhf_core.data.batching import BatchPlan
+
+    kind = "sft" if args.stage == "sft" else "preference"
+    path = Path(args.data_root) / "data" / kind / "train.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    plan = BatchPlan(len(rows), args.train_batch_size, args.micro_train_batch_size, 0, 1, SEED)
+    order = [i for s in range(args.warmup + args.steps) for mb in plan.micro_batches(0, s) for i in mb]
+
+    def user(text):
+        return [{"role": "user", "content": text}]
+
+    def assistant(text):
+        return [{"role": "assistant", "content": text}]
+
+    if args.stage == "sft":
+        return [{"prompt": user(rows[i]["prompt"]), "completion": assistant(rows[i]["response"])} for i in order]
+    return [{"prompt": user(rows[i]["prompt"]), "chosen": assistant(rows[i]["chosen"]),
+             "rejected": assistant(rows[i]["rejected"])} for i in order]
+
+
+def run_trl(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    try:
+        import trl
+    except ImportError:
+        print("TRL is not installed: pip install -e '.[bench]'  (or pip install 'trl>=1.0')", file=sys.stderr)
+        sys.exit(2)
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    base = str(Path(args.data_root) / "base")
+    tokenizer = load_tokenizer(base)  # the same tokenizer object setup ours uses (pad token, right padding)
+    model = load_causal_lm(base)  # fp32 weights, SDPA attention: exactly what ours loads
+    probe = autocast_probe(model)
+    dataset = Dataset.from_list(trl_rows(args))
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends, self.tokens, self.threads = [], [], 0
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+            self.tokens.append(counter.tokens)
+            self.threads = torch.get_num_threads()
+
+    class Counter:
+        tokens = 0
+
+    counter, clock = Counter(), StepClock()
+    common = dict(
+        output_dir=str(Path(args.out_dir) / "trl"), per_device_train_batch_size=args.micro_train_batch_size,
+        gradient_accumulation_steps=args.train_batch_size // args.micro_train_batch_size,
+        max_steps=args.warmup + args.steps, learning_rate=LEARNING_RATE[args.stage], lr_scheduler_type="cosine",
+        warmup_steps=math.ceil(0.03 * (args.warmup + args.steps)), adam_beta1=0.9, adam_beta2=0.95,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True, use_cpu=True,
+        gradient_checkpointing=False, train_sampling_strategy="sequential", dataloader_num_workers=0,
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        seed=SEED,
+    )
+    if args.stage == "sft":
+        # Padding-free without packing wants max_length=None (TRL would not truncate anyway); no row
+        # of the data exceeds max_len, and ours fails on one that does, so nothing is cut on either side.
+        config = trl.SFTConfig(**common, max_length=None if args.padding_free else args.max_len,
+                               padding_free=args.padding_free, packing=False, completion_only_loss=True)
+        trainer_cls = trl.SFTTrainer
+        extra = {}
+    else:
+        config = trl.DPOConfig(**common, max_length=args.max_len, beta=0.1, loss_type=["sigmoid"],
+                               precompute_ref_log_probs=False)
+        trainer_cls = trl.DPOTrainer
+        ref = load_causal_lm(base)  # ours also loads the reference as a second fp32 copy of --pretrain
+        extra = {"ref_model": ref}
+
+    class Counting(trainer_cls):
+        def compute_loss(self, model, inputs, *a, **k):
+            if self.model.training:
+                counter.tokens += real_tokens(inputs)
+            return super().compute_loss(model, inputs, *a, **k)
+
+    trainer = Counting(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                       callbacks=[clock], **extra)
+    torch.set_num_threads(args.threads)
+    trainer.train()
+    ends = clock.ends[args.warmup - 1:]  # the clock starts at the end of the last warm-up step
+    tokens = clock.tokens[-1] - clock.tokens[args.warmup - 1]
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    setup = {"padding_free": args.padding_free, "trl": trl.__version__, "autocast": probe.get("autocast"),
+             "optimizer": f"{type(trainer.optimizer).__name__}({type(inner).__name__}, "
+                          f"fused={inner.defaults.get('fused')}, foreach={inner.defaults.get('foreach')})",
+             "attention": model.config._attn_implementation, "gradient_checkpointing": config.gradient_checkpointing,
+             "accelerate": trainer.accelerator.distributed_type.value}
+    return summarize(args, ends, tokens, setup, clock.threads)
+
+
+def summarize(args, ends: list[float], tokens: int, setup: dict, threads: int) -> dict:
+    step_s = [b - a for a, b in zip(ends, ends[1:])]
+    elapsed = ends[-1] - ends[0]
+    return {
+        "side": args.side, "stage": args.stage, "steps": len(step_s), "seconds": elapsed,
+        "ms_per_step": 1000 * elapsed / len(step_s), "median_step_ms": 1000 * statistics.median(step_s),
+        "tokens_per_step": tokens / len(step_s), "tokens_per_s": tokens / elapsed,
+        "pairs_per_s": len(step_s) * args.train_batch_size / elapsed if args.stage == "dpo" else None,
+        "threads": threads, "setup": setup,
+    }
+
+
+def child_main(args) -> None:
+    result = run_ours(args) if args.side == "ours" else run_trl(args)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver: prepare data once, alternate child runs, print the table.
+
+def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path) -> dict:
+    variant = VARIANTS[name]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", variant["side"], "--stage", stage,
+           "--data_root", str(data_root), "--out_dir", str(out_dir), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--max_len", str(args.max_len), "--threads", str(args.threads),
+           "--train_batch_size", str(args.train_batch_size),
+           "--micro_train_batch_size", str(args.micro_train_batch_size),
+           "--packing", str(variant.get("packing", True)), "--zero_stage", str(variant.get("zero_stage", 2)),
+           "--padding_free", str(variant.get("padding_free", False))]
+    # Compiled DeepSpeed ops (about 2 min to build once) are cached outside the throwaway work dir.
+    extensions = Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"
+    env = dict(os.environ, RLHF_NO_PROGRESS="1", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions)), OMP_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child starts its own process group
+        env.pop(key, None)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        print(f"  {stage} {name}: FAILED (exit {proc.returncode})\n{tail}", file=sys.stderr, flush=True)
+        return {"failed": True, "exit": proc.returncode}
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result["process_s"] = time.perf_counter() - started
+    return result
+
+
+def throughput(result: dict, stage: str) -> float:
+    return result["pairs_per_s"] if stage == "dpo" else result["tokens_per_s"]
+
+
+def describe(name: str, results: list[dict]) -> str:
+    ok = [r for r in results if not r.get("failed")]
+    if not ok:
+        return "failed"
+    s = ok[0]["setup"]
+    if VARIANTS[name]["side"] == "ours":
+        return (f"{'packed (4D block mask)' if s['packing'] else 'padded'}, DeepSpeed ZeRO-{s['zero_stage']}, "
+                f"autocast {s['autocast']}, {s['optimizer']}, threads {ok[0]['threads']}")
+    return (f"TRL {s['trl']}, {'padding-free (position_ids)' if s['padding_free'] else 'padded'}, "
+            f"accelerate {s['accelerate']}, autocast {s['autocast']}, {s['optimizer']}, threads {ok[0]['threads']}")
+
+
+def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -> list[str]:
+    unit = "pairs/s" if stage == "dpo" else "tokens/s"
+    med = {}
+    for name in names:
+        ok = [r for r in results[name] if not r.get("failed")]
+        med[name] = statistics.median(throughput(r, stage) for r in ok) if ok else None
+    lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
+             f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
+             f"max_len {args.max_len}, bf16 autocast, model {args.model_size}", "",
+             f"| run | runs ok | tokens/step | ms/step (median) | tokens/s (median) | {unit} (median) "
+             f"| ours ÷ this (median of {unit}) | per-round ours ÷ this (min–max) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        ok = [r for r in results[name] if not r.get("failed")]
+        if not ok:
+            lines.append(f"| {name} | 0/{len(results[name])} | | | | | | |")
+            continue
+        tok_step = statistics.median(r["tokens_per_step"] for r in ok)
+        ms = statistics.median(r["ms_per_step"] for r in ok)
+        tok_s = statistics.median(r["tokens_per_s"] for r in ok)
+        ratio, spread = "", ""
+        if name != "ours" and med.get("ours") and med[name]:
+            ratio = f"{med['ours'] / med[name]:.2f}x"
+            rounds = [throughput(a, stage) / throughput(b, stage)
+                      for a, b in zip(results["ours"], results[name], strict=False)
+                      if not a.get("failed") and not b.get("failed")]
+            spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else ""
+        lines.append(f"| {name} | {len(ok)}/{len(results[name])} | {tok_step:.0f} | {ms:.1f} | {tok_s:.0f} | "
+                     f"{med[name]:.1f} | {ratio} | {spread} |")
+    lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
+    return lines
+
+
+def driver_main(args) -> int:
+    if importlib.util.find_spec("trl") is None:
+        print("TRL is not installed, so there is nothing to compare against.\n"
+              "Install the benchmark extra: pip install -e '.[bench]'  (or: pip install 'trl>=1.0')", file=sys.stderr)
+        return 2
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    for stage in stages:
+        if stage not in DEFAULT_VARIANTS:
+            raise SystemExit(f"--stages: unknown stage {stage!r} (sft, dpo)")
+    if args.train_batch_size % args.micro_train_batch_size:
+        raise SystemExit("--train_batch_size must be a multiple of --micro_train_batch_size")
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be at least 1")
+
+    keep = args.work_dir is not None
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-vs-trl-")).resolve()
+    data_root = work / f"prep-{args.model_size}"
+    print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
+    prep = subprocess.run([sys.executable, "-c", "import sys; from rlhf_core.prep import prepare; "
+                           "prepare(sys.argv[1], task='addition', seed=0, model_size=sys.argv[2])",
+                           str(data_root), args.model_size], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    if prep.returncode != 0:
+        print(prep.stderr[-3000:], file=sys.stderr)
+        return 1
+
+    raw: dict[str, dict[str, list[dict]]] = {}
+    out_lines = [versions_line(args), ""]
+    failed = False
+    for stage in stages:
+        names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[stage]
+        names = [n for n in names if not (stage == "dpo" and n == "trl-padding-free")]
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+        results: dict[str, list[dict]] = {n: [] for n in names}
+        for round_ in range(args.repeats):
+            for name in names:  # alternate: ours, trl, ..., ours, trl, ...
+                out_dir = work / "runs" / f"{stage}-{name}-{round_}"
+                result = run_child(args, stage, name, data_root, out_dir)
+                results[name].append(result)
+                failed |= bool(result.get("failed"))
+                if not result.get("failed"):
+                    print(f"  {stage} round {round_ + 1}/{args.repeats} {name:17s} "
+                          f"{result['ms_per_step']:8.1f} ms/step  {result['tokens_per_s']:8.0f} tokens/s"
+                          + (f"  {result['pairs_per_s']:7.1f} pairs/s" if stage == "dpo" else ""),
+                          file=sys.stderr, flush=True)
+        raw[stage] = results
+        out_lines += report(args, stage, names, results)
+    print("\n".join(out_lines))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": raw}, indent=2))
+    if not keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def versions_line(args) -> str:
+    from importlib.metadata import version
+
+    names = ["torch", "transformers", "deepspeed", "trl", "accelerate"]
+    return ("Versions: " + ", ".join(f"{n} {version(n)}" for n in names)
+            + f"; {args.threads} torch threads per run, {os.cpu_count()} CPUs visible, {args.repeats} alternating runs each")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="sft,dpo", help="comma-separated: sft, dpo")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated runs per stage (default sft: {','.join(DEFAULT_VARIANTS['sft'])}; "
+                        f"dpo: {','.join(DEFAULT_VARIANTS['dpo'])}); known: {', '.join(VARIANTS)}")
+    p.add_argument("--model_size", default="small", choices=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before the timed ones")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each setup, alternated")
+    p.add_argument("--train_batch_size", type=int, default=32)
+    p.add_argument("--micro_train_batch_size", type=int, default=32)
+    p.add_argument("--max_len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
+    p.add_argument("--work_dir", default=None, help="keep data and run folders here (default: a temp dir, removed)")
+    p.add_argument("--json_out", default=None, help="write every run's raw result here")
+    # Child-only flags (the driver passes them).
+    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=["sft", "dpo"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data_root", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--packing", type=lambda s: s == "True", default=True, help=argparse.SUPPRESS)
+    p.add_argument("--padding_free", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--zero_stage", type=int, default=2, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.side:
+        child_main(args)
+        return 0
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+import torch
+
+from rlhf_core.data.batching import BatchPlan, pack_batch, pad_batch
+from rlhf_core.losses import sft_loss
+from rlhf_core.models.forward import per_sample_sum, reward_scores, token_logprobs
+from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tokenizer
+
+
+def _sequences(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs, masks = [], []
+    for i in range(n):
+        length = int(torch.randint(4, 20, (1,), generator=g))
+        ids = torch.randint(10, 100, (length,), generator=g).tolist()
+        prompt = 1 + i % 3
+        seqs.append(ids)
+        masks.append([0] * prompt + [1] * (length - prompt))
+    return seqs, masks
+
+
+def test_packed_and_padded_give_same_per_sample_logprobs_and_loss(prepared):
+    model = load_causal_lm(prepared["base"]).eval()
+    seqs, masks = _sequences()
+    padded, packed = pad_batch(seqs, masks, pad_id=0), pack_batch(seqs, masks)
+    assert packed.input_ids.shape == (1, sum(map(len, seqs)))
+    with torch.no_grad():
+        lp_pad, lp_pack = token_logprobs(model, padded), token_logprobs(model, packed)
+    per_pad, per_pack = per_sample_sum(lp_pad, padded), per_sample_sum(lp_pack, packed)
+    assert torch.allclose(per_pad, per_pack, atol=1e-5, rtol=0)
+    assert torch.allclose(sft_loss(lp_pad, padded.loss_mask), sft_loss(lp_pack, packed.loss_mask), atol=1e-5)
+    # With positions that do not restart, samples would attend to each other: the check can fail.
+    leaky = pack_batch(seqs, masks)
+    leaky.position_ids = torch.arange(leaky.input_ids.shape[1])[None]
+    with torch.no_grad():
+        assert not torch.allclose(per_sample_sum(token_logprobs(model, leaky), leaky), per_pad, atol=1e-3)
+
+
+def test_reward_scores_match_plain_transformers_and_packing(prepared):
+    from transformers import AutoModelForSequenceClassification
+
+    tok = load_tokenizer(prepared["tokenizer"])
+    ours = load_reward_model(prepared["base"], tok.pad_token_id).eval()
+    seqs, masks = _sequences(4, seed=1)
+    with torch.no_grad():
+        padded = reward_scores(ours, pad_batch(seqs, masks, tok.pad_token_id))
+        packed = reward_scores(ours, pack_batch(seqs, masks))
+        plain = ours(**{k: v for k, v in zip(("input_ids", "attention_mask"),
+                                               (pad_batch(seqs, masks, tok.pad_token_id).input_ids,
+                                                pad_batch(seqs, masks, tok.pad_token_id).attention_mask),
+                                               strict=True)}).logits.squeeze(-1)
+    assert torch.allclose(padded, packed, atol=1e-5)
+    assert torch.allclose(padded, plain, atol=1e-5)
+    assert isinstance(ours, AutoModelForSequenceClassification._model_mapping[type(ours.config)])
+
+
+def test_batch_plan_partitions_each_global_batch_across_ranks():
+    n, global_batch = 100, 16
+    one = BatchPlan(n, global_batch, 4, 0, 1, seed=3)
+    two = [BatchPlan(n, global_batch, 4, r, 2, seed=3) for r in range(2)]
+    assert one.steps_per_epoch == 6
+    for step in range(one.steps_per_epoch):
+        whole = sorted(i for mb in one.micro_batches(0, step) for i in mb)
+        split = sorted(i for p in two for mb in p.micro_batches(0, step) for i in mb)
+        assert whole == split and len(set(whole)) == global_batch
+        assert all(len(mb) == 4 for mb in two[0].micro_batches(0, step))
+    assert one.micro_batches(0, 0) != one.micro_batches(1, 0)  # reshuffled per epoch
+    assert one.micro_batches(1, 2) == BatchPlan(n, global_batch, 4, 0, 1, seed=3).micro_batches(1, 2)

@@ -1,0 +1,161 @@
+"""`prepare`, the tiny tokenizer and the tiny Llama: deterministic, loadable by plain transformers."""
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_core.data.synthetic import TASKS, build_splits
+from rlhf_core.models.tiny import MODEL_SIZES, build_tiny_llama, train_tokenizer
+from rlhf_core.prep import prepare
+
+SMALL = {"n_train": 300, "n_test": 40}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _task_texts(name: str, n: int = 300) -> list[str]:
+    rows = build_splits(TASKS[name], seed=0, n_train=n, n_test=0)["sft"]["train"]
+    return [text for row in rows for text in (row["prompt"], row["response"])]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    out = tmp_path_factory.mktemp("prep") / "run"
+    return out, prepare(out, task="addition", seed=0, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(_task_texts("addition") + _task_texts("reverse"))
+
+
+def test_prepare_writes_every_artifact(prepared):
+    out, paths = prepared
+    expected_keys = {"sft", "preference", "prompts", "tokenizer", "base"}
+    expected_keys |= {f"{k}_{s}" for k in ("sft", "preference", "prompts") for s in ("train", "test")}
+    assert set(paths) == expected_keys
+    columns = {
+        "sft": {"prompt", "response"},
+        "preference": {"prompt", "chosen", "rejected"},
+        "prompts": {"prompt", "answer"},
+    }
+    for kind, keys in columns.items():
+        for split, n in (("train", SMALL["n_train"]), ("test", SMALL["n_test"])):
+            rows = [json.loads(line) for line in Path(paths[f"{kind}_{split}"]).read_text().splitlines()]
+            assert len(rows) == n and all(set(r) == keys for r in rows)
+    assert (out / "base" / "model.safetensors").is_file()
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert not [p for p in out.rglob("*") if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_prepare_is_deterministic(prepared, tmp_path):
+    out, _ = prepared
+    same = tmp_path / "same"
+    prepare(same, task="addition", seed=0, **SMALL)
+    assert _files(same) == _files(out)
+    prepare(same, task="addition", seed=0, **SMALL)  # rerun over existing output
+    assert _files(same) == _files(out)
+
+    other = tmp_path / "other"
+    prepare(other, task="addition", seed=1, **SMALL)
+    a, b = _files(out), _files(other)
+    for name in ("data/sft/train.jsonl", "data/preference/test.jsonl", "base/model.safetensors"):
+        assert a[name] != b[name]
+
+
+def test_base_model_loads_with_plain_transformers_and_generates(prepared):
+    out, paths = prepared
+    model = AutoModelForCausalLM.from_pretrained(paths["base"])
+    tok = AutoTokenizer.from_pretrained(paths["base"])
+    assert AutoTokenizer.from_pretrained(paths["tokenizer"]).get_vocab() == tok.get_vocab()
+    assert model.config.vocab_size == len(tok)
+    assert model.config.tie_word_embeddings
+    assert (model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id) == (
+        tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+    )
+    assert tok.padding_side == "right"
+
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "add 12+34="}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, inputs["input_ids"].shape[1] + 4) or tok.eos_token_id in generated[0]
+    assert isinstance(tok.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True), str)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_tokenizer_round_trips_exactly(tokenizer, name):
+    for text in _task_texts(name) + ["  two  spaces ", "tab\tand\nnewline", "add 1 + 2 = 3", "ünïcode ✓"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+
+
+def test_payload_characters_are_single_tokens(tokenizer):
+    for char in string.digits + string.ascii_uppercase:
+        assert len(tokenizer(char, add_special_tokens=False)["input_ids"]) == 1, char
+    for name in TASKS:
+        for prompt in _task_texts(name)[::2][:100]:
+            tokens = tokenizer.convert_ids_to_tokens(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            payload = [c for c in prompt if c.isdigit() or c.isupper()]
+            assert [t for t in tokens if t in payload] == payload  # each payload char is its own token
+    # The template words are allowed to merge: BPE learned something beyond single bytes.
+    assert len(tokenizer("reverse: ", add_special_tokens=False)["input_ids"]) < len("reverse: ")
+
+
+def test_special_tokens(tokenizer):
+    for token in ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"):
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == (
+        "<|pad|>",
+        "<|bos|>",
+        "<|eos|>",
+    )
+    assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}) == 3
+
+
+def test_chat_template_prompt_is_a_prefix_of_the_conversation(tokenizer):
+    for prompt, response in [("add 47+385=", "432"), ("reverse: KQZM", "MZQK"), ("", "")]:
+        user = [{"role": "user", "content": prompt}]
+        head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": response}], tokenize=False
+        )
+        assert full == head + response + tokenizer.eos_token
+        assert head.startswith(tokenizer.bos_token) and prompt in head
+        head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+        assert full_ids[: len(head_ids)] == head_ids and full_ids[-1] == tokenizer.eos_token_id
+
+
+def test_chat_template_rejects_unknown_roles(tokenizer):
+    with pytest.raises(Exception, match="user and assistant"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "hi"}], tokenize=False)
+
+
+def test_build_tiny_llama_sizes_and_seeding(tokenizer):
+    assert set(MODEL_SIZES) == {"tiny", "small"}
+    with pytest.raises(ValueError, match="tiny"):
+        build_tiny_llama(tokenizer, size="huge")
+    torch.manual_seed(7)
+    expected = torch.rand(1)
+    torch.manual_seed(7)
+    a = build_tiny_llama(tokenizer, size="tiny", seed=3)
+    assert torch.equal(torch.rand(1), expected), "building a model must not consume the caller's RNG"
+    b = build_tiny_llama(tokenizer, size="tiny", seed=3)
+    c = build_tiny_llama(tokenizer, size="tiny", seed=4)
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight)
+    assert a.config.hidden_size == 128 and a.config.num_hidden_layers == 4
+    assert a.config.max_position_embeddings == 256
+    assert a.get_output_embeddings().weight is a.get_input_embeddings().weight

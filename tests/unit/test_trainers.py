@@ -1,0 +1,150 @@
+"""Every trainer learns on the built-in task (one in-process rank; the Ray path is in integration/)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import STAGE_CONFIGS, build_config
+from rlhf_core.launch import prepare_environment
+from rlhf_core.trainers import run_recipe
+from rlhf_core.trainers.loop import TrainLoop
+
+pytestmark = pytest.mark.slow
+
+
+def train(stage, prepared, tmp_path, **overrides):
+    prepare_environment()
+    data = "sft" if stage == "sft" else "preference"
+    values = {"pretrain": prepared["base"], "dataset": f"json@{prepared[data]}", "save_path": str(tmp_path / stage),
+              "apply_chat_template": True, "max_len": 48, "train_batch_size": 32, "micro_train_batch_size": 16,
+              "learning_rate": 2e-3, "lr_warmup_ratio": 0.0, "bf16": False, "zero_stage": 2, "seed": 1,
+              "max_eval_samples": 64, **overrides}
+    return run_recipe(build_config(STAGE_CONFIGS[stage], None, values))
+
+
+@pytest.fixture(scope="module")
+def sft_model(prepared, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    manifest = train("sft", prepared, out, max_epochs=2, bf16=True, packing_samples=True)
+    return manifest
+
+
+def test_sft_loss_falls_and_output_contract(sft_model):
+    m = sft_model["metrics"]
+    assert m["eval/loss"] < 0.5 * m["eval_initial/loss"], m
+    out = Path(sft_model["output_uri"])
+    manifest = json.loads((out / "stage.json").read_text())
+    assert manifest["stage"] == "sft" and manifest["config_hash"].startswith("sha256:")
+    assert manifest["mlflow_run_id"] and manifest["inputs"]["datasets"][0]["digest"].startswith("sha256:")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+
+
+def test_sft_mlflow_run_has_params_metrics_and_inputs(sft_model):
+    import mlflow
+
+    from rlhf_core.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    run = mlflow.get_run(sft_model["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["learning_rate"] == "0.002" and run.data.params["data.max_len"] == "48"
+    assert "train/loss" in run.data.metrics and "eval/loss" in run.data.metrics
+    assert run.data.tags["rlhf.output_uri"] == sft_model["output_uri"]
+    assert len(run.inputs.dataset_inputs) == 2
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/loss")
+    assert len(history) == sft_model["metrics"]["train/steps"]
+
+
+def test_reward_model_learns_and_loads_with_plain_transformers(prepared, sft_model, tmp_path):
+    manifest = train("rm", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=1e-3,
+                     max_epochs=2)
+    m = manifest["metrics"]
+    assert m["eval/accuracy"] > max(0.6, m["eval_initial/accuracy"] + 0.1), m
+    assert m["eval/loss"] < m["eval_initial/loss"]
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = manifest["output_uri"]
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    assert abs(model.config.reward_mean - m["reward_mean"]) < 1e-9 and model.config.reward_std > 0
+    prompt = tok.apply_chat_template([{"role": "user", "content": "add 12+30="}], tokenize=False,
+                                     add_generation_prompt=True)
+    texts = [prompt + "42" + tok.eos_token, prompt + "52" + tok.eos_token]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        scores = model(**enc).logits.squeeze(-1)
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
+def test_dpo_raises_preference_margin(prepared, sft_model, tmp_path, loss):
+    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=5e-4,
+                     max_steps=12, loss_type=loss, beta=0.5 if loss == "ipo" else 0.1,
+                     nll_loss_coef=0.1 if loss == "sigmoid" else 0.0, packing_samples=loss == "ipo")
+    m = manifest["metrics"]
+    assert m["eval/reward_accuracy"] > 0.6, m
+    assert m["eval/loss"] < m["eval_initial/loss"], m
+    assert m["eval/logp_margin"] > m["eval_initial/logp_margin"] + 0.3, m
+    assert manifest["inputs"]["ref_pretrain"] == sft_model["output_uri"]
+
+
+def test_kto_prefers_desirable(prepared, sft_model, tmp_path):
+    manifest = train("kto", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=5e-4,
+                     max_steps=12)
+    m = manifest["metrics"]
+    assert m["eval/accuracy"] > 0.6 and m["eval/signed_reward"] > 0, m
+
+
+def test_lora_is_merged_on_save(prepared, tmp_path):
+    manifest = train("sft", prepared, tmp_path, lora_rank=8, lora_alpha=16, max_steps=4, learning_rate=1e-2,
+                     gradient_checkpointing=True)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(manifest["output_uri"]) / "model.safetensors"))
+    base = load_file(str(Path(prepared["base"]) / "model.safetensors"))
+    assert not any("lora" in k for k in saved) and set(saved) == set(base)
+    changed = [k for k in base if not torch.equal(base[k], saved[k])]
+    assert any("q_proj" in k for k in changed)
+    assert not any("embed_tokens" in k for k in changed)  # LoRA leaves non-target weights alone
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
+    a = train("sft", prepared, tmp_path / "a", micro_train_batch_size=32, max_steps=2, use_mlflow=False)
+    b = train("sft", prepared, tmp_path / "b", micro_train_batch_size=8, max_steps=2, use_mlflow=False)
+    assert abs(a["metrics"]["train/final_loss"] - b["metrics"]["train/final_loss"]) < 1e-5
+    wa, wb = _weights(a["output_uri"]), _weights(b["output_uri"])
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_resume_after_crash_matches_uninterrupted_run(prepared, tmp_path, monkeypatch):
+    common = dict(max_steps=6, use_mlflow=False, lr_warmup_ratio=0.2)
+    full = train("sft", prepared, tmp_path / "full", **common)
+    ckpt = tmp_path / "ckpt"
+    original = TrainLoop.train_step
+
+    def crash_at_step_5(self):
+        if self.step == 4:
+            raise RuntimeError("simulated crash")
+        return original(self)
+
+    monkeypatch.setattr(TrainLoop, "train_step", crash_at_step_5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train("sft", prepared, tmp_path / "resumed", save_steps=3, ckpt_path=str(ckpt), max_ckpt_num=1, **common)
+    assert not (tmp_path / "resumed" / "sft").exists()  # nothing half-written looks finished
+    assert [p.name for p in ckpt.glob("global_step*")] == ["global_step3"]
+    monkeypatch.setattr(TrainLoop, "train_step", original)
+    resumed = train("sft", prepared, tmp_path / "resumed", save_steps=3, ckpt_path=str(ckpt), load_checkpoint=True,
+                    **common)
+    wf, wr = _weights(full["output_uri"]), _weights(resumed["output_uri"])
+    assert max((wf[k] - wr[k]).abs().max().item() for k in wf) < 1e-6
