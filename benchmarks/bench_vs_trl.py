@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -58,23 +59,30 @@ SEED = 42  # our configs' default seed; it fixes the row order both sides train 
 # ---------------------------------------------------------------------------------------------
 # Child processes: one side, one stage, one JSON line on stdout.
 
-def autocast_probe(model) -> dict:
-    """Record the autocast state the first decoder layer runs under (precision check).
+def forward_probe(model) -> dict:
+    """Record what the forward really gets: autocast state and the attention-mask layout.
 
-    Hooked on a layer, not on the model: accelerate enters autocast inside a wrapped `forward`,
-    after the model's own pre-hooks have run.
+    Autocast is read on the first decoder layer, not on the model: accelerate enters autocast
+    inside a wrapped `forward`, after the model's own pre-hooks have run.
     """
     import torch
 
     seen: dict = {}
     layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
 
-    def hook(_module, _inputs):
-        if not seen:
+    def on_layer(_module, _inputs):
+        if "autocast" not in seen:
             seen["autocast"] = (str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
                                 if torch.is_autocast_enabled("cpu") else "off")
 
-    layer.register_forward_pre_hook(hook)
+    def on_model(_module, _args, kwargs):
+        if "attention_mask" not in seen:
+            mask = kwargs.get("attention_mask")
+            seen["attention_mask"] = "none" if mask is None else f"{mask.dim()}D {str(mask.dtype).removeprefix('torch.')}"
+            seen["first_batch_shape"] = list(kwargs["input_ids"].shape) if "input_ids" in kwargs else None
+
+    layer.register_forward_pre_hook(on_layer)
+    model.register_forward_pre_hook(on_model, with_kwargs=True)
     return seen
 
 
@@ -105,7 +113,7 @@ def run_ours(args) -> dict:
     })
     recipe = recipe_class(args.stage)(cfg)
     recipe.setup()
-    probe = autocast_probe(recipe.engine.module)
+    probe = forward_probe(recipe.engine.module)
     loop = TrainLoop(cfg, recipe.engine, recipe, recipe.train_set, None, recipe.ctx.tracker, 0, 1)
 
     def step() -> int:
@@ -120,7 +128,7 @@ def run_ours(args) -> dict:
         tokens += step()
         ends.append(time.perf_counter())
     inner = getattr(recipe.engine.optimizer, "optimizer", recipe.engine.optimizer)
-    setup = {"packing": args.packing, "zero_stage": args.zero_stage, "autocast": probe.get("autocast"),
+    setup = {"packing": args.packing, "zero_stage": args.zero_stage, **probe,
              "optimizer": f"{type(recipe.engine.optimizer).__name__}({type(inner).__name__})",
              "attention": recipe.engine.module.config._attn_implementation,
              "gradient_checkpointing": cfg.gradient_checkpointing}
@@ -165,7 +173,7 @@ def run_trl(args) -> dict:
     base = str(Path(args.data_root) / "base")
     tokenizer = load_tokenizer(base)  # the same tokenizer object setup ours uses (pad token, right padding)
     model = load_causal_lm(base)  # fp32 weights, SDPA attention: exactly what ours loads
-    probe = autocast_probe(model)
+    probe = forward_probe(model)
     dataset = Dataset.from_list(trl_rows(args))
 
     class StepClock(TrainerCallback):
@@ -218,7 +226,7 @@ def run_trl(args) -> dict:
     ends = clock.ends[args.warmup - 1:]  # the clock starts at the end of the last warm-up step
     tokens = clock.tokens[-1] - clock.tokens[args.warmup - 1]
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    setup = {"padding_free": args.padding_free, "trl": trl.__version__, "autocast": probe.get("autocast"),
+    setup = {"padding_free": args.padding_free, "trl": trl.__version__, **probe,
              "optimizer": f"{type(trainer.optimizer).__name__}({type(inner).__name__}, "
                           f"fused={inner.defaults.get('fused')}, foreach={inner.defaults.get('foreach')})",
              "attention": model.config._attn_implementation, "gradient_checkpointing": config.gradient_checkpointing,
@@ -227,14 +235,14 @@ def run_trl(args) -> dict:
 
 
 def summarize(args, ends: list[float], tokens: int, setup: dict, threads: int) -> dict:
-    step_s = [b - a for a, b in zip(ends, ends[1:])]
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
     elapsed = ends[-1] - ends[0]
     return {
         "side": args.side, "stage": args.stage, "steps": len(step_s), "seconds": elapsed,
         "ms_per_step": 1000 * elapsed / len(step_s), "median_step_ms": 1000 * statistics.median(step_s),
         "tokens_per_step": tokens / len(step_s), "tokens_per_s": tokens / elapsed,
         "pairs_per_s": len(step_s) * args.train_batch_size / elapsed if args.stage == "dpo" else None,
-        "threads": threads, "setup": setup,
+        "threads": threads, "load_1m": os.getloadavg()[0], "setup": setup,
     }
 
 
@@ -255,10 +263,10 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path) -> di
            "--micro_train_batch_size", str(args.micro_train_batch_size),
            "--packing", str(variant.get("packing", True)), "--zero_stage", str(variant.get("zero_stage", 2)),
            "--padding_free", str(variant.get("padding_free", False))]
-    # Compiled DeepSpeed ops (about 2 min to build once) are cached outside the throwaway work dir.
-    extensions = Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"
-    env = dict(os.environ, RLHF_NO_PROGRESS="1", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions)), OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+    # Compiled DeepSpeed ops (about 2 min to build, once) are cached outside the throwaway work dir.
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"))
+    env = dict(os.environ, RLHF_NO_PROGRESS="1", OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TORCH_EXTENSIONS_DIR=extensions,
                RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child starts its own process group
         env.pop(key, None)
@@ -284,11 +292,13 @@ def describe(name: str, results: list[dict]) -> str:
     if not ok:
         return "failed"
     s = ok[0]["setup"]
+    batch = f"first batch {s['first_batch_shape']} with attention_mask {s['attention_mask']}"
     if VARIANTS[name]["side"] == "ours":
-        return (f"{'packed (4D block mask)' if s['packing'] else 'padded'}, DeepSpeed ZeRO-{s['zero_stage']}, "
-                f"autocast {s['autocast']}, {s['optimizer']}, threads {ok[0]['threads']}")
-    return (f"TRL {s['trl']}, {'padding-free (position_ids)' if s['padding_free'] else 'padded'}, "
-            f"accelerate {s['accelerate']}, autocast {s['autocast']}, {s['optimizer']}, threads {ok[0]['threads']}")
+        return (f"{'packed' if s['packing'] else 'padded'} ({batch}), DeepSpeed ZeRO-{s['zero_stage']}, "
+                f"autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, threads {ok[0]['threads']}")
+    return (f"TRL {s['trl']}, {'padding-free' if s['padding_free'] else 'padded'} ({batch}), "
+            f"accelerate {s['accelerate']}, autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, "
+            f"threads {ok[0]['threads']}")
 
 
 def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -> list[str]:
@@ -297,29 +307,32 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
     for name in names:
         ok = [r for r in results[name] if not r.get("failed")]
         med[name] = statistics.median(throughput(r, stage) for r in ok) if ok else None
+    dpo = stage == "dpo"
     lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
              f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
              f"max_len {args.max_len}, bf16 autocast, model {args.model_size}", "",
-             f"| run | runs ok | tokens/step | ms/step (median) | tokens/s (median) | {unit} (median) "
-             f"| ours ÷ this (median of {unit}) | per-round ours ÷ this (min–max) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | runs ok | tokens/step | ms/step (median) | tokens/s (median) | " + ("pairs/s (median) | " if dpo else "")
+             + f"ours ÷ this ({unit}, ratio of medians) | per-round ours ÷ this (min–max) | machine load (1 min) |",
+             "|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|"]
     for name in names:
         ok = [r for r in results[name] if not r.get("failed")]
         if not ok:
-            lines.append(f"| {name} | 0/{len(results[name])} | | | | | | |")
+            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (7 if dpo else 6))
             continue
         tok_step = statistics.median(r["tokens_per_step"] for r in ok)
         ms = statistics.median(r["ms_per_step"] for r in ok)
         tok_s = statistics.median(r["tokens_per_s"] for r in ok)
-        ratio, spread = "", ""
+        ratio, spread = "—", "—"
         if name != "ours" and med.get("ours") and med[name]:
-            ratio = f"{med['ours'] / med[name]:.2f}x"
+            ratio = f"**{med['ours'] / med[name]:.2f}x**"
             rounds = [throughput(a, stage) / throughput(b, stage)
                       for a, b in zip(results["ours"], results[name], strict=False)
                       if not a.get("failed") and not b.get("failed")]
-            spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else ""
-        lines.append(f"| {name} | {len(ok)}/{len(results[name])} | {tok_step:.0f} | {ms:.1f} | {tok_s:.0f} | "
-                     f"{med[name]:.1f} | {ratio} | {spread} |")
+            spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else "—"
+        load = statistics.median(r["load_1m"] for r in ok)
+        pairs = f"{med[name]:.1f} | " if dpo else ""
+        lines.append(f"| {name} | {len(ok)}/{len(results[name])} | {tok_step:.0f} | {ms:.1f} | {tok_s:.0f} | {pairs}"
+                     f"{ratio} | {spread} | {load:.1f} |")
     lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
     return lines
 

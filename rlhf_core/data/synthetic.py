@@ -44,10 +44,13 @@ class SyntheticTask:
 
     ``generate(rng)`` draws one example; ``mutate(answer, rng)`` returns one small edit of an
     answer, or the answer itself when the edit it drew does not apply (``near_miss`` retries).
+    ``max_answer_len`` bounds the answer's length in characters, which is also its length in
+    tiny-tokenizer tokens: evaluation and rollouts size ``max_new_tokens`` from it (plus EOS).
     """
 
     name: str
     description: str
+    max_answer_len: int
     generate: Callable[[random.Random], Example]
     mutate: Callable[[str, random.Random], str]
 
@@ -116,7 +119,7 @@ def _addition_mutate(answer: str, rng: random.Random) -> str:
 
 # --- reverse -------------------------------------------------------------------------------------
 
-REVERSE_MIN_LEN, REVERSE_MAX_LEN = 3, 8
+REVERSE_MIN_LEN, REVERSE_MAX_LEN = 6, 16
 
 
 def _reverse_generate(rng: random.Random) -> Example:
@@ -135,12 +138,14 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask(
             name="addition",
             description=f"sum of two numbers of 1-{ADDITION_MAX_DIGITS} digits",
+            max_answer_len=ADDITION_MAX_DIGITS + 1,
             generate=_addition_generate,
             mutate=_addition_mutate,
         ),
         SyntheticTask(
             name="reverse",
             description=f"reverse {REVERSE_MIN_LEN}-{REVERSE_MAX_LEN} uppercase letters",
+            max_answer_len=REVERSE_MAX_LEN,
             generate=_reverse_generate,
             mutate=_reverse_mutate,
         ),

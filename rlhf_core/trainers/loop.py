@@ -136,10 +136,12 @@ class TrainLoop:
     def save_checkpoint(self) -> None:
         ckpt = Path(self.cfg.ckpt_path)
         tag = f"global_step{self.step}"
-        self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": self.step})
+        # RNG first: DeepSpeed writes `latest` last, so a tag it points to is always complete.
+        (ckpt / tag).mkdir(parents=True, exist_ok=True)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save(rng, ckpt / tag / f"rng_state_rank{self.rank}.pt")
+        self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": self.step})
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         if self.rank == 0:
@@ -154,18 +156,19 @@ class TrainLoop:
             if self.rank == 0:
                 log.warning("--load_checkpoint: no checkpoint in %s yet; starting from step 0", ckpt)
             return 0
-        path, client = self.engine.load_checkpoint(str(ckpt), load_optimizer_states=True,
+        tag = (ckpt / "latest").read_text().strip()
+        path, client = self.engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:
-            raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load a checkpoint from {ckpt}")
-        rng = torch.load(Path(path) / f"rng_state_rank{self.rank}.pt", weights_only=False)
+            raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
+        rng = torch.load(ckpt / tag / f"rng_state_rank{self.rank}.pt", weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         if self.rank == 0:
-            print(f"resumed from {path} at step {client['step']}", file=sys.stderr, flush=True)
+            print(f"resumed from {ckpt / tag} at step {client['step']}", file=sys.stderr, flush=True)
         return int(client["step"])
 
     # -- reporting -------------------------------------------------------------------------

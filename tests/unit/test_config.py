@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
-from rlhf_core.config import DPOConfig, SFTConfig, ConfigError, DPOLossName, build_config
+from rlhf_core.config import ConfigError, DPOConfig, DPOLossName, SFTConfig, build_config
 
 BASE = {"pretrain": "m", "save_path": "out", "dataset": "d.jsonl"}
 

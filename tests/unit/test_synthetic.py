@@ -39,6 +39,7 @@ def test_generated_answers_are_correct(name):
     for _ in range(500):
         prompt, answer = task.make_example(rng)
         assert answer == _solve(prompt)
+        assert 0 < len(answer) <= task.max_answer_len
         assert task.verify(answer, answer)
 
 
@@ -122,6 +123,7 @@ def test_impossible_split_sizes_fail_instead_of_hanging():
     coin = SyntheticTask(
         name="coin",
         description="two possible prompts",
+        max_answer_len=1,
         generate=lambda rng: (rng.choice(("flip: H", "flip: T")), "H"),
         mutate=lambda answer, rng: "T",
     )
