@@ -4,6 +4,7 @@ Each stage runs exactly as `rlhf train <stage>` does (a Ray worker group of Deep
 MLflow tracking, the stage-output contract); one local Ray serves all three. Hyperparameters
 are sized for a tiny model on a 2-core CPU; any of them can be overridden from YAML:
 
+    prep: {n_train: 2000}
     sft: {max_epochs: 2}
     dpo: {beta: 0.2}
 
@@ -32,9 +33,9 @@ DEFAULTS = {
 
 
 def stage_configs(out: Path, overrides: dict) -> dict:
-    unknown = set(overrides) - set(DEFAULTS)
+    unknown = set(overrides) - set(DEFAULTS) - {"prep"}
     if unknown:
-        raise ConfigError(f"--config: unknown stage section(s) {sorted(unknown)} (use sft:, rm:, dpo:)")
+        raise ConfigError(f"--config: unknown section(s) {sorted(unknown)} (use prep:, sft:, rm:, dpo:)")
     data = out / "data"
     models = out / "models"
     specs = {
@@ -60,8 +61,9 @@ def run_demo(out: str | None, task: str = "addition", seed: int = 0, overrides: 
     root = Path(out) if out else state_dir() / "demo"
     prepare_environment()
     t0 = time.perf_counter()
-    paths = prepare(root, task=task, seed=seed)
-    configs = stage_configs(root, overrides or {})
+    overrides = overrides or {}
+    configs = stage_configs(root, overrides)
+    paths = prepare(root, task=task, seed=seed, **(overrides.get("prep") or {}))
     started = ensure_ray()
     manifests, timings = {}, {}
     try:
