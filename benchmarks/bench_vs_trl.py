@@ -123,10 +123,10 @@ def run_ours(args) -> dict:
 
     for _ in range(args.warmup):
         step()
-    ends, tokens = [time.perf_counter()], 0
+    ends, tokens = [clock()], 0
     for _ in range(args.steps):
         tokens += step()
-        ends.append(time.perf_counter())
+        ends.append(clock())
     inner = getattr(recipe.engine.optimizer, "optimizer", recipe.engine.optimizer)
     setup = {"packing": args.packing, "zero_stage": args.zero_stage, **probe,
              "optimizer": f"{type(recipe.engine.optimizer).__name__}({type(inner).__name__})",
@@ -181,14 +181,14 @@ def run_trl(args) -> dict:
             self.ends, self.tokens, self.threads = [], [], 0
 
         def on_step_end(self, _args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
+            self.ends.append(clock())
             self.tokens.append(counter.tokens)
             self.threads = torch.get_num_threads()
 
     class Counter:
         tokens = 0
 
-    counter, clock = Counter(), StepClock()
+    counter, step_clock = Counter(), StepClock()
     common = dict(
         output_dir=str(Path(args.out_dir) / "trl"), per_device_train_batch_size=args.micro_train_batch_size,
         gradient_accumulation_steps=args.train_batch_size // args.micro_train_batch_size,
@@ -220,26 +220,33 @@ def run_trl(args) -> dict:
             return super().compute_loss(model, inputs, *a, **k)
 
     trainer = Counting(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                       callbacks=[clock], **extra)
+                       callbacks=[step_clock], **extra)
     torch.set_num_threads(args.threads)
     trainer.train()
-    ends = clock.ends[args.warmup - 1:]  # the clock starts at the end of the last warm-up step
-    tokens = clock.tokens[-1] - clock.tokens[args.warmup - 1]
+    ends = step_clock.ends[args.warmup - 1:]  # the clock starts at the end of the last warm-up step
+    tokens = step_clock.tokens[-1] - step_clock.tokens[args.warmup - 1]
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     setup = {"padding_free": args.padding_free, "trl": trl.__version__, **probe,
              "optimizer": f"{type(trainer.optimizer).__name__}({type(inner).__name__}, "
                           f"fused={inner.defaults.get('fused')}, foreach={inner.defaults.get('foreach')})",
              "attention": model.config._attn_implementation, "gradient_checkpointing": config.gradient_checkpointing,
              "accelerate": trainer.accelerator.distributed_type.value}
-    return summarize(args, ends, tokens, setup, clock.threads)
+    return summarize(args, ends, tokens, setup, step_clock.threads)
 
 
-def summarize(args, ends: list[float], tokens: int, setup: dict, threads: int) -> dict:
-    step_s = [b - a for a, b in itertools.pairwise(ends)]
-    elapsed = ends[-1] - ends[0]
+def clock() -> tuple[float, float]:
+    """(wall, CPU) seconds. CPU time of this process, all threads: on a machine shared with other
+    work it moves much less than wall time when the scheduler takes the cores away."""
+    return time.perf_counter(), time.process_time()
+
+
+def summarize(args, ends: list[tuple[float, float]], tokens: int, setup: dict, threads: int) -> dict:
+    step_s = [b[0] - a[0] for a, b in itertools.pairwise(ends)]
+    elapsed, cpu = ends[-1][0] - ends[0][0], ends[-1][1] - ends[0][1]
     return {
-        "side": args.side, "stage": args.stage, "steps": len(step_s), "seconds": elapsed,
+        "side": args.side, "stage": args.stage, "steps": len(step_s), "seconds": elapsed, "cpu_seconds": cpu,
         "ms_per_step": 1000 * elapsed / len(step_s), "median_step_ms": 1000 * statistics.median(step_s),
+        "cpu_ms_per_step": 1000 * cpu / len(step_s), "step_ms": [round(1000 * t, 1) for t in step_s],
         "tokens_per_step": tokens / len(step_s), "tokens_per_s": tokens / elapsed,
         "pairs_per_s": len(step_s) * args.train_batch_size / elapsed if args.stage == "dpo" else None,
         "threads": threads, "load_1m": os.getloadavg()[0], "setup": setup,
@@ -287,6 +294,12 @@ def throughput(result: dict, stage: str) -> float:
     return result["pairs_per_s"] if stage == "dpo" else result["tokens_per_s"]
 
 
+def cpu_throughput(result: dict, stage: str, batch: int) -> float:
+    """Throughput per CPU-second of the run's own process (see `clock`)."""
+    per_step = batch if stage == "dpo" else result["tokens_per_step"]
+    return 1000 * per_step / result["cpu_ms_per_step"]
+
+
 def describe(name: str, results: list[dict]) -> str:
     ok = [r for r in results if not r.get("failed")]
     if not ok:
@@ -302,37 +315,38 @@ def describe(name: str, results: list[dict]) -> str:
 
 
 def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -> list[str]:
-    unit = "pairs/s" if stage == "dpo" else "tokens/s"
-    med = {}
-    for name in names:
-        ok = [r for r in results[name] if not r.get("failed")]
-        med[name] = statistics.median(throughput(r, stage) for r in ok) if ok else None
     dpo = stage == "dpo"
+    unit = "pairs/s" if dpo else "tokens/s"
+    ok = {name: [r for r in results[name] if not r.get("failed")] for name in names}
+
+    def median_of(name, value):
+        return statistics.median(value(r) for r in ok[name]) if ok[name] else None
+
+    wall = {n: median_of(n, lambda r: throughput(r, stage)) for n in names}
+    cpu = {n: median_of(n, lambda r: cpu_throughput(r, stage, args.train_batch_size)) for n in names}
     lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
              f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
-             f"max_len {args.max_len}, bf16 autocast, model {args.model_size}", "",
-             "| run | runs ok | tokens/step | ms/step (median) | tokens/s (median) | " + ("pairs/s (median) | " if dpo else "")
-             + f"ours ÷ this ({unit}, ratio of medians) | per-round ours ÷ this (min–max) | machine load (1 min) |",
-             "|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|"]
+             f"max_len {args.max_len}, bf16 autocast, model {args.model_size}, medians of {args.repeats} runs", "",
+             "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
+             + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | ours ÷ this by CPU time | load (1 min) |",
+             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|"]
     for name in names:
-        ok = [r for r in results[name] if not r.get("failed")]
-        if not ok:
-            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (7 if dpo else 6))
+        if not ok[name]:
+            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (9 if dpo else 8))
             continue
-        tok_step = statistics.median(r["tokens_per_step"] for r in ok)
-        ms = statistics.median(r["ms_per_step"] for r in ok)
-        tok_s = statistics.median(r["tokens_per_s"] for r in ok)
-        ratio, spread = "—", "—"
-        if name != "ours" and med.get("ours") and med[name]:
-            ratio = f"**{med['ours'] / med[name]:.2f}x**"
+        ratio, spread, cpu_ratio = "—", "—", "—"
+        if name != "ours" and wall.get("ours") and wall[name]:
+            ratio = f"**{wall['ours'] / wall[name]:.2f}x**"
             rounds = [throughput(a, stage) / throughput(b, stage)
                       for a, b in zip(results["ours"], results[name], strict=False)
                       if not a.get("failed") and not b.get("failed")]
             spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else "—"
-        load = statistics.median(r["load_1m"] for r in ok)
-        pairs = f"{med[name]:.1f} | " if dpo else ""
-        lines.append(f"| {name} | {len(ok)}/{len(results[name])} | {tok_step:.0f} | {ms:.1f} | {tok_s:.0f} | {pairs}"
-                     f"{ratio} | {spread} | {load:.1f} |")
+            cpu_ratio = f"{cpu['ours'] / cpu[name]:.2f}x"
+        pairs = f"{wall[name]:.1f} | " if dpo else ""
+        lines.append(f"| {name} | {len(ok[name])}/{len(results[name])} | {median_of(name, lambda r: r['tokens_per_step']):.0f} "
+                     f"| {median_of(name, lambda r: r['ms_per_step']):.0f} | {median_of(name, lambda r: r['cpu_ms_per_step']):.0f} "
+                     f"| {median_of(name, lambda r: r['tokens_per_s']):.0f} | {pairs}{ratio} | {spread} | {cpu_ratio} "
+                     f"| {median_of(name, lambda r: r['load_1m']):.1f} |")
     lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
     return lines
 

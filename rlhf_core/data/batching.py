@@ -62,17 +62,50 @@ def pad_batch(seqs: list[list[int]], loss_masks: list[list[int]], pad_id: int) -
     return Batch(input_ids, attention, position_ids, loss, seq_ids, n)
 
 
-def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]]) -> Batch:
-    """Concatenate sequences into one row `(1, sum(len))`, attention confined to each sample."""
-    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
-    loss = torch.tensor([v for m in loss_masks for v in m], dtype=torch.float32)[None]
-    seq_ids = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])[None]
-    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], row_capacity: int | None = None,
+               pad_id: int = 0) -> Batch:
+    """Pack sequences into rows, attention confined to each sample by restarting position ids.
+
+    `row_capacity=None` puts everything in one row `(1, sum(len))` (best with flash-attn's
+    variable-length kernels). With a capacity (e.g. max_len), sequences are placed first-fit
+    into rows of at most that many tokens: SDPA/eager attention builds a dense mask per row, so
+    short rows keep its cost linear in the batch instead of quadratic. Leftover row ends are
+    padding with their own restarted positions, `seq_ids` -1 and no loss.
+    """
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    for i in order:
+        n = len(seqs[i])
+        slot = next((r for r, used in enumerate(loads) if row_capacity is None or used + n <= row_capacity), None)
+        if slot is None:
+            rows.append([])
+            loads.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        loads[slot] += n
+    width = max(loads)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    loss = torch.zeros((len(rows), width), dtype=torch.float32)
+    seq_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            n = len(seqs[i])
+            input_ids[r, at : at + n] = torch.tensor(seqs[i])
+            position_ids[r, at : at + n] = torch.arange(n)
+            loss[r, at : at + n] = torch.tensor(loss_masks[i], dtype=torch.float32)
+            seq_ids[r, at : at + n] = i
+            at += n
+        position_ids[r, at:] = torch.arange(width - at)
     return Batch(input_ids, None, position_ids, loss, seq_ids, len(seqs))
 
 
-def make_batch(seqs, loss_masks, pad_id: int, packing: bool) -> Batch:
-    return pack_batch(seqs, loss_masks) if packing else pad_batch(seqs, loss_masks, pad_id)
+def make_batch(seqs, loss_masks, pad_id: int, packing: bool, row_capacity: int | None = None) -> Batch:
+    if packing:
+        return pack_batch(seqs, loss_masks, row_capacity, pad_id)
+    return pad_batch(seqs, loss_masks, pad_id)
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ CHAT_TEMPLATE = (
 )
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    # ~0.8M parameters besides embeddings: a few thousand steps a minute on 2 CPU cores.
+    # ~1.05M parameters besides embeddings: ~40 ms per batch-32 step (bf16) on 2 CPU cores.
     "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
-    # ~4.7M parameters besides embeddings: for machines with more cores, or a GPU.
+    # ~6.3M parameters besides embeddings: for machines with more cores, or a GPU.
     "small": {
         "hidden_size": 256,
         "num_hidden_layers": 6,

@@ -86,6 +86,20 @@ def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
     return model
 
 
+def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
+    """`sequences -> Batch` on `device`: padded, or packed (one row with flash-attn, else rows of max_len)."""
+    from rlhf_core.data.batching import make_batch
+    from rlhf_core.models.loading import attention_implementation
+
+    capacity = None if attention_implementation(cfg.flash_attn) == "flash_attention_2" else cfg.data.max_len
+
+    def build(sequences):
+        return make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences], tokenizer.pad_token_id,
+                          cfg.data.packing_samples, capacity).to(device)
+
+    return build
+
+
 def config_hash(cfg: TrainConfig) -> str:
     values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NON_SEMANTIC}
     return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()

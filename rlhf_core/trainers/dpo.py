@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.config import DPOConfig
-from rlhf_core.data.batching import make_batch
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import initialize, initialize_frozen
 from rlhf_core.losses import dpo_loss
 from rlhf_core.models.forward import per_sample_sum, token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
+    batch_builder,
     load_stage_tokenizer,
     local_model_path,
     prepare_trainable,
@@ -40,6 +40,7 @@ class DPORecipe:
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
 
@@ -49,8 +50,7 @@ class DPORecipe:
     def micro_step(self, model, examples):
         n = len(examples)
         seqs = [e.chosen for e in examples] + [e.rejected for e in examples]
-        batch = make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
-                           self.cfg.data.packing_samples).to(self.ctx.device)
+        batch = self.to_batch(seqs)
         token_lp = token_logprobs(model, batch)
         logps = per_sample_sum(token_lp, batch)
         with torch.no_grad():

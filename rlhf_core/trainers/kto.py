@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.config import KTOConfig
-from rlhf_core.data.batching import make_batch
 from rlhf_core.data.examples import Sequence, load_unpaired
 from rlhf_core.distributed.engine import all_reduce_mean, initialize, initialize_frozen
 from rlhf_core.losses import kto_kl_estimate, kto_loss
 from rlhf_core.models.forward import sequence_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
+    batch_builder,
     load_stage_tokenizer,
     local_model_path,
     prepare_trainable,
@@ -50,21 +50,18 @@ class KTORecipe:
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
-
-    def _batch(self, seqs):
-        return make_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.tokenizer.pad_token_id,
-                          self.cfg.data.packing_samples).to(self.ctx.device)
 
     def count(self, examples) -> int:
         return len(examples)
 
     def micro_step(self, model, examples):
         seqs = [e.seq for e in examples]
-        batch = self._batch(seqs)
+        batch = self.to_batch(seqs)
         logps = sequence_logprobs(model, batch)
-        kl_batch = self._batch(mismatched(seqs, self.cfg.data.max_len))
+        kl_batch = self.to_batch(mismatched(seqs, self.cfg.data.max_len))
         with torch.no_grad():
             ref_logps = sequence_logprobs(self.reference, batch)
             kl = kto_kl_estimate(sequence_logprobs(model, kl_batch), sequence_logprobs(self.reference, kl_batch))

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.config import RMConfig
-from rlhf_core.data.batching import make_batch
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import load_reward_model
 from rlhf_core.trainers.common import (
+    batch_builder,
     load_stage_tokenizer,
     local_model_path,
     prepare_trainable,
@@ -41,12 +41,11 @@ class RewardModelRecipe:
         model = load_reward_model(local_model_path(cfg.pretrain), self.tokenizer.pad_token_id,
                                   cfg.value_head_prefix, cfg.flash_attn)
         model = prepare_trainable(model, cfg, is_reward_model=True)
+        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
         self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
 
     def scores(self, model, sequences) -> torch.Tensor:
-        batch = make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences],
-                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples)
-        return reward_scores(model, batch.to(self.ctx.device))
+        return reward_scores(model, self.to_batch(sequences))
 
     def count(self, examples) -> int:
         return len(examples)

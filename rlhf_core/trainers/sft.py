@@ -8,12 +8,12 @@ tokens weigh and micro-batching does not change the result.
 from __future__ import annotations
 
 from rlhf_core.config import SFTConfig
-from rlhf_core.data.batching import make_batch
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import initialize
 from rlhf_core.models.forward import token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
+    batch_builder,
     load_stage_tokenizer,
     local_model_path,
     prepare_trainable,
@@ -38,6 +38,7 @@ class SFTRecipe:
         self.ctx.tracker.log_datasets(self.train_sources, "training")
         self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
         model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
         self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
 
     # Recipe protocol used by TrainLoop.
@@ -45,9 +46,7 @@ class SFTRecipe:
         return sum(sum(e.seq.loss_mask) for e in examples)
 
     def micro_step(self, model, examples):
-        batch = make_batch([e.seq.input_ids for e in examples], [e.seq.loss_mask for e in examples],
-                           self.tokenizer.pad_token_id, self.cfg.data.packing_samples)
-        batch = batch.to(self.ctx.device)
+        batch = self.to_batch([e.seq for e in examples])
         logprobs = token_logprobs(model, batch)
         nll_sum = -(logprobs * batch.loss_mask).sum()
         tokens = int((batch.seq_ids >= 0).sum())

@@ -22,12 +22,16 @@ def test_packed_and_padded_give_same_per_sample_logprobs_and_loss(prepared):
     model = load_causal_lm(prepared["base"]).eval()
     seqs, masks = _sequences()
     padded, packed = pad_batch(seqs, masks, pad_id=0), pack_batch(seqs, masks)
+    rows = pack_batch(seqs, masks, row_capacity=24)
     assert packed.input_ids.shape == (1, sum(map(len, seqs)))
+    assert rows.input_ids.shape[0] > 1 and rows.input_ids.shape[1] <= 24
     with torch.no_grad():
-        lp_pad, lp_pack = token_logprobs(model, padded), token_logprobs(model, packed)
-    per_pad, per_pack = per_sample_sum(lp_pad, padded), per_sample_sum(lp_pack, packed)
-    assert torch.allclose(per_pad, per_pack, atol=1e-5, rtol=0)
-    assert torch.allclose(sft_loss(lp_pad, padded.loss_mask), sft_loss(lp_pack, packed.loss_mask), atol=1e-5)
+        lp_pad = token_logprobs(model, padded)
+        per_pad = per_sample_sum(lp_pad, padded)
+        for batch in (packed, rows):
+            lp = token_logprobs(model, batch)
+            assert torch.allclose(per_pad, per_sample_sum(lp, batch), atol=1e-5, rtol=0)
+            assert torch.allclose(sft_loss(lp_pad, padded.loss_mask), sft_loss(lp, batch.loss_mask), atol=1e-5)
     # With positions that do not restart, samples would attend to each other: the check can fail.
     leaky = pack_batch(seqs, masks)
     leaky.position_ids = torch.arange(leaky.input_ids.shape[1])[None]
@@ -44,11 +48,12 @@ def test_reward_scores_match_plain_transformers_and_packing(prepared):
     with torch.no_grad():
         padded = reward_scores(ours, pad_batch(seqs, masks, tok.pad_token_id))
         packed = reward_scores(ours, pack_batch(seqs, masks))
+        rows = reward_scores(ours, pack_batch(seqs, masks, row_capacity=20, pad_id=tok.pad_token_id))
         plain = ours(**{k: v for k, v in zip(("input_ids", "attention_mask"),
                                                (pad_batch(seqs, masks, tok.pad_token_id).input_ids,
                                                 pad_batch(seqs, masks, tok.pad_token_id).attention_mask),
                                                strict=True)}).logits.squeeze(-1)
-    assert torch.allclose(padded, packed, atol=1e-5)
+    assert torch.allclose(padded, packed, atol=1e-5) and torch.allclose(padded, rows, atol=1e-5)
     assert torch.allclose(padded, plain, atol=1e-5)
     assert isinstance(ours, AutoModelForSequenceClassification._model_mapping[type(ours.config)])
 
