@@ -36,19 +36,8 @@ def check_data(cfg) -> dict[str, int]:
 
     Raises DataError (file, row, key) or ValueError (too little data); returns example counts.
     """
-    from rlhf_core.data.examples import load_pairs, load_sft, load_unpaired
-    from rlhf_core.trainers.common import load_stage_tokenizer
-
-    tokenizer = load_stage_tokenizer(cfg)
-    loaders = {
-        "sft": lambda split: load_sft(cfg.data, tokenizer, split, cfg.seed, cfg.pretrain_mode),
-        "rm": lambda split: load_pairs(cfg.data, tokenizer, split, cfg.seed),
-        "dpo": lambda split: load_pairs(cfg.data, tokenizer, split, cfg.seed),
-        "kto": lambda split: load_unpaired(cfg.data, tokenizer, split, cfg.seed),
-    }
-    train, _ = loaders[cfg.stage](cfg.data.dataset_split)
-    evaluation, _ = loaders[cfg.stage](cfg.data.eval_split)
-    if len(train) < cfg.train_batch_size:
-        raise ValueError(f"--dataset {cfg.data.dataset}: {len(train)} training examples, fewer than one global "
+    data = importlib.import_module(RECIPES[cfg.stage].split(":")[0]).load_data(cfg)
+    if len(data.train) < cfg.train_batch_size:
+        raise ValueError(f"--dataset {cfg.data.dataset}: {len(data.train)} training examples, fewer than one global "
                          f"batch (--train_batch_size {cfg.train_batch_size})")
-    return {"train": len(train), "eval": len(evaluation or [])}
+    return {"train": len(data.train), "eval": len(data.eval or [])}

@@ -43,7 +43,30 @@ class StageContext:
         return self.rank == 0
 
 
-def start_stage(cfg: TrainConfig) -> StageContext:
+@dataclass
+class StageData:
+    """A stage's tokenizer and checked, tokenized examples, plus the dataset descriptors for lineage."""
+
+    tokenizer: object
+    train: list
+    eval: list | None
+    train_sources: list[dict]
+    eval_sources: list[dict]
+
+    @property
+    def sources(self) -> list[dict]:
+        return self.train_sources + self.eval_sources
+
+
+def load_stage_data(cfg: TrainConfig, load) -> StageData:
+    """`load(data_cfg, tokenizer, split, seed)` for the train and eval splits (DataError on bad rows)."""
+    tokenizer = load_tokenizer(local_model_path(cfg.pretrain))
+    train, train_sources = load(cfg.data, tokenizer, cfg.data.dataset_split, cfg.seed)
+    evaluation, eval_sources = load(cfg.data, tokenizer, cfg.data.eval_split, cfg.seed)
+    return StageData(tokenizer, train, evaluation, train_sources, eval_sources)
+
+
+def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     """Join (or start, for one local rank) the process group, seed, open the MLflow run on rank 0."""
     if not torch.distributed.is_initialized():
         init_distributed(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
@@ -56,7 +79,18 @@ def start_stage(cfg: TrainConfig) -> StageContext:
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
     tracker.log_params(cfg.model_dump(mode="json"))
+    tracker.log_datasets(data.train_sources, "training")
+    tracker.log_datasets(data.eval_sources, "evaluation")
     return StageContext(cfg, rank, world, device(), tracker)
+
+
+def run_training(recipe) -> dict:
+    """Run the shared optimisation loop for a recipe that has cfg, data, ctx and engine."""
+    from rlhf_core.trainers.loop import TrainLoop
+
+    loop = TrainLoop(recipe.cfg, recipe.engine, recipe, recipe.data.train, recipe.data.eval, recipe.ctx.tracker,
+                     recipe.ctx.rank, recipe.ctx.world_size)
+    return loop.run()
 
 
 def seed_everything(seed: int) -> None:
@@ -68,10 +102,6 @@ def seed_everything(seed: int) -> None:
 def local_model_path(uri: str) -> str:
     """Models on s3:// are downloaded once into the state directory's cache."""
     return storage.local_copy(uri, state_dir() / "cache")
-
-
-def load_stage_tokenizer(cfg: TrainConfig):
-    return load_tokenizer(local_model_path(cfg.pretrain))
 
 
 def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):

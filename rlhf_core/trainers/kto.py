@@ -17,13 +17,14 @@ from rlhf_core.models.forward import sequence_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     batch_builder,
-    load_stage_tokenizer,
+    load_stage_data,
     local_model_path,
     prepare_trainable,
+    run_training,
     save_stage,
     start_stage,
 )
-from rlhf_core.trainers.loop import TrainLoop, total_steps
+from rlhf_core.trainers.loop import total_steps
 
 
 def mismatched(seqs: list[Sequence], max_len: int) -> list[Sequence]:
@@ -37,21 +38,21 @@ def mismatched(seqs: list[Sequence], max_len: int) -> list[Sequence]:
     return out
 
 
+def load_data(cfg: KTOConfig):
+    return load_stage_data(cfg, load_unpaired)
+
+
 class KTORecipe:
     def __init__(self, cfg: KTOConfig):
         self.cfg = cfg
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_stage_tokenizer(cfg)
-        self.train_set, self.train_sources = load_unpaired(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed)
-        self.eval_set, self.eval_sources = load_unpaired(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed)
-        self.ctx = start_stage(cfg)
-        self.ctx.tracker.log_datasets(self.train_sources, "training")
-        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
+        self.data = load_data(cfg)
+        self.ctx = start_stage(cfg, self.data)
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
-        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
-        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.train_set)))
+        self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
+        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.data.train)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
 
     def count(self, examples) -> int:
@@ -75,12 +76,10 @@ class KTORecipe:
         return losses.sum(), stats, int((batch.seq_ids >= 0).sum())
 
     def train(self) -> dict:
-        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
-                              self.ctx.rank, self.ctx.world_size)
-        self.metrics = self.loop.run()
+        self.metrics = run_training(self)
         return self.metrics
 
     def save(self) -> dict | None:
         inputs = {"pretrain": self.cfg.pretrain, "ref_pretrain": self.cfg.ref_pretrain,
-                  "datasets": self.train_sources + self.eval_sources}
-        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs)
+                  "datasets": self.data.sources}
+        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, inputs)

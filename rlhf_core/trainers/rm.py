@@ -17,13 +17,18 @@ from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import load_reward_model
 from rlhf_core.trainers.common import (
     batch_builder,
-    load_stage_tokenizer,
+    load_stage_data,
     local_model_path,
     prepare_trainable,
+    run_training,
     save_stage,
     start_stage,
 )
-from rlhf_core.trainers.loop import TrainLoop, total_steps
+from rlhf_core.trainers.loop import total_steps
+
+
+def load_data(cfg: RMConfig):
+    return load_stage_data(cfg, load_pairs)
 
 
 class RewardModelRecipe:
@@ -32,17 +37,13 @@ class RewardModelRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_stage_tokenizer(cfg)
-        self.train_set, self.train_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed)
-        self.eval_set, self.eval_sources = load_pairs(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed)
-        self.ctx = start_stage(cfg)
-        self.ctx.tracker.log_datasets(self.train_sources, "training")
-        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
-        model = load_reward_model(local_model_path(cfg.pretrain), self.tokenizer.pad_token_id,
+        self.data = load_data(cfg)
+        self.ctx = start_stage(cfg, self.data)
+        model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
                                   cfg.value_head_prefix, cfg.flash_attn)
         model = prepare_trainable(model, cfg, is_reward_model=True)
-        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
-        self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
+        self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
+        self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))
 
     def scores(self, model, sequences) -> torch.Tensor:
         return reward_scores(model, self.to_batch(sequences))
@@ -62,9 +63,7 @@ class RewardModelRecipe:
         return losses.sum(), stats, tokens
 
     def train(self) -> dict:
-        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
-                              self.ctx.rank, self.ctx.world_size)
-        self.metrics = self.loop.run()
+        self.metrics = run_training(self)
         return self.metrics
 
     @torch.no_grad()
@@ -72,8 +71,8 @@ class RewardModelRecipe:
         """Mean and std of the rewards of all training sequences (chosen and rejected)."""
         self.engine.eval()
         world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.micro_train_batch_size
-        usable = len(self.train_set) - len(self.train_set) % world
-        mine = self.train_set[rank:usable:world]
+        usable = len(self.data.train) - len(self.data.train) % world
+        mine = self.data.train[rank:usable:world]
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(mine), micro):
             chunk = mine[i : i + micro]
@@ -87,6 +86,6 @@ class RewardModelRecipe:
     def save(self) -> dict | None:
         mean, std = self.reward_statistics()
         self.metrics.update({"reward_mean": mean, "reward_std": std})
-        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.train_sources + self.eval_sources}
+        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.data.sources}
         updates = {"reward_mean": mean, "reward_std": std, "value_head_prefix": "score"}
-        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs, updates)
+        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, inputs, updates)

@@ -7,6 +7,8 @@ tokens weigh and micro-batching does not change the result.
 
 from __future__ import annotations
 
+from functools import partial
+
 from rlhf_core.config import SFTConfig
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import initialize
@@ -14,13 +16,18 @@ from rlhf_core.models.forward import token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     batch_builder,
-    load_stage_tokenizer,
+    load_stage_data,
     local_model_path,
     prepare_trainable,
+    run_training,
     save_stage,
     start_stage,
 )
-from rlhf_core.trainers.loop import TrainLoop, total_steps
+from rlhf_core.trainers.loop import total_steps
+
+
+def load_data(cfg: SFTConfig):
+    return load_stage_data(cfg, partial(load_sft, pretrain_mode=cfg.pretrain_mode))
 
 
 class SFTRecipe:
@@ -29,35 +36,25 @@ class SFTRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_stage_tokenizer(cfg)
-        self.train_set, self.train_sources = load_sft(cfg.data, self.tokenizer, cfg.data.dataset_split, cfg.seed,
-                                                      cfg.pretrain_mode)
-        self.eval_set, self.eval_sources = load_sft(cfg.data, self.tokenizer, cfg.data.eval_split, cfg.seed,
-                                                    cfg.pretrain_mode)
-        self.ctx = start_stage(cfg)
-        self.ctx.tracker.log_datasets(self.train_sources, "training")
-        self.ctx.tracker.log_datasets(self.eval_sources, "evaluation")
+        self.data = load_data(cfg)
+        self.ctx = start_stage(cfg, self.data)
+        self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
-        self.to_batch = batch_builder(cfg, self.tokenizer, self.ctx.device)
-        self.engine = initialize(model, cfg, total_steps(cfg, len(self.train_set)))
+        self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))
 
-    # Recipe protocol used by TrainLoop.
+    # Recipe protocol used by TrainLoop: loss units are response tokens.
     def count(self, examples) -> int:
         return sum(sum(e.seq.loss_mask) for e in examples)
 
     def micro_step(self, model, examples):
         batch = self.to_batch([e.seq for e in examples])
-        logprobs = token_logprobs(model, batch)
-        nll_sum = -(logprobs * batch.loss_mask).sum()
-        tokens = int((batch.seq_ids >= 0).sum())
-        return nll_sum, {"loss": nll_sum.detach()}, tokens
+        nll_sum = -(token_logprobs(model, batch) * batch.loss_mask).sum()
+        return nll_sum, {"loss": nll_sum.detach()}, int((batch.seq_ids >= 0).sum())
 
     def train(self) -> dict:
-        self.loop = TrainLoop(self.cfg, self.engine, self, self.train_set, self.eval_set, self.ctx.tracker,
-                              self.ctx.rank, self.ctx.world_size)
-        self.metrics = self.loop.run()
+        self.metrics = run_training(self)
         return self.metrics
 
     def save(self) -> dict | None:
-        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.train_sources + self.eval_sources}
-        return save_stage(self.ctx, self.engine.module, self.tokenizer, self.metrics, inputs)
+        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.data.sources}
+        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, inputs)
