@@ -62,7 +62,7 @@ def test_sft_mlflow_run_has_params_metrics_and_inputs(sft_model):
 
 def test_reward_model_learns_and_loads_with_plain_transformers(prepared, sft_model, tmp_path):
     manifest = train("rm", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=1e-3,
-                     max_epochs=2)
+                     max_steps=24, packing_samples=True, max_samples=768)
     m = manifest["metrics"]
     assert m["eval/accuracy"] > max(0.6, m["eval_initial/accuracy"] + 0.1), m
     assert m["eval/loss"] < m["eval_initial/loss"]
