@@ -114,7 +114,7 @@ def run_ours(args) -> dict:
     recipe = recipe_class(args.stage)(cfg)
     recipe.setup()
     probe = forward_probe(recipe.engine.module)
-    loop = TrainLoop(cfg, recipe.engine, recipe, recipe.train_set, None, recipe.ctx.tracker, 0, 1)
+    loop = TrainLoop(cfg, recipe.engine, recipe, recipe.data.train, None, recipe.ctx.tracker, 0, 1)
 
     def step() -> int:
         _, tokens = loop.train_step()
@@ -261,9 +261,30 @@ def child_main(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Driver: prepare data once, alternate child runs, print the table.
 
-def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path) -> dict:
+def take_snapshot(work: Path) -> tuple[Path, str]:
+    """Copy rlhf_core and this script into `work`: every run then trains the same code, even while
+    the working tree changes under a long benchmark. Returns the folder and a version line."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    snapshot = work / "snapshot"
+    shutil.copytree(repo / "rlhf_core", snapshot / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(Path(__file__).resolve(), snapshot / Path(__file__).name)
+
+    def git(*argv):
+        try:
+            return subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    sha = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    dirty = " + uncommitted changes" if git("status", "--porcelain", "--", "rlhf_core") else ""
+    return snapshot, f"rlhf_core {sha}{dirty}"
+
+
+def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path, snapshot: Path) -> dict:
     variant = VARIANTS[name]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", variant["side"], "--stage", stage,
+    cmd = [sys.executable, str(snapshot / Path(__file__).name), "--side", variant["side"], "--stage", stage,
            "--data_root", str(data_root), "--out_dir", str(out_dir), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--max_len", str(args.max_len), "--threads", str(args.threads),
            "--train_batch_size", str(args.train_batch_size),
@@ -274,12 +295,12 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path) -> di
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"))
     env = dict(os.environ, RLHF_NO_PROGRESS="1", OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TORCH_EXTENSIONS_DIR=extensions,
-               RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")))
+               RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")),
+               PYTHONPATH=os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH")) if p))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # each child starts its own process group
         env.pop(key, None)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=snapshot)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -369,16 +390,16 @@ def driver_main(args) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-vs-trl-")).resolve()
     data_root = work / f"prep-{args.model_size}"
     print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
+    snapshot, code = take_snapshot(work)
     prep = subprocess.run([sys.executable, "-c", "import sys; from rlhf_core.prep import prepare; "
                            "prepare(sys.argv[1], task='addition', seed=0, model_size=sys.argv[2])",
-                           str(data_root), args.model_size], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                           str(data_root), args.model_size], capture_output=True, text=True, cwd=snapshot)
     if prep.returncode != 0:
         print(prep.stderr[-3000:], file=sys.stderr)
         return 1
 
     raw: dict[str, dict[str, list[dict]]] = {}
-    out_lines = [versions_line(args), ""]
+    out_lines = [versions_line(args, code), ""]
     failed = False
     for stage in stages:
         names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[stage]
@@ -390,19 +411,20 @@ def driver_main(args) -> int:
         for round_ in range(args.repeats):
             for name in names:  # alternate: ours, trl, ..., ours, trl, ...
                 out_dir = work / "runs" / f"{stage}-{name}-{round_}"
-                result = run_child(args, stage, name, data_root, out_dir)
+                result = run_child(args, stage, name, data_root, out_dir, snapshot)
                 results[name].append(result)
                 failed |= bool(result.get("failed"))
                 if not result.get("failed"):
                     print(f"  {stage} round {round_ + 1}/{args.repeats} {name:17s} "
-                          f"{result['ms_per_step']:8.1f} ms/step  {result['tokens_per_s']:8.0f} tokens/s"
+                          f"{result['ms_per_step']:8.1f} ms/step ({result['cpu_ms_per_step']:7.1f} CPU ms)  "
+                          f"{result['tokens_per_s']:8.0f} tokens/s"
                           + (f"  {result['pairs_per_s']:7.1f} pairs/s" if stage == "dpo" else ""),
                           file=sys.stderr, flush=True)
         raw[stage] = results
         out_lines += report(args, stage, names, results)
     print("\n".join(out_lines))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": raw}, indent=2))
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "code": code, "results": raw}, indent=2))
     if not keep:
         import shutil
 
@@ -410,12 +432,13 @@ def driver_main(args) -> int:
     return 1 if failed else 0
 
 
-def versions_line(args) -> str:
+def versions_line(args, code: str) -> str:
     from importlib.metadata import version
 
     names = ["torch", "transformers", "deepspeed", "trl", "accelerate"]
-    return ("Versions: " + ", ".join(f"{n} {version(n)}" for n in names)
-            + f"; {args.threads} torch threads per run, {os.cpu_count()} CPUs visible, {args.repeats} alternating runs each")
+    return (f"Versions: {code}, " + ", ".join(f"{n} {version(n)}" for n in names)
+            + f"; {args.threads} torch threads per run, {os.cpu_count()} CPUs visible, "
+            f"{args.repeats} alternating runs each")
 
 
 def parse_args(argv=None):

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="prep, then SFT -> reward model -> DPO on the built-in task")
     demo.add_argument("--out", default=None, help="Working directory (default: <state dir>/demo)")
-    demo.add_argument("--task", default="addition")
+    demo.add_argument("--task", default="reverse", help="Built-in task (reverse learns fastest on a CPU)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--config", default=None, help="YAML with per-stage overrides under sft:, rm:, dpo:")
     return parser

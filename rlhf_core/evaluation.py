@@ -34,7 +34,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
 
 
 def exact_match(model_path: str, prompts_file: str, task: str, apply_chat_template: bool = True,
-                max_new_tokens: int = 16, limit: int | None = None) -> dict:
+                max_new_tokens: int | None = None, limit: int | None = None) -> dict:
     """Exact-match accuracy of `model_path` on a prompts jsonl (`prompt`, `answer`)."""
     rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()]
     rows = rows[:limit] if limit else rows
@@ -43,8 +43,8 @@ def exact_match(model_path: str, prompts_file: str, task: str, apply_chat_templa
     formatted = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                                add_generation_prompt=True) if apply_chat_template else r["prompt"]
                  for r in rows]
-    completions = generate(model, tokenizer, formatted, max_new_tokens)
     verifier = get_task(task)
+    completions = generate(model, tokenizer, formatted, max_new_tokens or verifier.max_answer_len + 1)
     correct = [verifier.verify(c, r["answer"]) for c, r in zip(completions, rows, strict=True)]
     samples = [{"prompt": r["prompt"], "answer": r["answer"], "completion": c}
                for r, c in zip(rows[:5], completions[:5], strict=True)]
