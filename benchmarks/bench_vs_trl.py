@@ -379,6 +379,17 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
     return lines
 
 
+def print_saved(path: str) -> int:
+    """Print the tables of a `--json_out` file (also one a cut-short benchmark left behind)."""
+    saved = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**saved["args"])
+    lines = [saved["header"], ""]
+    for stage, results in saved["results"].items():
+        lines += report(args, stage, list(results), results)
+    print("\n".join(lines))
+    return 0
+
+
 def driver_main(args) -> int:
     if importlib.util.find_spec("trl") is None:
         print("TRL is not installed, so there is nothing to compare against.\n"
@@ -406,7 +417,8 @@ def driver_main(args) -> int:
         return 1
 
     raw: dict[str, dict[str, list[dict]]] = {}
-    out_lines = [versions_line(args, code), ""]
+    header = versions_line(args, code)
+    out_lines = [header, ""]
     failed = False
     for stage in stages:
         names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[stage]
@@ -421,17 +433,17 @@ def driver_main(args) -> int:
                 result = run_child(args, stage, name, data_root, out_dir, snapshot)
                 results[name].append(result)
                 failed |= bool(result.get("failed"))
+                raw[stage] = results
+                if args.json_out:  # after every run: a long benchmark that is cut short keeps what it measured
+                    Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": header, "results": raw}, indent=2))
                 if not result.get("failed"):
                     print(f"  {stage} round {round_ + 1}/{args.repeats} {name:17s} "
                           f"{result['ms_per_step']:8.1f} ms/step ({result['cpu_ms_per_step']:7.1f} CPU ms)  "
                           f"{result['tokens_per_s']:8.0f} tokens/s"
                           + (f"  {result['pairs_per_s']:7.1f} pairs/s" if stage == "dpo" else ""),
                           file=sys.stderr, flush=True)
-        raw[stage] = results
         out_lines += report(args, stage, names, results)
     print("\n".join(out_lines))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "code": code, "results": raw}, indent=2))
     if not keep:
         import shutil
 
@@ -464,7 +476,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
     p.add_argument("--work_dir", default=None, help="keep data and run folders here (default: a temp dir, removed)")
-    p.add_argument("--json_out", default=None, help="write every run's raw result here")
+    p.add_argument("--json_out", default=None, help="write every run's raw result here (updated after each run)")
+    p.add_argument("--report", default=None, metavar="JSON", help="only print the tables of a --json_out file")
     # Child-only flags (the driver passes them).
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["sft", "dpo"], default=None, help=argparse.SUPPRESS)
@@ -481,7 +494,7 @@ def main(argv=None) -> int:
     if args.side:
         child_main(args)
         return 0
-    return driver_main(args)
+    return print_saved(args.report) if args.report else driver_main(args)
 
 
 if __name__ == "__main__":
