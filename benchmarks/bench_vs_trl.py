@@ -11,7 +11,11 @@ Choices, and why:
 - Every run is a fresh subprocess (`--side ours|trl --stage sft|dpo`): DeepSpeed and
   torch.distributed keep per-process state, and a fresh process has no warm caches to share.
 - Runs alternate (ours, trl, ours, trl, ...) and medians are reported: the machine is shared and
-  noisy, so drift hits every setup alike instead of whichever happened to run last.
+  noisy, so drift hits every setup alike instead of whichever happened to run last. Next to the
+  usual throughput (tokens / total time) the table gives one from each run's 20th-percentile
+  step, which estimates the speed when other work leaves the cores alone.
+- Every run imports a copy of rlhf_core taken when the driver starts, so a long benchmark in a
+  tree other people are editing compares one version of our code, not several.
 - Only optimizer steps are timed, after warm-up steps: loading, tokenization and DeepSpeed setup
   are one-off costs. A step is the wall time from the end of one optimizer step to the end of the
   next, so batch collation, the forward/backward passes, clipping, the optimizer and each side's
@@ -235,8 +239,8 @@ def run_trl(args) -> dict:
 
 
 def clock() -> tuple[float, float]:
-    """(wall, CPU) seconds. CPU time of this process, all threads: on a machine shared with other
-    work it moves much less than wall time when the scheduler takes the cores away."""
+    """(wall, CPU) seconds; CPU time of this process, all threads, OpenMP threads spinning at a
+    barrier included (so it grows too when other work takes the cores away)."""
     return time.perf_counter(), time.process_time()
 
 
