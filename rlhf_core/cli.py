@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         return _fail(str(e))
     except StageFailed as e:
-        if isinstance(e.cause, (ConfigError, DataError, ValueError)):
+        if isinstance(e.cause, (ConfigError, DataError)):
             return _fail(str(e.cause))
         return _fail(f"stage failed: {type(e.cause).__name__}: {e.cause}", EXIT_FAILED)
     return _fail(f"unknown command {args.command}")

@@ -47,7 +47,7 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict) -> str:
         dest = Path(uri.removeprefix("file://")).expanduser().resolve()
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(local_dir, staging) if local_dir.parent != dest.parent else local_dir.rename(staging)
+        shutil.copytree(local_dir, staging)
         _write_json_atomic(staging / MANIFEST, manifest)
         if dest.exists():
             trash = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
@@ -98,10 +98,10 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
     dest = Path(cache_root) / "downloads" / key
     if (dest / ".complete").exists():
         return str(dest)
-    tmp = Path(tempfile.mkdtemp(dir=Path(cache_root).mkdir(parents=True, exist_ok=True) or cache_root))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
     fs.get(uri.rstrip("/") + "/", str(tmp), recursive=True)
     (tmp / ".complete").touch()
-    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(dest)
     except OSError:  # another rank finished the same download first

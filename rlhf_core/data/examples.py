@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_core.config import DataConfig
-from rlhf_core.data.loading import DataError, check_rows, load_mixture
+from rlhf_core.data.loading import DataError, check_rows, has_split, load_mixture, load_split, resolve_source
 
 
 @dataclass
@@ -144,11 +144,10 @@ def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
     A source with `chosen_key`/`rejected_key` columns gives one desirable and one undesirable
     example per row; otherwise `input_key`, `output_key` and a boolean `label_key` are required.
     """
-    probe, _ = _load(cfg, split, seed, None, lambda d, w: None)
-    if probe is None:
+    columns = _first_source_columns(cfg, split)
+    if columns is None:
         return None, []
-    paired = cfg.chosen_key in probe.column_names and cfg.rejected_key in probe.column_names
-    if paired:
+    if cfg.chosen_key in columns and cfg.rejected_key in columns:
         pairs, described = load_pairs(cfg, tokenizer, split, seed)
         out = []
         for ex in pairs:
@@ -168,23 +167,19 @@ def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
     return out, described
 
 
-def _load(cfg: DataConfig, split: str, seed: int, keys, check):
+def _specs(cfg: DataConfig, split: str) -> tuple[str, bool]:
     is_eval = split != cfg.dataset_split
-    specs = cfg.eval_dataset if (is_eval and cfg.eval_dataset) else cfg.dataset
-    ds, described = load_mixture(
-        specs, split, None if is_eval else cfg.probs,
-        cfg.max_eval_samples if is_eval else cfg.max_samples, seed,
-        keys if keys is not None else _all_columns(specs, split), check,
-    )
-    return ds, described
+    return (cfg.eval_dataset if (is_eval and cfg.eval_dataset) else cfg.dataset), is_eval
 
 
-def _all_columns(specs: str, split: str) -> list[str]:
-    from rlhf_core.data.loading import has_split, load_split, resolve_source
+def _load(cfg: DataConfig, split: str, seed: int, keys: list[str], check):
+    specs, is_eval = _specs(cfg, split)
+    return load_mixture(specs, split, None if is_eval else cfg.probs,
+                        cfg.max_eval_samples if is_eval else cfg.max_samples, seed, keys, check)
 
-    cols: list[str] = []
-    for s in specs.split(","):
-        source = resolve_source(s)
-        if has_split(source, split):
-            cols += [c for c in load_split(source, split).column_names if c not in cols]
-    return cols
+
+def _first_source_columns(cfg: DataConfig, split: str) -> list[str] | None:
+    """Columns of the first source's split (None when it has no such split); decides the KTO format."""
+    specs, _ = _specs(cfg, split)
+    source = resolve_source(specs.split(",")[0])
+    return load_split(source, split).column_names if has_split(source, split) else None

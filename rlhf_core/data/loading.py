@@ -61,7 +61,7 @@ def resolve_source(spec: str) -> Source:
             if files:
                 return Source(spec, builder, files)
         raise DataError(f"{spec}: directory without train/test .jsonl, .json or .parquet files")
-    if spec.startswith((".", "/", "~")) or os.sep in spec and not _looks_like_hub_name(spec):
+    if spec.startswith((".", "/", "~")) or (os.sep in spec and not _looks_like_hub_name(spec)):
         raise DataError(f"{spec}: no such file or directory")
     return Source(spec, spec, None)
 

@@ -90,11 +90,15 @@ def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: str
     return get_peft_model(model, config)
 
 
-def gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Full (un-sharded) fp32 CPU state dict on rank 0, None elsewhere; works for ZeRO-0..3.
+def _is_partitioned(module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
 
-    Parameters are gathered one at a time (ZeRO-3 keeps only a shard per rank); tied weights
-    appear under every name `state_dict()` gives them.
+
+def _gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
+    """Full fp32 CPU state dict of a ZeRO-3 module on rank 0 (None elsewhere).
+
+    Parameters are gathered one at a time (each rank holds only a shard); tied weights appear
+    under every name `state_dict()` gives them. Every rank must call this.
     """
     import deepspeed
 
@@ -104,7 +108,7 @@ def gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
         names_of.setdefault(id(tensor), []).append(name)
     state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     for _, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             if rank == 0:
                 full = param.detach().to("cpu", torch.float32).clone()
                 for name in names_of.get(id(param), []):
@@ -115,24 +119,29 @@ def gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def export_for_saving(module, state: dict[str, torch.Tensor]):
-    """A plain HF model (LoRA merged) holding `state`, ready for `save_pretrained`."""
+def export_model(module, rank: int):
+    """A plain HF model (LoRA merged, fp32, on CPU) on rank 0, None elsewhere; call on every rank.
+
+    Below ZeRO-3 every rank holds the full weights and rank 0 copies its own module; with ZeRO-3
+    the shards are gathered into a freshly built model of the same class.
+    """
     import copy
 
-    if hasattr(module, "ds_id") or any(hasattr(p, "ds_id") for p in module.parameters()):
-        from transformers import AutoModel
-
-        # ZeRO-3 params are partitioned placeholders: rebuild an empty model of the same class.
+    if _is_partitioned(module):
+        state = _gathered_state_dict(module, rank)
+        if rank != 0:
+            return None
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        fresh = type(base)._from_config(base.config) if hasattr(type(base), "_from_config") else AutoModel.from_config(base.config)
+        clone = type(base)._from_config(base.config)
         if hasattr(module, "peft_config"):
             from peft import get_peft_model
 
-            fresh = get_peft_model(fresh, module.peft_config["default"])
-        clone = fresh
+            clone = get_peft_model(clone, module.peft_config["default"])
+        clone.load_state_dict(state, strict=True)
+    elif rank != 0:
+        return None
     else:
-        clone = copy.deepcopy(module)
-    clone.load_state_dict(state, strict=True)
+        clone = copy.deepcopy(module).cpu()
     if hasattr(clone, "merge_and_unload"):
         clone = clone.merge_and_unload()
     return clone.to(torch.float32)

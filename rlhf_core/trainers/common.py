@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 from rlhf_core import storage
 from rlhf_core.config import TrainConfig, state_dir
 from rlhf_core.distributed.engine import device, init_distributed
-from rlhf_core.models.loading import apply_lora, export_for_saving, gathered_state_dict, load_tokenizer
+from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
 from rlhf_core.tracking import Tracker, redact
 
 # Fields that say where things go or how they are watched, not what is trained.
@@ -135,6 +136,7 @@ def config_hash(cfg: TrainConfig) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
+@lru_cache(maxsize=1)
 def code_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -156,10 +158,9 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
 
     Every rank must call this: ZeRO-3 parameters are gathered collectively.
     """
-    state = gathered_state_dict(module, ctx.rank)
+    model = export_model(module, ctx.rank)
     manifest = None
     if ctx.is_main:
-        model = export_for_saving(module, state)
         for key, value in (config_updates or {}).items():
             setattr(model.config, key, value)
         model.config.use_cache = True

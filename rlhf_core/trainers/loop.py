@@ -83,7 +83,7 @@ class TrainLoop:
             bar.close()
         final = self.evaluate() if self.eval_examples else {}
         self._log(final)
-        summary = {k: v for k, v in {**initial, **final}.items()}
+        summary = {**initial, **final}
         summary["train/steps"] = self.step
         if self.history:
             summary["train/final_loss"] = self.history[-1].get("train/loss", float("nan"))

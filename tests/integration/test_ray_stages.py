@@ -46,7 +46,7 @@ def test_two_ranks_train_like_one(prepared, tmp_path, one_rank, zero_stage):
     assert max_weight_diff(two["output_uri"], one_rank["output_uri"]) < 1e-4
 
 
-def _cli(args, env):
+def _cli(args):
     return [sys.executable, "-m", "rlhf_core.cli", "train", "sft", *args]
 
 
@@ -54,19 +54,18 @@ def test_killed_cli_run_resumes_to_the_same_weights(prepared, tmp_path):
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
     common = ["--pretrain", prepared["base"], "--dataset", f"json@{prepared['sft']}", "--apply_chat_template",
               "--max_len", "48", "--train_batch_size", "32", "--micro_train_batch_size", "16", "--learning_rate",
-              "1e-3", "--max_steps", "8", "--seed", "3", "--use_mlflow", "false", "--max_eval_samples", "16"]
-    full = subprocess.run(_cli([*common, "--save_path", str(tmp_path / "full")], env), env=env, capture_output=True,
+              "1e-3", "--max_steps", "30", "--seed", "3", "--use_mlflow", "false", "--max_eval_samples", "16"]
+    full = subprocess.run(_cli([*common, "--save_path", str(tmp_path / "full")]), env=env, capture_output=True,
                           text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
     resumable = [*common, "--save_path", str(tmp_path / "resumed"), "--save_steps", "2", "--ckpt_path", str(ckpt)]
-    proc = subprocess.Popen(_cli(resumable, env), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cli(resumable), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.time() + 600
-    while not (ckpt / "global_step4").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
+    while not (ckpt / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # kill right after the first complete checkpoint, ~28 steps before the end
     assert proc.poll() is None, "the run ended before it could be killed"
-    time.sleep(1.0)
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     for p in tree:  # the driver, its local Ray and the rank workers, mid-run
         try:
@@ -76,9 +75,9 @@ def test_killed_cli_run_resumes_to_the_same_weights(prepared, tmp_path):
     proc.wait()
     psutil.wait_procs(tree, timeout=30)
     assert not (tmp_path / "resumed" / "stage.json").exists()
-    resumed = subprocess.run(_cli([*resumable, "--load_checkpoint"], env), env=env, capture_output=True, text=True,
+    resumed = subprocess.run(_cli([*resumable, "--load_checkpoint"]), env=env, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    assert json.loads((tmp_path / "resumed" / "stage.json").read_text())["metrics"]["train/steps"] == 8
+    assert json.loads((tmp_path / "resumed" / "stage.json").read_text())["metrics"]["train/steps"] == 30
     assert max_weight_diff(tmp_path / "full", tmp_path / "resumed") < 1e-6

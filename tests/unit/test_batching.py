@@ -40,8 +40,6 @@ def test_packed_and_padded_give_same_per_sample_logprobs_and_loss(prepared):
 
 
 def test_reward_scores_match_plain_transformers_and_packing(prepared):
-    from transformers import AutoModelForSequenceClassification
-
     tok = load_tokenizer(prepared["tokenizer"])
     ours = load_reward_model(prepared["base"], tok.pad_token_id).eval()
     seqs, masks = _sequences(4, seed=1)
@@ -55,7 +53,6 @@ def test_reward_scores_match_plain_transformers_and_packing(prepared):
                                                strict=True)}).logits.squeeze(-1)
     assert torch.allclose(padded, packed, atol=1e-5) and torch.allclose(padded, rows, atol=1e-5)
     assert torch.allclose(padded, plain, atol=1e-5)
-    assert isinstance(ours, AutoModelForSequenceClassification._model_mapping[type(ours.config)])
 
 
 def test_batch_plan_partitions_each_global_batch_across_ranks():
