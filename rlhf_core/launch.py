@@ -8,6 +8,7 @@ secrets stay where the cluster keeps them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -42,6 +43,11 @@ def ensure_ray() -> bool:
     if ray.is_initialized():
         return False
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    # Inside a Ray job the job's runtime env already reaches our actors; Ray refuses to merge a
+    # driver runtime env that names the same variables again, so pass only what it lacks.
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    job_vars = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    env = {k: v for k, v in env.items() if k not in job_vars}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
@@ -58,6 +64,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     from rlhf_core.distributed.worker_group import WorkerGroup
     from rlhf_core.trainers import check_data
 
+    cfg.check_complete()
     prepare_environment()
     check_data(cfg)
     started = ensure_ray()

@@ -1,4 +1,4 @@
-"""``rlhf prep``: everything a demo needs, built locally from a seed, with no network.
+"""``rlhf prep``: the built-in task's data, tokenizer and base model, built locally from a seed, with no network.
 
 Writes under ``out_dir``::
 
@@ -15,7 +15,7 @@ Choices:
   place with ``os.replace``: a crash leaves a stray temp entry, never a half-written file under a
   real name that a later stage, or a cache check, would take for finished output.
 - The tokenizer learns only from the train split: the test split is held out everywhere.
-- Defaults (4000 train / 200 test) are sized so each demo stage trains in a minute or two on
+- Defaults (4000 train / 200 test) are sized so each stage trains in a minute or two on
   CPU; the test split stays at a size where greedy decoding for evaluation is a few seconds.
 """
 
@@ -79,7 +79,7 @@ def prepare(
     n_test: int = DEFAULT_N_TEST,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> dict[str, str]:
-    """Build the demo's data, tokenizer and base model under ``out_dir``; return their paths.
+    """Build the data, tokenizer and base model under ``out_dir``; return their paths.
 
     Keys: ``sft``, ``preference``, ``prompts`` (data folders), ``<kind>_<split>`` for each jsonl
     file (e.g. ``sft_train``), ``tokenizer`` and ``base`` (model folders).
@@ -106,3 +106,47 @@ def prepare(
     paths["tokenizer"] = str(out / "tokenizer")
     paths["base"] = str(out / "base")
     return paths
+
+
+def run_prep(out_dir: str | os.PathLike, **params) -> dict:
+    """`rlhf prep`: `prepare`, then write `stage.json` last, and log to the orchestrator's MLflow run.
+
+    The manifest records the parameters and the sha256 of every data file; it is written only
+    after everything else is in place, so its presence means the prep output is complete.
+    """
+    import hashlib
+    import time
+
+    from rlhf_core.data.loading import file_digest
+    from rlhf_core.storage import MANIFEST, normalize_uri
+    from rlhf_core.version import code_version
+
+    out = Path(normalize_uri(str(out_dir)))
+    (out / MANIFEST).unlink(missing_ok=True)
+    paths = prepare(out, **params)
+    digests = {key: file_digest(path) for key, path in paths.items() if path.endswith(".jsonl")}
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    manifest = {
+        "stage": "prep",
+        "config": params,
+        "config_hash": "sha256:" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest(),
+        "outputs": paths,
+        "dataset_digests": digests,
+        "metrics": {},
+        "mlflow_run_id": run_id,
+        "code_version": code_version(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "output_uri": str(out),
+    }
+    from rlhf_core.tracking import Tracker
+
+    tracker = Tracker(bool(run_id), os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlhf"), "prep", None)
+    tracker.log_params(params)
+    tracker.log_datasets([{"path": p, "spec": k, "split": k.rsplit("_", 1)[-1], "digest": digests[k]}
+                          for k, p in paths.items() if k in digests], "output")
+    tracker.set_tags({"rlhf.output_uri": str(out), "rlhf.config_hash": manifest["config_hash"]})
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, out / MANIFEST)
+    tracker.finish()
+    return manifest

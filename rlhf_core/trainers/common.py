@@ -6,15 +6,12 @@ stays readable top to bottom (setup -> train -> save), in the manner of torchtun
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +22,7 @@ from rlhf_core.config import TrainConfig, state_dir
 from rlhf_core.distributed.engine import device, init_distributed
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
 from rlhf_core.tracking import Tracker, redact
-
-# Fields that say where things go or how they are watched, not what is trained.
-NON_SEMANTIC = {"save_path", "ckpt_path", "save_steps", "max_ckpt_num", "load_checkpoint", "logging_steps",
-                "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow", "eval_steps"}
+from rlhf_core.version import code_version, config_hash
 
 
 @dataclass
@@ -129,27 +123,6 @@ def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
                           cfg.data.packing_samples, capacity).to(device)
 
     return build
-
-
-def config_hash(cfg: TrainConfig) -> str:
-    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NON_SEMANTIC}
-    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
-
-
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        pkg = version("rlhf-lifecycle")
-    except PackageNotFoundError:
-        pkg = "0+unknown"
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    return f"{pkg}+{sha}" if sha else pkg
 
 
 def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict,

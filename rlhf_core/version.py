@@ -1,0 +1,43 @@
+"""What identifies a run's code and configuration: the package version + git commit, and a config hash.
+
+Both are cheap and torch-free, so the orchestration layer computes cache keys with the same
+functions the trainers write into `stage.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+# Fields that say where things go or how they are watched, not what is trained.
+NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_steps", "max_ckpt_num",
+                "load_checkpoint", "logging_steps", "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id",
+                "use_mlflow", "eval_steps", "dataset", "eval_dataset"}
+
+
+def config_hash(cfg) -> str:
+    """sha256 of a config's semantic fields (inputs and outputs are hashed separately, by content)."""
+    values = cfg.model_dump(mode="json")
+    values = {k: v for k, v in values.items() if k not in NON_SEMANTIC}
+    if isinstance(values.get("data"), dict):
+        values["data"] = {k: v for k, v in values["data"].items() if k not in NON_SEMANTIC}
+    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pkg = version("rlhf-lifecycle")
+    except PackageNotFoundError:
+        pkg = "0+unknown"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{pkg}+{sha}" if sha else pkg
