@@ -24,7 +24,8 @@ class StrictModel(BaseModel):
 class DataConfig(StrictModel):
     """Where the examples come from and how they become token ids."""
 
-    dataset: str = Field(..., description="Comma-separated datasets: jsonl/json/parquet files, json@DIR, or hub names")
+    dataset: str | None = Field(None, description="Comma-separated datasets: jsonl/json/parquet files, json@DIR, or "
+                                "hub names (required; a pipeline fills it from the upstream stage)")
     dataset_probs: str | None = Field(None, description="Comma-separated mixing probabilities, one per dataset")
     dataset_split: str = "train"
     eval_dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it has one")
@@ -47,7 +48,7 @@ class DataConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_probs(self) -> DataConfig:
-        if self.dataset_probs is not None:
+        if self.dataset_probs is not None and self.dataset is not None:
             probs = [p.strip() for p in self.dataset_probs.split(",")]
             n = len([d for d in self.dataset.split(",") if d.strip()])
             if len(probs) != n:
@@ -73,9 +74,10 @@ class DataConfig(StrictModel):
 class TrainConfig(StrictModel):
     """What every trainer shares: model, engine, optimisation, checkpoints, tracking."""
 
-    pretrain: str = Field(..., description="Model to start from (HF directory or hub name)")
-    save_path: str = Field(..., description="Stage output: local directory or s3:// URI")
-    data: DataConfig
+    # Required to train; None in a pipeline's parameters means "filled in from the upstream stage".
+    pretrain: str | None = Field(None, description="Model to start from (HF directory, s3:// URI or hub name)")
+    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI")
+    data: DataConfig = Field(default_factory=DataConfig)
 
     # Engine and parallelism.
     zero_stage: int = Field(2, ge=0, le=3)
@@ -132,6 +134,13 @@ class TrainConfig(StrictModel):
         if self.load_checkpoint and not self.ckpt_path:
             raise ValueError("load_checkpoint needs ckpt_path")
         return self
+
+    def check_complete(self) -> None:
+        """Raise ConfigError naming every input/output a run still needs (pretrain, save_path, dataset)."""
+        missing = [f"--{name}" for name, value in (("pretrain", self.pretrain), ("save_path", self.save_path),
+                                                  ("dataset", self.data.dataset)) if not value]
+        if missing:
+            raise ConfigError(f"{self.stage}: " + "; ".join(f"{name}: required" for name in missing))
 
     @property
     def world_size(self) -> int:
@@ -211,7 +220,7 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
 
 
 def state_dir() -> Path:
-    """The project's state directory (MLflow store, compiled ops, demo outputs)."""
+    """The project's state directory (MLflow store, compiled ops, pipeline outputs)."""
     return Path(os.environ.get("RLHF_HOME", Path.cwd() / ".rlhf")).resolve()
 
 
@@ -293,8 +302,14 @@ def load_yaml(path: str | os.PathLike) -> dict:
     import yaml
 
     try:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        if "://" in str(path):  # a config written next to a pipeline's outputs, e.g. on s3://
+            import fsspec
+
+            with fsspec.open(str(path)) as f:
+                loaded = yaml.safe_load(f) or {}
+        else:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
     except FileNotFoundError as e:
         raise ConfigError(f"--config: file not found: {path}") from e
     except yaml.YAMLError as e:
@@ -304,8 +319,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return loaded
 
 
-def build_config(config_cls: type[TrainConfig], yaml_values: dict | None, flag_values: dict) -> TrainConfig:
-    """Merge YAML (lower precedence) and flags into a validated config, or raise ConfigError."""
+def build_config(config_cls: type[TrainConfig], yaml_values: dict | None, flag_values: dict,
+                 complete: bool = True) -> TrainConfig:
+    """Merge YAML (lower precedence) and flags into a validated config, or raise ConfigError.
+
+    `complete=False` allows leaving out pretrain/save_path/dataset (a pipeline fills them in).
+    """
     from pydantic import ValidationError
 
     merged = _nest_data_fields(yaml_values or {})
@@ -314,6 +333,138 @@ def build_config(config_cls: type[TrainConfig], yaml_values: dict | None, flag_v
     merged.update(flags)
     merged["data"] = merged_data
     try:
-        return config_cls.model_validate(merged)
+        cfg = config_cls.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, "flags and --config")) from None
+    if complete:
+        cfg.check_complete()
+    return cfg
+
+
+def with_updates(cfg: TrainConfig, **updates) -> TrainConfig:
+    """A copy of `cfg` with top-level or data fields replaced, validated again (derived defaults follow)."""
+    values = cfg.model_dump()
+    values["data"].update({k: updates.pop(k) for k in list(updates) if k in DataConfig.model_fields})
+    values.update(updates)
+    return type(cfg).model_validate(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process stages that generate with a rollout engine: `rlhf eval` and `rlhf pairs`. Their
+# configs are flat (no `data` section): they read prompts, never train on tokenized examples.
+
+class RolloutBackend(str, Enum):
+    """Generation engine: vLLM when CUDA and vllm are there (auto), or transformers anywhere."""
+
+    AUTO = "auto"
+    TRANSFORMERS = "transformers"
+    VLLM = "vllm"
+
+
+class RewardSourceName(str, Enum):
+    VERIFIER = "verifier"
+    REWARD_MODEL = "reward_model"
+
+
+class RolloutStageConfig(StrictModel):
+    """What eval and pairs share: a policy, prompts (with answers), generation and tracking."""
+
+    # Required to run; None in a pipeline's parameters means "filled in from the upstream stage".
+    pretrain: str | None = Field(None, description="Policy model: local HF directory or s3:// URI")
+    dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet with prompt (and answer) keys, "
+                                "or json@DIR")
+    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI")
+    input_key: str = "prompt"
+    label_key: str = Field("answer", description="Reference answer column (the verifier's input)")
+    apply_chat_template: bool = True
+    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses")
+    max_samples: int = Field(100_000_000, gt=0, description="Use the first N prompts")
+    max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS")
+    seed: int = 42
+    rollout_backend: RolloutBackend = RolloutBackend.AUTO
+
+    mlflow_experiment: str = "rlhf"
+    mlflow_run_name: str | None = None
+    mlflow_parent_run_id: str | None = None
+    use_mlflow: bool = True
+
+    @model_validator(mode="after")
+    def _resolve_generation_budget(self) -> RolloutStageConfig:
+        if self.task is not None:
+            from rlhf_core.data.synthetic import get_task
+
+            try:
+                budget = get_task(self.task).max_answer_len + 1
+            except ValueError as e:
+                raise ValueError(f"--task: {e}") from None
+            if self.max_new_tokens is None:
+                object.__setattr__(self, "max_new_tokens", budget)
+        elif self.max_new_tokens is None:
+            raise ValueError("--max_new_tokens is required without --task")
+        return self
+
+    def check_complete(self) -> None:
+        """Raise ConfigError naming every input/output a run still needs (pretrain, dataset, save_path)."""
+        missing = [f"--{name}" for name in ("pretrain", "dataset", "save_path") if not getattr(self, name)]
+        if missing:
+            raise ConfigError(f"{self.stage}: " + "; ".join(f"{name}: required" for name in missing))
+
+
+class EvalConfig(RolloutStageConfig):
+    """`rlhf eval`: a policy against a reference on held-out prompts (reward, exact match, win rate, KL)."""
+
+    stage: Literal["eval"] = "eval"
+    ref_pretrain: str | None = Field(None, description="Reference model (usually the SFT model)")
+    reward_pretrain: str | None = Field(None, description="Reward model (scores, win rate)")
+    normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
+    n_kl_samples: int = Field(1, ge=0, description="Samples per prompt at temperature 1 for the KL estimate")
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> EvalConfig:
+        if self.normalize_reward and not self.reward_pretrain:
+            raise ValueError("normalize_reward needs reward_pretrain")
+        return self
+
+
+class PairsConfig(RolloutStageConfig):
+    """`rlhf pairs`: sample the policy, score, keep (best, worst) per prompt: online/iterative DPO data."""
+
+    stage: Literal["pairs"] = "pairs"
+    reward: RewardSourceName = RewardSourceName.VERIFIER
+    reward_pretrain: str | None = Field(None, description="Reward model (with --reward reward_model)")
+    normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
+    n_samples_per_prompt: int = Field(4, ge=2)
+    temperature: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> PairsConfig:
+        if self.reward == RewardSourceName.VERIFIER and self.task is None:
+            raise ValueError("--reward verifier needs --task")
+        if self.reward == RewardSourceName.REWARD_MODEL and not self.reward_pretrain:
+            raise ValueError("--reward reward_model needs --reward_pretrain")
+        if self.normalize_reward and self.reward != RewardSourceName.REWARD_MODEL:
+            raise ValueError("normalize_reward applies to --reward reward_model only")
+        return self
+
+
+ROLLOUT_STAGE_CONFIGS: dict[str, type[RolloutStageConfig]] = {"eval": EvalConfig, "pairs": PairsConfig}
+
+
+def add_flat_config_flags(parser, config_cls: type[BaseModel]) -> None:
+    """One flag per field of a flat config (no `data` section), plus `--config FILE.yaml`."""
+    parser.add_argument("--config", default=None, help="YAML file with any of these fields")
+    _add_field_flags(parser, config_cls, skip={"stage"})
+
+
+def build_flat_config(config_cls: type[RolloutStageConfig], yaml_values: dict | None, flag_values: dict,
+                      complete: bool = True) -> RolloutStageConfig:
+    """`build_config` for flat configs: YAML < flags, validated, ConfigError naming the field."""
+    from pydantic import ValidationError
+
+    try:
+        cfg = config_cls.model_validate({**(yaml_values or {}), **flag_values})
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, "flags and --config")) from None
+    if complete:
+        cfg.check_complete()
+    return cfg

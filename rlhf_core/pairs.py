@@ -1,0 +1,99 @@
+"""Online / iterative DPO data (`rlhf pairs`): sample the current policy, score, pair best with worst.
+
+For each prompt the policy samples `n_samples_per_prompt` responses; a reward source (the
+task's verifier, or a reward model) scores them; the highest-scoring response becomes `chosen`
+and the lowest `rejected` (first one on ties, so the result is deterministic). A prompt whose
+best and worst scores are equal teaches nothing and is skipped, and so is a blank response: the
+preference loaders reject empty texts, and a DPO run must not fail on data this stage wrote.
+
+The output directory holds `train.jsonl` (`prompt`, `chosen`, `rejected`, `chosen_score`,
+`rejected_score`; prompts raw, as every trainer expects them) and `stage.json`, published
+atomically, so `rlhf train dpo --dataset json@<save_path>` trains on it directly (held-out
+pairs, if wanted, come from `--eval_dataset`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rlhf_core.config import PairsConfig, RewardSourceName
+
+
+class NoPairsError(RuntimeError):
+    """Every prompt's samples scored the same: there is nothing to prefer."""
+
+
+def build_pairs(prompts: list, responses_per_prompt: list[list[str]],
+                scores_per_prompt: list[list[float]]) -> tuple[list[dict], int]:
+    """(best, worst) pair per prompt, and how many prompts were skipped (all scores equal, or < 2 texts).
+
+    Blank responses are never candidates. Rows: prompt, chosen, rejected, chosen_score, rejected_score.
+    """
+    if not len(prompts) == len(responses_per_prompt) == len(scores_per_prompt):
+        raise ValueError(f"{len(prompts)} prompts, {len(responses_per_prompt)} response lists, "
+                         f"{len(scores_per_prompt)} score lists")
+    rows, skipped = [], 0
+    for prompt, responses, scores in zip(prompts, responses_per_prompt, scores_per_prompt, strict=True):
+        if len(responses) != len(scores):
+            raise ValueError(f"{len(responses)} responses but {len(scores)} scores for prompt {prompt!r}")
+        candidates = [(s, r) for r, s in zip(responses, scores, strict=True) if r.strip()]
+        if not candidates:
+            skipped += 1
+            continue
+        best = max(candidates, key=lambda c: c[0])
+        worst = min(candidates, key=lambda c: c[0])
+        if best[0] == worst[0]:
+            skipped += 1
+            continue
+        rows.append({"prompt": prompt, "chosen": best[1], "rejected": worst[1], "chosen_score": best[0],
+                     "rejected_score": worst[0]})
+    return rows, skipped
+
+
+def reward_source(cfg: PairsConfig):
+    from rlhf_core.rewards import RewardModelReward, VerifierReward
+    from rlhf_core.trainers.common import local_model_path
+
+    if cfg.reward == RewardSourceName.VERIFIER:
+        return VerifierReward(cfg.task)
+    return RewardModelReward(local_model_path(cfg.reward_pretrain), cfg.apply_chat_template, cfg.normalize_reward)
+
+
+def run_pairs(cfg: PairsConfig) -> dict:
+    """Sample, score and pair; publish `train.jsonl` + `stage.json` to `cfg.save_path`; returns the manifest."""
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
+    from rlhf_core.rollout.stage import publish_stage, stage_run
+    from rlhf_core.trainers.common import local_model_path
+
+    cfg.check_complete()
+    prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key,
+                              require_answers=cfg.reward == RewardSourceName.VERIFIER, max_samples=cfg.max_samples,
+                              seed=cfg.seed, chat=cfg.apply_chat_template)
+    with stage_run(cfg, prompts.sources) as tracker:
+        policy_path = local_model_path(cfg.pretrain)
+        fmt = prompt_formatter(load_tokenizer(policy_path), cfg.apply_chat_template)
+        engine = make_engine(policy_path, cfg.rollout_backend.value, not cfg.apply_chat_template)
+        groups = engine.generate([fmt.prompt_text(p) for p in prompts.prompts], cfg.n_samples_per_prompt,
+                                 cfg.temperature, cfg.max_new_tokens, cfg.seed)
+        engine.close()
+        responses = [[c.text for c in group] for group in groups]
+        n = cfg.n_samples_per_prompt
+        flat = reward_source(cfg).score([p for p in prompts.prompts for _ in range(n)],
+                                        [r for group in responses for r in group],
+                                        [a for a in prompts.answers for _ in range(n)])
+        scores = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        rows, skipped = build_pairs(prompts.prompts, responses, scores)
+        metrics = {"pairs/mean_reward": sum(flat) / len(flat), "pairs/num_pairs": len(rows),
+                   "pairs/pair_fraction": len(rows) / len(prompts), "pairs/num_skipped_prompts": skipped,
+                   "pairs/mean_response_len": sum(len(c.token_ids) for g in groups for c in g) / len(flat)}
+        print(f"[pairs] {len(rows)} pairs from {len(prompts)} prompts ({skipped} skipped: equal scores), mean "
+              f"reward {metrics['pairs/mean_reward']:.4f}", file=sys.stderr, flush=True)
+        if not rows:
+            raise NoPairsError(f"no preference pairs: all {n} samples of each of the {len(prompts)} prompts scored "
+                               f"the same (mean reward {metrics['pairs/mean_reward']:.4f}); sample more "
+                               "(--n_samples_per_prompt), raise --temperature, or use a reward model")
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        inputs = {"pretrain": cfg.pretrain, "reward_pretrain": cfg.reward_pretrain, "datasets": prompts.sources}
+        return publish_stage(cfg, tracker, {"train.jsonl": text}, metrics, inputs)

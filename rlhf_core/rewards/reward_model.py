@@ -1,0 +1,62 @@
+"""A trained reward model as a reward source, loaded with nothing but `transformers`.
+
+The model is `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` and its
+tokenizer, i.e. what `rlhf train rm` saves. Each (prompt, response) becomes the token ids the
+trainer built: the prompt formatted by the trainers' `PromptFormatter` (chat template or not),
+then the response tokenized on its own plus EOS. Sequences are right-padded in batches and the
+score is the head's value at each row's last real token, found from the attention mask: the
+classifier's own pooling looks for the pad token id in the inputs, which breaks when pad == EOS.
+`normalize=True` applies the training set's reward mean/std stored in the model config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.rollout.base import inference_device, inference_dtype
+from rlhf_core.rollout.prompts import prompt_formatter
+
+
+class RewardModelReward:
+    def __init__(self, path: str, apply_chat_template: bool = True, normalize: bool = False, batch_size: int = 32,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        from transformers import AutoModelForSequenceClassification
+
+        from rlhf_core.models.loading import load_tokenizer
+
+        device = device or inference_device()
+        self.tokenizer = load_tokenizer(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype or inference_dtype(device)).to(device).eval()
+        self.formatter = prompt_formatter(self.tokenizer, apply_chat_template)
+        self.batch_size = batch_size
+        self.shift, self.scale = 0.0, 1.0
+        if normalize:
+            mean, std = (getattr(self.model.config, k, None) for k in ("reward_mean", "reward_std"))
+            if mean is None or not std:
+                raise ValueError(f"{path}: no reward_mean/reward_std in the model config to normalise with "
+                                 "(saved by `rlhf train rm`)")
+            self.shift, self.scale = float(mean), float(std)
+
+    def sequences(self, prompts: list, responses: list[str]) -> list[list[int]]:
+        """Token ids of each (prompt, response) exactly as the reward-model trainer builds them."""
+        fmt = self.formatter
+        return [fmt.prompt_ids(p) + fmt.completion_ids(r) for p, r in zip(prompts, responses, strict=True)]
+
+    @torch.no_grad()
+    def score(self, prompts: list, responses: list[str], answers: list[str | None] | None = None) -> list[float]:
+        seqs = self.sequences(prompts, responses)
+        device = next(self.model.parameters()).device
+        body = getattr(self.model, self.model.base_model_prefix)
+        pad_id = self.tokenizer.pad_token_id
+        scores: list[float] = []
+        for i in range(0, len(seqs), self.batch_size):
+            chunk = seqs[i : i + self.batch_size]
+            width = max(len(s) for s in chunk)
+            input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in chunk], device=device)
+            attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=device)
+            hidden = body(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+            values = self.model.score(hidden).squeeze(-1).float()  # (B, T)
+            last = attention.sum(-1) - 1
+            scores += values[torch.arange(len(chunk), device=device), last].tolist()
+        return [(s - self.shift) / self.scale for s in scores]

@@ -1,0 +1,111 @@
+"""`rlhf pairs`: best/worst pairing, and an end-to-end run whose output the DPO trainer loads."""
+
+import json
+
+import pytest
+import torch
+
+from rlhf_core.cli import main
+from rlhf_core.config import DataConfig, DPOConfig, build_config
+from rlhf_core.data.examples import load_pairs
+from rlhf_core.models.loading import load_reward_model, load_tokenizer
+from rlhf_core.pairs import build_pairs
+
+N_PROMPTS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_best_and_worst_are_paired_and_ties_skipped():
+    rows, skipped = build_pairs(
+        ["p1", "p2", "p3", [{"role": "user", "content": "p4"}]],
+        [["a", "b", "c"], ["x", "y"], ["m", "n", "o"], ["u", "v"]],
+        [[0.2, 0.9, -0.5], [1.0, 1.0], [0.0, 3.0, 3.0], [-1.0, 2.0]],
+    )
+    assert skipped == 1
+    assert rows == [
+        {"prompt": "p1", "chosen": "b", "rejected": "c", "chosen_score": 0.9, "rejected_score": -0.5},
+        {"prompt": "p3", "chosen": "n", "rejected": "m", "chosen_score": 3.0, "rejected_score": 0.0},  # first max
+        {"prompt": [{"role": "user", "content": "p4"}], "chosen": "v", "rejected": "u", "chosen_score": 2.0,
+         "rejected_score": -1.0},
+    ]
+
+
+def test_blank_responses_are_never_paired():
+    rows, skipped = build_pairs(["p", "q"], [["", "good", " "], ["", "only"]], [[-5.0, 1.0, 0.0], [0.0, 1.0]])
+    assert rows == [] and skipped == 2
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="prompts"):
+        build_pairs(["p"], [], [])
+    with pytest.raises(ValueError, match="scores"):
+        build_pairs(["p"], [["a", "b"]], [[1.0]])
+
+
+@pytest.fixture(scope="module")
+def reward_model(prepared, tmp_path_factory):
+    tok = load_tokenizer(prepared["base"])
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("pairs_rm")
+    load_reward_model(prepared["base"], tok.pad_token_id).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def test_pairs_from_a_reward_model_train_dpo(prepared, reward_model, tmp_path, capsys):
+    out = tmp_path / "pairs"
+    code = main(["pairs", "--pretrain", prepared["base"], "--dataset", f"json@{prepared['prompts']}",
+                 "--reward", "reward_model", "--reward_pretrain", reward_model, "--n_samples_per_prompt", "3",
+                 "--max_new_tokens", "5", "--max_samples", str(N_PROMPTS), "--save_path", str(out), "--seed", "3"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    manifest = json.loads(captured.out)
+    assert manifest == json.loads((out / "stage.json").read_text()) and manifest["stage"] == "pairs"
+    m = manifest["metrics"]
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert m["pairs/num_pairs"] == len(rows) >= 1 and m["pairs/pair_fraction"] == len(rows) / N_PROMPTS
+    assert m["pairs/num_skipped_prompts"] == N_PROMPTS - len(rows)
+    assert all(r["chosen_score"] > r["rejected_score"] and r["chosen"] != r["rejected"] for r in rows)
+    prompts = [json.loads(line)["prompt"] for line in open(prepared["prompts_train"])][:N_PROMPTS]
+    assert {r["prompt"] for r in rows} <= set(prompts)  # raw prompts, as trainers expect them
+
+    tok = load_tokenizer(prepared["base"])
+    examples, _ = load_pairs(DataConfig(dataset=f"json@{out}", apply_chat_template=True), tok, "train", 0)
+    assert len(examples) == len(rows)
+
+    from rlhf_core.trainers.dpo import load_data
+
+    data = load_data(build_config(DPOConfig, None, {"pretrain": prepared["base"], "dataset": f"json@{out}",
+                                                    "save_path": str(tmp_path / "dpo"), "apply_chat_template": True}))
+    assert len(data.train) == len(rows) and data.eval is None
+
+    import mlflow
+
+    from rlhf_core.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    run = mlflow.get_run(manifest["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["pairs/num_pairs"] == len(rows)
+
+
+def test_no_pairs_is_a_clear_failure(prepared, tmp_path, capsys):
+    # A random model never answers right: every verifier score is 0, so nothing can be preferred.
+    code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"], "--task",
+                 "addition", "--n_samples_per_prompt", "2", "--max_samples", "3", "--save_path",
+                 str(tmp_path / "p"), "--use_mlflow", "false"])
+    err = capsys.readouterr().err
+    assert code == 1 and "no preference pairs" in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_verifier_needs_a_task(prepared, tmp_path, capsys):
+    code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"],
+                 "--max_new_tokens", "4", "--save_path", str(tmp_path / "p")])
+    assert code == 2 and "--reward verifier needs --task" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""Rollout engines: the transformers engine on CPU, and the backend factory's choices."""
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError
+from rlhf_core.rollout import Completion, TransformersEngine, make_engine, prompt_formatter
+from rlhf_core.rollout.hf import left_pad
+from rlhf_core.rollout.prompts import load_prompt_set
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: more threads only contend (10-40x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(prepared):
+    return TransformersEngine.from_pretrained(prepared["base"], batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def formatted(prepared, engine):
+    prompts = load_prompt_set(prepared["prompts_test"], "train", max_samples=6, chat=True)
+    fmt = prompt_formatter(engine.tokenizer, apply_chat_template=True)
+    # Different lengths, so batches really are left-padded.
+    return [fmt.prompt_text(p) for p in prompts.prompts] + [fmt.prompt_text("add 1+2=")]
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_greedy_matches_unbatched_hf_generate(engine, formatted):
+    got = engine.generate(formatted, n=2, temperature=0.0, max_new_tokens=MAX_NEW, seed=0)
+    assert len(got) == len(formatted) and all(len(g) == 2 and g[0] == g[1] for g in got)
+    tok, model = engine.tokenizer, engine.model
+    for text, (completion, _) in zip(formatted, got, strict=True):
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id)
+        expected = out[0, enc["input_ids"].shape[1] :].tolist()
+        if tok.eos_token_id in expected:
+            expected = expected[: expected.index(tok.eos_token_id) + 1]
+        assert list(completion.token_ids) == expected
+        assert completion.text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_sampling_is_seeded_and_diverse(engine, formatted):
+    a = engine.generate(formatted, n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
+    b = engine.generate(formatted, n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
+    c = engine.generate(formatted, n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=8)
+    assert a == b and a != c
+    assert all(len(g) == 4 and all(isinstance(x, Completion) for x in g) for g in a)
+    assert any(len({x.token_ids for x in g}) > 1 for g in a), "temperature 1 gave identical samples everywhere"
+    eos = engine.tokenizer.eos_token_id
+    for g in a:
+        for x in g:
+            assert 1 <= len(x.token_ids) <= MAX_NEW and eos not in x.token_ids[:-1]
+
+
+def test_sampling_leaves_the_callers_rng_alone(engine, formatted):
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    engine.generate(formatted[:2], n=2, temperature=1.0, max_new_tokens=3, seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_factory_picks_transformers_on_cpu_and_refuses_vllm(prepared):
+    assert isinstance(make_engine(prepared["base"], "transformers"), TransformersEngine)
+    if not torch.cuda.is_available():
+        assert isinstance(make_engine(prepared["base"], "auto"), TransformersEngine)
+        with pytest.raises(ConfigError, match="--rollout_backend vllm: no CUDA device"):
+            make_engine(prepared["base"], "vllm")
+    with pytest.raises(ConfigError, match="--rollout_backend 'tpu'"):
+        make_engine(prepared["base"], "tpu")
+
+
+def test_bad_requests_are_refused(engine):
+    with pytest.raises(ValueError, match="n must be"):
+        engine.generate(["x"], n=0, temperature=1.0, max_new_tokens=2, seed=0)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(["x"], n=1, temperature=-1.0, max_new_tokens=2, seed=0)
