@@ -1,4 +1,4 @@
-"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto`, `demo`.
+"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto`, `eval`, `pairs`, `pipeline run`, `lineage`.
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
@@ -26,17 +26,35 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--task", default="addition", help="Built-in task name")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--model_size", default="tiny", choices=["tiny", "small"])
+    prep.add_argument("--n_train", type=int, default=None, help="Training examples per data kind")
+    prep.add_argument("--n_test", type=int, default=None, help="Held-out examples per data kind")
 
     train = sub.add_parser("train", help="Train one stage")
     stages = train.add_subparsers(dest="stage", required=True)
     for name, cls in STAGE_CONFIGS.items():
         add_config_flags(stages.add_parser(name, help=f"{name} trainer", argument_default=argparse.SUPPRESS), cls)
 
-    demo = sub.add_parser("demo", help="prep, then SFT -> reward model -> DPO on the built-in task")
-    demo.add_argument("--out", default=None, help="Working directory (default: <state dir>/demo)")
-    demo.add_argument("--task", default="reverse", help="Built-in task (reverse learns fastest on a CPU)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--config", default=None, help="YAML with per-stage overrides under sft:, rm:, dpo:")
+    from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, add_flat_config_flags
+
+    add_flat_config_flags(sub.add_parser("eval", argument_default=argparse.SUPPRESS, help="Evaluate a policy "
+                                         "against a reference: reward, exact match, win rate, KL"),
+                          ROLLOUT_STAGE_CONFIGS["eval"])
+    add_flat_config_flags(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
+                                         "score, keep (best, worst) per prompt: online DPO data"),
+                          ROLLOUT_STAGE_CONFIGS["pairs"])
+
+    from importlib.util import find_spec
+
+    if find_spec("flows") is not None:  # the orchestration layer (installed with the project)
+        from flows.cli import add_arguments
+
+        add_arguments(sub.add_parser("pipeline", help="Run the whole lifecycle as the Prefect flow `rlhf`"))
+
+    lineage = sub.add_parser("lineage", help="Where did this model come from: stages, data and configs back to the "
+                             "base model")
+    lineage.add_argument("ref", help="MLflow run id, models:/NAME@ALIAS, models:/NAME/VERSION, or an output path/URI")
+    lineage.add_argument("--json", action="store_true", help="Print the lineage tree as JSON")
+
     return parser
 
 
@@ -52,10 +70,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "prep":
-            from rlhf_core.prep import prepare
+            from rlhf_core.data.synthetic import get_task
+            from rlhf_core.prep import run_prep
 
-            paths = prepare(args.out, task=args.task, seed=args.seed, model_size=args.model_size)
-            print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+            try:
+                get_task(args.task)
+            except ValueError as e:
+                raise ConfigError(f"--task: {e}") from None
+            sizes = {k: getattr(args, k) for k in ("n_train", "n_test") if getattr(args, k) is not None}
+            manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)
+            print(json.dumps(manifest["outputs"], indent=2))
             return 0
         if args.command == "train":
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
@@ -66,11 +90,33 @@ def main(argv: list[str] | None = None) -> int:
             manifest = run_stage(cfg)
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
-        if args.command == "demo":
-            from rlhf_core.demo import run_demo
+        if args.command in ("eval", "pairs"):
+            from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, build_flat_config
+            from rlhf_core.evaluation import run_eval
+            from rlhf_core.pairs import NoPairsError, run_pairs
 
-            run_demo(args.out, task=args.task, seed=args.seed, overrides=load_yaml(args.config) if args.config else {})
+            values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+            cfg = build_flat_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
+                                    else None, values)
+            try:
+                manifest = (run_eval if args.command == "eval" else run_pairs)(cfg)
+            except NoPairsError as e:
+                return _fail(str(e), EXIT_FAILED)
+            print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
+        if args.command == "lineage":
+            from rlhf_core.lineage import LineageError, build, lineage_json, render
+
+            try:
+                tree = build(args.ref)
+            except LineageError as e:
+                return _fail(str(e), EXIT_FAILED)
+            print(lineage_json(tree) if args.json else render(tree))
+            return 0
+        if args.command == "pipeline":
+            from flows.cli import run
+
+            return run(args)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
     except StageFailed as e:

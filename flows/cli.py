@@ -1,0 +1,101 @@
+"""`rlhf pipeline run`: the `rlhf` flow from the command line (the CLI hands `pipeline` over to here).
+
+With nothing configured the flow runs in-process against Prefect's ephemeral API, a local Ray
+and the SQLite MLflow store; `PREFECT_API_URL`, `RAY_ADDRESS` and `MLFLOW_TRACKING_URI` point it
+at servers instead. `--config FILE.yaml` has one section per flow parameter:
+
+    settings: {stages: [sft, rm], from_run: <run id>, output_root: s3://bucket/rlhf}
+    prep: {task: reverse, n_train: 4000}
+    sft: {max_epochs: 1, learning_rate: 5e-4}
+    rm: {...}
+    dpo: {beta: 0.2}
+    evaluation: {max_samples: 100}
+    iterative: {rounds: 2}
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rlhf_core.config import ConfigError, build_config, load_yaml
+
+SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "evaluation", "iterative")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["run"])
+    parser.add_argument("--config", default=None, help="YAML with sections " + ", ".join(SECTIONS))
+    parser.add_argument("--stages", default=None, help="Comma-separated stages (default: prep,sft,rm,dpo,eval)")
+    parser.add_argument("--from_run", default=None, help="Earlier pipeline run to take upstream outputs from")
+    parser.add_argument("--output_root", default=None, help="Local directory or s3:// URI for stage outputs")
+    parser.add_argument("--force", action="store_true", help="Rerun every stage, ignoring cached outputs")
+
+
+def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dict:
+    """Validated flow parameters from a YAML mapping plus command-line overrides (ConfigError if bad)."""
+    from pydantic import ValidationError
+
+    from flows.params import STAGE_PARAMS, EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
+
+    unknown = set(config) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"--config: unknown section(s) {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
+    settings = dict(config.get("settings") or {})
+    if args is not None:
+        if args.stages:
+            settings["stages"] = [s.strip() for s in args.stages.split(",") if s.strip()]
+        for key in ("from_run", "output_root"):
+            if getattr(args, key):
+                settings[key] = getattr(args, key)
+        if args.force:
+            settings["force"] = True
+    params = {}
+    for name, cls in (("settings", PipelineSettings), ("prep", PrepParams), ("evaluation", EvalParams),
+                      ("iterative", IterativeDPOParams)):
+        values = settings if name == "settings" else (config.get(name) or {})
+        try:
+            params[name] = cls.model_validate(values)
+        except ValidationError as e:
+            problems = "; ".join(f"{name}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ConfigError(f"--config: {problems}") from None
+    for name, cls in STAGE_PARAMS.items():
+        try:
+            params[name] = build_config(cls, None, config.get(name) or {}, complete=False)
+        except ConfigError as e:
+            raise ConfigError(f"--config section {name}: {e}") from None
+    return params
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.pipeline import rlhf
+
+    params = flow_parameters(load_yaml(args.config) if args.config else {}, args)
+    summary = rlhf(**params)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    from rlhf_core.tracking import tracking_uri
+    from tasks.reports import stage_metrics_lines, summary_table
+
+    print("\n=== pipeline run", summary["pipeline_run_id"], flush=True)
+    for name, timing in summary["stages"].items():
+        for line in stage_metrics_lines(timing["stage"], timing["metrics"]):
+            print(f"  {name:<14}{line}")
+    if "evaluation" in summary:
+        print(summary["evaluation"]["markdown"])
+    print("\n" + summary_table(summary))
+    print("\noutputs:")
+    for name, uri in summary["outputs"].items():
+        print(f"  {name:<16}{uri}")
+    champion = summary.get("registry", {}).get("dpo", {})
+    if champion:
+        state = "is the new champion" if champion.get("champion") else "did not beat the champion"
+        print(f"\npolicy {champion['model']} v{champion['version']} {state} "
+              f"({champion.get('metric')} = {champion.get('value')}, previous {champion.get('previous_champion_value')})")
+        print(f"champion: models:/{champion['model']}@champion -> {champion.get('champion_uri')}")
+    print(f"\nsummary:    {summary['summary_uri']}")
+    print("lineage:    rlhf lineage models:/rlhf-policy@champion")
+    print(f"MLflow UI:  mlflow ui --backend-store-uri {tracking_uri()}")
+    print("Prefect UI: prefect server start  (then open http://127.0.0.1:4200)")

@@ -1,0 +1,84 @@
+"""Iterative (online) DPO rounds inside the `rlhf` flow.
+
+One round: `rlhf pairs` samples several responses per training prompt from the current policy
+and keeps (best, worst) by the verifier or the reward model -> `rlhf train dpo` from the current
+policy (which is also its reference) on those pairs -> `rlhf eval` of the new policy against the
+SFT model -> registered as a new `rlhf-policy` version, promoted to `champion` when the promote
+metric beats the champion's. The next round continues from the champion.
+
+A scheduled run starts from the registered `champion` (or the SFT model when there is none, or
+when `start_from` is `sft`). Sampling is seeded per pipeline run unless `iterative.seed` pins it,
+so each scheduled run draws fresh pairs instead of hitting the cache of the previous run. Rounds
+are linked in the lineage: each round's stages name the previous policy as their upstream.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
+from rlhf_core.config import DPOConfig, with_updates
+from tasks import lineage
+from tasks.reports import publish_eval_report
+from tasks.stages import PipelineContext, StageJob, StageOutcome
+
+
+def starting_policy(iterative: IterativeDPOParams, sft: StageOutcome) -> StageOutcome:
+    if iterative.start_from == "champion":
+        version = lineage.alias_version(lineage.REGISTERED_NAMES["dpo"], lineage.CHAMPION)
+        if version is not None:
+            outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
+            if outcome is not None:
+                return outcome
+    return sft
+
+
+def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, dpo: DPOConfig,
+               evaluation: EvalParams, iterative: IterativeDPOParams, need, run, outcomes: dict) -> dict:
+    from flows.pipeline import _eval_job, _train_job, prep_paths
+
+    prep_outcome, sft = need("prep"), need("sft")
+    reward = need("rm") if iterative.reward == "reward_model" else None
+    policy = starting_policy(iterative, sft)
+    seed = iterative.seed if iterative.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
+    paths = prep_paths(prep_outcome)
+    rounds = []
+    for r in range(1, iterative.rounds + 1):
+        name = f"pairs-round{r}"
+        out = ctx.output(name)
+        args = ["pairs", "--pretrain", policy.output_uri, "--dataset", paths["prompts"], "--task", prep.task,
+                "--reward", iterative.reward, "--n_samples_per_prompt", str(iterative.n_samples_per_prompt),
+                "--temperature", str(iterative.temperature), "--max_samples", str(iterative.n_prompts),
+                "--seed", str(seed + r), "--save_path", out, "--mlflow_experiment", ctx.experiment,
+                "--mlflow_run_name", name]
+        upstream = {"policy": policy, "data": prep_outcome}
+        if reward is not None:
+            args += ["--reward_pretrain", reward.output_uri]
+            upstream["reward"] = reward
+        settings_hash = (f"pairs:{prep.task}:{iterative.reward}:{iterative.n_samples_per_prompt}:"
+                         f"{iterative.temperature}:{iterative.n_prompts}:{seed + r}")
+        pairs = outcomes[name] = run(StageJob("pairs", name, args, out, settings_hash, None, paths["prompts"],
+                                              upstream, num_gpus=ctx.rollout_gpus))
+
+        # Sampled responses may stop at max_new_tokens without EOS, a few tokens past the
+        # prep data's lengths: truncate rather than fail a scheduled round on one long sample.
+        trained = outcomes[f"dpo-round{r}"] = run(_train_job(
+            ctx, settings, with_updates(dpo, truncate=True), need, name=f"dpo-round{r}", model_from=policy,
+            data_from=(pairs, f"json@{pairs.output_uri}"), eval_dataset=paths["preference"]))
+        evaluated = outcomes[f"eval-round{r}"] = run(_eval_job(ctx, prep, evaluation, prep_outcome, trained, sft,
+                                                               reward, name=f"eval-round{r}"))
+        report = publish_eval_report(evaluated, evaluation.promote_metric)
+        value = evaluated.metrics.get(evaluation.promote_metric)
+        if value is None:
+            raise ValueError(f"evaluation.promote_metric {evaluation.promote_metric!r} is not among the evaluation "
+                             f"metrics {sorted(evaluated.metrics)}")
+        version = lineage.register_once("dpo", trained.output_uri, trained.manifest.get("mlflow_run_id")
+                                        or trained.run_id)
+        promoted, previous = lineage.promote(version.name, version.version, evaluation.promote_metric, float(value))
+        rounds.append({"round": r, "policy_in": policy.output_uri, "policy_out": trained.output_uri,
+                       "pairs": pairs.metrics, "metric": evaluation.promote_metric, "value": value,
+                       "previous_champion_value": previous, "promoted": promoted, "version": version.version,
+                       "markdown": report["markdown"]})
+        if promoted:
+            policy = trained
+    return {"rounds": rounds, "final_policy": policy.output_uri}

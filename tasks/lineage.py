@@ -1,0 +1,179 @@
+"""MLflow lineage for pipeline runs: parent and child runs, cache lookups, the model registry.
+
+One parent run per pipeline run; one child run per stage, created here *before* its Ray job is
+submitted and handed to the job through `MLFLOW_RUN_ID`, so the job logs params, metrics and
+datasets into a run that already carries its lineage tags:
+
+    rlhf.stage, rlhf.pipeline_run_id, rlhf.prefect_flow_run_id, rlhf.code_version,
+    rlhf.cache_key, rlhf.upstream_run_ids (comma-separated), rlhf.upstream.<stage>.run_id,
+    rlhf.upstream.<stage>.model_uri, rlhf.output_uri (set by the job), rlhf.cached_from
+
+Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so
+several stage tasks can talk to MLflow from one process without stepping on each other.
+
+Registry: final models are registered as `rlhf-sft`, `rlhf-reward`, `rlhf-policy`; the newest
+version gets alias `candidate`; `promote` moves `champion` only when the evaluation metric beats
+the current champion's. A model version's `source` is the stage output URI when it is remote
+(s3://); a tracking *server* refuses local paths outside a run's artifact folder, so a local
+output is registered as the run's `stage.json` artifact and its folder kept in the version tag
+`rlhf.output_uri`, which is what consumers read.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rlhf_core import storage
+from rlhf_core.tracking import ensure_experiment, tracking_uri
+
+REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": "rlhf-policy", "ppo": "rlhf-policy"}
+CANDIDATE, CHAMPION = "candidate", "champion"
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def start_pipeline_run(experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+    experiment_id = ensure_experiment(experiment)
+    c = client()
+    run = c.create_run(experiment_id, run_name=name, tags={"rlhf.kind": "pipeline", **tags})
+    items = list(params.items())
+    for i in range(0, len(items), 100):
+        from mlflow.entities import Param
+
+        c.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in items[i : i + 100]])
+    return run.info.run_id
+
+
+def start_stage_run(parent_run_id: str, stage: str, name: str, tags: dict[str, str]) -> str:
+    c = client()
+    experiment_id = c.get_run(parent_run_id).info.experiment_id
+    run = c.create_run(experiment_id, run_name=name,
+                       tags={"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage, **tags})
+    return run.info.run_id
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    """Mark a run terminated unless its job already did (a job that failed early leaves it RUNNING)."""
+    c = client()
+    if c.get_run(run_id).info.status == "RUNNING" or status != "FINISHED":
+        c.set_terminated(run_id, status)
+
+
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    c = client()
+    for key, value in tags.items():
+        c.set_tag(run_id, key, str(value))
+
+
+def log_metrics(run_id: str, metrics: dict[str, float]) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    c = client()
+    c.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+
+def get_run(run_id: str):
+    return client().get_run(run_id)
+
+
+def find_cached(experiment: str, cache_key: str):
+    """The newest FINISHED stage run with this cache key whose output still exists, or None."""
+    experiment_id = ensure_experiment(experiment)
+    runs = client().search_runs([experiment_id], filter_string=f"tags.`rlhf.cache_key` = '{cache_key}' and "
+                                "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                                max_results=20)
+    for run in runs:
+        uri = run.data.tags.get("rlhf.output_uri")
+        if uri and storage.read_manifest(uri) is not None:
+            return run
+    return None
+
+
+def find_pipeline_run(experiment: str, run_ref: str):
+    """A pipeline (parent) run by MLflow run id or by the Prefect flow run id it was tagged with."""
+    c = client()
+    try:
+        run = c.get_run(run_ref)
+        if run.data.tags.get("rlhf.kind") == "pipeline":
+            return run
+    except Exception:  # noqa: BLE001 - not an MLflow run id; try the Prefect id below
+        pass
+    experiment_id = ensure_experiment(experiment)
+    runs = c.search_runs([experiment_id], filter_string=f"tags.`rlhf.prefect_flow_run_id` = '{run_ref}' and "
+                         "tags.`rlhf.kind` = 'pipeline'", max_results=1)
+    if not runs:
+        raise ValueError(f"from_run {run_ref!r}: no pipeline run with that MLflow run id or Prefect flow run id")
+    return runs[0]
+
+
+def stage_runs(parent_run_id: str) -> dict[str, object]:
+    """The latest FINISHED child run of each stage of a pipeline run (cached reuses included)."""
+    c = client()
+    experiment_id = c.get_run(parent_run_id).info.experiment_id
+    runs = c.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and "
+                         "attributes.status = 'FINISHED'", order_by=["attributes.start_time ASC"])
+    latest: dict[str, object] = {}
+    for run in runs:
+        latest[run.data.tags.get("rlhf.stage_name") or run.data.tags.get("rlhf.stage")] = run
+    return latest
+
+
+def register(stage: str, output_uri: str, run_id: str, tags: dict[str, str] | None = None):
+    """Register a stage output as a new version of its model and point `candidate` at it."""
+    from mlflow.exceptions import MlflowException
+
+    name = REGISTERED_NAMES[stage]
+    c = client()
+    try:
+        c.create_registered_model(name, description=f"rlhf lifecycle: {stage} models")
+    except MlflowException:
+        pass  # already registered
+    source = output_uri if storage.is_remote(output_uri) else f"runs:/{run_id}/{storage.MANIFEST}"
+    version = c.create_model_version(name, source=source, run_id=run_id,
+                                     tags={"rlhf.output_uri": output_uri, "rlhf.stage": stage, **(tags or {})})
+    c.set_registered_model_alias(name, CANDIDATE, version.version)
+    return version
+
+
+def register_once(stage: str, output_uri: str, training_run_id: str):
+    """The registered version of the output trained by `training_run_id`, registering it if new."""
+    name = REGISTERED_NAMES[stage]
+    try:
+        existing = client().search_model_versions(f"name = '{name}' and run_id = '{training_run_id}'")
+    except Exception:  # noqa: BLE001 - the registered model does not exist yet
+        existing = []
+    if existing:
+        return max(existing, key=lambda v: int(v.version))
+    return register(stage, output_uri, training_run_id)
+
+
+def alias_version(name: str, alias: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def promote(name: str, version: str, metric: str, value: float) -> tuple[bool, float | None]:
+    """Make `version` the champion when `value` beats the champion's `metric` (or there is none).
+
+    Returns (promoted, previous champion's value).
+    """
+    c = client()
+    c.set_model_version_tag(name, version, f"rlhf.eval.{metric}", str(value))
+    champion = alias_version(name, CHAMPION)
+    previous = None
+    if champion is not None:
+        raw = champion.tags.get(f"rlhf.eval.{metric}")
+        previous = float(raw) if raw is not None else None
+    if champion is None or previous is None or value > previous:
+        c.set_registered_model_alias(name, CHAMPION, version)
+        return True, previous
+    return False, previous

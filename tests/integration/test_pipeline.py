@@ -1,0 +1,259 @@
+"""The `rlhf` flow on the embedded default: Prefect in-process, a local Ray with the Jobs API, SQLite MLflow.
+
+One full tiny pipeline is run once per module; the other tests build on it: a cached rerun, a
+single-stage rerun from it, a configuration error, a Ray job killed mid-stage, S3 outputs, and
+two iterative-DPO rounds. Models are tiny and steps few: these tests prove the orchestration
+(jobs, retries, caching, lineage, registry), the unit and trainer tests prove the learning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+STEPS = {"max_steps": 4, "train_batch_size": 16, "micro_train_batch_size": 16}
+TINY = {
+    "settings": {"retries": 0},
+    "prep": {"n_train": 256, "n_test": 32},
+    "sft": STEPS,
+    "rm": STEPS,
+    "dpo": STEPS,
+    "evaluation": {"max_samples": 16},
+}
+
+
+def params(**sections) -> dict:
+    from flows.cli import flow_parameters
+
+    config = {k: dict(v) for k, v in TINY.items()}
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value}
+    return flow_parameters(config)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def first_run(harness, tmp_path_factory):
+    """The README's main command, `rlhf pipeline run`, with tiny settings; its saved summary."""
+    import contextlib
+    import io
+    import json
+    import re
+
+    import yaml
+
+    from rlhf_core.cli import main
+
+    config = tmp_path_factory.mktemp("pipeline") / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["pipeline", "run", "--config", str(config)]) == 0
+    text = printed.getvalue()
+    summary = json.loads(Path(re.search(r"summary:\s+(\S+)", text).group(1)).read_text())
+    return {**summary, "printed": text}
+
+
+def mlflow_client():
+    from mlflow import MlflowClient
+
+    from rlhf_core.tracking import tracking_uri
+
+    return MlflowClient(tracking_uri())
+
+
+def child_runs(parent_run_id: str) -> dict:
+    c = mlflow_client()
+    experiment = c.get_run(parent_run_id).info.experiment_id
+    runs = c.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    return {r.data.tags["rlhf.stage_name"]: r for r in runs}
+
+
+def tree_digest(path: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes() + str(f.stat().st_mtime_ns).encode())
+    return h.hexdigest()
+
+
+def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
+    from rlhf_core import storage
+    from rlhf_core.lineage import build, render
+
+    assert set(first_run["stages"]) == {"prep", "sft", "rm", "dpo", "eval"}
+    assert not any(t["cached"] for t in first_run["stages"].values())
+    for name, uri in first_run["outputs"].items():
+        assert storage.read_manifest(uri) is not None, name
+
+    parent = mlflow_client().get_run(first_run["pipeline_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.kind"] == "pipeline"
+    runs = child_runs(first_run["pipeline_run_id"])
+    assert set(runs) == {"prep", "sft", "rm", "dpo", "eval"}
+    dpo_tags = runs["dpo"].data.tags
+    assert dpo_tags["rlhf.upstream.model.run_id"] == runs["sft"].info.run_id
+    assert dpo_tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
+    assert dpo_tags["rlhf.upstream.data.run_id"] == runs["prep"].info.run_id
+    assert dpo_tags["rlhf.prefect_flow_run_id"] == first_run["prefect_flow_run_id"]
+    assert dpo_tags["rlhf.code_version"] and dpo_tags["rlhf.cache_key"].startswith("sha256:")
+    assert runs["sft"].inputs.dataset_inputs, "datasets logged as MLflow inputs"
+    assert "train/final_loss" in runs["sft"].data.metrics or runs["sft"].data.metrics
+
+    evaluation = first_run["evaluation"]["metrics"]
+    for key in ("eval/win_rate", "eval/kl", "eval/policy_exact_match", "eval/reference_exact_match",
+                "eval/policy_reward", "eval/policy_response_len"):
+        assert key in evaluation, key
+    assert "| " in first_run["evaluation"]["markdown"]
+
+    c = mlflow_client()
+    for name in ("rlhf-sft", "rlhf-reward", "rlhf-policy"):
+        assert c.get_model_version_by_alias(name, "candidate").tags["rlhf.output_uri"]
+    champion = c.get_model_version_by_alias("rlhf-policy", "champion")
+    assert champion.tags["rlhf.output_uri"] == first_run["outputs"]["dpo"]
+
+    text = render(build("models:/rlhf-policy@candidate"))
+    assert "dpo [model]" in text and "sft [model]" in text and "prep [data]" in text
+
+    for stage, timing in first_run["stages"].items():
+        assert timing["job_seconds"] > 0 and timing["overhead_seconds"] >= 0, stage
+    printed = first_run["printed"]
+    assert "| exact match" in printed.lower() or "exact match" in printed
+    for expected in ("champion: models:/rlhf-policy@champion -> " + first_run["outputs"]["dpo"], "MLflow UI:",
+                     "Prefect UI:", "pairwise accuracy:"):
+        assert expected in printed, expected
+
+
+def test_cached_rerun_trains_nothing(first_run):
+    from flows.pipeline import rlhf
+
+    again = rlhf(**params())
+    assert all(t["cached"] for t in again["stages"].values()), again["stages"]
+    assert again["job_seconds"] == 0
+    assert again["outputs"] == first_run["outputs"]
+    runs = child_runs(again["pipeline_run_id"])
+    assert runs["sft"].data.tags["rlhf.cached_from"] == child_runs(first_run["pipeline_run_id"])["sft"].info.run_id
+
+
+def test_single_stage_rerun_reuses_upstream_and_leaves_it_untouched(first_run):
+    from flows.pipeline import rlhf
+    from rlhf_core import storage
+
+    before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft")}
+    rerun = rlhf(**params(settings={"stages": ["dpo"], "from_run": first_run["pipeline_run_id"],
+                                    "force_stages": ["dpo"]}))
+    assert not rerun["stages"]["dpo"]["cached"]
+    assert rerun["outputs"]["dpo"] != first_run["outputs"]["dpo"]
+    assert rerun["outputs"]["sft"] == first_run["outputs"]["sft"]
+    manifest = storage.read_manifest(rerun["outputs"]["dpo"])
+    assert manifest["inputs"]["pretrain"] == first_run["outputs"]["sft"]
+    assert {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft")} == before
+    runs = child_runs(rerun["pipeline_run_id"])
+    assert runs["sft"].data.tags["rlhf.reused_from_run"] == child_runs(first_run["pipeline_run_id"])["sft"].info.run_id
+
+
+def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
+    from flows.pipeline import rlhf
+    from tasks.ray_jobs import StageConfigError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(StageConfigError) as err:
+        rlhf(**params(settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 2,
+                                "retry_delay_seconds": 0, "force_stages": ["sft"]},
+                      sft={"dataset": str(bad)}))
+    assert str(bad) in str(err.value) and "row 2" in str(err.value) and "response" in str(err.value)
+    failed = [r for r in mlflow_client().search_runs(
+        [mlflow_client().get_experiment_by_name("rlhf").experiment_id],
+        "tags.`rlhf.stage` = 'sft' and attributes.status = 'FAILED'") if str(bad) in r.data.tags.get("rlhf.error", "")]
+    assert len(failed) == 1, "configuration errors are not retried"
+
+
+def _kill_first_running_job(stop: threading.Event, killed: list) -> None:
+    from ray.job_submission import JobSubmissionClient
+
+    while not stop.is_set():
+        try:
+            client = JobSubmissionClient("http://127.0.0.1:8265")
+            for job in client.list_jobs():
+                logs = client.get_job_logs(job.submission_id) if job.status.value == "RUNNING" else ""
+                if "rlhf-sft" in (job.submission_id or "") and "[step" in logs and job.driver_info:
+                    os.kill(int(job.driver_info.pid), signal.SIGKILL)
+                    killed.append(job.submission_id)
+                    return
+        except Exception:  # noqa: BLE001 - the cluster is still starting
+            pass
+        time.sleep(0.5)
+
+
+def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run):
+    from flows.pipeline import rlhf
+
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, killed), daemon=True)
+    watcher.start()
+    try:
+        result = rlhf(**params(settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 1,
+                                         "retry_delay_seconds": 0, "force_stages": ["sft"]},
+                               sft={"max_steps": 300, "max_epochs": 40, "eval_steps": 25}))
+    finally:
+        stop.set()
+    assert killed, "the watcher never saw the SFT job running"
+    assert not result["stages"]["sft"]["cached"]
+    c = mlflow_client()
+    runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
+                         f"tags.`mlflow.parentRunId` = '{result['pipeline_run_id']}' and tags.`rlhf.stage` = 'sft'")
+    statuses = sorted(r.info.status for r in runs)
+    assert statuses == ["FAILED", "FINISHED"]
+    error = next(r for r in runs if r.info.status == "FAILED").data.tags["rlhf.error"]
+    assert killed[0] in error and "last log lines" in error and "[step" in error
+
+
+def test_stage_outputs_on_s3(first_run, s3_endpoint):
+    import fsspec
+
+    from flows.pipeline import rlhf
+    from rlhf_core import storage
+
+    fsspec.config.conf.clear()
+    result = rlhf(**params(settings={"stages": ["rm"], "from_run": first_run["pipeline_run_id"],
+                                     "output_root": "s3://models/pipelines", "force_stages": ["rm"],
+                                     "register_models": False}))
+    uri = result["outputs"]["rm"]
+    assert uri.startswith("s3://models/pipelines/") and storage.read_manifest(uri)["stage"] == "rm"
+    fs = fsspec.filesystem("s3")
+    assert fs.exists(uri + "/model.safetensors") and fs.exists(uri.rsplit("/", 1)[0] + "/configs/rm.yaml")
+
+
+def test_two_iterative_dpo_rounds_are_linked(first_run):
+    from flows.pipeline import rlhf
+    from rlhf_core.lineage import build
+
+    result = rlhf(**params(settings={"stages": ["iterative_dpo"], "from_run": first_run["pipeline_run_id"]},
+                           iterative={"rounds": 2, "n_prompts": 16, "n_samples_per_prompt": 4, "start_from": "sft",
+                                      "reward": "reward_model",
+                                      "seed": 1}))
+    rounds = result["iterative"]["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert rounds[0]["policy_in"] == first_run["outputs"]["sft"]
+    runs = child_runs(result["pipeline_run_id"])
+    second_dpo = runs["dpo-round2"].data.tags
+    first_policy = runs["dpo-round1"].info.run_id if rounds[0]["promoted"] else runs["sft"].info.run_id
+    assert second_dpo["rlhf.upstream.model.run_id"] == first_policy
+    assert runs["pairs-round2"].data.tags["rlhf.upstream.policy.run_id"] == first_policy
+    tree = build(runs["dpo-round2"].info.run_id)
+    assert tree.parents, "round 2 leads back to the policy it started from"
