@@ -53,18 +53,8 @@ def cosine_schedule(step: int, total_steps: int, warmup_steps: int, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def effective_zero_stage(stage: int, world_size: int, adam_offload: bool) -> int:
-    """ZeRO-1/2 partition optimizer state and gradients across ranks; on a single rank there is
-    nothing to partition and their flattening/bucketing costs ~20% of a small model's step, so
-    one rank trains with stage 0 (same math). Offload needs a ZeRO stage, and stage 3 is kept."""
-    if world_size == 1 and stage in (1, 2) and not adam_offload:
-        return 0
-    return stage
-
-
 def deepspeed_config(cfg, train: bool = True) -> dict:
-    stage = effective_zero_stage(cfg.zero_stage, cfg.world_size, cfg.adam_offload)
-    zero: dict = {"stage": stage if train else (3 if stage == 3 else 0)}
+    zero: dict = {"stage": cfg.zero_stage if train else (3 if cfg.zero_stage == 3 else 0)}
     if train and cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if zero["stage"] == 3:
