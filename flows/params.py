@@ -18,7 +18,9 @@ from pydantic import Field, model_validator
 from rlhf_core.config import DataConfig, DPOConfig, RMConfig, SFTConfig, StrictModel
 
 # Sized for a 1M-parameter model on 2 CPU cores: on the default task (reverse) SFT needs ~1000
-# steps to generalise; the preference stages start from it and need far fewer.
+# steps to generalise; the preference stages start from it and need far fewer. DPO keeps an NLL
+# term on the chosen response (RPO): without it, DPO at this learning rate widened the margin
+# but cut held-out exact match from 99% to 79%; with it, 97.5% (measured, 200 prompts).
 PREP = {"n_train": 16000, "n_test": 200}
 COMMON = {"bf16": True, "zero_stage": 2, "seed": 0,
           "data": {"apply_chat_template": True, "max_len": 64, "packing_samples": True}}
@@ -28,7 +30,7 @@ TUNED = {
     "rm": {**COMMON, "train_batch_size": 64, "micro_train_batch_size": 32, "learning_rate": 1e-3,
            "lr_warmup_ratio": 0.05, "max_epochs": 1},
     "dpo": {**COMMON, "train_batch_size": 64, "micro_train_batch_size": 32, "learning_rate": 1e-4,
-            "lr_warmup_ratio": 0.05, "max_epochs": 1, "beta": 0.1,
+            "lr_warmup_ratio": 0.05, "max_epochs": 1, "beta": 0.1, "nll_loss_coef": 1.0,
             "data": {**COMMON["data"], "max_samples": 4000}},
 }
 
@@ -134,7 +136,7 @@ class PipelineSettings(StrictModel):
     rollout_gpus: float = Field(0, ge=0, description="GPUs reserved for the driver of eval and pairs jobs, which "
                                 "generate in-process (set 1 on a GPU cluster)")
     retries: int = Field(2, ge=0, description="Retries of a stage job after an infrastructure failure")
-    retry_delay_seconds: float = Field(10.0, ge=0)
+    retry_delay_seconds: float = Field(10.0, ge=0, description="Delay before the first retry; doubles each retry")
     stage_timeout_minutes: float | None = Field(None, gt=0, description="Fail (and stop) a stage job that runs "
                                                 "longer than this; it is then retried like any infrastructure failure")
 

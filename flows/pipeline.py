@@ -126,7 +126,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
 def _runner(ctx: PipelineContext, settings: PipelineSettings):
     timeout = settings.stage_timeout_minutes * 60 if settings.stage_timeout_minutes else None
-    task = run_job_stage.with_options(retries=settings.retries, retry_delay_seconds=settings.retry_delay_seconds,
+    backoff = [settings.retry_delay_seconds * 2**i for i in range(settings.retries)]  # exponential
+    task = run_job_stage.with_options(retries=settings.retries, retry_delay_seconds=backoff or 0,
                                       timeout_seconds=timeout)
 
     def run(job: StageJob) -> StageOutcome:

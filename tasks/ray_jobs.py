@@ -77,7 +77,7 @@ def job_command(args: list[str]) -> str:
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for the job: the allow-listed settings of this process plus `extra` (never secrets)."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    env.update({"PYTHONUNBUFFERED": "1", "RLHF_NO_PROGRESS": "1"})
+    env.update({"PYTHONUNBUFFERED": "1", "RLHF_PROGRESS_SECONDS": "30"})  # a progress line every 30 s
     env.update(extra or {})
     return env
 

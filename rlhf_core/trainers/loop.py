@@ -188,8 +188,9 @@ class TrainLoop:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.step, desc=f"{self.cfg.stage} steps",
-                    file=sys.stderr, mininterval=2.0, dynamic_ncols=True)
+        # Under an orchestrator (a Ray job's log, not a terminal) RLHF_PROGRESS_SECONDS spaces the updates.
+        return tqdm(total=self.total_steps, initial=self.step, desc=f"{self.cfg.stage} steps", file=sys.stderr,
+                    mininterval=float(os.environ.get("RLHF_PROGRESS_SECONDS", "2")), dynamic_ncols=True)
 
 
 def total_steps(cfg, num_examples: int) -> int:

@@ -179,3 +179,43 @@ def test_full_pipeline_then_single_stage_rerun(stack):
     assert Path(dpo.data.tags["rlhf.output_uri"]) != Path(children["dpo"].data.tags["rlhf.output_uri"])
     assert _snapshot(sft_out) == before, "the rerun modified the first run's SFT output"
     assert _snapshot(Path(children["prep"].data.tags["rlhf.output_uri"])) == prep_before
+
+
+def _ray_jobs(stack) -> dict[str, str]:
+    """Submission id -> status on the stack's Ray, asked from a fresh process (Ray reads its auth mode
+    from the environment once per process; the stack's clients need RAY_AUTH_MODE=token)."""
+    code = ("import json, os\nfrom ray.job_submission import JobSubmissionClient\n"
+            "jobs = JobSubmissionClient(os.environ['RAY_ADDRESS']).list_jobs()\n"
+            "print(json.dumps({j.submission_id: j.status.value for j in jobs if j.submission_id}))")
+    out = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", code], env=stack["env"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cancelling_a_flow_run_stops_its_ray_job(stack):
+    """Cancel from Prefect while a stage job runs: the job is stopped, not left training."""
+    long_sft = {**TINY, "max_steps": 5000, "max_epochs": 400}
+    params = _params(settings={"stages": ["prep", "sft"], "force_stages": ["sft"]},
+                     prep={"n_train": 256, "n_test": 32}, sft=long_sft)
+    proc = subprocess.run([PREFECT, "--no-prompt", "deployment", "run", "rlhf/sft", "--params", json.dumps(params)],
+                          env=stack["env"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout + proc.stderr).group(1)
+
+    def running_sft() -> list[str]:
+        return [j for j, status in _ray_jobs(stack).items() if j.startswith("rlhf-sft-") and status == "RUNNING"]
+
+    deadline = time.time() + 300
+    while not running_sft() and time.time() < deadline:
+        time.sleep(2)
+    running = running_sft()
+    assert running, "the SFT job never started"
+    cancel = subprocess.run([PREFECT, "--no-prompt", "flow-run", "cancel", flow_run_id], env=stack["env"],
+                            capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    deadline = time.time() + 120
+    while _ray_jobs(stack)[running[0]] == "RUNNING" and time.time() < deadline:
+        time.sleep(2)
+    assert _ray_jobs(stack)[running[0]] in ("STOPPED", "FAILED"), "the cancelled flow's Ray job kept running"
+    state = _api(stack, f"/flow_runs/{flow_run_id}")["state"]["type"]
+    assert state in ("CANCELLED", "CANCELLING"), state
