@@ -73,8 +73,10 @@ class TrainLoop:
             if self.step % self.cfg.logging_steps == 0 or self.step == self.total_steps:
                 self._log(metrics)
             if bar is not None:
+                # Postfix first without a refresh: update() then redraws at most every mininterval.
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}",
+                                refresh=False)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
             if self.cfg.eval_steps > 0 and self.step % self.cfg.eval_steps == 0 and self.step < self.total_steps:
                 self._log(self.evaluate())
             if self.cfg.save_steps > 0 and self.step % self.cfg.save_steps == 0:
