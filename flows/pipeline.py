@@ -8,8 +8,8 @@ the pipeline run in MLflow. Choices:
   run but is needed downstream comes from `settings.from_run` (an earlier pipeline run, by MLflow
   parent run id or Prefect flow run id), so one stage can be rerun against earlier outputs,
   which are read and never modified.
-- Stage outputs go to `<output_root>/<pipeline run id>/<stage>`; prep's data stays on local disk
-  (datasets are read from local files), under the state directory when the root is remote.
+- Stage outputs, prep's data and base model included, go to `<output_root>/<pipeline run
+  id>/<stage>` (local or s3://; jobs read s3:// data through a local cache).
 - Embedded default: a local Ray with its dashboard is started for the flow run and stopped at
   the end; with `RAY_ADDRESS` the jobs go to that cluster.
 - The return value and the parent run hold, per stage, the task's wall time and the Ray job's own
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -35,7 +34,6 @@ from flows.params import (
     PrepParams,
     Stage,
 )
-from rlhf_core import storage
 from rlhf_core.config import TrainConfig, state_dir, with_updates
 from rlhf_core.version import code_version, config_hash
 from tasks import lineage
@@ -68,13 +66,11 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
               "rlhf.stages": ",".join(s.value for s in stages), "rlhf.from_run": settings.from_run or ""},
         params={"stages": ",".join(s.value for s in stages), **{f"prep.{k}": v for k, v in prep.model_dump().items()}})
     root = settings.output_root or str(state_dir() / "pipelines")
-    local_root = root if not storage.is_remote(root) else str(state_dir() / "pipelines")
     outcomes: dict[str, StageOutcome] = {}
     summary: dict = {"pipeline_run_id": parent, "prefect_flow_run_id": flow_run_id, "stages": {}}
     try:
         with ray_cluster() as address:
-            ctx = PipelineContext(settings.experiment, parent, flow_run_id, f"{root.rstrip('/')}/{parent}",
-                                  f"{local_root.rstrip('/')}/{parent}", address,
+            ctx = PipelineContext(settings.experiment, parent, flow_run_id, f"{root.rstrip('/')}/{parent}", address,
                                   force=[s.value for s in settings.force_stages] if not settings.force
                                   else [s.value for s in Stage], rollout_gpus=settings.rollout_gpus)
             run = _runner(ctx, settings)
@@ -179,7 +175,7 @@ def _earlier_outcomes(settings: PipelineSettings) -> dict[str, StageOutcome]:
 
 
 def _prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
-    out = f"{ctx.local_root}/prep"
+    out = ctx.output("prep")
     args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
             "--n_train", str(prep.n_train), "--n_test", str(prep.n_test)]
     return StageJob("prep", "prep", args, out, "params:" + ",".join(f"{k}={v}" for k, v in
@@ -187,9 +183,9 @@ def _prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
 
 
 def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
-    root = Path(prep_outcome.output_uri)
-    return {"base": str(root / "base"), "sft": f"json@{root / 'data' / 'sft'}",
-            "preference": f"json@{root / 'data' / 'preference'}", "prompts": f"json@{root / 'data' / 'prompts'}"}
+    root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
+    return {"base": f"{root}/base", "sft": f"json@{root}/data/sft", "preference": f"json@{root}/data/preference",
+            "prompts": f"json@{root}/data/prompts"}
 
 
 UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference")}

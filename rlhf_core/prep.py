@@ -114,17 +114,34 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     The manifest records the parameters and the sha256 of every data file; it is written only
     after everything else is in place, so its presence means the prep output is complete.
     """
+    from rlhf_core import storage
+
+    out = storage.normalize_uri(str(out_dir))
+    if storage.is_remote(out):  # build locally, then upload with the manifest last
+        with tempfile.TemporaryDirectory(prefix="rlhf-prep-") as tmp:
+            manifest, tracker = _prep_and_record(Path(tmp), out, params)
+            storage.publish_dir(tmp, out, manifest)
+    else:
+        local = Path(out)
+        (local / storage.MANIFEST).unlink(missing_ok=True)
+        manifest, tracker = _prep_and_record(local, out, params)
+        storage.write_manifest(local, manifest)
+    tracker.finish()
+    return manifest
+
+
+def _prep_and_record(build_dir: Path, out: str, params: dict):
+    """Run `prepare` in `build_dir` and log it to MLflow; returns the manifest (files named by their
+    final location) and the still-open tracker, finished once the manifest is in place."""
     import hashlib
     import time
 
     from rlhf_core.data.loading import file_digest
-    from rlhf_core.storage import MANIFEST, normalize_uri
     from rlhf_core.version import code_version
 
-    out = Path(normalize_uri(str(out_dir)))
-    (out / MANIFEST).unlink(missing_ok=True)
-    paths = prepare(out, **params)
-    digests = {key: file_digest(path) for key, path in paths.items() if path.endswith(".jsonl")}
+    built = prepare(build_dir, **params)
+    digests = {key: file_digest(path) for key, path in built.items() if path.endswith(".jsonl")}
+    paths = {key: out.rstrip("/") + "/" + Path(path).relative_to(build_dir).as_posix() for key, path in built.items()}
     run_id = os.environ.get("MLFLOW_RUN_ID")
     manifest = {
         "stage": "prep",
@@ -136,17 +153,13 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
         "mlflow_run_id": run_id,
         "code_version": code_version(),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "output_uri": str(out),
+        "output_uri": out,
     }
     from rlhf_core.tracking import Tracker
 
     tracker = Tracker(bool(run_id), os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlhf"), "prep", None)
     tracker.log_params(params)
     tracker.log_datasets([{"path": p, "spec": k, "split": k.rsplit("_", 1)[-1], "digest": digests[k]}
-                          for k, p in paths.items() if k in digests], "output")
-    tracker.set_tags({"rlhf.output_uri": str(out), "rlhf.config_hash": manifest["config_hash"]})
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, out / MANIFEST)
-    tracker.finish()
-    return manifest
+                          for k, p in built.items() if k in digests], "output")
+    tracker.set_tags({"rlhf.output_uri": out, "rlhf.config_hash": manifest["config_hash"]})
+    return manifest, tracker

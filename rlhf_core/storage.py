@@ -69,6 +69,11 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict) -> str:
     return target
 
 
+def write_manifest(local_dir: str | Path, manifest: dict) -> None:
+    """Write `stage.json` into a finished local directory, atomically (the last step of a stage)."""
+    _write_json_atomic(Path(local_dir) / MANIFEST, manifest)
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))

@@ -37,7 +37,6 @@ class PipelineContext:
     parent_run_id: str
     flow_run_id: str
     run_root: str  # this pipeline run's output folder (local or s3://)
-    local_root: str  # local folder for prep data (datasets are read from local disk)
     ray_address: str
     force: list[str] = field(default_factory=list)
     rollout_gpus: float = 0

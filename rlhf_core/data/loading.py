@@ -39,17 +39,31 @@ class Source:
         return f"{self.spec}[{split}]"
 
 
+def _local(location: str) -> Path:
+    """A local path for `location`; object-store folders (s3://...) are downloaded once into the cache."""
+    if "://" not in location or location.startswith("file://"):
+        return Path(location.removeprefix("file://")).expanduser()
+    from rlhf_core import storage
+    from rlhf_core.config import state_dir
+
+    try:
+        return Path(storage.local_copy(location, state_dir() / "cache"))
+    except FileNotFoundError as e:
+        raise DataError(f"{location}: not found") from e
+
+
 def resolve_source(spec: str) -> Source:
+    """Local files and folders, `json@DIR`, the same on s3:// (folders), or a hub dataset name."""
     spec = spec.strip()
     if spec.startswith("json@"):
-        directory = Path(spec[len("json@") :]).expanduser()
+        directory = _local(spec[len("json@") :])
         if not directory.is_dir():
             raise DataError(f"{spec}: {directory} is not a directory")
         files = {s: str(directory / f"{s}.jsonl") for s in ("train", "test") if (directory / f"{s}.jsonl").exists()}
         if not files:
             raise DataError(f"{spec}: neither train.jsonl nor test.jsonl in {directory}")
         return Source(spec, "json", files)
-    path = Path(spec).expanduser()
+    path = _local(spec) if "://" in spec else Path(spec).expanduser()
     if path.is_file():
         builder = FILE_FORMATS.get(path.suffix)
         if builder is None:

@@ -223,20 +223,23 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
     assert killed[0] in error and "last log lines" in error and "[step" in error
 
 
-def test_stage_outputs_on_s3(first_run, s3_endpoint):
+def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
     import fsspec
 
     from flows.pipeline import rlhf
     from rlhf_core import storage
 
     fsspec.config.conf.clear()
-    result = rlhf(**params(settings={"stages": ["rm"], "from_run": first_run["pipeline_run_id"],
-                                     "output_root": "s3://models/pipelines", "force_stages": ["rm"],
-                                     "register_models": False}))
-    uri = result["outputs"]["rm"]
-    assert uri.startswith("s3://models/pipelines/") and storage.read_manifest(uri)["stage"] == "rm"
+    result = rlhf(**params(settings={"stages": ["prep", "sft"], "output_root": "s3://models/pipelines",
+                                     "force_stages": ["prep", "sft"], "register_models": False}))
+    prep, sft = result["outputs"]["prep"], result["outputs"]["sft"]
+    assert prep.startswith("s3://models/pipelines/") and storage.read_manifest(prep)["stage"] == "prep"
+    manifest = storage.read_manifest(sft)
+    assert manifest["inputs"]["pretrain"] == prep + "/base"
+    assert [d["spec"] for d in manifest["inputs"]["datasets"]][0] == f"json@{prep}/data/sft"
     fs = fsspec.filesystem("s3")
-    assert fs.exists(uri + "/model.safetensors") and fs.exists(uri.rsplit("/", 1)[0] + "/configs/rm.yaml")
+    assert fs.exists(sft + "/model.safetensors") and fs.exists(sft.rsplit("/", 1)[0] + "/configs/sft.yaml")
+    assert manifest["metrics"]["eval/loss"] < manifest["metrics"]["eval_initial/loss"]
 
 
 def test_two_iterative_dpo_rounds_are_linked(first_run):
