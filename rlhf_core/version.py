@@ -27,6 +27,24 @@ def config_hash(cfg) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
+def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None) -> dict:
+    """The `stage.json` of a stage run from `cfg` (secrets redacted); callers add `output_uri`."""
+    import time
+
+    from rlhf_core.tracking import redact
+
+    return {
+        "stage": cfg.stage,
+        "config_hash": config_hash(cfg),
+        "config": redact(cfg.model_dump(mode="json")),
+        "inputs": inputs,
+        "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+        "mlflow_run_id": mlflow_run_id,
+        "code_version": code_version(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
     from importlib.metadata import PackageNotFoundError, version

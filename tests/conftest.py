@@ -31,6 +31,17 @@ def _state_dir(tmp_path_factory):
     yield home
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: more torch threads only contend (10-40x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """The built-in addition task with a tiny model (small n so tests stay fast)."""

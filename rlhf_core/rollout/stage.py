@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_core import storage
-from rlhf_core.tracking import Tracker, redact
-from rlhf_core.version import code_version, config_hash
+from rlhf_core.tracking import Tracker
+from rlhf_core.version import code_version, stage_manifest
 
 
 @contextmanager
@@ -37,17 +36,8 @@ def stage_run(cfg, sources: list[dict]):
 
 def publish_stage(cfg, tracker: Tracker, files: dict[str, str], metrics: dict, inputs: dict) -> dict:
     """Write `files` (name -> text) and `stage.json` to `cfg.save_path` atomically; returns the manifest."""
-    manifest = {
-        "stage": cfg.stage,
-        "config_hash": config_hash(cfg),
-        "config": redact(cfg.model_dump(mode="json")),
-        "inputs": inputs,
-        "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-        "mlflow_run_id": tracker.run_id,
-        "code_version": code_version(),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "output_uri": storage.normalize_uri(cfg.save_path),
-    }
+    manifest = {**stage_manifest(cfg, inputs, metrics, tracker.run_id),
+                "output_uri": storage.normalize_uri(cfg.save_path)}
     local_parent = None if storage.is_remote(cfg.save_path) else Path(manifest["output_uri"]).parent
     if local_parent is not None:
         local_parent.mkdir(parents=True, exist_ok=True)

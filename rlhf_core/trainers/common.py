@@ -10,7 +10,6 @@ import json
 import os
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from rlhf_core import storage
 from rlhf_core.config import TrainConfig, state_dir
 from rlhf_core.distributed.engine import device, init_distributed
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
-from rlhf_core.tracking import Tracker, redact
-from rlhf_core.version import code_version, config_hash
+from rlhf_core.tracking import Tracker
+from rlhf_core.version import code_version, stage_manifest
 
 
 @dataclass
@@ -138,16 +137,7 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
             setattr(model.config, key, value)
         model.config.use_cache = True
         cfg = ctx.cfg
-        manifest = {
-            "stage": cfg.stage,
-            "config_hash": config_hash(cfg),
-            "config": redact(cfg.model_dump(mode="json")),
-            "inputs": inputs,
-            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-            "mlflow_run_id": ctx.tracker.run_id,
-            "code_version": code_version(),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id)
         local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
         if local_parent is not None:
             local_parent.mkdir(parents=True, exist_ok=True)

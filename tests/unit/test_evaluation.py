@@ -19,12 +19,7 @@ from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tok
 N_PROMPTS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,7 @@ from rlhf_core.pairs import build_pairs
 N_PROMPTS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_best_and_worst_are_paired_and_ties_skipped():

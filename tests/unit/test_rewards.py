@@ -10,13 +10,7 @@ from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import load_reward_model, load_tokenizer
 from rlhf_core.rewards import RewardModelReward, VerifierReward
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
