@@ -77,29 +77,6 @@ def response_logprobs(model, prompt_ids: list[list[int]], response_ids: list[lis
     return torch.cat(out)
 
 
-# --- exact match (held-out accuracy of a saved model) ------------------------------------------------
-
-
-def exact_match(model_path: str, prompts_file: str, task: str, apply_chat_template: bool = True,
-                max_new_tokens: int | None = None, limit: int | None = None) -> dict:
-    """Greedy exact-match accuracy of `model_path` on prompts with answers (`prompt`, `answer`)."""
-    from rlhf_core.rewards import VerifierReward
-    from rlhf_core.rollout import TransformersEngine, load_prompt_set, prompt_formatter
-    from rlhf_core.rollout.prompts import held_out_split
-
-    prompts = load_prompt_set(prompts_file, held_out_split(prompts_file), require_answers=True,
-                              max_samples=limit or 100_000_000, chat=apply_chat_template)
-    verifier = VerifierReward(task)
-    engine = TransformersEngine.from_pretrained(model_path, add_special_tokens=not apply_chat_template)
-    fmt = prompt_formatter(engine.tokenizer, apply_chat_template)
-    completions = [group[0].text for group in engine.generate(
-        [fmt.prompt_text(p) for p in prompts.prompts], 1, 0.0, max_new_tokens or verifier.task.max_answer_len + 1)]
-    correct = verifier.score(prompts.prompts, completions, prompts.answers)
-    samples = [{"prompt": p, "answer": a, "completion": c}
-               for p, a, c in list(zip(prompts.prompts, prompts.answers, completions, strict=True))[:NUM_SAMPLE_ROWS]]
-    return {"accuracy": mean(correct), "n": len(correct), "samples": samples}
-
-
 # --- `rlhf eval` -------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import time
 
+from mlflow.exceptions import MlflowException
+
 from rlhf_core import storage
 from rlhf_core.tracking import ensure_experiment, tracking_uri
 
@@ -101,7 +103,7 @@ def find_pipeline_run(experiment: str, run_ref: str):
         run = c.get_run(run_ref)
         if run.data.tags.get("rlhf.kind") == "pipeline":
             return run
-    except Exception:  # noqa: BLE001 - not an MLflow run id; try the Prefect id below
+    except MlflowException:  # not an MLflow run id: try it as a Prefect flow run id below
         pass
     experiment_id = ensure_experiment(experiment)
     runs = c.search_runs([experiment_id], filter_string=f"tags.`rlhf.prefect_flow_run_id` = '{run_ref}' and "
@@ -145,7 +147,7 @@ def register_once(stage: str, output_uri: str, training_run_id: str):
     name = REGISTERED_NAMES[stage]
     try:
         existing = client().search_model_versions(f"name = '{name}' and run_id = '{training_run_id}'")
-    except Exception:  # noqa: BLE001 - the registered model does not exist yet
+    except MlflowException:  # the registered model does not exist yet
         existing = []
     if existing:
         return max(existing, key=lambda v: int(v.version))
