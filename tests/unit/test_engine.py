@@ -30,3 +30,15 @@ def test_deepspeed_config_follows_the_stage_config():
     assert ds["gradient_clipping"] == 0.5
     assert deepspeed_config(cfg, train=False)["zero_optimization"] == {
         "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+
+
+def test_one_rank_trains_zero_1_and_2_as_stage_0():
+    from rlhf_core.distributed.engine import effective_zero_stage
+
+    assert effective_zero_stage(2, 1, False) == 0 and effective_zero_stage(1, 1, False) == 0
+    assert effective_zero_stage(2, 2, False) == 2  # two ranks: partitioning is the point
+    assert effective_zero_stage(2, 1, True) == 2  # CPU Adam offload needs a ZeRO stage
+    assert effective_zero_stage(3, 1, False) == 3
+    assert effective_zero_stage(2, 1, False, on_gpu=True) == 2  # DeepSpeed's GPU bf16 path is stage-specific
+    cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"}, {"zero_stage": 2})
+    assert deepspeed_config(cfg)["zero_optimization"]["stage"] == 0

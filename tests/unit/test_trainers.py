@@ -62,7 +62,7 @@ def test_sft_mlflow_run_has_params_metrics_and_inputs(sft_model):
 
 def test_reward_model_learns_and_loads_with_plain_transformers(prepared, sft_model, tmp_path):
     manifest = train("rm", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=1e-3,
-                     max_steps=24, packing_samples=True, max_samples=768)
+                     max_steps=48, max_epochs=2, packing_samples=True)
     m = manifest["metrics"]
     assert m["eval/accuracy"] > max(0.6, m["eval_initial/accuracy"] + 0.1), m
     assert m["eval/loss"] < m["eval_initial/loss"]
@@ -84,7 +84,9 @@ def test_reward_model_learns_and_loads_with_plain_transformers(prepared, sft_mod
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
 def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_path, loss):
     # 24 steps on 1024 pairs from a weak SFT model: the effects are small but their signs are the proof.
-    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=5e-4,
+    # IPO regresses every margin onto 1/(2 beta): at 5e-4 the spread of held-out margins (part of its
+    # loss) grew faster than their mean, so it gets a gentler step.
+    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=2e-4 if loss == "ipo" else 5e-4,
                      max_steps=24, max_eval_samples=128, loss_type=loss, beta=0.5 if loss == "ipo" else 0.1,
                      nll_loss_coef=0.1 if loss == "sigmoid" else 0.0, packing_samples=loss == "ipo")
     m = manifest["metrics"]
@@ -95,8 +97,9 @@ def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_pa
 
 
 def test_kto_moves_desirable_above_undesirable(prepared, sft_model, tmp_path):
+    # Unpaired near misses are a weak signal for a weak SFT model: two epochs, not 24 steps.
     manifest = train("kto", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=5e-4,
-                     max_steps=24, max_eval_samples=128)
+                     max_steps=48, max_epochs=2, max_eval_samples=128)
     m = manifest["metrics"]
     assert m["eval/loss"] < m["eval_initial/loss"] and m["eval/signed_reward"] > 0, m
 
@@ -127,6 +130,24 @@ def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
     wa, wb = _weights(a["output_uri"]), _weights(b["output_uri"])
     # Summation order differs between the splits; Adam turns tiny gradient differences into ~lr-scaled ones.
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+@pytest.mark.parametrize("stage", ["sft", "kto"])
+def test_one_cpu_rank_at_stage_0_trains_like_zero_2(prepared, tmp_path, monkeypatch, stage):
+    """`effective_zero_stage` runs one CPU rank's ZeRO-2 as stage 0: the weights must not notice."""
+    from rlhf_core.distributed import engine
+
+    common = dict(max_steps=3, use_mlflow=False, bf16=True, packing_samples=True, micro_train_batch_size=16,
+                  max_samples=256)
+    fast = train(stage, prepared, tmp_path / "stage0", **common)
+    monkeypatch.setattr(engine, "effective_zero_stage", lambda stage, *args: stage)
+    zero2 = train(stage, prepared, tmp_path / "zero2", **common)
+    wa, wb = _weights(fast["output_uri"]), _weights(zero2["output_uri"])
+    moved = max((wb[k] - w).abs().max().item() for k, w in _weights(prepared["base"]).items())
+    assert moved > 1e-3  # the steps did train
+    # bf16 autocast rounds the two gradient paths differently: far below one step's update.
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 0.1 * moved
+    assert fast["metrics"]["train/final_loss"] == pytest.approx(zero2["metrics"]["train/final_loss"], rel=1e-3)
 
 
 def test_resume_after_crash_matches_uninterrupted_run(prepared, tmp_path, monkeypatch):
