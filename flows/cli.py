@@ -5,7 +5,7 @@ and the SQLite MLflow store; `PREFECT_API_URL`, `RAY_ADDRESS` and `MLFLOW_TRACKI
 at servers instead. `--config FILE.yaml` has one section per flow parameter:
 
     settings: {stages: [sft, rm], from_run: <run id>, output_root: s3://bucket/rlhf}
-    prep: {task: reverse, n_train: 4000}
+    prep: {task: addition, n_train: 4000}
     sft: {max_epochs: 1, learning_rate: 5e-4}
     rm: {...}
     dpo: {beta: 0.2}

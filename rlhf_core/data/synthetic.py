@@ -7,15 +7,20 @@ accuracy, DPO win rate and RL reward are all measurable without a judge model.
 
 Choices:
 - Prompts are short text with lowercase template words (``"add 47+385="``,
-  ``"reverse: KQZM"``); the payload is digits or UPPERCASE letters, which the tiny tokenizer
+  ``"reverse: KQZM"``, ``"sort: QBQA"``); the payload is digits or UPPERCASE letters, which the tiny tokenizer
   (``rlhf_core.models.tiny``) keeps as one token per character. Per-character tokens make the
   tasks learnable by a model with four layers: it has to learn the algorithm, not a vocabulary.
-- Difficulty is tuned on the "tiny" model, SFT with AdamW (lr 1e-3, batch 32) on 2 CPU cores
-  for ~2200 steps (~90 s): addition (1-3 digit operands, the default task) ends at about 30%
-  held-out exact match with a constant learning rate and about 80% with cosine decay, so SFT
-  learns it but leaves room for preference and RL stages to show gains. Reverse is the easy
-  task: a model copies by position quickly (about 80% after ~500 steps at lengths 8-20), so it
-  suits smoke tests where SFT must clearly work.
+- Difficulty is tuned on the "tiny" model, SFT with AdamW (lr 1e-3, batch 32) on 2 CPU cores:
+  addition (1-3 digit operands) ends at about 30% held-out exact match after ~2200 steps with a
+  constant learning rate and about 80% with cosine decay; reverse (8-20 letters) and sort (5-15
+  letters, repeats allowed) reach about 98.5% after 1000 steps. Each leaves room for the
+  preference and RL stages.
+- What a reward model (score read at the last token) can learn differs between them. For sort,
+  every near miss breaks something a position can check against its neighbour or the prompt
+  (order, counts), and the tiny RM ranks 98.5% of held-out pairs after 250 steps. For reverse,
+  it learns only the length-changing edits (about 65-75%): catching a substituted letter needs
+  the letter predicted one position earlier, which a 4-layer model does not learn to carry to
+  the last token in that budget. So sort is the pipeline's default task.
 - ``near_miss`` makes the rejected side of preference pairs: one small edit of the right answer
   (a character changed, two neighbours swapped, one dropped or doubled; for addition also the
   off-by-one-carry errors ±1 and ±10). Hard negatives teach a reward model more than random text.
@@ -135,6 +140,21 @@ def _reverse_mutate(answer: str, rng: random.Random) -> str:
     return _edit_string(answer, rng, string.ascii_uppercase)
 
 
+# --- sort ----------------------------------------------------------------------------------------
+
+SORT_MIN_LEN, SORT_MAX_LEN = 5, 15
+
+
+def _sort_generate(rng: random.Random) -> Example:
+    # Repeats allowed: the model has to count, not only order.
+    letters = [rng.choice(string.ascii_uppercase) for _ in range(rng.randint(SORT_MIN_LEN, SORT_MAX_LEN))]
+    return f"sort: {''.join(letters)}", "".join(sorted(letters))
+
+
+def _sort_mutate(answer: str, rng: random.Random) -> str:
+    return _edit_string(answer, rng, string.ascii_uppercase)
+
+
 TASKS: dict[str, SyntheticTask] = {
     task.name: task
     for task in (
@@ -151,6 +171,13 @@ TASKS: dict[str, SyntheticTask] = {
             max_answer_len=REVERSE_MAX_LEN,
             generate=_reverse_generate,
             mutate=_reverse_mutate,
+        ),
+        SyntheticTask(
+            name="sort",
+            description=f"sort {SORT_MIN_LEN}-{SORT_MAX_LEN} uppercase letters (repeats allowed)",
+            max_answer_len=SORT_MAX_LEN,
+            generate=_sort_generate,
+            mutate=_sort_mutate,
         ),
     )
 }

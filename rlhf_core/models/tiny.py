@@ -11,7 +11,7 @@ Tokenizer choices:
 - Before the byte mapping, every digit and every uppercase letter is split off into its own
   pre-token, so each is exactly one token: the payload of the synthetic tasks is per-character,
   and a tiny model can learn carries and reversals only when it sees characters. Lowercase
-  template words ("add", "reverse: ") are free to merge.
+  template words ("add", "reverse: ", "sort: ") are free to merge.
 - Special tokens ``<|pad|> <|bos|> <|eos|> <|user|> <|assistant|>`` get ids 0-4. Encoding does
   not add BOS by itself: the chat template writes it, so templated text must be encoded with
   ``add_special_tokens=False`` (as ``apply_chat_template`` does) and raw text stays raw.

@@ -23,13 +23,15 @@ def _solve(prompt: str) -> str:
         return str(int(m[1]) + int(m[2]))
     if m := re.fullmatch(r"reverse: ([A-Z]+)", prompt):
         return m[1][::-1]
+    if m := re.fullmatch(r"sort: ([A-Z]+)", prompt):
+        return "".join(sorted(m[1]))
     raise AssertionError(f"unexpected prompt format {prompt!r}")
 
 
-def test_registry_has_both_tasks_and_rejects_unknown_names():
-    assert {"addition", "reverse"} <= set(TASKS)
+def test_registry_has_the_tasks_and_rejects_unknown_names():
+    assert {"addition", "reverse", "sort"} <= set(TASKS)
     assert get_task("addition") is TASKS["addition"]
-    with pytest.raises(ValueError, match="addition.*reverse"):
+    with pytest.raises(ValueError, match="addition.*reverse.*sort"):
         get_task("multiplication")
 
 
@@ -72,7 +74,8 @@ def test_near_miss_is_wrong_but_close(name):
             assert close, (answer, miss)
 
 
-@pytest.mark.parametrize(("name", "answer"), [("addition", "0"), ("addition", "7"), ("reverse", "A")])
+@pytest.mark.parametrize(("name", "answer"), [("addition", "0"), ("addition", "7"), ("reverse", "A"),
+                                                    ("sort", "A")])
 def test_near_miss_of_a_single_character(name, answer):
     task, rng = get_task(name), random.Random(2)
     assert all(task.near_miss(answer, rng) != answer for _ in range(50))
