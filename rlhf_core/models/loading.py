@@ -39,6 +39,28 @@ def load_tokenizer(path: str):
     return tok
 
 
+REWARD_PAD_TOKEN = "<|reward_pad|>"
+
+
+def give_reward_model_its_own_pad(model, tokenizer) -> bool:
+    """Add a pad token to a reward model whose tokenizer pads with EOS; True when it did.
+
+    A `*ForSequenceClassification` reads its score at the last token that is not
+    `config.pad_token_id`. Tokenizers without a pad token (Llama 3, Mistral, ...) are padded with
+    EOS, and then plain `transformers` would read the token *before* EOS, while the trainer reads
+    EOS: a saved reward model would score differently outside this project. A pad token of its
+    own (a new embedding row unless the vocabulary has spare rows; never attended to) makes both
+    read the same token.
+    """
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": REWARD_PAD_TOKEN})
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return True
+
+
 def load_causal_lm(path: str, flash_attn: bool = False, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 

@@ -7,6 +7,8 @@ mean/std, stored in the saved config (`reward_mean`, `reward_std`) for later nor
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from rlhf_core.config import RMConfig
@@ -14,7 +16,7 @@ from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
-from rlhf_core.models.loading import load_reward_model
+from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
 from rlhf_core.trainers.common import (
     batch_builder,
     load_stage_data,
@@ -41,6 +43,10 @@ class RewardModelRecipe:
         self.ctx = start_stage(cfg, self.data)
         model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
                                   cfg.value_head_prefix, cfg.flash_attn)
+        if give_reward_model_its_own_pad(model, self.data.tokenizer) and self.ctx.is_main:
+            print(f"the tokenizer pads with EOS: the reward model gets its own pad token "
+                  f"{self.data.tokenizer.pad_token!r}, so transformers reads its score at EOS as we do",
+                  file=sys.stderr, flush=True)
         model = prepare_trainable(model, cfg, is_reward_model=True)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))

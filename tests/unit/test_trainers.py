@@ -81,6 +81,37 @@ def test_reward_model_learns_and_loads_with_plain_transformers(prepared, sft_mod
     assert scores.shape == (2,) and torch.isfinite(scores).all()
 
 
+def test_reward_model_of_a_tokenizer_padding_with_eos_scores_the_same_in_plain_transformers(prepared, tmp_path):
+    """Hub tokenizers without a pad token pad with EOS; the saved RM must still be read at EOS."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core.rewards.reward_model import RewardModelReward
+
+    base = tmp_path / "eos-pad-base"
+    shutil.copytree(prepared["base"], base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": config["eos_token"]}))
+    assert AutoTokenizer.from_pretrained(base).pad_token_id == AutoTokenizer.from_pretrained(base).eos_token_id
+
+    manifest = train("rm", {**prepared, "base": str(base)}, tmp_path, max_steps=2, use_mlflow=False)
+    path = manifest["output_uri"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    assert tok.pad_token_id not in (None, tok.eos_token_id) and model.config.pad_token_id == tok.pad_token_id
+
+    prompts, responses = ["add 12+30=", "add 7+5="], ["42", "12"]
+    ours = RewardModelReward(path, dtype=torch.float32).score(prompts, responses)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             + r + tok.eos_token for p, r in zip(prompts, responses, strict=True)]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert enc["input_ids"].shape[1] > enc["attention_mask"].sum(-1).min()  # the batch really is padded
+    with torch.no_grad():
+        plain = model(**enc).logits.squeeze(-1).tolist()
+    assert plain == pytest.approx(ours, abs=1e-5)
+
+
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
 def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_path, loss):
     # 24 steps on 1024 pairs from a weak SFT model: the effects are small but their signs are the proof.
