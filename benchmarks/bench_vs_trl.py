@@ -1,10 +1,12 @@
 """SFT and DPO step speed, this project against TRL, on the same model, data and batch.
 
-Both sides train the `rlhf prep` Llama (model_size small by default) on the addition task with
+Both sides train the `rlhf prep` Llama (model_size small by default) on a built-in task (`--task`,
+default sort, the pipeline's) with
 the same tokenizer and chat template, the same rows in the same order (TRL gets the dataset
 reordered by our `BatchPlan` and a sequential sampler), the same global batch, micro batch,
 max_len, bf16 autocast on fp32 weights, torch AdamW and number of optimizer steps. Each side
-uses what its users get by default otherwise: ours packs samples and runs DeepSpeed ZeRO-2,
+uses what its users get by default otherwise: ours packs samples and runs DeepSpeed as the CLI
+does (ZeRO-2 asked for; one CPU rank runs it as stage 0),
 TRL pads (and, as a second SFT run, trains padding-free).
 
 Choices, and why:
@@ -46,12 +48,13 @@ from pathlib import Path
 
 RESULT_PREFIX = "BENCH_RESULT "
 
-# What each named run is. "ours" (packed, ZeRO-2) is the reference every TRL run is compared to;
+# What each named run is. "ours" (packed, the CLI's engine) is the reference every TRL run is compared to;
 # the other "ours-*" runs are diagnostics that split our step time into its causes.
 VARIANTS: dict[str, dict] = {
     "ours": {"side": "ours", "packing": True, "zero_stage": 2},
     "ours-padded": {"side": "ours", "packing": False, "zero_stage": 2},
-    "ours-zero0": {"side": "ours", "packing": True, "zero_stage": 0},
+    # What a real ZeRO-2 costs on one rank (the CLI runs one CPU rank's ZeRO-1/2 as stage 0).
+    "ours-zero2": {"side": "ours", "packing": True, "zero_stage": 2, "force_zero": True},
     "trl": {"side": "trl", "padding_free": False},
     "trl-padding-free": {"side": "trl", "padding_free": True},  # SFT only: TRL 1.x disables it for DPO
 }
@@ -107,6 +110,10 @@ def run_ours(args) -> dict:
 
     prepare_environment()
     torch.set_num_threads(args.threads)
+    if args.force_zero:
+        from rlhf_core.distributed import engine
+
+        engine.effective_zero_stage = lambda stage, *_: stage
     data = Path(args.data_root) / "data" / ("sft" if args.stage == "sft" else "preference")
     cfg = build_config(STAGE_CONFIGS[args.stage], None, {
         "pretrain": str(Path(args.data_root) / "base"), "dataset": f"json@{data}", "save_path": args.out_dir,
@@ -132,7 +139,7 @@ def run_ours(args) -> dict:
         tokens += step()
         ends.append(clock())
     inner = getattr(recipe.engine.optimizer, "optimizer", recipe.engine.optimizer)
-    setup = {"packing": args.packing, "zero_stage": args.zero_stage, **probe,
+    setup = {"packing": args.packing, "zero_stage": recipe.engine.zero_optimization_stage(), **probe,
              "optimizer": f"{type(recipe.engine.optimizer).__name__}({type(inner).__name__})",
              "attention": recipe.engine.module.config._attn_implementation,
              "gradient_checkpointing": cfg.gradient_checkpointing}
@@ -294,7 +301,8 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path, snaps
            "--train_batch_size", str(args.train_batch_size),
            "--micro_train_batch_size", str(args.micro_train_batch_size),
            "--packing", str(variant.get("packing", True)), "--zero_stage", str(variant.get("zero_stage", 2)),
-           "--padding_free", str(variant.get("padding_free", False))]
+           "--padding_free", str(variant.get("padding_free", False)),
+           "--force_zero", str(variant.get("force_zero", False))]
     # Compiled DeepSpeed ops (about 2 min to build, once) are cached outside the throwaway work dir.
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"))
     env = dict(os.environ, RLHF_NO_PROGRESS="1", OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
@@ -357,7 +365,7 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
     fast = {n: median_of(n, lambda r: fast_throughput(r, stage, args.train_batch_size)) for n in names}
     lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
              f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
-             f"max_len {args.max_len}, bf16 autocast, model {args.model_size}, medians of {args.repeats} runs", "",
+             f"max_len {args.max_len}, bf16 autocast, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
              "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
              + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
              "| ours ÷ this, fast steps | load (1 min) |",
@@ -410,12 +418,12 @@ def driver_main(args) -> int:
 
     keep = args.work_dir is not None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-vs-trl-")).resolve()
-    data_root = work / f"prep-{args.model_size}"
+    data_root = work / f"prep-{args.task}-{args.model_size}"
     print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
     snapshot, code = take_snapshot(work)
     prep = subprocess.run([sys.executable, "-c", "import sys; from rlhf_core.prep import prepare; "
-                           "prepare(sys.argv[1], task='addition', seed=0, model_size=sys.argv[2])",
-                           str(data_root), args.model_size], capture_output=True, text=True, cwd=snapshot)
+                           "prepare(sys.argv[1], task=sys.argv[3], seed=0, model_size=sys.argv[2])",
+                           str(data_root), args.model_size, args.task], capture_output=True, text=True, cwd=snapshot)
     if prep.returncode != 0:
         print(prep.stderr[-3000:], file=sys.stderr)
         return 1
@@ -471,6 +479,8 @@ def parse_args(argv=None):
                    help=f"comma-separated runs per stage (default sft: {','.join(DEFAULT_VARIANTS['sft'])}; "
                         f"dpo: {','.join(DEFAULT_VARIANTS['dpo'])}); known: {', '.join(VARIANTS)}")
     p.add_argument("--model_size", default="small", choices=["tiny", "small"])
+    p.add_argument("--task", default="sort", help="built-in task whose data both sides train on (default: the "
+                                                   "pipeline's task; addition has shorter, more even rows)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs of each setup, alternated")
@@ -490,6 +500,7 @@ def parse_args(argv=None):
     p.add_argument("--packing", type=lambda s: s == "True", default=True, help=argparse.SUPPRESS)
     p.add_argument("--padding_free", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     p.add_argument("--zero_stage", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--force_zero", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
