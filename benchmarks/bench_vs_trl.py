@@ -205,7 +205,7 @@ def run_trl(args) -> dict:
         gradient_accumulation_steps=args.train_batch_size // args.micro_train_batch_size,
         max_steps=args.warmup + args.steps, learning_rate=LEARNING_RATE[args.stage], lr_scheduler_type="cosine",
         warmup_steps=math.ceil(0.03 * (args.warmup + args.steps)), adam_beta1=0.9, adam_beta2=0.95,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True, use_cpu=True,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused", bf16=True, use_cpu=True,
         gradient_checkpointing=False, train_sampling_strategy="sequential", dataloader_num_workers=0,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         seed=SEED,

@@ -95,7 +95,8 @@ def build_optimizer(params, cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(trainable, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(trainable, **kwargs)
+    # On CPU torch's default is the per-tensor loop; the fused kernel is one vectorised pass per tensor.
+    return torch.optim.AdamW(trainable, fused=not torch.cuda.is_available(), **kwargs)
 
 
 def initialize(model, cfg, total_steps: int):
@@ -108,6 +109,10 @@ def initialize(model, cfg, total_steps: int):
         optimizer, lambda s: cosine_schedule(s, total_steps, warmup, cfg.min_lr_ratio))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg))
+    if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
+        # Stage 0 all-reduces gradients after every backward, on one rank too: it flattens them,
+        # "reduces" over a group of one and copies them back (about 3% of a tiny model's step).
+        engine.enable_backward_allreduce = False
     return engine
 
 

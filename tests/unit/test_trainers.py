@@ -114,12 +114,13 @@ def test_reward_model_of_a_tokenizer_padding_with_eos_scores_the_same_in_plain_t
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
 def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_path, loss):
-    # 24 steps on 1024 pairs from a weak SFT model: the effects are small but their signs are the proof.
-    # IPO regresses every margin onto 1/(2 beta): at 5e-4 the spread of held-out margins (part of its
-    # loss) grew faster than their mean, so it gets a gentler step.
-    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=2e-4 if loss == "ipo" else 5e-4,
-                     max_steps=24, max_eval_samples=128, loss_type=loss, beta=0.5 if loss == "ipo" else 0.1,
-                     nll_loss_coef=0.1 if loss == "sigmoid" else 0.0, packing_samples=loss == "ipo")
+    # Two epochs of 1024 pairs from a weak SFT model: the effects are small but their signs are the
+    # proof. At lr 5e-4 IPO's and hinge's held-out losses rose (the spread of the margins grew faster
+    # than their mean), so all three take gentler steps.
+    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=2e-4,
+                     max_steps=48, max_epochs=2, max_eval_samples=128, loss_type=loss,
+                     beta=0.5 if loss == "ipo" else 0.1, nll_loss_coef=0.1 if loss == "sigmoid" else 0.0,
+                     packing_samples=loss == "ipo")
     m = manifest["metrics"]
     assert m["eval/loss"] < m["eval_initial/loss"], m
     assert m["eval/reward_margin"] > 0 and m["eval/chosen_reward"] > m["eval/rejected_reward"], m
@@ -128,9 +129,10 @@ def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_pa
 
 
 def test_kto_moves_desirable_above_undesirable(prepared, sft_model, tmp_path):
-    # Unpaired near misses are a weak signal for a weak SFT model: two epochs, not 24 steps.
-    manifest = train("kto", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=5e-4,
-                     max_steps=48, max_epochs=2, max_eval_samples=128)
+    # Unpaired near misses are a weak signal for a weak SFT model: three gentle epochs (at lr 5e-4 the
+    # held-out signed reward landed anywhere between -0.05 and +0.05 with the SFT fixture's rounding).
+    manifest = train("kto", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=2e-4,
+                     max_steps=96, max_epochs=3, max_eval_samples=128)
     m = manifest["metrics"]
     assert m["eval/loss"] < m["eval_initial/loss"] and m["eval/signed_reward"] > 0, m
 
