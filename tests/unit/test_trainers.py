@@ -183,6 +183,23 @@ def test_one_cpu_rank_at_stage_0_trains_like_zero_2(prepared, tmp_path, monkeypa
     assert fast["metrics"]["train/final_loss"] == pytest.approx(zero2["metrics"]["train/final_loss"], rel=1e-3)
 
 
+def test_adam_offload_trains_like_adamw(prepared, tmp_path, monkeypatch):
+    """--adam_offload keeps ZeRO-2 and steps with DeepSpeed's compiled CPU Adam: same math as AdamW."""
+    from rlhf_core.distributed import engine
+
+    built, build = [], engine.build_optimizer
+    monkeypatch.setattr(engine, "build_optimizer", lambda *a: built.append(build(*a)) or built[-1])
+    common = dict(max_steps=3, use_mlflow=False, micro_train_batch_size=16, max_samples=256)
+    plain = train("sft", prepared, tmp_path / "plain", **common)
+    offload = train("sft", prepared, tmp_path / "offload", adam_offload=True, **common)
+    assert [type(o).__name__ for o in built] == ["AdamW", "DeepSpeedCPUAdam"]
+    wa, wb = _weights(plain["output_uri"]), _weights(offload["output_uri"])
+    moved = max((wb[k] - w).abs().max().item() for k, w in _weights(prepared["base"]).items())
+    assert moved > 1e-3
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 0.01 * moved
+    assert offload["metrics"]["train/final_loss"] == pytest.approx(plain["metrics"]["train/final_loss"], rel=1e-4)
+
+
 def test_resume_after_crash_matches_uninterrupted_run(prepared, tmp_path, monkeypatch):
     common = dict(max_steps=6, use_mlflow=False, lr_warmup_ratio=0.2)
     full = train("sft", prepared, tmp_path / "full", **common)
