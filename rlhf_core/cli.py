@@ -2,7 +2,9 @@
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
-row or key, and exit with status 2 before anything trains; a failed stage exits 1.
+row or key, and exit with status 2 before anything trains; so does `rlhf pairs` when every
+prompt's samples score the same (deterministic for a seed: a retry would only repeat it, the
+message says which flag to change). A failed stage exits 1.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 manifest = (run_eval if args.command == "eval" else run_pairs)(cfg)
             except NoPairsError as e:
-                return _fail(str(e), EXIT_FAILED)
+                return _fail(str(e), EXIT_USAGE)
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
         if args.command == "lineage":

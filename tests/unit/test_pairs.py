@@ -90,13 +90,13 @@ def test_pairs_from_a_reward_model_train_dpo(prepared, reward_model, tmp_path, c
     assert run.info.status == "FINISHED" and run.data.metrics["pairs/num_pairs"] == len(rows)
 
 
-def test_no_pairs_is_a_clear_failure(prepared, tmp_path, capsys):
+def test_no_pairs_is_a_clear_failure_that_orchestrators_do_not_retry(prepared, tmp_path, capsys):
     # A random model never answers right: every verifier score is 0, so nothing can be preferred.
     code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"], "--task",
                  "addition", "--n_samples_per_prompt", "2", "--max_samples", "3", "--save_path",
                  str(tmp_path / "p"), "--use_mlflow", "false"])
     err = capsys.readouterr().err
-    assert code == 1 and "no preference pairs" in err
+    assert code == 2 and "no preference pairs" in err and "--n_samples_per_prompt" in err  # 2: not retried
     assert not (tmp_path / "p").exists()
 
 
