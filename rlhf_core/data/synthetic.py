@@ -6,8 +6,8 @@ seeded ``random.Random``, and the verifier is exact string match, so SFT accurac
 accuracy, DPO win rate and RL reward are all measurable without a judge model.
 
 Choices:
-- Prompts are short text with lowercase template words (``"add 47+385="``,
-  ``"reverse: KQZM"``, ``"sort: QBQA"``); the payload is digits or UPPERCASE letters, which the tiny tokenizer
+- Prompts are short text with lowercase template words (``"add 47+385="``, ``"reverse: KQZM"``,
+  ``"sort: QBQA"``); the payload is digits or UPPERCASE letters, which the tiny tokenizer
   (``rlhf_core.models.tiny``) keeps as one token per character. Per-character tokens make the
   tasks learnable by a model with four layers: it has to learn the algorithm, not a vocabulary.
 - Difficulty is tuned on the "tiny" model, SFT with AdamW (lr 1e-3, batch 32) on 2 CPU cores:
@@ -17,10 +17,10 @@ Choices:
   preference and RL stages.
 - What a reward model (score read at the last token) can learn differs between them. For sort,
   every near miss breaks something a position can check against its neighbour or the prompt
-  (order, counts), and the tiny RM ranks 90-98.5% of held-out pairs after 250 steps (95.5% after
-  500). For reverse, it learns only the length-changing edits (about 62-78%): catching a substituted letter needs
-  the letter predicted one position earlier, which a 4-layer model does not learn to carry to
-  the last token in that budget. So sort is the pipeline's default task.
+  (order, counts), and the tiny RM ranks 90-98.5% of held-out pairs after 250 steps (95.5%
+  after 500). For reverse, it learns only the length-changing edits (about 62-78%): catching a
+  substituted letter needs the letter predicted one position earlier, which a 4-layer model
+  does not learn to carry to the last token in that budget. So sort is the pipeline's default.
 - ``near_miss`` makes the rejected side of preference pairs: one small edit of the right answer
   (a character changed, two neighbours swapped, one dropped or doubled; for addition also the
   off-by-one-carry errors ±1 and ±10). Hard negatives teach a reward model more than random text.

@@ -58,8 +58,9 @@ def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu
 
     ZeRO-1/2 partition optimizer state and gradients across ranks; on a single CPU rank there is
     nothing to partition, and their flattening and bucketing cost about a fifth of a small model's
-    step, so one CPU rank trains with stage 0: the same math (weights after a few steps of SFT,
-    RM and KTO match stage 2 to float tolerance; tests/unit/test_engine.py). Kept as asked for:
+    step, so one CPU rank trains with stage 0: the same math (weights after a few steps of SFT
+    and KTO match a real ZeRO-2 to float tolerance: `test_one_cpu_rank_at_stage_0_trains_like_zero_2`
+    in tests/unit/test_trainers.py). Kept as asked for:
     several ranks, GPUs (DeepSpeed's bf16 path differs between stages there), CPU Adam offload
     (it needs a ZeRO stage), and stage 3.
     """
