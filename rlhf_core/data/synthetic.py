@@ -136,7 +136,8 @@ def _reverse_generate(rng: random.Random) -> Example:
     return f"reverse: {word}", word[::-1]
 
 
-def _reverse_mutate(answer: str, rng: random.Random) -> str:
+def _edit_letters(answer: str, rng: random.Random) -> str:
+    """The near-miss edit of the letter tasks (reverse, sort)."""
     return _edit_string(answer, rng, string.ascii_uppercase)
 
 
@@ -149,10 +150,6 @@ def _sort_generate(rng: random.Random) -> Example:
     # Repeats allowed: the model has to count, not only order.
     letters = [rng.choice(string.ascii_uppercase) for _ in range(rng.randint(SORT_MIN_LEN, SORT_MAX_LEN))]
     return f"sort: {''.join(letters)}", "".join(sorted(letters))
-
-
-def _sort_mutate(answer: str, rng: random.Random) -> str:
-    return _edit_string(answer, rng, string.ascii_uppercase)
 
 
 TASKS: dict[str, SyntheticTask] = {
@@ -170,14 +167,14 @@ TASKS: dict[str, SyntheticTask] = {
             description=f"reverse {REVERSE_MIN_LEN}-{REVERSE_MAX_LEN} uppercase letters",
             max_answer_len=REVERSE_MAX_LEN,
             generate=_reverse_generate,
-            mutate=_reverse_mutate,
+            mutate=_edit_letters,
         ),
         SyntheticTask(
             name="sort",
             description=f"sort {SORT_MIN_LEN}-{SORT_MAX_LEN} uppercase letters (repeats allowed)",
             max_answer_len=SORT_MAX_LEN,
             generate=_sort_generate,
-            mutate=_sort_mutate,
+            mutate=_edit_letters,
         ),
     )
 }

@@ -170,11 +170,15 @@ def test_one_cpu_rank_at_stage_0_trains_like_zero_2(prepared, tmp_path, monkeypa
     """`effective_zero_stage` runs one CPU rank's ZeRO-2 as stage 0: the weights must not notice."""
     from rlhf_core.distributed import engine
 
+    ran, config = [], engine.deepspeed_config
+    monkeypatch.setattr(engine, "deepspeed_config",
+                        lambda *a, **k: ran.append(config(*a, **k)["zero_optimization"]["stage"]) or config(*a, **k))
     common = dict(max_steps=3, use_mlflow=False, bf16=True, packing_samples=True, micro_train_batch_size=16,
                   max_samples=256)
     fast = train(stage, prepared, tmp_path / "stage0", **common)
     monkeypatch.setattr(engine, "effective_zero_stage", lambda stage, *args: stage)
     zero2 = train(stage, prepared, tmp_path / "zero2", **common)
+    assert ran == [0, 2]  # the two runs really took the two paths (KTO's reference is not a DeepSpeed engine)
     wa, wb = _weights(fast["output_uri"]), _weights(zero2["output_uri"])
     moved = max((wb[k] - w).abs().max().item() for k, w in _weights(prepared["base"]).items())
     assert moved > 1e-3  # the steps did train
