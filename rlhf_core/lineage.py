@@ -74,8 +74,9 @@ def resolve(ref: str):
     if "/" not in ref and ":" not in ref:
         try:
             return c.get_run(ref)
-        except MlflowException:
-            pass
+        except MlflowException as e:  # not a run id: try it as an output location below
+            if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
     uri = storage.normalize_uri(ref)
     run = _run_by_output(uri)
     if run is None:
@@ -99,6 +100,8 @@ def build(ref: str, max_depth: int = 20) -> Node:
 
 
 def _node(run, role: str, depth: int, seen: set[str]) -> Node:
+    from mlflow.exceptions import MlflowException
+
     c = _client()
     tags = run.data.tags
     source = run
@@ -123,7 +126,10 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
             continue
         try:
             parent = c.get_run(run_id)
-        except Exception:  # noqa: BLE001 - a deleted run ends that branch, the rest still prints
+        except MlflowException as e:  # a deleted run ends that branch, visibly; other errors are errors
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            node.parents.append(Node(up_role, run_id, "(run deleted)", "", None, None, None, "", None, [], {}))
             continue
         node.parents.append(_node(parent, up_role, depth - 1, seen))
     return node

@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from rlhf_core import storage
 from rlhf_core.tracking import ensure_experiment, tracking_uri
 
-REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": "rlhf-policy", "ppo": "rlhf-policy"}
+REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": "rlhf-policy"}
 CANDIDATE, CHAMPION = "candidate", "champion"
 
 
@@ -96,6 +96,10 @@ def find_cached(experiment: str, cache_key: str):
     return None
 
 
+def _missing(error: MlflowException) -> bool:
+    return error.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+
 def find_pipeline_run(experiment: str, run_ref: str):
     """A pipeline (parent) run by MLflow run id or by the Prefect flow run id it was tagged with."""
     c = client()
@@ -103,8 +107,9 @@ def find_pipeline_run(experiment: str, run_ref: str):
         run = c.get_run(run_ref)
         if run.data.tags.get("rlhf.kind") == "pipeline":
             return run
-    except MlflowException:  # not an MLflow run id: try it as a Prefect flow run id below
-        pass
+    except MlflowException as e:  # not an MLflow run id: try it as a Prefect flow run id below
+        if not _missing(e) and e.error_code != "INVALID_PARAMETER_VALUE":
+            raise
     experiment_id = ensure_experiment(experiment)
     runs = c.search_runs([experiment_id], filter_string=f"tags.`rlhf.prefect_flow_run_id` = '{run_ref}' and "
                          "tags.`rlhf.kind` = 'pipeline'", max_results=1)
@@ -127,14 +132,13 @@ def stage_runs(parent_run_id: str) -> dict[str, object]:
 
 def register(stage: str, output_uri: str, run_id: str, tags: dict[str, str] | None = None):
     """Register a stage output as a new version of its model and point `candidate` at it."""
-    from mlflow.exceptions import MlflowException
-
     name = REGISTERED_NAMES[stage]
     c = client()
     try:
         c.create_registered_model(name, description=f"rlhf lifecycle: {stage} models")
-    except MlflowException:
-        pass  # already registered
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":  # a server or auth error must not pass as "exists"
+            raise
     source = output_uri if storage.is_remote(output_uri) else f"runs:/{run_id}/{storage.MANIFEST}"
     version = c.create_model_version(name, source=source, run_id=run_id,
                                      tags={"rlhf.output_uri": output_uri, "rlhf.stage": stage, **(tags or {})})
@@ -145,22 +149,25 @@ def register(stage: str, output_uri: str, run_id: str, tags: dict[str, str] | No
 def register_once(stage: str, output_uri: str, training_run_id: str):
     """The registered version of the output trained by `training_run_id`, registering it if new."""
     name = REGISTERED_NAMES[stage]
-    try:
-        existing = client().search_model_versions(f"name = '{name}' and run_id = '{training_run_id}'")
-    except MlflowException:  # the registered model does not exist yet
-        existing = []
+    # An unknown model name gives an empty result, not an error.
+    existing = client().search_model_versions(f"name = '{name}' and run_id = '{training_run_id}'")
     if existing:
         return max(existing, key=lambda v: int(v.version))
     return register(stage, output_uri, training_run_id)
 
 
 def alias_version(name: str, alias: str):
-    from mlflow.exceptions import MlflowException
-
+    """The version `alias` points at; None when the model or the alias does not exist (and only then:
+    a tracking-server error must not read as "no champion yet", or `promote` would replace it)."""
+    c = client()
     try:
-        return client().get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
+        model = c.get_registered_model(name)
+    except MlflowException as e:
+        if _missing(e):
+            return None
+        raise
+    version = model.aliases.get(alias)
+    return None if version is None else c.get_model_version(name, version)
 
 
 def promote(name: str, version: str, metric: str, value: float) -> tuple[bool, float | None]:

@@ -58,7 +58,6 @@ class StageConfigError(StageJobError):
 class JobResult:
     submission_id: str
     seconds: float  # time the job itself ran (Ray's start -> end), for the overhead report
-    log_tail: list[str]
 
 
 def job_command(args: list[str]) -> str:
@@ -77,7 +76,8 @@ def job_command(args: list[str]) -> str:
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for the job: the allow-listed settings of this process plus `extra` (never secrets)."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    env.update({"PYTHONUNBUFFERED": "1", "RLHF_PROGRESS_SECONDS": "30"})  # a progress line every 30 s
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("RLHF_PROGRESS_SECONDS", "30")  # a progress line every 30 s unless the caller set one
     env.update(extra or {})
     return env
 
@@ -130,7 +130,7 @@ class RayJobRunner:
         status = str(getattr(info.status, "value", info.status))
         seconds = ((info.end_time or 0) - (info.start_time or 0)) / 1000.0
         if status == "SUCCEEDED":
-            return JobResult(submission_id, seconds, tail)
+            return JobResult(submission_id, seconds)
         error = StageConfigError if info.driver_exit_code == EXIT_CONFIG_ERROR else StageJobError
         raise error(submission_id, status, info.driver_exit_code, info.message or "", tail)
 

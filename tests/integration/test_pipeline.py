@@ -245,7 +245,11 @@ def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
 def test_two_iterative_dpo_rounds_are_linked(first_run):
     from flows.pipeline import rlhf
     from rlhf_core.lineage import build
+    from tasks.lineage import CHAMPION, REGISTERED_NAMES
 
+    # With no champion, round 1 is promoted for certain, so round 2 must start from its policy
+    # (with one, round 1 would rarely beat it and both rounds would start from SFT).
+    mlflow_client().delete_registered_model_alias(REGISTERED_NAMES["dpo"], CHAMPION)
     result = rlhf(**params(settings={"stages": ["iterative_dpo"], "from_run": first_run["pipeline_run_id"]},
                            iterative={"rounds": 2, "n_prompts": 16, "n_samples_per_prompt": 4, "start_from": "sft",
                                       "reward": "reward_model",
@@ -253,10 +257,10 @@ def test_two_iterative_dpo_rounds_are_linked(first_run):
     rounds = result["iterative"]["rounds"]
     assert [r["round"] for r in rounds] == [1, 2]
     assert rounds[0]["policy_in"] == first_run["outputs"]["sft"]
+    assert rounds[0]["promoted"] and rounds[1]["policy_in"] == rounds[0]["policy_out"]
     runs = child_runs(result["pipeline_run_id"])
-    second_dpo = runs["dpo-round2"].data.tags
-    first_policy = runs["dpo-round1"].info.run_id if rounds[0]["promoted"] else runs["sft"].info.run_id
-    assert second_dpo["rlhf.upstream.model.run_id"] == first_policy
+    first_policy = runs["dpo-round1"].info.run_id
+    assert runs["dpo-round2"].data.tags["rlhf.upstream.model.run_id"] == first_policy
     assert runs["pairs-round2"].data.tags["rlhf.upstream.policy.run_id"] == first_policy
     tree = build(runs["dpo-round2"].info.run_id)
-    assert tree.parents, "round 2 leads back to the policy it started from"
+    assert first_policy in {p.run_id for p in tree.parents}, "round 2 leads back to round 1's policy"

@@ -168,6 +168,8 @@ def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
 @pytest.mark.parametrize("stage", ["sft", "kto"])
 def test_one_cpu_rank_at_stage_0_trains_like_zero_2(prepared, tmp_path, monkeypatch, stage):
     """`effective_zero_stage` runs one CPU rank's ZeRO-2 as stage 0: the weights must not notice."""
+    if torch.cuda.is_available():
+        pytest.skip("GPU ranks keep the ZeRO stage they are given")
     from rlhf_core.distributed import engine
 
     ran, config = [], engine.deepspeed_config
