@@ -6,8 +6,9 @@ imported: the head is the architecture's own `score` layer and the score is read
 non-pad token, exactly where our trainer reads it. `value_head_prefix` lets us start from reward
 models whose head is stored under another name (OpenRLHF saves `value_head.*`).
 
-Attention: flash-attn 2 when asked for and installed on a GPU; otherwise PyTorch SDPA, the best
-kernel available everywhere, with a one-line notice so nobody mistakes one for the other.
+Attention: flash-attn 2 when asked for and installed on a GPU; otherwise PyTorch SDPA (with a
+one-line notice when flash-attn was asked for), through `rlhf_sdpa` (models/attention.py), which
+swaps in matmul attention where SDPA's CPU backward is slow: half-precision training on short rows.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def attention_implementation(flash_attn: bool) -> str:
             return "flash_attention_2"
         reason = "no CUDA device" if not torch.cuda.is_available() else "flash_attn is not installed"
         log.warning("--flash_attn: %s; using PyTorch SDPA attention instead", reason)
-    return "sdpa"
+    from rlhf_core.models.attention import register
+
+    return register()
 
 
 def load_tokenizer(path: str):

@@ -23,6 +23,6 @@ def test_flash_attn_falls_back_to_sdpa_with_a_notice(caplog):
     if torch.cuda.is_available():
         pytest.skip("CPU fallback only")
     with caplog.at_level("WARNING"):
-        assert attention_implementation(True) == "sdpa"
+        assert attention_implementation(True) == "rlhf_sdpa"
     assert "--flash_attn" in caplog.text and "SDPA" in caplog.text
-    assert attention_implementation(False) == "sdpa"
+    assert attention_implementation(False) == "rlhf_sdpa"
