@@ -101,12 +101,12 @@ _LINE_SPLIT = re.compile(r"[\r\n]+")
 class RayJobRunner:
     """Submits stage jobs to one cluster's Jobs API (`address`: the dashboard's http URL)."""
 
-    def __init__(self, address: str, poll_seconds: float = 0.5):
+    def __init__(self, address: str, poll_seconds: float = 0.5, max_poll_seconds: float = 5.0):
         from ray.job_submission import JobSubmissionClient
 
         self.address = address
         self.client = JobSubmissionClient(address)
-        self.poll_seconds = poll_seconds
+        self.poll_seconds, self.max_poll_seconds = poll_seconds, max_poll_seconds
 
     def run(self, stage: str, args: list[str], env: dict[str, str], log: Callable[[str], None],
             entrypoint_num_gpus: float | None = None) -> JobResult:
@@ -152,6 +152,10 @@ class RayJobRunner:
                 time.sleep(1.0)
 
     def _wait(self, submission_id: str, log: Callable[[str], None]):
+        """Relay the job's log lines until it ends. The Jobs API only serves the whole log, so the
+        poll interval grows (x1.5 from `poll_seconds` to `max_poll_seconds`): short jobs are
+        followed closely, and a long job's growing log is not fetched twice a second for hours."""
+        delay = self.poll_seconds
         printed = 0
         pending = ""
         tail: list[str] = []
@@ -171,7 +175,8 @@ class RayJobRunner:
                     log(pending)
                     tail = (tail + [pending])[-TAIL_LINES:]
                 return info, tail
-            time.sleep(self.poll_seconds)
+            time.sleep(delay)
+            delay = min(self.max_poll_seconds, delay * 1.5)
 
     def stop(self, submission_id: str, log: Callable[[str], None] | None = None, timeout: float = 30.0) -> None:
         """Stop a job and wait (bounded) until Ray reports it terminal."""

@@ -87,7 +87,7 @@ class FakeJobs:
 
 def runner_with(fake) -> RayJobRunner:
     runner = RayJobRunner.__new__(RayJobRunner)
-    runner.address, runner.client, runner.poll_seconds = "http://fake", fake, 0
+    runner.address, runner.client, runner.poll_seconds, runner.max_poll_seconds = "http://fake", fake, 0, 0
     return runner
 
 
@@ -98,6 +98,16 @@ def test_runner_relays_log_lines_and_reports_job_time():
     assert lines[1:] == ["loading", "step 1", "step 2", "step 3", "done"]
     assert result.seconds == 2.5 and result.submission_id.startswith("rlhf-sft-")
     assert fake.submitted[0]["runtime_env"] == {"env_vars": {"A": "1"}} and not fake.stopped
+
+
+def test_runner_polls_a_long_job_less_and_less_often(monkeypatch):
+    runner = runner_with(FakeJobs(["step\n"] * 12))
+    runner.poll_seconds, runner.max_poll_seconds = 0.5, 5.0
+    sleeps = []
+    monkeypatch.setattr("tasks.ray_jobs.time.sleep", sleeps.append)
+    runner.run("sft", [], {}, lambda line: None)
+    assert sleeps[:3] == [0.5, 0.75, 1.125] and max(sleeps) == sleeps[-1] == 5.0
+    assert all(a <= b for a, b in zip(sleeps, sleeps[1:], strict=False))
 
 
 def test_runner_types_failures_by_exit_code_and_keeps_the_log_tail():
