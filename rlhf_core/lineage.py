@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from rlhf_core import storage
 from rlhf_core.tracking import tracking_uri
 
-SHOWN_PARAMS = ("learning_rate", "train_batch_size", "max_epochs", "max_steps", "beta", "loss", "loss_type",
-                "zero_stage", "lora_rank", "seed", "task", "n_train", "model_size")
+# Params the tree shows in other forms (parents, output, datasets) or that say nothing about the model.
+HIDDEN_PARAMS = {"pretrain", "ref_pretrain", "reward_pretrain", "save_path", "ckpt_path", "dataset", "eval_dataset",
+                 "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow"}
 
 
 class LineageError(ValueError):
@@ -109,7 +110,7 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
         source = c.get_run(tags["rlhf.cached_from"])
     stags = source.data.tags
     datasets = [f"{d.dataset.name} {d.dataset.digest}" for d in (source.inputs.dataset_inputs or [])]
-    params = {k: v for k, v in source.data.params.items() if k.split(".")[-1] in SHOWN_PARAMS}
+    params = params_off_default(stags.get("rlhf.stage", tags.get("rlhf.stage", "")), source.data.params)
     node = Node(role, run.info.run_id, tags.get("rlhf.stage", "?"), tags.get("mlflow.runName", ""),
                 tags.get("rlhf.output_uri") or stags.get("rlhf.output_uri"),
                 stags.get("rlhf.config_hash"), stags.get("rlhf.code_version"), run.info.status,
@@ -135,6 +136,20 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
     return node
 
 
+def params_off_default(stage: str, params: dict[str, str]) -> dict[str, str]:
+    """The logged params of a `stage` run whose value differs from the stage config's default.
+
+    Stages without a config class (prep) show every param. Params of another code version that
+    the config no longer has are shown too: they differ from what a default run would log."""
+    from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, STAGE_CONFIGS
+    from rlhf_core.tracking import redact_params
+
+    config_cls = STAGE_CONFIGS.get(stage) or ROLLOUT_STAGE_CONFIGS.get(stage)
+    defaults = redact_params(config_cls.model_construct().model_dump(mode="json")) if config_cls else {}
+    return {k: v for k, v in params.items()
+            if k.split(".")[-1] not in HIDDEN_PARAMS and defaults.get(k) != v}
+
+
 def _upstream_tags(tags: dict) -> dict[str, str]:
     return {key.split(".")[2]: value for key, value in tags.items()
             if key.startswith("rlhf.upstream.") and key.endswith(".run_id")}
@@ -144,7 +159,7 @@ def _upstream_from_manifest(output_uri: str | None) -> dict[str, str]:
     """For runs outside a pipeline: the runs that wrote the models named in stage.json's inputs."""
     manifest = storage.read_manifest(output_uri) if output_uri else None
     found = {}
-    for role in ("pretrain", "ref_pretrain"):
+    for role in ("pretrain", "ref_pretrain", "reward_pretrain"):
         uri = (manifest or {}).get("inputs", {}).get(role)
         if uri:
             run = _run_by_output(storage.normalize_uri(uri))
