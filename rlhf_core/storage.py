@@ -94,21 +94,63 @@ def read_manifest(uri: str) -> dict | None:
 
 
 def local_copy(uri: str, cache_root: str | Path) -> str:
-    """A local directory with the contents of `uri` (itself when local; else a cached download)."""
+    """A local directory with the contents of `uri` (itself when local; else a cached download).
+
+    The cache key is the URI plus the remote listing of everything under it (relative path,
+    size, ETag or modification time), so a prefix rewritten in place, e.g. a data folder with
+    no `stage.json`, is downloaded again instead of served stale. A download is built under a
+    temporary name and renamed into place with a `.complete` marker; when the listing changes
+    while files are being fetched (a writer is at work), the mixed copy is dropped and fetched again.
+    """
     if not is_remote(uri):
         return str(Path(uri.removeprefix("file://")).expanduser())
     fs = _fs(uri)
-    manifest = read_manifest(uri)
-    key = hashlib.sha256((uri + json.dumps(manifest, sort_keys=True)).encode()).hexdigest()[:16]
-    dest = Path(cache_root) / "downloads" / key
-    if (dest / ".complete").exists():
-        return str(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
-    fs.get(uri.rstrip("/") + "/", str(tmp), recursive=True)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(dest)
-    except OSError:  # another rank finished the same download first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(dest)
+    root = uri.rstrip("/")
+    downloads = Path(cache_root) / "downloads"
+    listing = remote_listing(fs, root)
+    for _ in range(DOWNLOAD_ATTEMPTS):
+        key = hashlib.sha256(json.dumps({"uri": root, "files": listing}).encode()).hexdigest()[:16]
+        dest = downloads / key
+        if (dest / ".complete").exists():
+            return str(dest)
+        downloads.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=downloads, prefix=f".{key}-"))
+        try:
+            fs.get(root + "/", str(tmp), recursive=True)
+            after = remote_listing(fs, root)
+            if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
+                listing = after
+                continue
+            (tmp / ".complete").touch()
+            try:
+                tmp.rename(dest)
+            except OSError:  # another rank finished the same download first
+                pass
+            return str(dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed into place
+    raise RuntimeError(f"{uri} changed during each of {DOWNLOAD_ATTEMPTS} downloads; is a writer still at work?")
+
+
+DOWNLOAD_ATTEMPTS = 3
+# Per-file version fields, first one present wins: content ETag (S3), else a modification time.
+_VERSION_FIELDS = ("ETag", "etag", "LastModified", "last_modified", "mtime", "created")
+
+
+def remote_listing(fs, root: str) -> list[list]:
+    """`[relative path, size, version]` for every file under `root`, sorted; FileNotFoundError when none.
+
+    Always a fresh listing (fsspec filesystems may cache directory listings for the life of a process).
+    """
+    fs.invalidate_cache(root)
+    base = fs._strip_protocol(root).rstrip("/")
+    entries = []
+    for name, info in fs.find(root, detail=True).items():
+        if info.get("type", "file") == "directory":
+            continue
+        rel = name[len(base):].lstrip("/") if name.startswith(base) else name
+        version = next((str(info[k]) for k in _VERSION_FIELDS if info.get(k) is not None), None)
+        entries.append([rel, info.get("size"), version])
+    if not entries:
+        raise FileNotFoundError(f"{root}: no such folder, or an empty one")
+    return sorted(entries)

@@ -29,6 +29,21 @@ def test_publish_and_download_round_trip(s3_endpoint, tmp_path):
     assert storage.local_copy(uri, tmp_path / "cache") == local  # cached
 
 
+def test_a_rewritten_data_prefix_is_downloaded_again(s3_endpoint, tmp_path):
+    import fsspec
+
+    fsspec.config.conf.clear()
+    fs = fsspec.filesystem("s3")
+    uri = "s3://models/run3/data/sft"  # a data folder: no stage.json
+    fs.pipe(f"{uri}/train.jsonl", b'{"prompt": "a", "response": "b"}\n')
+    first = storage.local_copy(uri, tmp_path / "cache")
+    assert storage.local_copy(uri, tmp_path / "cache") == first
+    fs.pipe(f"{uri}/train.jsonl", b'{"prompt": "a", "response": "X"}\n')  # same size, new content
+    second = storage.local_copy(uri, tmp_path / "cache")
+    assert second != first
+    assert open(os.path.join(second, "train.jsonl"), "rb").read() == b'{"prompt": "a", "response": "X"}\n'
+
+
 def test_trained_stage_saves_to_s3_and_next_stage_reads_it(s3_endpoint, prepared, tmp_path):
     from rlhf_core.config import SFTConfig, build_config
     from rlhf_core.launch import prepare_environment
