@@ -18,9 +18,21 @@ import zlib
 
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
 from rlhf_core.config import DPOConfig, with_updates
+from rlhf_core.version import params_hash
 from tasks import lineage
 from tasks.reports import publish_eval_report
 from tasks.stages import PipelineContext, StageJob, StageOutcome
+
+# IterativeDPOParams fields that do not change a round's pairs: `rounds` (how many rounds follow
+# does not change this one; raising it must not resample round 1), `start_from` (it picks the
+# starting policy, which is in the key as the `policy` upstream), `seed` (replaced by the round's
+# own sampling seed). Every other field, present or future, is in the pairs cache key.
+PAIRS_NOT_IN_KEY = frozenset({"rounds", "start_from", "seed"})
+
+
+def pairs_settings_hash(prep: PrepParams, iterative: IterativeDPOParams, round_seed: int) -> str:
+    """The settings part of a pairs stage's cache key (policy, reward model and prompts are upstream)."""
+    return params_hash(iterative, exclude=PAIRS_NOT_IN_KEY, task=prep.task, seed=round_seed)
 
 
 def starting_policy(iterative: IterativeDPOParams, sft: StageOutcome) -> StageOutcome:
@@ -55,10 +67,8 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
         if reward is not None:
             args += ["--reward_pretrain", reward.output_uri]
             upstream["reward"] = reward
-        settings_hash = (f"pairs:{prep.task}:{iterative.reward}:{iterative.n_samples_per_prompt}:"
-                         f"{iterative.temperature}:{iterative.n_prompts}:{seed + r}")
-        pairs = outcomes[name] = run(StageJob("pairs", name, args, out, settings_hash, None, paths["prompts"],
-                                              upstream, num_gpus=ctx.rollout_gpus))
+        pairs = outcomes[name] = run(StageJob("pairs", name, args, out, pairs_settings_hash(prep, iterative, seed + r),
+                                              None, paths["prompts"], upstream, num_gpus=ctx.rollout_gpus))
 
         # Sampled responses may stop at max_new_tokens without EOS, a few tokens past the
         # prep data's lengths: truncate rather than fail a scheduled round on one long sample.

@@ -35,7 +35,7 @@ from flows.params import (
     Stage,
 )
 from rlhf_core.config import TrainConfig, state_dir, with_updates
-from rlhf_core.version import code_version, config_hash
+from rlhf_core.version import code_version, config_hash, params_hash
 from tasks import lineage
 from tasks.ray_jobs import ray_cluster
 from tasks.reports import publish_eval_report, summary_table
@@ -178,8 +178,7 @@ def _prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
     out = ctx.output("prep")
     args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
             "--n_train", str(prep.n_train), "--n_test", str(prep.n_test)]
-    return StageJob("prep", "prep", args, out, "params:" + ",".join(f"{k}={v}" for k, v in
-                                                                   sorted(prep.model_dump().items())))
+    return StageJob("prep", "prep", args, out, params_hash(prep))
 
 
 def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
@@ -239,8 +238,18 @@ def _eval_job(ctx: PipelineContext, prep: PrepParams, params: EvalParams, prep_o
     if reward is not None:
         args += ["--reward_pretrain", reward.output_uri]
         upstream["reward"] = reward
-    settings_hash = f"eval:{prep.task}:{params.max_samples}:{params.n_kl_samples}"
-    return StageJob("eval", name, args, out, settings_hash, None, prompts, upstream, num_gpus=ctx.rollout_gpus)
+    return StageJob("eval", name, args, out, eval_settings_hash(prep, params), None, prompts, upstream,
+                    num_gpus=ctx.rollout_gpus)
+
+
+# EvalParams fields that never reach the eval job: `promote_metric` only decides, after the job,
+# what its metrics promote. Every other field, present or future, is in the eval cache key.
+EVAL_NOT_IN_KEY = frozenset({"promote_metric"})
+
+
+def eval_settings_hash(prep: PrepParams, params: EvalParams) -> str:
+    """The settings part of an eval stage's cache key (models and prompts enter as upstream keys)."""
+    return params_hash(params, exclude=EVAL_NOT_IN_KEY, task=prep.task)
 
 
 def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams) -> dict:

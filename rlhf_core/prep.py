@@ -108,14 +108,28 @@ def prepare(
     return paths
 
 
+def prep_config(**params) -> dict:
+    """Every parameter of `prepare` but the output folder, defaults filled in: what prep's output depends on.
+
+    Unknown names raise TypeError, as `prepare` would.
+    """
+    import inspect
+
+    bound = inspect.signature(prepare).bind(None, **params)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+
+
 def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     """`rlhf prep`: `prepare`, then write `stage.json` last, and log to the orchestrator's MLflow run.
 
-    The manifest records the parameters and the sha256 of every data file; it is written only
-    after everything else is in place, so its presence means the prep output is complete.
+    The manifest records the parameters (all of them, defaults included, and their hash) and the
+    sha256 of every data file; it is written only after everything else is in place, so its
+    presence means the prep output is complete.
     """
     from rlhf_core import storage
 
+    params = prep_config(**params)
     out = storage.normalize_uri(str(out_dir))
     if storage.is_remote(out):  # build locally, then upload with the manifest last
         with tempfile.TemporaryDirectory(prefix="rlhf-prep-") as tmp:
@@ -133,11 +147,10 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
 def _prep_and_record(build_dir: Path, out: str, params: dict):
     """Run `prepare` in `build_dir` and log it to MLflow; returns the manifest (files named by their
     final location) and the still-open tracker, finished once the manifest is in place."""
-    import hashlib
     import time
 
     from rlhf_core.data.loading import file_digest
-    from rlhf_core.version import code_version
+    from rlhf_core.version import code_version, values_hash
 
     built = prepare(build_dir, **params)
     digests = {key: file_digest(path) for key, path in built.items() if path.endswith(".jsonl")}
@@ -146,7 +159,7 @@ def _prep_and_record(build_dir: Path, out: str, params: dict):
     manifest = {
         "stage": "prep",
         "config": params,
-        "config_hash": "sha256:" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest(),
+        "config_hash": values_hash(params),
         "outputs": paths,
         "dataset_digests": digests,
         "metrics": {},

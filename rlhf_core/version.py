@@ -18,13 +18,29 @@ NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_step
                 "use_mlflow", "eval_steps", "dataset", "eval_dataset"}
 
 
+def values_hash(values: dict) -> str:
+    """sha256 of JSON values, key order ignored: how every config and settings hash is computed."""
+    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
 def config_hash(cfg) -> str:
     """sha256 of a config's semantic fields (inputs and outputs are hashed separately, by content)."""
     values = cfg.model_dump(mode="json")
     values = {k: v for k, v in values.items() if k not in NON_SEMANTIC}
     if isinstance(values.get("data"), dict):
         values["data"] = {k: v for k, v in values["data"].items() if k not in NON_SEMANTIC}
-    return "sha256:" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+    return values_hash(values)
+
+
+def params_hash(params, exclude: frozenset[str] = frozenset(), **extra) -> str:
+    """sha256 of every field of a pydantic model but the `exclude`d ones, plus `extra` values.
+
+    For settings models that are not stage configs (prep, evaluation, iterative rounds): no
+    field is dropped by name as in `config_hash`, so a field added to the model counts at once;
+    leaving one out takes an explicit `exclude`. `extra` adds what the stage also depends on
+    beyond the model (the task, a round's seed), apart from its fields so no name can shadow one.
+    """
+    return values_hash({"params": params.model_dump(mode="json", exclude=set(exclude)), "extra": extra})
 
 
 def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None) -> dict:

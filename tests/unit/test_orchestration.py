@@ -150,3 +150,149 @@ def test_flows_and_tasks_never_import_torch():
     code = "import sys, flows.pipeline, flows.cli, tasks.stages; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings hashes of the flow's own stages (prep, eval, pairs): every params field counts unless
+# it is excluded by name, with a reason, next to the hash.
+
+def perturbed(model, name: str):
+    """`model` with field `name` set to another valid value, whatever the field's type and constraints."""
+    import re
+
+    from pydantic import ValidationError
+
+    value, info = getattr(model, name), type(model).model_fields[name]
+    if isinstance(value, bool):
+        candidates = [not value]
+    elif isinstance(value, (int, float)):
+        candidates = [value + 1, value * 2, value - 1, value / 2]
+    elif value is None:
+        candidates = [7, 0.5, "x"]
+    elif isinstance(value, str):  # another value a `pattern` allows, else any other string
+        patterns = [m.pattern for m in info.metadata if getattr(m, "pattern", None)]
+        candidates = [w for p in patterns for w in re.findall(r"\w+", p)] + [value + "_changed"]
+    else:
+        raise AssertionError(f"perturbed() cannot change {type(model).__name__}.{name} ({value!r}): teach it")
+    for candidate in candidates:
+        if candidate == value:
+            continue
+        try:
+            return type(model).model_validate({**model.model_dump(), name: candidate})
+        except ValidationError:
+            continue
+    raise AssertionError(f"no other valid value found for {type(model).__name__}.{name}")
+
+
+def flow_ctx(tmp_path):
+    from tasks.stages import PipelineContext
+
+    return PipelineContext("exp", "parent-run", "flow-run", str(tmp_path / "run"), "http://ray")
+
+
+def outcome(name: str, tmp_path, metrics=None):
+    from tasks.stages import StageOutcome
+
+    stage = name.split("-")[0]
+    return StageOutcome(stage, name, str(tmp_path / name), f"run-{name}", f"key-{name}", False, metrics or {}, {})
+
+
+def test_perturbed_changes_exactly_one_field():
+    from flows.params import EvalParams, IterativeDPOParams, PrepParams
+
+    for model in (PrepParams(), EvalParams(), IterativeDPOParams(), IterativeDPOParams(seed=3)):
+        for name in type(model).model_fields:
+            other = perturbed(model, name)
+            changed = {k for k in type(model).model_fields if getattr(other, k) != getattr(model, k)}
+            assert changed == {name}
+
+
+def test_prep_key_moves_with_every_prep_field(tmp_path):
+    from flows.params import PrepParams
+    from flows.pipeline import _prep_job
+
+    ctx = flow_ctx(tmp_path)
+    key = _prep_job(ctx, PrepParams()).config_hash
+    assert _prep_job(ctx, PrepParams()).config_hash == key
+    assert _prep_job(flow_ctx(tmp_path / "elsewhere"), PrepParams()).config_hash == key  # not the output place
+    for name in PrepParams.model_fields:
+        assert _prep_job(ctx, perturbed(PrepParams(), name)).config_hash != key, name
+
+    class Later(PrepParams):  # a field added after this test was written counts without anyone listing it
+        new_knob: int = 0
+
+    assert _prep_job(ctx, Later()).config_hash != _prep_job(ctx, Later(new_knob=1)).config_hash
+
+
+def test_eval_key_moves_with_every_eval_field_and_the_task(tmp_path):
+    from flows.params import EvalParams, PrepParams
+    from flows.pipeline import EVAL_NOT_IN_KEY, _eval_job
+
+    assert EVAL_NOT_IN_KEY == {"promote_metric"}  # widening this needs a reason next to it
+
+    def key(prep=PrepParams(), params=EvalParams(), ctx=None):  # noqa: B008
+        ins = [outcome(n, tmp_path) for n in ("prep", "dpo", "sft", "rm")]
+        return _eval_job(ctx or flow_ctx(tmp_path), prep, params, *ins, name="eval").config_hash
+
+    base = key()
+    assert key() == base and key(ctx=flow_ctx(tmp_path / "elsewhere")) == base
+    for name in EvalParams.model_fields:
+        moved = key(params=perturbed(EvalParams(), name)) != base
+        assert moved == (name not in EVAL_NOT_IN_KEY), name
+    assert key(prep=perturbed(PrepParams(), "task")) != base
+
+    class Later(EvalParams):  # a field added after this test was written counts without anyone listing it
+        new_knob: int = 0
+
+    assert key(params=Later()) != key(params=Later(new_knob=1))
+
+
+def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run") -> list[str]:
+    """The config hash of each round's pairs job, from `run_rounds` with every job faked."""
+    from flows import iterative as iterative_flow
+    from flows.params import EvalParams, PipelineDPOConfig, PipelineSettings, PrepParams
+    from tasks import lineage
+
+    monkeypatch.setattr(lineage, "alias_version", lambda *a: None)  # no champion yet: start from SFT
+    monkeypatch.setattr(lineage, "register_once", lambda *a: SimpleNamespace(name="rlhf-policy", version="1"))
+    monkeypatch.setattr(lineage, "promote", lambda *a: (False, None))
+    monkeypatch.setattr(iterative_flow, "publish_eval_report", lambda *a: {"markdown": ""})
+    jobs = []
+
+    def run(job):
+        jobs.append(job)
+        return outcome(job.name, tmp_path, {"eval/policy_exact_match": 1.0})
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
+    ctx = flow_ctx(tmp_path)
+    ctx.parent_run_id = parent
+    iterative_flow.run_rounds(ctx, PipelineSettings(), prep or PrepParams(), PipelineDPOConfig(), EvalParams(),
+                              iterative, upstream.__getitem__, run, {})
+    return [job.config_hash for job in jobs if job.stage == "pairs"]
+
+
+def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, monkeypatch):
+    from flows.iterative import PAIRS_NOT_IN_KEY
+    from flows.params import IterativeDPOParams, PrepParams
+
+    assert PAIRS_NOT_IN_KEY == {"rounds", "start_from", "seed"}  # widening this needs a reason next to it
+    for base_params in (IterativeDPOParams(), IterativeDPOParams(seed=5)):
+        (base,) = pairs_keys(tmp_path, monkeypatch, base_params)
+        assert pairs_keys(tmp_path, monkeypatch, base_params.model_copy()) == [base]
+        for name in IterativeDPOParams.model_fields:
+            first_round = pairs_keys(tmp_path, monkeypatch, perturbed(base_params, name))[0]
+            # `seed` is excluded as a field but enters as the round's sampling seed, which it changes
+            assert (first_round != base) == (name not in {"rounds", "start_from"}), (name, base_params)
+        assert pairs_keys(tmp_path, monkeypatch, base_params, prep=perturbed(PrepParams(), "task")) != [base]
+
+    class Later(IterativeDPOParams):  # a field added after this test was written counts without anyone listing it
+        new_knob: int = 0
+
+    assert pairs_keys(tmp_path, monkeypatch, Later()) != pairs_keys(tmp_path, monkeypatch, Later(new_knob=1))
+    two = pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(rounds=2, seed=5))
+    assert two[0] == pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))[0] and two[1] != two[0]
+    # unpinned, the sampling seed is drawn per pipeline run; pinned, it is the same in every run
+    assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(), parent="other-run") != \
+        pairs_keys(tmp_path, monkeypatch, IterativeDPOParams())
+    assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5), parent="other-run") == \
+        pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))

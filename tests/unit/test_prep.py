@@ -159,3 +159,32 @@ def test_build_tiny_llama_sizes_and_seeding(tokenizer):
     assert a.config.hidden_size == 128 and a.config.num_hidden_layers == 4
     assert a.config.max_position_embeddings == 256
     assert a.get_output_embeddings().weight is a.get_input_embeddings().weight
+
+
+def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in(tmp_path, monkeypatch):
+    """`stage.json`'s config and config hash cover all of `prepare`'s parameters, given or not, so a
+    parameter added to `prepare` counts at once and an explicit default hashes like an omitted one."""
+    import functools
+    import inspect
+
+    from rlhf_core import prep as prep_module
+    from rlhf_core.version import values_hash
+
+    def fake_prepare(out_dir, **params):  # the manifest, not the artifacts, is under test here
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        return {}
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setattr(prep_module, "prepare", functools.wraps(prepare)(fake_prepare))
+    full = prep_module.prep_config(task="sort")
+    assert set(full) == set(inspect.signature(prepare).parameters) - {"out_dir"}
+    manifest = prep_module.run_prep(tmp_path / "a", task="sort")
+    assert manifest["config"] == full and manifest["config_hash"] == values_hash(full)
+    assert prep_module.run_prep(tmp_path / "b", task="sort", **{k: full[k] for k in ("n_train", "vocab_size")}) \
+        ["config_hash"] == manifest["config_hash"]
+    for name, value in full.items():
+        other = value + "_x" if isinstance(value, str) else value + 1
+        assert prep_module.run_prep(tmp_path / name, **{**full, name: other})["config_hash"] != \
+            manifest["config_hash"], name
+    with pytest.raises(TypeError):
+        prep_module.prep_config(not_a_parameter=1)
