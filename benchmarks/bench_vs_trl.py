@@ -5,9 +5,10 @@ default sort, the pipeline's) with
 the same tokenizer and chat template, the same rows in the same order (TRL gets the dataset
 reordered by our `BatchPlan` and a sequential sampler), the same global batch, micro batch,
 max_len, bf16 autocast on fp32 weights, torch AdamW and number of optimizer steps. Each side
-uses what its users get by default otherwise: ours packs samples and runs DeepSpeed as the CLI
-does (ZeRO-2 asked for; one CPU rank runs it as stage 0),
-TRL pads (and, as a second SFT run, trains padding-free).
+uses what its users get by default otherwise: ours packs samples, runs DeepSpeed as the CLI
+does (ZeRO-2 asked for; one CPU rank runs it as stage 0) and loads the model with our attention
+(`rlhf_sdpa`), TRL pads (and, as a second SFT run, trains padding-free) and gets transformers'
+default SDPA (a diagnostic run hands it our attention).
 
 Choices, and why:
 - Every run is a fresh subprocess (`--side ours|trl --stage sft|dpo`): DeepSpeed and
@@ -57,8 +58,10 @@ VARIANTS: dict[str, dict] = {
     "ours-zero2": {"side": "ours", "packing": True, "zero_stage": 2, "force_zero": True},
     "trl": {"side": "trl", "padding_free": False},
     "trl-padding-free": {"side": "trl", "padding_free": True},  # SFT only: TRL 1.x disables it for DPO
+    # Diagnostic: TRL handed a model loaded by our loader (attention `rlhf_sdpa`, models/attention.py).
+    "trl-our-attention": {"side": "trl", "padding_free": False, "our_attention": True},
 }
-DEFAULT_VARIANTS = {"sft": ["ours", "trl", "trl-padding-free"], "dpo": ["ours", "trl"]}
+DEFAULT_VARIANTS = {"sft": ["ours", "trl", "trl-padding-free", "trl-our-attention"], "dpo": ["ours", "trl", "trl-our-attention"]}
 LEARNING_RATE = {"sft": 1e-4, "dpo": 5e-7}
 SEED = 42  # our configs' default seed; it fixes the row order both sides train on
 
@@ -178,12 +181,21 @@ def run_trl(args) -> dict:
     except ImportError:
         print("TRL is not installed: pip install -e '.[bench]'  (or pip install 'trl>=1.0')", file=sys.stderr)
         sys.exit(2)
+    from transformers import AutoModelForCausalLM
+
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+
+    def load_model(path):
+        """fp32 weights; the attention TRL users get (transformers' default, SDPA), unless the
+        diagnostic variant hands TRL the attention our loader picks."""
+        if args.our_attention:
+            return load_causal_lm(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
 
     torch.set_num_threads(args.threads)
     base = str(Path(args.data_root) / "base")
     tokenizer = load_tokenizer(base)  # the same tokenizer object setup ours uses (pad token, right padding)
-    model = load_causal_lm(base)  # fp32 weights, SDPA attention: exactly what ours loads
+    model = load_model(base)
     probe = forward_probe(model)
     dataset = Dataset.from_list(trl_rows(args))
 
@@ -221,7 +233,7 @@ def run_trl(args) -> dict:
         config = trl.DPOConfig(**common, max_length=args.max_len, beta=0.1, loss_type=["sigmoid"],
                                precompute_ref_log_probs=False)
         trainer_cls = trl.DPOTrainer
-        ref = load_causal_lm(base)  # ours also loads the reference as a second fp32 copy of --pretrain
+        ref = load_model(base)  # ours also loads the reference as a second fp32 copy of --pretrain
         extra = {"ref_model": ref}
 
     class Counting(trainer_cls):
@@ -302,6 +314,7 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path, snaps
            "--micro_train_batch_size", str(args.micro_train_batch_size),
            "--packing", str(variant.get("packing", True)), "--zero_stage", str(variant.get("zero_stage", 2)),
            "--padding_free", str(variant.get("padding_free", False)),
+           "--our_attention", str(variant.get("our_attention", False)),
            "--force_zero", str(variant.get("force_zero", False))]
     # Compiled DeepSpeed ops (about 2 min to build, once) are cached outside the throwaway work dir.
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"))
@@ -499,6 +512,7 @@ def parse_args(argv=None):
     p.add_argument("--out_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--packing", type=lambda s: s == "True", default=True, help=argparse.SUPPRESS)
     p.add_argument("--padding_free", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--our_attention", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     p.add_argument("--zero_stage", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--force_zero", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     return p.parse_args(argv)
