@@ -66,12 +66,12 @@ def run_stage(cfg: TrainConfig) -> dict:
 
     cfg.check_complete()
     prepare_environment()
-    check_data(cfg)
+    data = check_data(cfg)
     started = ensure_ray()
     group = None
     try:
         group = WorkerGroup(cfg.world_size, use_gpu=torch.cuda.is_available())
-        return group.run_stage(cfg.model_dump(mode="json"))
+        return group.run_stage(cfg.model_dump(mode="json"), data)
     except ray.exceptions.RayTaskError as e:
         raise StageFailed(e.cause if getattr(e, "cause", None) is not None else e) from None
     finally:

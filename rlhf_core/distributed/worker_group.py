@@ -28,7 +28,7 @@ class RankWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def run_stage(self, config: dict, master_addr: str, master_port: int) -> dict | None:
+    def run_stage(self, config: dict, master_addr: str, master_port: int, data=None) -> dict | None:
         from rlhf_core.config import STAGE_CONFIGS
         from rlhf_core.distributed.engine import init_distributed
         from rlhf_core.trainers import run_recipe
@@ -36,7 +36,7 @@ class RankWorker:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so its local device is always 0.
         init_distributed(self.rank, self.world_size, master_addr, master_port, local_rank=0)
         cfg = STAGE_CONFIGS[config["stage"]].model_validate(config)
-        return run_recipe(cfg)
+        return run_recipe(cfg, data)
 
 
 class WorkerGroup:
@@ -54,9 +54,12 @@ class WorkerGroup:
             for i in range(world_size)
         ]
 
-    def run_stage(self, config: dict) -> dict | None:
+    def run_stage(self, config: dict, data=None) -> dict | None:
+        """Run the stage on every rank. `data`: the driver's checked StageData, put in the object
+        store once and read by every rank, instead of every rank tokenizing the datasets again."""
         addr, port = ray.get(self.workers[0].address.remote())
-        results = ray.get([w.run_stage.remote(config, addr, port) for w in self.workers])
+        shared = ray.put(data) if data is not None else None
+        results = ray.get([w.run_stage.remote(config, addr, port, shared) for w in self.workers])
         return results[0]
 
     def shutdown(self) -> None:

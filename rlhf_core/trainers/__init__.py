@@ -17,10 +17,12 @@ def recipe_class(stage: str):
     return getattr(importlib.import_module(module), name)
 
 
-def run_recipe(cfg) -> dict | None:
-    """Run one stage on this rank; returns the stage manifest on rank 0, None elsewhere."""
+def run_recipe(cfg, data=None) -> dict | None:
+    """Run one stage on this rank; returns the stage manifest on rank 0, None elsewhere.
+
+    `data`: the stage's StageData as `check_data` loaded it; None loads it here."""
     recipe = recipe_class(cfg.stage)(cfg)
-    recipe.setup()
+    recipe.setup(data)
     try:
         recipe.train()
         manifest = recipe.save()
@@ -31,13 +33,14 @@ def run_recipe(cfg) -> dict | None:
     return manifest
 
 
-def check_data(cfg) -> dict[str, int]:
+def check_data(cfg):
     """Load and check a stage's data on the driver, so bad input fails before any rank starts.
 
-    Raises DataError (file, row, key) or ValueError (too little data); returns example counts.
+    Raises DataError (file, row, key) or ValueError (too little data); returns the StageData,
+    which the ranks then train on as it is (tokenized once, here).
     """
     data = importlib.import_module(RECIPES[cfg.stage].split(":")[0]).load_data(cfg)
     if len(data.train) < cfg.train_batch_size:
         raise ValueError(f"--dataset {cfg.data.dataset}: {len(data.train)} training examples, fewer than one global "
                          f"batch (--train_batch_size {cfg.train_batch_size})")
-    return {"train": len(data.train), "eval": len(data.eval or [])}
+    return data

@@ -17,6 +17,7 @@ from rlhf_core.losses import dpo_loss
 from rlhf_core.models.forward import per_sample_sum, token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
+    StageData,
     batch_builder,
     load_stage_data,
     local_model_path,
@@ -36,9 +37,9 @@ class DPORecipe:
     def __init__(self, cfg: DPOConfig):
         self.cfg = cfg
 
-    def setup(self) -> None:
+    def setup(self, data: StageData | None = None) -> None:
         cfg = self.cfg
-        self.data = load_data(cfg)
+        self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)

@@ -18,6 +18,7 @@ from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
 from rlhf_core.trainers.common import (
+    StageData,
     batch_builder,
     load_stage_data,
     local_model_path,
@@ -37,9 +38,9 @@ class RewardModelRecipe:
     def __init__(self, cfg: RMConfig):
         self.cfg = cfg
 
-    def setup(self) -> None:
+    def setup(self, data: StageData | None = None) -> None:
         cfg = self.cfg
-        self.data = load_data(cfg)
+        self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
                                   cfg.value_head_prefix, cfg.flash_attn)

@@ -15,6 +15,7 @@ from rlhf_core.distributed.engine import initialize
 from rlhf_core.models.forward import token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
+    StageData,
     batch_builder,
     load_stage_data,
     local_model_path,
@@ -34,9 +35,9 @@ class SFTRecipe:
     def __init__(self, cfg: SFTConfig):
         self.cfg = cfg
 
-    def setup(self) -> None:
+    def setup(self, data: StageData | None = None) -> None:
         cfg = self.cfg
-        self.data = load_data(cfg)
+        self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)

@@ -46,6 +46,28 @@ def test_two_ranks_train_like_one(prepared, tmp_path, one_rank, zero_stage):
     assert max_weight_diff(two["output_uri"], one_rank["output_uri"]) < 1e-4
 
 
+def test_ranks_train_on_the_data_the_driver_checked(prepared, tmp_path, one_rank, monkeypatch):
+    """The driver tokenizes and checks the data once; the ranks get it from Ray's object store.
+    With the files gone after the check, a rank that loaded them again would fail."""
+    import shutil
+
+    from rlhf_core import trainers
+
+    data = tmp_path / "data"
+    shutil.copytree(prepared["sft"], data)
+    real_check = trainers.check_data
+
+    def check_then_delete(cfg):
+        checked = real_check(cfg)
+        shutil.rmtree(data)
+        return checked
+
+    monkeypatch.setattr(trainers, "check_data", check_then_delete)
+    two = run_stage(sft_config(prepared, tmp_path / "sft", dataset=f"json@{data}", num_gpus_per_node=2))
+    assert not data.exists()
+    assert abs(two["metrics"]["train/final_loss"] - one_rank["metrics"]["train/final_loss"]) < 1e-5
+
+
 def _cli(args):
     return [sys.executable, "-m", "rlhf_core.cli", "train", "sft", *args]
 
