@@ -67,3 +67,26 @@ def test_batch_plan_partitions_each_global_batch_across_ranks():
         assert all(len(mb) == 4 for mb in two[0].micro_batches(0, step))
     assert one.micro_batches(0, 0) != one.micro_batches(1, 0)  # reshuffled per epoch
     assert one.micro_batches(1, 2) == BatchPlan(n, global_batch, 4, 0, 1, seed=3).micro_batches(1, 2)
+
+
+def test_packed_rows_take_the_width_that_wastes_least():
+    from rlhf_core.data.batching import first_fit_rows, row_width
+
+    def slots(lengths, width):
+        rows = first_fit_rows(lengths, width)
+        return len(rows) * max(sum(lengths[i] for i in members) for members in rows)
+
+    g = torch.Generator().manual_seed(0)
+    fixed, chosen = [], []
+    for _ in range(50):
+        lengths = torch.randint(16, 36, (32,), generator=g).tolist()
+        width = row_width(lengths, 64)
+        assert max(lengths) <= width <= 64
+        batch = pack_batch([[5] * n for n in lengths], [[1] * n for n in lengths], row_capacity=64)
+        assert batch.input_ids.numel() == slots(lengths, width) <= slots(lengths, 64)
+        assert int((batch.seq_ids >= 0).sum()) == sum(lengths)
+        fixed.append(slots(lengths, 64) / sum(lengths))
+        chosen.append(batch.input_ids.numel() / sum(lengths))
+    # Rows of exactly 64 waste ~10% on these lengths (the last row runs mostly empty); the chosen width ~4%.
+    assert sum(fixed) / 50 > 1.08 and sum(chosen) / 50 < 1.05
+    assert row_width([70, 3], 64) == 64  # a sample longer than the rows: the caller's max_len check fails it
