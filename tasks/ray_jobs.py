@@ -152,31 +152,37 @@ class RayJobRunner:
                 time.sleep(1.0)
 
     def _wait(self, submission_id: str, log: Callable[[str], None]):
-        """Relay the job's log lines until it ends. The Jobs API only serves the whole log, so the
-        poll interval grows (x1.5 from `poll_seconds` to `max_poll_seconds`): short jobs are
-        followed closely, and a long job's growing log is not fetched twice a second for hours."""
-        delay = self.poll_seconds
+        """Relay the job's log lines until it ends. The status (small) is polled every
+        `poll_seconds`, so the end of a job is seen at once. The Jobs API serves only the whole
+        log, so the log is fetched less and less often (x1.5 from `poll_seconds` up to
+        `max_poll_seconds`): a long job's growing log is not downloaded twice a second for hours.
+        """
+        log_delay = self.poll_seconds
+        next_fetch = time.monotonic()
         printed = 0
         pending = ""
         tail: list[str] = []
         while True:
             info = self.client.get_job_info(submission_id)
-            text = self.client.get_job_logs(submission_id)
-            if len(text) > printed:
-                pending += text[printed:]
-                printed = len(text)
-                *lines, pending = _LINE_SPLIT.split(pending)
-                for line in lines:
-                    if line.strip():
-                        log(line)
-                        tail = (tail + [line])[-TAIL_LINES:]
-            if str(getattr(info.status, "value", info.status)) in TERMINAL:
+            done = str(getattr(info.status, "value", info.status)) in TERMINAL
+            if done or time.monotonic() >= next_fetch:
+                text = self.client.get_job_logs(submission_id)
+                next_fetch = time.monotonic() + log_delay
+                log_delay = min(self.max_poll_seconds, log_delay * 1.5)
+                if len(text) > printed:
+                    pending += text[printed:]
+                    printed = len(text)
+                    *lines, pending = _LINE_SPLIT.split(pending)
+                    for line in lines:
+                        if line.strip():
+                            log(line)
+                            tail = (tail + [line])[-TAIL_LINES:]
+            if done:
                 if pending.strip():
                     log(pending)
                     tail = (tail + [pending])[-TAIL_LINES:]
                 return info, tail
-            time.sleep(delay)
-            delay = min(self.max_poll_seconds, delay * 1.5)
+            time.sleep(self.poll_seconds)
 
     def stop(self, submission_id: str, log: Callable[[str], None] | None = None, timeout: float = 30.0) -> None:
         """Stop a job and wait (bounded) until Ray reports it terminal."""

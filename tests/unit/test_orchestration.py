@@ -100,14 +100,23 @@ def test_runner_relays_log_lines_and_reports_job_time():
     assert fake.submitted[0]["runtime_env"] == {"env_vars": {"A": "1"}} and not fake.stopped
 
 
-def test_runner_polls_a_long_job_less_and_less_often(monkeypatch):
-    runner = runner_with(FakeJobs(["step\n"] * 12))
+def test_runner_sees_a_job_end_at_once_but_fetches_its_log_less_and_less_often(monkeypatch):
+    fake = FakeJobs(["step\n"] * 40)
+    runner = runner_with(fake)
     runner.poll_seconds, runner.max_poll_seconds = 0.5, 5.0
-    sleeps = []
-    monkeypatch.setattr("tasks.ray_jobs.time.sleep", sleeps.append)
-    runner.run("sft", [], {}, lambda line: None)
-    assert sleeps[:3] == [0.5, 0.75, 1.125] and max(sleeps) == sleeps[-1] == 5.0
-    assert all(a <= b for a, b in zip(sleeps, sleeps[1:], strict=False))
+    clock = [0.0]
+    fetched_at = []
+    monkeypatch.setattr("tasks.ray_jobs.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr("tasks.ray_jobs.time.monotonic", lambda: clock[0])
+    real_logs = fake.get_job_logs
+    monkeypatch.setattr(fake, "get_job_logs", lambda sid: fetched_at.append(clock[0]) or real_logs(sid))
+    lines = []
+    runner.run("sft", [], {}, lines.append)
+    assert lines[1:] == ["step"] * 40  # every line relayed: the final fetch comes when the job ends
+    assert clock[0] == 40 * 0.5  # status polled every 0.5 s: the end is seen on the first poll after it
+    gaps = [b - a for a, b in zip(fetched_at, fetched_at[1:-1], strict=False)]
+    assert gaps[:3] == [0.5, 1.0, 1.5] and max(gaps) <= 5.0 and len(fetched_at) < 15
+    assert all(a <= b for a, b in zip(gaps, gaps[1:], strict=False))
 
 
 def test_runner_types_failures_by_exit_code_and_keeps_the_log_tail():
