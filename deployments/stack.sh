@@ -157,6 +157,7 @@ still_ray() {
 
 # stop_tree NAME SIGNAL GRACE "ROOTS" [MORE...]: send SIGNAL to ROOTS, SIGTERM to their
 # descendants and MORE halfway through GRACE seconds, SIGKILL to whatever is left after it.
+# Fails (naming them) when some survive even SIGKILL.
 stop_tree() {
   local name="$1" sig="$2" grace="$3" roots="$4"; shift 4
   local all p left
@@ -179,6 +180,13 @@ stop_tree() {
     sleep 0.5
   done
   for p in $all; do kill -KILL "$p" 2>/dev/null || true; done
+  sleep 1
+  left=""
+  for p in $all; do alive "$p" && left="$left $p"; done
+  if [ -n "$left" ]; then
+    printf '[stack] %s: pids%s survived SIGKILL (uninterruptible I/O?)\n' "$name" "$left" >&2
+    return 1
+  fi
 }
 
 load_state() { if [ -f "$STATE" ]; then set -a; . "$STATE"; set +a; fi; }
@@ -244,15 +252,18 @@ cmd_stop() {
   local pid
   # The worker stops on SIGINT, not SIGTERM. A flow run still going (a child process) gets SIGTERM
   # halfway through the grace period, which stops its Ray job on the way out.
-  stop_service prefect-worker INT 30 prefect
-  stop_service prefect-server TERM 10 prefect
-  stop_service mlflow TERM 10 mlflow
+  local failed=""
+  stop_service prefect-worker INT 30 prefect || failed="$failed prefect-worker"
+  stop_service prefect-server TERM 10 prefect || failed="$failed prefect-server"
+  stop_service mlflow TERM 10 mlflow || failed="$failed mlflow"
   local rp=""
   if [ -f "$PIDS/ray.pids" ]; then
     for pid in $(cat "$PIDS/ray.pids"); do still_ray "$pid" && rp="$rp $pid"; done
   fi
   rp="$(echo $rp $(ray_pids) | tr ' ' '\n' | sort -un | tr '\n' ' ')"
-  if [ -n "${rp// /}" ]; then stop_tree ray TERM 6 "$rp"; fi
+  if [ -n "${rp// /}" ]; then stop_tree ray TERM 6 "$rp" || failed="$failed ray"; fi
+  # Pid files and state stay while something survives, so that the next stop finds it again.
+  [ -z "$failed" ] || die "could not stop:$failed (see above); run '$0 stop' again, or kill them by hand"
   rm -rf "$PIDS" "$STATE" "$ENV_FILE" "$RAY_TMP"
   log "stopped"
 }
@@ -264,6 +275,13 @@ start_ray() {
   local cpus=()
   [ -n "${RLHF_STACK_CPUS:-}" ] && cpus=(--num-cpus "$RLHF_STACK_CPUS")
   mkdir -p "$RAY_TMP"
+  # Ray's token auth needs a token before `ray start`, which (unlike ray.init) does not make one:
+  # on a machine that never ran Ray, make the default one as ray.init would. A RAY_AUTH_TOKEN_PATH
+  # that names a missing file is the user's choice; Ray's own error then says what is wrong.
+  if [ -z "$(ray_token)" ] && [ -z "${RAY_AUTH_TOKEN_PATH:-}" ]; then
+    log "no Ray auth token on this machine: generating ~/.ray/auth_token (ray get-auth-token --generate)"
+    "$BIN/ray" get-auth-token --generate >/dev/null 2>>"$LOGS/ray.log" || die "could not generate a Ray auth token; see $LOGS/ray.log"
+  fi
   log "starting Ray head (GCS 127.0.0.1:$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT, temp dir $RAY_TMP)"
   if ! env -u RAY_ADDRESS "${env_vars[@]}" "$BIN/ray" start --head --node-ip-address 127.0.0.1 \
       --port "$RAY_GCS_PORT" --include-dashboard true --dashboard-host 127.0.0.1 \
@@ -277,6 +295,14 @@ start_ray() {
     die "Ray head failed to start; see $LOGS/ray.log"
   fi
   ray_tree >"$PIDS/ray.pids"
+  [ -n "$(ray_token)" ] || die "Ray runs with token auth, but there is no token to call its Jobs API with: \
+${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} is missing or unreadable (set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+  # A dashboard that refuses the token never accepts it: say so instead of waiting out the timeout.
+  wait_until "Ray dashboard" "$LOGS/ray.log" "" dashboard_answers
+  local code
+  code="$(dashboard_code)"
+  case "$code" in 401 | 403) die "Ray's dashboard refuses our auth token (HTTP $code): RAY_AUTH_TOKEN or \
+RAY_AUTH_TOKEN_PATH is not the token this Ray head started with" ;; esac
   # Jobs can be submitted once the dashboard's Jobs API and the node's agent both answer.
   wait_until "Ray dashboard (Jobs API)" "$LOGS/ray.log" "" ray_ready
   ray_tree >"$PIDS/ray.pids"
@@ -286,6 +312,13 @@ start_ray() {
 ray_token() {
   if [ -n "${RAY_AUTH_TOKEN:-}" ]; then echo "$RAY_AUTH_TOKEN"; else cat "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" 2>/dev/null || true; fi
 }
+
+# The HTTP status of the Jobs API with our token (000: no answer yet).
+dashboard_code() {
+  curl -s -o /dev/null -w '%{http_code}' --max-time 5 -H "Authorization: Bearer $(ray_token)" \
+    "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/jobs/" || true
+}
+dashboard_answers() { [ "$(dashboard_code)" != 000 ]; }
 
 ray_ready() {
   local auth=(-H "Authorization: Bearer $(ray_token)")
@@ -297,7 +330,7 @@ cmd_start() {
   if healthy; then
     log "already running"
     register_deployments
-    cmd_status || true
+    cmd_status || die "the stack stopped answering while its deployments were registered; see $LOGS"
     return 0
   fi
   if [ -f "$STATE" ] || [ -d "$PIDS" ]; then
@@ -359,8 +392,8 @@ EOF
   )
   wait_until "Prefect worker" "$LOGS/prefect-worker.log" "$(pid_of prefect-worker)" worker_online
   register_deployments
+  cmd_status || die "every service answered during start, but not all of them now; see $LOGS"
   log "up; run: source $ENV_FILE"
-  cmd_status || true
 }
 
 worker_online() {
