@@ -2,17 +2,21 @@
 
 PyTorch's CPU flash-attention kernel (what SDPA runs on CPU) has a backward pass that is several
 times slower than plain matmul attention when rows are short and the dtype is bf16/fp16, the
-shape of CPU fine-tuning runs with packed rows of a few dozen to a few hundred tokens
-(`benchmarks/README.md` has the measurements: rows of 64 tokens, 8 heads of 32, bf16: 12 ms
-forward+backward per layer with SDPA, 2.6 ms with matmul attention). For long rows, fp32, GPUs
-and forward-only passes SDPA stays the better kernel, so this implementation uses matmul
-attention only for training passes on CPU in half precision with keys at most
-`SHORT_ROWS` long, and hands everything else, unchanged, to transformers' own SDPA function.
+shape of CPU fine-tuning runs with packed rows of a few dozen to a few hundred tokens. Measured
+(torch 2.13, 2 threads, bf16, forward+backward of one layer's attention, 14 rows of 64 tokens, 8
+heads of 32): 12 ms with SDPA, 2.6 ms with matmul attention; from about 512 keys on, SDPA is the
+faster one. So this implementation runs matmul attention on CPU in half precision for rows of at
+most `SHORT_ROWS` keys and hands everything else (long rows, fp32, GPUs, masks or options it
+does not reproduce exactly) unchanged to transformers' own SDPA function.
+
+The choice depends on device, dtype and shapes only, never on grad mode: a frozen reference
+model and the policy it was copied from run the same kernel, so their log-ratio starts at
+exactly 0 (DPO, KTO and PPO ratios rely on it).
 
 It is registered with transformers' attention and mask interfaces under `NAME`, so a model
 loaded with `attn_implementation=NAME` gets SDPA's masks (boolean, or None for plain causal) and
-this dispatch. The name lives in the loaded model only: `save_pretrained` does not write it, so
-saved models load anywhere without this module.
+this dispatch. The name lives in the loaded model only (transformers does not save the
+attention implementation), so saved models load anywhere without this module.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 
 NAME = "rlhf_sdpa"
 SHORT_ROWS = 256  # keys per row up to which matmul attention beats the CPU kernel (crossover ~512)
+# Attention options SDPA honours or rejects that matmul attention would silently ignore.
+_SDPA_ONLY_OPTIONS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
 
 
 def compute_dtype(query: torch.Tensor) -> torch.dtype:
@@ -30,28 +36,32 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
-def uses_matmul_attention(query: torch.Tensor, key: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and compute_dtype(query) in (torch.bfloat16, torch.float16)
-            and key.shape[-2] <= SHORT_ROWS and torch.is_grad_enabled() and query.requires_grad)
+def uses_matmul_attention(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, **kwargs) -> bool:
+    """Short rows, on CPU, in half precision, with a mask matmul attention reads exactly as SDPA does."""
+    if query.device.type != "cpu" or compute_dtype(query) not in (torch.bfloat16, torch.float16):
+        return False
+    if key.shape[-2] > SHORT_ROWS or any(kwargs.get(k) is not None for k in _SDPA_ONLY_OPTIONS):
+        return False
+    if mask is None:  # plain causal: SDPA aligns it specially when keys outnumber queries (cache prefill)
+        return query.shape[-2] == key.shape[-2]
+    return mask.dtype == torch.bool  # float masks may carry biases, not only 0 / -inf
 
 
 def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float, causal: bool = True, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
-    """Softmax attention with SDPA's mask conventions: `(B, H, Tq, D)` -> `(B, Tq, H, D)`.
+    """Softmax attention with SDPA's mask conventions: `(B, H, T, D)` -> `(B, T, H, D)`.
 
-    `mask` is boolean (True = attend), broadcastable to `(B, H, Tq, Tk)`, or None: then causal
-    attention aligned to the last key (queries at the end of their keys, as with a KV cache) when
-    `causal`, else none.
-    Key/value heads are repeated for grouped-query attention. Softmax runs in fp32.
+    `mask` is boolean (True = attend), broadcastable to `(B, H, Tq, Tk)`, or None: causal
+    attention when `causal` (queries and keys of equal length), else none. Key/value heads are
+    repeated for grouped-query attention. Softmax runs in fp32.
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    q_len, k_len = query.shape[-2], key.shape[-2]
-    if mask is None and causal and q_len > 1:
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    if mask is None and causal:
+        mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -64,11 +74,9 @@ def rlhf_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
                       **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not uses_matmul_attention(query, key) or kwargs.get("position_bias") is not None or kwargs.get("cache"):
+    if not uses_matmul_attention(query, key, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0  # an additive float mask: 0 where attended
     dtype = compute_dtype(query)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling

@@ -8,7 +8,7 @@ models whose head is stored under another name (OpenRLHF saves `value_head.*`).
 
 Attention: flash-attn 2 when asked for and installed on a GPU; otherwise PyTorch SDPA (with a
 one-line notice when flash-attn was asked for), through `rlhf_sdpa` (models/attention.py), which
-swaps in matmul attention where SDPA's CPU backward is slow: half-precision training on short rows.
+swaps in matmul attention where SDPA's CPU backward is slow: half precision on CPU, short rows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """`rlhf_sdpa`: matmul attention is SDPA's math, and the dispatch takes it only where it should."""
 
-import json
 
 import pytest
 import torch
@@ -27,15 +26,13 @@ def _packed_mask(lengths, batch=2):
 def _sdpa(q, k, v, mask, causal):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    if mask is None and causal and q.shape[-2] != k.shape[-2]:  # SDPA's is_causal aligns to the first key
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("case", ["packed", "causal", "kv_cache", "bidirectional", "gqa"])
+@pytest.mark.parametrize("case", ["packed", "causal", "bidirectional", "gqa"])
 def test_matmul_attention_matches_sdpa_in_fp32(case):
-    kwargs = {"kv_cache": {"q_len": 3}, "gqa": {"heads": 4, "kv_heads": 2}}.get(case, {})
+    kwargs = {"gqa": {"heads": 4, "kv_heads": 2}}.get(case, {})
     mask = _packed_mask([5, 4, 3]) if case == "packed" else None
     causal = case != "bidirectional"
     q, k, v = _qkv(**kwargs)
@@ -79,23 +76,36 @@ def test_bf16_training_pass_on_short_rows_takes_matmul_attention_and_matches_sdp
     assert (logits["ours"][0, 9:23] - second_alone[0]).abs().max() < 0.05
 
 
-def test_sdpa_keeps_what_it_does_well(prepared, monkeypatch):
-    """fp32, forward-only passes and rows longer than SHORT_ROWS stay on SDPA."""
-    model = load_causal_lm(prepared["base"])
-    calls = _count_matmul_attention(monkeypatch)
-    ids, pos = _packed_inputs([9, 14])
-    model(input_ids=ids, position_ids=pos, use_cache=False)
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        model(input_ids=ids, position_ids=pos, use_cache=False)
-    long_ids, long_pos = _packed_inputs([attention.SHORT_ROWS // 2 + 1] * 2)
-    assert long_ids.shape[1] > attention.SHORT_ROWS
+def test_sdpa_keeps_what_matmul_attention_would_not_reproduce_or_speed_up():
+    q, k, _ = _qkv(q_len=12, k_len=12, dtype=torch.bfloat16)
+    short_mask = _packed_mask([5, 7])
+    assert attention.uses_matmul_attention(q, k, short_mask) and attention.uses_matmul_attention(q, k, None)
+    with torch.no_grad():  # grad mode never matters: a frozen reference runs the policy's kernel
+        assert attention.uses_matmul_attention(q.detach(), k.detach(), short_mask)
+    q32, k32, _ = _qkv(dtype=torch.float32)
+    assert not attention.uses_matmul_attention(q32, k32, short_mask)  # fp32: SDPA is faster
     with torch.autocast("cpu", torch.bfloat16):
-        model(input_ids=long_ids, position_ids=long_pos, use_cache=False)
-    assert calls == []
+        assert attention.uses_matmul_attention(q32, k32, short_mask)  # autocast decides the dtype
+    assert not attention.uses_matmul_attention(q, k, torch.zeros(2, 1, 12, 12, dtype=torch.bfloat16))  # may hold biases
+    q3, k20, _ = _qkv(q_len=3, k_len=20, dtype=torch.bfloat16)
+    assert not attention.uses_matmul_attention(q3, k20, None)  # SDPA aligns its causal mask specially here
+    assert not attention.uses_matmul_attention(q, k, short_mask, softcap=30.0)
+    long_q, long_k, _ = _qkv(q_len=attention.SHORT_ROWS + 1, k_len=attention.SHORT_ROWS + 1, batch=1,
+                             dtype=torch.bfloat16)
+    assert not attention.uses_matmul_attention(long_q, long_k, None)
 
 
-def test_saved_models_do_not_name_our_attention(prepared, tmp_path):
+def test_a_frozen_copy_gives_a_log_ratio_of_exactly_zero(prepared):
+    """Policy (grad) and reference (no grad) of the same weights run the same kernel: DPO, KTO and
+    PPO start from log-ratios of exactly 0."""
+    from rlhf_core.data.batching import pack_batch
+    from rlhf_core.models.forward import sequence_logprobs
+
     model = load_causal_lm(prepared["base"])
-    model.save_pretrained(tmp_path)
-    assert attention.NAME not in (tmp_path / "config.json").read_text()
-    assert "attn_implementation" not in json.loads((tmp_path / "config.json").read_text())
+    seqs = [list(range(3, 3 + n)) for n in (9, 14, 7)]
+    batch = pack_batch(seqs, [[1] * len(s) for s in seqs])
+    with torch.autocast("cpu", torch.bfloat16):
+        policy = sequence_logprobs(model, batch)
+        with torch.no_grad():
+            reference = sequence_logprobs(model, batch)
+    assert policy.requires_grad and torch.equal(policy.detach(), reference)
