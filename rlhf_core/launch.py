@@ -70,8 +70,10 @@ def run_stage(cfg: TrainConfig) -> dict:
     started = ensure_ray()
     group = None
     try:
+        # The checked data goes to the object store once; the driver keeps only the reference.
+        shared, data = ray.put(data), None
         group = WorkerGroup(cfg.world_size, use_gpu=torch.cuda.is_available())
-        return group.run_stage(cfg.model_dump(mode="json"), data)
+        return group.run_stage(cfg.model_dump(mode="json"), shared)
     except ray.exceptions.RayTaskError as e:
         raise StageFailed(e.cause if getattr(e, "cause", None) is not None else e) from None
     finally:

@@ -69,12 +69,12 @@ def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], row_capacity:
     `row_capacity=None` puts everything in one row `(1, sum(len))` (best with flash-attn's
     variable-length kernels). With a capacity (e.g. max_len), sequences are placed first-fit
     into rows of at most that many tokens: SDPA/eager attention builds a dense mask per row, so
-    short rows keep its cost linear in the batch instead of quadratic. The row width is the one
-    at most `row_capacity` that needs the fewest slots (`row_width`). Leftover row ends are
+    short rows keep its cost linear in the batch instead of quadratic. The row width, at most
+    `row_capacity`, is picked per batch to waste few slots (`row_width`). Leftover row ends are
     padding with their own restarted positions, `seq_ids` -1 and no loss.
     """
     lengths = [len(s) for s in seqs]
-    rows = first_fit_rows(lengths, row_width(lengths, row_capacity) if row_capacity else None)
+    rows = first_fit_rows(lengths, None if row_capacity is None else row_width(lengths, row_capacity))
     width = max(sum(lengths[i] for i in members) for members in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -113,12 +113,14 @@ WIDTH_CANDIDATES = 16
 
 
 def row_width(lengths: list[int], capacity: int) -> int:
-    """The row width, from the longest sample up to `capacity`, whose first-fit packing has the
-    fewest slots (rows x width, padding included); the narrower on ties (cheaper attention).
+    """Of up to WIDTH_CANDIDATES row widths spread from the longest sample to `capacity`, the one
+    whose first-fit packing has the fewest slots (rows x width, padding included); the narrower
+    on ties (cheaper attention). Not always the best width (that would take every width and an
+    exact bin packing), but close: 3-4% padding on the sort task's batches.
 
     Rows of exactly `capacity` leave the last row mostly empty: 800 tokens of 16-35-token
     samples fill 14 rows of 64 (896 slots), but 11 rows of 74 would not fit while 13 rows of 62
-    (806) might. Up to WIDTH_CANDIDATES widths are tried, spread evenly over the range.
+    (806) might.
     """
     longest = max(lengths)
     if longest >= capacity:

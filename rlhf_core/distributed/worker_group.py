@@ -54,12 +54,12 @@ class WorkerGroup:
             for i in range(world_size)
         ]
 
-    def run_stage(self, config: dict, data=None) -> dict | None:
-        """Run the stage on every rank. `data`: the driver's checked StageData, put in the object
-        store once and read by every rank, instead of every rank tokenizing the datasets again."""
+    def run_stage(self, config: dict, data: ray.ObjectRef | None = None) -> dict | None:
+        """Run the stage on every rank. `data`: an object-store reference to the driver's checked
+        StageData, which every rank reads instead of tokenizing the datasets again (None: each
+        rank loads them itself)."""
         addr, port = ray.get(self.workers[0].address.remote())
-        shared = ray.put(data) if data is not None else None
-        results = ray.get([w.run_stage.remote(config, addr, port, shared) for w in self.workers])
+        results = ray.get([w.run_stage.remote(config, addr, port, data) for w in self.workers])
         return results[0]
 
     def shutdown(self) -> None:
