@@ -22,11 +22,15 @@ def s3_endpoint():
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
                       AWS_DEFAULT_REGION="us-east-1")
     deadline = time.time() + 30
-    while time.time() < deadline:
+    while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             break
         except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"the moto S3 server did not listen on 127.0.0.1:{port} within 30 s "
+                            f"(exit code {proc.poll()}); is moto[server] installed?")
             time.sleep(0.2)
     import boto3
 

@@ -183,28 +183,44 @@ def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
     assert len(failed) == 1, "configuration errors are not retried"
 
 
-def _kill_first_running_job(stop: threading.Event, killed: list) -> None:
+def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list, errors: list) -> None:
+    """SIGKILL the driver of the flow's SFT job once it logs a step, on the cluster the flow
+    started (its Jobs API address arrives in `addresses`). Errors end the watch and are kept."""
     from ray.job_submission import JobSubmissionClient
 
-    while not stop.is_set():
-        try:
-            client = JobSubmissionClient("http://127.0.0.1:8265")
-            for job in client.list_jobs():
-                logs = client.get_job_logs(job.submission_id) if job.status.value == "RUNNING" else ""
-                if "rlhf-sft" in (job.submission_id or "") and "[step" in logs and job.driver_info:
-                    os.kill(int(job.driver_info.pid), signal.SIGKILL)
-                    killed.append(job.submission_id)
-                    return
-        except Exception:  # noqa: BLE001 - the cluster is still starting
-            pass
-        time.sleep(0.5)
+    try:
+        while not stop.is_set():
+            if addresses:
+                client = JobSubmissionClient(addresses[0])
+                for job in client.list_jobs():  # also lists drivers without a submission id (ray.init)
+                    if not (job.submission_id or "").startswith("rlhf-sft") or job.status.value != "RUNNING":
+                        continue
+                    if "[step" in client.get_job_logs(job.submission_id) and job.driver_info:
+                        os.kill(int(job.driver_info.pid), signal.SIGKILL)
+                        killed.append(job.submission_id)
+                        return
+            time.sleep(0.5)
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        errors.append(repr(e))
 
 
-def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run):
+def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run, monkeypatch):
+    import contextlib
+
+    import flows.pipeline
     from flows.pipeline import rlhf
 
-    stop, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, killed), daemon=True)
+    stop, addresses, killed, errors = threading.Event(), [], [], []
+    real_cluster = flows.pipeline.ray_cluster
+
+    @contextlib.contextmanager
+    def recorded_cluster():
+        with real_cluster() as address:
+            addresses.append(address)
+            yield address
+
+    monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors), daemon=True)
     watcher.start()
     try:
         result = rlhf(**params(settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 1,
@@ -212,7 +228,7 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
                                sft={"max_steps": 300, "max_epochs": 40, "eval_steps": 25}))
     finally:
         stop.set()
-    assert killed, "the watcher never saw the SFT job running"
+    assert not errors and killed, f"the watcher never saw the SFT job running: {errors}"
     assert not result["stages"]["sft"]["cached"]
     c = mlflow_client()
     runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
