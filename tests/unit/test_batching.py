@@ -70,7 +70,7 @@ def test_batch_plan_partitions_each_global_batch_across_ranks():
 
 
 def test_packed_rows_take_the_width_that_wastes_least():
-    from rlhf_core.data.batching import first_fit_rows, row_width
+    from rlhf_core.data.batching import first_fit_rows, least_padded_rows
 
     def slots(lengths, width):
         rows = first_fit_rows(lengths, width)
@@ -80,8 +80,9 @@ def test_packed_rows_take_the_width_that_wastes_least():
     fixed, chosen = [], []
     for _ in range(50):
         lengths = torch.randint(16, 36, (32,), generator=g).tolist()
-        width = row_width(lengths, 64)
-        assert max(lengths) <= width <= 64
+        rows = least_padded_rows(lengths, 64)
+        width = max(sum(lengths[i] for i in members) for members in rows)
+        assert max(lengths) <= width <= 64 and sorted(i for r in rows for i in r) == list(range(32))
         batch = pack_batch([[5] * n for n in lengths], [[1] * n for n in lengths], row_capacity=64)
         assert batch.input_ids.numel() == slots(lengths, width) <= slots(lengths, 64)
         assert int((batch.seq_ids >= 0).sum()) == sum(lengths)
@@ -89,4 +90,4 @@ def test_packed_rows_take_the_width_that_wastes_least():
         chosen.append(batch.input_ids.numel() / sum(lengths))
     # Rows of exactly 64 waste ~10% on these lengths (the last row runs mostly empty); the chosen width ~4%.
     assert sum(fixed) / 50 > 1.08 and sum(chosen) / 50 < 1.05
-    assert row_width([70, 3], 64) == 64  # a sample longer than the rows: the caller's max_len check fails it
+    assert least_padded_rows([70, 3], 64) == [[0], [1]]  # a sample longer than the rows: max_len checks fail it
