@@ -222,7 +222,9 @@ def _train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfi
     filled = with_updates(cfg, **updates)
     filled.check_complete()
     datasets = ",".join(d for d in (filled.data.dataset, filled.data.eval_dataset) if d)
-    return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(filled),
+    # The key holds the precision the ranks will train in, never `auto`; the job gets the config as asked.
+    hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
+    return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
                     yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external)
 
 

@@ -1,4 +1,4 @@
-"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto`, `eval`, `pairs`, `pipeline run`, `lineage`.
+"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto`, `eval`, `pairs`, `pipeline run`, `lineage`, `hardware`.
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
@@ -17,6 +17,7 @@ from rlhf_core.config import STAGE_CONFIGS, ConfigError, add_config_flags, build
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+HARDWARE_PREFIX = "rlhf-hardware: "  # the line `rlhf hardware` prints (read back by the flow)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
         from flows.cli import add_arguments
 
         add_arguments(sub.add_parser("pipeline", help="Run the whole lifecycle as the Prefect flow `rlhf`"))
+
+    sub.add_parser("hardware", help="What a stage's ranks would train on here (device, native bf16, what each "
+                   "--param_dtype resolves to), probed on the Ray cluster; one JSON line")
 
     lineage = sub.add_parser("lineage", help="Where did this model come from: stages, data and configs back to the "
                              "base model")
@@ -105,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             except NoPairsError as e:
                 return _fail(str(e), EXIT_USAGE)
             print(json.dumps(manifest, indent=2, sort_keys=True))
+            return 0
+        if args.command == "hardware":
+            from rlhf_core.launch import prepare_environment, probe_hardware
+
+            prepare_environment()
+            print(HARDWARE_PREFIX + json.dumps(probe_hardware(), sort_keys=True), flush=True)
             return 0
         if args.command == "lineage":
             from rlhf_core.lineage import LineageError, build, lineage_json, render

@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlhf_core.precision import Precision
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -82,7 +84,9 @@ class TrainConfig(StrictModel):
     # Engine and parallelism.
     zero_stage: int = Field(2, ge=0, le=3)
     adam_offload: bool = False
-    bf16: bool = False
+    param_dtype: Precision = Field(Precision.AUTO, description="Training precision: auto (bf16 where the device "
+                                   "computes it natively, else fp32), bf16, fp16 (GPU) or fp32")
+    bf16: bool = Field(False, description="Older spelling of --param_dtype bf16")
     gradient_checkpointing: bool = False
     flash_attn: bool = False
     num_nodes: int = Field(1, ge=1)
@@ -123,6 +127,11 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
+        if self.bf16:  # the older spelling folds into param_dtype, which alone says what was asked for
+            if self.param_dtype not in (Precision.AUTO, Precision.BF16):
+                raise ValueError(f"--bf16 contradicts --param_dtype {self.param_dtype.value}: give one of them")
+            object.__setattr__(self, "param_dtype", Precision.BF16)
+            object.__setattr__(self, "bf16", False)
         per_step = self.micro_train_batch_size * self.world_size
         if self.train_batch_size % per_step:
             raise ValueError(
@@ -264,7 +273,11 @@ def _add_field_flags(parser, model_cls: type[BaseModel], skip: set[str]) -> None
             kwargs.update(type=ann)
         else:
             continue
-        parser.add_argument(f"--{name}", **kwargs)
+        parser.add_argument(f"--{name}", *FLAG_ALIASES.get(name, ()), dest=name, **kwargs)
+
+
+# Other spellings of a field's flag (OpenRLHF's newer dotted names).
+FLAG_ALIASES = {"param_dtype": ("--ds.param_dtype",)}
 
 
 def add_config_flags(parser, config_cls: type[TrainConfig]) -> None:
@@ -293,6 +306,8 @@ def _format_validation_error(err, source: str) -> str:
             lines.append(f"  {name}: unknown field")
         elif e["type"] == "missing":
             lines.append(f"  {name}: required")
+        elif not loc:  # a check across fields: its message names them; the input is the whole config
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {name}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

@@ -82,3 +82,23 @@ def run_stage(cfg: TrainConfig) -> dict:
         if started:
             ray.shutdown()
         sys.stderr.flush()
+
+
+def probe_hardware() -> dict:
+    """What the ranks of a stage would train on, probed on the cluster (not on this driver): a GPU
+    worker when the cluster has GPUs, else a CPU worker. Returns the device, whether bf16 is
+    native, and what each `--param_dtype` resolves to there (`rlhf hardware` prints it)."""
+    import ray
+
+    from rlhf_core.precision import Precision, resolve, this_hardware
+
+    started = ensure_ray()
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        hw = ray.get(ray.remote(num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1)(this_hardware).remote(),
+                     timeout=300)
+    finally:
+        if started:
+            ray.shutdown()
+    return {"device": hw.device_type, "name": hw.name, "native_bf16": hw.native_bf16,
+            "precision": {p.value: resolve(p, hw)[0].value for p in Precision}}

@@ -43,15 +43,22 @@ def params_hash(params, exclude: frozenset[str] = frozenset(), **extra) -> str:
     return values_hash({"params": params.model_dump(mode="json", exclude=set(exclude)), "extra": extra})
 
 
-def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None) -> dict:
-    """The `stage.json` of a stage run from `cfg` (secrets redacted); callers add `output_uri`."""
+def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None,
+                   precision: str | None = None) -> dict:
+    """The `stage.json` of a stage run from `cfg` (secrets redacted); callers add `output_uri`.
+
+    `precision`: what a trainer actually trained in (`param_dtype` resolved on its hardware); it
+    replaces `auto` in the config hash, so outputs of different precisions never share a hash.
+    """
     import time
 
     from rlhf_core.tracking import redact
 
+    hashed = cfg if precision is None else cfg.model_copy(update={"param_dtype": type(cfg.param_dtype)(precision)})
     return {
         "stage": cfg.stage,
-        "config_hash": config_hash(cfg),
+        "config_hash": config_hash(hashed),
+        **({"precision": precision} if precision is not None else {}),
         "config": redact(cfg.model_dump(mode="json")),
         "inputs": inputs,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},

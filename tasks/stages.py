@@ -40,9 +40,21 @@ class PipelineContext:
     ray_address: str
     force: list[str] = field(default_factory=list)
     rollout_gpus: float = 0
+    hardware: dict | None = None  # `rlhf hardware` on the cluster, asked for once (see `precision`)
 
     def output(self, name: str) -> str:
         return f"{self.run_root.rstrip('/')}/{name}"
+
+    def precision(self, requested: str) -> str:
+        """What `param_dtype` `requested` resolves to on the cluster's ranks (fp32 is fp32 everywhere)."""
+        requested = getattr(requested, "value", requested)
+        if requested == "fp32":
+            return requested
+        if self.hardware is None:
+            from tasks.hardware import probe_cluster
+
+            self.hardware = probe_cluster(self.ray_address, get_run_logger().info)
+        return self.hardware["precision"][requested]
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 Each rank is one process (a Ray actor, or the current process for a single local rank) that
 has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before
-`deepspeed.init_distributed`. On CPU, bf16 means autocast around the forward pass with fp32
-master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU it is DeepSpeed's own bf16.
+`deepspeed.init_distributed`. The precision (`precision_of`: `--param_dtype` resolved on this
+rank's hardware, see rlhf_core/precision.py) means, on CPU, bf16 autocast around the forward pass
+with fp32 master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU, DeepSpeed's own
+bf16 or fp16 (with its dynamic loss scaling).
 
 The LR schedule is ALGORITHMS.md's: linear warmup, then cosine down to `min_lr_ratio` x LR.
 """
@@ -16,6 +18,8 @@ import os
 import socket
 
 import torch
+
+from rlhf_core.precision import Precision, resolve_here
 
 
 def device() -> torch.device:
@@ -69,8 +73,15 @@ def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu
     return stage
 
 
+def precision_of(cfg) -> Precision:
+    """The precision this rank trains `cfg` in: its `param_dtype` resolved on this device."""
+    return resolve_here(Precision(cfg.param_dtype).value)
+
+
 def deepspeed_config(cfg, train: bool = True) -> dict:
-    stage = effective_zero_stage(cfg.zero_stage, cfg.world_size, cfg.adam_offload, torch.cuda.is_available())
+    precision = precision_of(cfg)
+    on_gpu = torch.cuda.is_available()
+    stage = effective_zero_stage(cfg.zero_stage, cfg.world_size, cfg.adam_offload, on_gpu)
     zero: dict = {"stage": stage if train else (3 if stage == 3 else 0)}
     if train and cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -82,7 +93,8 @@ def deepspeed_config(cfg, train: bool = True) -> dict:
         "train_batch_size": cfg.train_batch_size,
         "gradient_clipping": cfg.max_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(cfg.bf16 and torch.cuda.is_available())},
+        "bf16": {"enabled": on_gpu and precision == Precision.BF16},
+        "fp16": {"enabled": on_gpu and precision == Precision.FP16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -130,10 +142,11 @@ def initialize_frozen(model, cfg):
     return engine
 
 
-def autocast(enabled: bool):
-    """bf16 autocast on CPU (where DeepSpeed's bf16 mode does not apply); no-op otherwise."""
-    if enabled and not torch.cuda.is_available():
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+def autocast(precision: Precision):
+    """Half-precision autocast on CPU (where DeepSpeed's half-precision modes do not apply); no-op
+    otherwise. CPU fp16 only comes here when forced (RLHF_ALLOW_EMULATED_HALF): no loss scaling."""
+    if precision.is_half and not torch.cuda.is_available():
+        return torch.autocast("cpu", dtype=torch.bfloat16 if precision == Precision.BF16 else torch.float16)
     return contextlib.nullcontext()
 
 

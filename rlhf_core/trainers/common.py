@@ -18,7 +18,7 @@ import torch
 
 from rlhf_core import storage
 from rlhf_core.config import TrainConfig, state_dir
-from rlhf_core.distributed.engine import device, init_distributed
+from rlhf_core.distributed.engine import device, init_distributed, precision_of
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
 from rlhf_core.tracking import Tracker
 from rlhf_core.version import code_version, stage_manifest
@@ -70,9 +70,11 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     if world != cfg.world_size:
         raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (num_nodes x num_gpus_per_node)")
     seed_everything(cfg.seed + rank)
+    precision = precision_of(cfg).value  # the one actually used, next to the param_dtype asked for
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
-                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
-    tracker.log_params(cfg.model_dump(mode="json"))
+                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(),
+                                                      "rlhf.precision": precision})
+    tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
     tracker.log_datasets(data.train_sources, "training")
     tracker.log_datasets(data.eval_sources, "evaluation")
     return StageContext(cfg, rank, world, device(), tracker)
@@ -137,7 +139,7 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
             setattr(model.config, key, value)
         model.config.use_cache = True
         cfg = ctx.cfg
-        manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id)
+        manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id, precision=precision_of(cfg).value)
         local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
         if local_parent is not None:
             local_parent.mkdir(parents=True, exist_ok=True)

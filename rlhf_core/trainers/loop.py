@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rlhf_core.data.batching import BatchPlan
-from rlhf_core.distributed.engine import all_reduce_sum, autocast
+from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class TrainLoop:
         tokens = 0
         self.engine.train()
         for examples in micro:
-            with autocast(self.cfg.bf16):
+            with autocast(precision_of(self.cfg)):
                 loss_sum, stats, n_tok = self.recipe.micro_step(self.engine, examples)
             self.engine.backward(loss_sum * scale.to(loss_sum.device))
             self.engine.step()
@@ -123,7 +123,7 @@ class TrainLoop:
         self.engine.eval()
         for i in range(0, len(mine), self.cfg.micro_train_batch_size):
             examples = mine[i : i + self.cfg.micro_train_batch_size]
-            with autocast(self.cfg.bf16):
+            with autocast(precision_of(self.cfg)):
                 _, stats, _ = self.recipe.micro_step(self.engine, examples)
             for k, v in stats.items():
                 sums[k] = sums[k] + v.detach().float().cpu()

@@ -13,7 +13,7 @@ import torch
 
 from rlhf_core.config import RMConfig
 from rlhf_core.data.examples import load_pairs
-from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize
+from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize, precision_of
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
@@ -83,7 +83,7 @@ class RewardModelRecipe:
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(mine), micro):
             chunk = mine[i : i + micro]
-            with autocast(self.cfg.bf16):
+            with autocast(precision_of(self.cfg)):
                 r = self.scores(self.engine, [e.chosen for e in chunk] + [e.rejected for e in chunk]).double().cpu()
             total += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
         s, s2, n = all_reduce_sum(total).tolist()

@@ -193,10 +193,42 @@ def perturbed(model, name: str):
     raise AssertionError(f"no other valid value found for {type(model).__name__}.{name}")
 
 
-def flow_ctx(tmp_path):
+def hardware(native_bf16: bool) -> dict:
+    """What `rlhf hardware` answers on a CPU cluster with or without native bf16."""
+    from rlhf_core.precision import Hardware, Precision, resolve
+
+    hw = Hardware("cpu", native_bf16)
+    return {"device": "cpu", "native_bf16": native_bf16, "precision": {p.value: resolve(p, hw)[0].value for p in Precision}}
+
+
+def flow_ctx(tmp_path, native_bf16: bool = False):
     from tasks.stages import PipelineContext
 
-    return PipelineContext("exp", "parent-run", "flow-run", str(tmp_path / "run"), "http://ray")
+    return PipelineContext("exp", "parent-run", "flow-run", str(tmp_path / "run"), "http://ray",
+                           hardware=hardware(native_bf16))
+
+
+def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
+    from flows.params import PipelineDPOConfig, PipelineSettings, PipelineSFTConfig
+    from flows.pipeline import _train_job
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+
+    def key(cfg, native_bf16):
+        return _train_job(flow_ctx(tmp_path, native_bf16), PipelineSettings(), cfg, upstream.__getitem__).config_hash
+
+    for cfg in (PipelineSFTConfig(), PipelineDPOConfig()):
+        assert cfg.param_dtype.value == "auto"
+        assert key(cfg, True) != key(cfg, False)  # bf16 on one cluster, fp32 on the other
+        fp32 = type(cfg).model_validate({**cfg.model_dump(), "param_dtype": "fp32"})
+        assert key(fp32, True) == key(fp32, False) == key(cfg, False)  # what runs is what counts
+        bf16 = type(cfg).model_validate({**cfg.model_dump(), "bf16": True})
+        assert key(bf16, True) == key(cfg, True) and key(bf16, False) == key(cfg, False)  # a request it falls back from
+
+    ctx = flow_ctx(tmp_path)
+    ctx.hardware = None  # fp32 is fp32 on every device: no need to ask the cluster
+    _train_job(ctx, PipelineSettings(), PipelineSFTConfig(param_dtype="fp32"), upstream.__getitem__)
+    assert ctx.hardware is None
 
 
 def outcome(name: str, tmp_path, metrics=None):
