@@ -56,6 +56,14 @@ def ensure_ray() -> bool:
     return True
 
 
+def trains_in_process(cfg: TrainConfig) -> bool:
+    """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank, as
+    a single `deepspeed` process would be, instead of a local Ray started for one actor (about
+    10 s of a short run on 2 cores). Several ranks, and every stage a pipeline submits as a Ray
+    job (Ray sets `RAY_ADDRESS` there), run as a worker group."""
+    return cfg.world_size == 1 and not os.environ.get("RAY_ADDRESS")
+
+
 def run_stage(cfg: TrainConfig) -> dict:
     """Train one stage on `cfg.world_size` ranks and return its manifest (from rank 0)."""
     import ray
@@ -67,6 +75,13 @@ def run_stage(cfg: TrainConfig) -> dict:
     cfg.check_complete()
     prepare_environment()
     data = check_data(cfg)
+    if trains_in_process(cfg):
+        from rlhf_core.trainers import run_recipe
+
+        try:
+            return run_recipe(cfg, data)
+        except Exception as e:
+            raise StageFailed(e) from e
     started = ensure_ray()
     group = None
     try:

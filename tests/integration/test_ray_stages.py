@@ -22,7 +22,7 @@ def sft_config(prepared, out, **overrides):
     values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(out),
               "apply_chat_template": True, "max_len": 48, "train_batch_size": 32, "micro_train_batch_size": 8,
               "learning_rate": 1e-3, "lr_warmup_ratio": 0.0, "zero_stage": 2, "max_steps": 3, "seed": 5,
-              "max_eval_samples": 32, **overrides}
+              "max_eval_samples": 32, "param_dtype": "fp32", **overrides}  # exact comparisons: fp32
     return build_config(SFTConfig, None, values)
 
 
@@ -76,7 +76,8 @@ def test_killed_cli_run_resumes_to_the_same_weights(prepared, tmp_path):
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
     common = ["--pretrain", prepared["base"], "--dataset", f"json@{prepared['sft']}", "--apply_chat_template",
               "--max_len", "48", "--train_batch_size", "32", "--micro_train_batch_size", "16", "--learning_rate",
-              "1e-3", "--max_steps", "30", "--seed", "3", "--use_mlflow", "false", "--max_eval_samples", "16"]
+              "1e-3", "--max_steps", "30", "--seed", "3", "--use_mlflow", "false", "--max_eval_samples", "16",
+              "--param_dtype", "fp32"]
     full = subprocess.run(_cli([*common, "--save_path", str(tmp_path / "full")]), env=env, capture_output=True,
                           text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]

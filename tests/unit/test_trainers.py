@@ -233,3 +233,20 @@ def test_resume_after_crash_matches_uninterrupted_run(prepared, tmp_path, monkey
                     **common)
     wf, wr = _weights(full["output_uri"]), _weights(resumed["output_uri"])
     assert max((wf[k] - wr[k]).abs().max().item() for k in wf) < 1e-6
+
+
+def test_one_local_rank_trains_in_the_cli_process_without_ray(prepared, tmp_path, monkeypatch):
+    """`rlhf train` with one rank and no cluster trains where it runs: no local Ray for one actor."""
+    from rlhf_core import launch
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launch, "ensure_ray", lambda: pytest.fail("a one-rank local stage started Ray"))
+    values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(tmp_path / "sft"),
+              "apply_chat_template": True, "max_len": 48, "train_batch_size": 32, "micro_train_batch_size": 32,
+              "max_steps": 2, "use_mlflow": False, "param_dtype": "fp32"}
+    manifest = launch.run_stage(build_config(STAGE_CONFIGS["sft"], None, values))
+    assert manifest["metrics"]["train/steps"] == 2 and (tmp_path / "sft" / "stage.json").exists()
+    assert not launch.trains_in_process(build_config(STAGE_CONFIGS["sft"], None, {**values, "num_gpus_per_node": 2,
+                                                                           "micro_train_batch_size": 16}))
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # inside a Ray job (every pipeline stage): a worker group
+    assert not launch.trains_in_process(build_config(STAGE_CONFIGS["sft"], None, values))
