@@ -24,16 +24,22 @@ import torch
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (rows, T)
-    attention_mask: torch.Tensor | None  # (rows, T) for padded; None for packed
+    # (rows, T) for padded; None for packed; (rows, 1, T, T) bool (True = attend) for shared-prefix pairs
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # (rows, T)
     loss_mask: torch.Tensor  # (rows, T) float, 1 on tokens that carry loss
     seq_ids: torch.Tensor  # (rows, T) long, sample index or -1 for padding
     num_samples: int
+    # (k, 3) long [row, position, predicting position]: tokens whose logits come from an earlier
+    # position than the previous one (a rejected response after its shared prompt); None: none.
+    predecessors: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
-        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-        return Batch(move(self.input_ids), None if self.attention_mask is None else move(self.attention_mask),
-                     move(self.position_ids), move(self.loss_mask), move(self.seq_ids), self.num_samples)
+        def move(t):
+            return t if t is None or device is None else t.to(device)
+
+        return Batch(move(self.input_ids), move(self.attention_mask), move(self.position_ids), move(self.loss_mask),
+                     move(self.seq_ids), self.num_samples, move(self.predecessors))
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -134,6 +140,66 @@ def least_padded_rows(lengths: list[int], capacity: int) -> list[list[int]]:
         if best is None or cost < best[0]:
             best = (cost, rows)
     return best[1]
+
+
+def shared_prefix_len(a: list[int], b: list[int], mask_a: list[int], mask_b: list[int]) -> int:
+    """Length of the common start of two sequences that carries no loss in either (their prompt)."""
+    n = 0
+    for x, y, ma, mb in zip(a, b, mask_a, mask_b, strict=False):
+        if x != y or ma or mb:
+            break
+        n += 1
+    return n
+
+
+def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], chosen_masks: list[list[int]],
+               rejected_masks: list[list[int]], row_capacity: int, pad_id: int = 0) -> Batch:
+    """Chosen and rejected sequences packed with their shared prompt computed once.
+
+    Each pair becomes one segment `[prompt | chosen response | rejected response]`: the rejected
+    tokens attend to the prompt and to themselves, never to the chosen ones, and their positions
+    continue from the prompt's, so under causal attention every token sees exactly what it sees
+    in its own sequence and all log-probs and last-token scores are those of the two sequences
+    packed apart. The prompt's forward and backward run once instead of twice (a quarter of a
+    pair's tokens when prompt and responses are as long). Samples are numbered as in
+    `pack_batch(chosen + rejected)`: chosen i is sample i, rejected i is sample n + i (prompt
+    tokens belong to the chosen sample; they carry no loss). Segments are placed first-fit in
+    rows of up to `row_capacity` tokens; padding attends only to itself.
+    """
+    n = len(chosen)
+    shared = [shared_prefix_len(c, r, cm, rm) for c, r, cm, rm in zip(chosen, rejected, chosen_masks, rejected_masks,
+                                                                      strict=True)]
+    lengths = [len(chosen[i]) + len(rejected[i]) - shared[i] for i in range(n)]
+    rows = least_padded_rows(lengths, row_capacity)
+    width = max(sum(lengths[i] for i in members) for members in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    loss = torch.zeros((len(rows), width), dtype=torch.float32)
+    seq_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    allowed = torch.zeros((len(rows), width, width), dtype=torch.bool)
+    predecessors = []
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            s, c, j = shared[i], len(chosen[i]), at + len(chosen[i])  # j: where the rejected response starts
+            m = len(rejected[i]) - s
+            input_ids[r, at:j] = torch.tensor(chosen[i])
+            input_ids[r, j : j + m] = torch.tensor(rejected[i][s:])
+            position_ids[r, at:j] = torch.arange(c)
+            position_ids[r, j : j + m] = torch.arange(s, s + m)
+            loss[r, at:j] = torch.tensor(chosen_masks[i], dtype=torch.float32)
+            loss[r, j : j + m] = torch.tensor(rejected_masks[i][s:], dtype=torch.float32)
+            seq_ids[r, at:j], seq_ids[r, j : j + m] = i, n + i
+            allowed[r, at:j, at:j] = torch.ones(c, c, dtype=torch.bool).tril()
+            allowed[r, j : j + m, at : at + s] = True
+            allowed[r, j : j + m, j : j + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            if s and m:
+                predecessors.append((r, j, at + s - 1))
+            at = j + m
+        position_ids[r, at:] = torch.arange(width - at)
+        allowed[r, torch.arange(at, width), torch.arange(at, width)] = True
+    jumps = torch.tensor(predecessors, dtype=torch.long).reshape(-1, 3)
+    return Batch(input_ids, allowed.unsqueeze(1), position_ids, loss, seq_ids, 2 * n, jumps)
 
 
 def make_batch(seqs, loss_masks, pad_id: int, packing: bool, row_capacity: int | None = None) -> Batch:

@@ -16,11 +16,19 @@ from rlhf_core.models.loading import backbone
 
 
 def token_logprobs(model, batch: Batch) -> torch.Tensor:
-    """Log-prob of each input token under `model`: `(rows, T)`, float32."""
+    """Log-prob of each input token under `model`: `(rows, T)`, float32.
+
+    A token is predicted by the position before it, except where `batch.predecessors` names
+    another (the first token of a rejected response after its shared prompt, see `pack_pairs`).
+    """
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, use_cache=False)
-    logprobs = gather_token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])
-    return F.pad(logprobs, (1, 0))
+    logprobs = F.pad(gather_token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:]), (1, 0))
+    if batch.predecessors is not None and len(batch.predecessors):
+        rows, cols, preds = batch.predecessors.unbind(-1)
+        jumped = gather_token_logprobs(out.logits[rows, preds].unsqueeze(0), batch.input_ids[rows, cols].unsqueeze(0))
+        logprobs = logprobs.index_put((rows, cols), jumped.squeeze(0))
+    return logprobs
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -126,6 +126,28 @@ def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     return build
 
 
+def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
+    """`(chosen, rejected) -> Batch` of 2n samples (chosen i is sample i, rejected i is n + i).
+
+    Packed with dense masks (SDPA/eager), each pair's shared prompt is computed once
+    (`pack_pairs`, in rows of up to two max_len); padded, or packed into one flash-attn row,
+    whose masks cannot express a shared prompt, it is `batch_builder` on chosen + rejected.
+    """
+    from rlhf_core.data.batching import pack_pairs
+    from rlhf_core.models.loading import attention_implementation
+
+    plain = batch_builder(cfg, tokenizer, device)
+    if not cfg.data.packing_samples or attention_implementation(cfg.flash_attn) == "flash_attention_2":
+        return lambda chosen, rejected: plain(list(chosen) + list(rejected))
+
+    def build(chosen, rejected):
+        return pack_pairs([s.input_ids for s in chosen], [s.input_ids for s in rejected],
+                          [s.loss_mask for s in chosen], [s.loss_mask for s in rejected], 2 * cfg.data.max_len,
+                          tokenizer.pad_token_id).to(device)
+
+    return build
+
+
 def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict,
                config_updates: dict | None = None) -> dict | None:
     """Write the stage output (HF model + tokenizer + stage.json) from rank 0; returns the manifest.

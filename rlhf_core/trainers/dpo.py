@@ -18,9 +18,9 @@ from rlhf_core.models.forward import per_sample_sum, token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     StageData,
-    batch_builder,
     load_stage_data,
     local_model_path,
+    pair_batch_builder,
     prepare_trainable,
     run_training,
     save_stage,
@@ -42,7 +42,7 @@ class DPORecipe:
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
-        self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
+        self.to_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.data.train)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
 
@@ -52,7 +52,7 @@ class DPORecipe:
     def micro_step(self, model, examples):
         n = len(examples)
         seqs = [e.chosen for e in examples] + [e.rejected for e in examples]
-        batch = self.to_batch(seqs)
+        batch = self.to_batch(seqs[:n], seqs[n:])
         token_lp = token_logprobs(model, batch)
         logps = per_sample_sum(token_lp, batch)
         with torch.no_grad():
@@ -67,7 +67,7 @@ class DPORecipe:
                  "reward_margin": (chosen_r - rejected_r).sum(), "chosen_reward": chosen_r.sum(),
                  "rejected_reward": rejected_r.sum(), "logp_accuracy": (logp_margin > 0).float().sum(),
                  "logp_margin": logp_margin.sum()}
-        return losses.sum(), stats, int((batch.seq_ids >= 0).sum())
+        return losses.sum(), stats, sum(len(s.input_ids) for s in seqs)  # data tokens: a shared prompt counts twice
 
     def train(self) -> dict:
         self.metrics = run_training(self)

@@ -22,6 +22,7 @@ from rlhf_core.trainers.common import (
     batch_builder,
     load_stage_data,
     local_model_path,
+    pair_batch_builder,
     prepare_trainable,
     run_training,
     save_stage,
@@ -50,6 +51,7 @@ class RewardModelRecipe:
                   file=sys.stderr, flush=True)
         model = prepare_trainable(model, cfg, is_reward_model=True)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
+        self.to_pair_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))
 
     def scores(self, model, sequences) -> torch.Tensor:
@@ -60,7 +62,7 @@ class RewardModelRecipe:
 
     def micro_step(self, model, examples):
         n = len(examples)
-        rewards = self.scores(model, [e.chosen for e in examples] + [e.rejected for e in examples])
+        rewards = reward_scores(model, self.to_pair_batch([e.chosen for e in examples], [e.rejected for e in examples]))
         chosen, rejected = rewards[:n], rewards[n:]
         margin = torch.tensor([e.margin for e in examples], device=rewards.device) if self.cfg.data.margin_key else None
         losses = pairwise_reward_loss(chosen, rejected, self.cfg.loss.value, margin)

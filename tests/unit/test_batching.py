@@ -1,6 +1,6 @@
 import torch
 
-from rlhf_core.data.batching import BatchPlan, pack_batch, pad_batch
+from rlhf_core.data.batching import BatchPlan, pack_batch, pack_pairs, pad_batch, shared_prefix_len
 from rlhf_core.losses import sft_loss
 from rlhf_core.models.forward import per_sample_sum, reward_scores, token_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tokenizer
@@ -91,3 +91,55 @@ def test_packed_rows_take_the_width_that_wastes_least():
     # Rows of exactly 64 waste ~10% on these lengths (the last row runs mostly empty); the chosen width ~4%.
     assert sum(fixed) / 50 > 1.08 and sum(chosen) / 50 < 1.05
     assert least_padded_rows([70, 3], 64) == [[0], [1]]  # a sample longer than the rows: max_len checks fail it
+
+
+def _pairs(n=6, seed=1):
+    """Chosen/rejected sequences with a common prompt (no loss) and different responses."""
+    g = torch.Generator().manual_seed(seed)
+    chosen, rejected, cmask, rmask = [], [], [], []
+    for _ in range(n):
+        prompt = torch.randint(10, 100, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        a = torch.randint(10, 100, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        b = a[:1] + torch.randint(10, 100, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        chosen.append(prompt + a)
+        rejected.append(prompt + b)  # same first response token: it carries loss, so it is not shared
+        cmask.append([0] * len(prompt) + [1] * len(a))
+        rmask.append([0] * len(prompt) + [1] * len(b))
+    return chosen, rejected, cmask, rmask
+
+
+def test_shared_prefix_stops_where_either_sequence_carries_loss():
+    assert shared_prefix_len([1, 2, 3, 4], [1, 2, 3, 5], [0, 0, 1, 1], [0, 0, 1, 1]) == 2
+    assert shared_prefix_len([1, 2, 3], [1, 9, 3], [0, 0, 0], [0, 0, 0]) == 1
+    assert shared_prefix_len([1, 2], [1, 2, 3], [0, 0], [0, 1, 1]) == 1
+
+
+def test_pairs_with_a_shared_prompt_give_the_logprobs_scores_and_gradients_of_separate_sequences(prepared):
+    chosen, rejected, cmask, rmask = _pairs()
+    n = len(chosen)
+    shared = pack_pairs(chosen, rejected, cmask, rmask, row_capacity=48)
+    apart = pack_batch(chosen + rejected, cmask + rmask, row_capacity=24)
+    assert shared.num_samples == apart.num_samples == 2 * n and len(shared.predecessors) == n
+    tokens = sum(map(len, chosen + rejected))
+    assert int((shared.seq_ids >= 0).sum()) < tokens  # the prompts really are computed once
+
+    model = load_causal_lm(prepared["base"]).train()
+    per = []
+    for batch in (shared, apart):
+        model.zero_grad()
+        lp = per_sample_sum(token_logprobs(model, batch), batch)
+        (lp * torch.linspace(0.5, 1.5, 2 * n)).sum().backward()
+        per.append((lp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    assert torch.allclose(per[0][0], per[1][0], atol=1e-4, rtol=0)
+    assert max((per[0][1][k] - per[1][1][k]).abs().max().item() for k in per[0][1]) < 1e-4
+    # Without the re-pointed predecessors, each rejected response's first token would be read
+    # from the chosen response's last logits: the check can fail.
+    broken = pack_pairs(chosen, rejected, cmask, rmask, row_capacity=48)
+    broken.predecessors = None
+    with torch.no_grad():
+        assert not torch.allclose(per_sample_sum(token_logprobs(model, broken), broken)[n:], per[1][0][n:], atol=1e-3)
+
+    tok = load_tokenizer(prepared["base"])
+    rm = load_reward_model(prepared["base"], tok.pad_token_id).eval()
+    with torch.no_grad():
+        assert torch.allclose(reward_scores(rm, shared), reward_scores(rm, apart), atol=1e-4, rtol=0)
