@@ -5,7 +5,7 @@ has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before
 `deepspeed.init_distributed`. On CPU, bf16 means autocast around the forward pass with fp32
 master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU it is DeepSpeed's own bf16.
 
-The LR schedule is ALGORITHMS.md's: linear warmup, then cosine down to `min_lr_ratio` x LR.
+The LR schedule (docs/algorithms.md): linear warmup, then cosine down to `min_lr_ratio` x LR.
 """
 
 from __future__ import annotations
