@@ -305,3 +305,61 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams())
     assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5), parent="other-run") == \
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training stages: a model named in the config rather than made upstream is an input by URI.
+
+def dpo_job(tmp_path, cfg=None, **values):
+    """The pipeline's DPO job (cache key, lineage tags) for `cfg` or `PipelineDPOConfig(**values)`."""
+    from flows.params import PipelineDPOConfig, PipelineSettings
+    from flows.pipeline import _train_job
+    from tasks.stages import _tags, stage_cache_key
+
+    data = tmp_path / "prep" / "data" / "preference"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+    ctx = flow_ctx(tmp_path)
+    job = _train_job(ctx, PipelineSettings(), cfg or PipelineDPOConfig(**values), upstream.__getitem__)
+    key = stage_cache_key(job)
+    return key, _tags(ctx, job, key), job
+
+
+def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path):
+    import yaml
+
+    base_key, base_tags, base = dpo_job(tmp_path)
+    assert "rlhf.input.reference" not in base_tags  # filled from the SFT model, already upstream
+    assert yaml.safe_load(base.config_yaml)["ref_pretrain"] == str(tmp_path / "sft")
+    key_a, tags_a, job_a = dpo_job(tmp_path, ref_pretrain="org/ref-a")
+    key_b, _, _ = dpo_job(tmp_path, ref_pretrain="org/ref-b")
+    assert len({base_key, key_a, key_b}) == 3
+    assert tags_a["rlhf.input.reference"] == "org/ref-a" and job_a.config_hash == base.config_hash
+    assert yaml.safe_load(job_a.config_yaml)["ref_pretrain"] == "org/ref-a"
+
+    # With an explicit pretrain, a reference equal to it, given or derived, adds nothing.
+    from flows.params import PipelineDPOConfig
+    from rlhf_core.config import with_updates
+
+    own_key, own_tags, _ = dpo_job(tmp_path, pretrain="org/base")
+    assert "rlhf.input.reference" not in own_tags and own_tags["rlhf.input.model"] == "org/base"
+    revalidated = PipelineDPOConfig.model_validate(PipelineDPOConfig(pretrain="org/base").model_dump())
+    assert "ref_pretrain" in revalidated.model_fields_set  # derived, yet now indistinguishable by the field
+    for same in (dict(cfg=revalidated), dict(cfg=with_updates(PipelineDPOConfig(pretrain="org/base"), beta=0.1)),
+                 dict(pretrain="org/base", ref_pretrain="org/base")):
+        assert dpo_job(tmp_path, **same)[0] == own_key, same
+    other_key, other_tags, _ = dpo_job(tmp_path, pretrain="org/base", ref_pretrain="org/other")
+    assert other_key != own_key and other_tags["rlhf.input.reference"] == "org/other"
+
+
+def test_given_reference_tells_a_named_reference_from_a_derived_one():
+    from flows.pipeline import given_reference
+    from rlhf_core.config import DPOConfig, KTOConfig, SFTConfig
+
+    for cls in (DPOConfig, KTOConfig):
+        assert given_reference(cls()) is None
+        assert given_reference(cls(pretrain="a")) is None  # filled from pretrain by the validator
+        assert given_reference(cls(ref_pretrain="r")) == "r"
+        assert given_reference(cls(pretrain="a", ref_pretrain="r")) == "r"
+    assert given_reference(SFTConfig(pretrain="a")) is None
