@@ -209,6 +209,9 @@ def _train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfi
         updates["pretrain"] = prep_paths(source)["base"] if source.stage == "prep" else source.output_uri
     else:
         external["model"] = cfg.pretrain
+    reference = given_reference(cfg)
+    if reference is not None:
+        external["reference"] = reference
     if data_from is not None:
         upstream["data"], updates["dataset"] = data_from
     elif cfg.data.dataset is None:
@@ -226,6 +229,18 @@ def _train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfi
     hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
     return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
                     yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external)
+
+
+def given_reference(cfg: TrainConfig) -> str | None:
+    """The reference model a DPO/KTO config names apart from its start model; None when derived.
+
+    Their validators fill `ref_pretrain` from `pretrain`, and `with_updates` (or any dump and
+    validate) turns that derived value into a set field, so the field alone cannot say who chose
+    it. A reference equal to `pretrain` is already in the cache key as the model; a missing one is
+    filled from the upstream model, also in the key. Only a different one is a further input.
+    """
+    reference = getattr(cfg, "ref_pretrain", None)
+    return reference if reference is not None and reference != cfg.pretrain else None
 
 
 def _eval_job(ctx: PipelineContext, prep: PrepParams, params: EvalParams, prep_outcome: StageOutcome,

@@ -92,7 +92,7 @@ class TrainConfig(StrictModel):
     num_nodes: int = Field(1, ge=1)
     num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)")
 
-    # Optimisation (ALGORITHMS.md defaults).
+    # Optimisation (docs/algorithms.md defaults).
     train_batch_size: int = Field(32, gt=0, description="Global batch: micro x accumulation x ranks")
     micro_train_batch_size: int = Field(8, gt=0)
     learning_rate: float = Field(5e-6, gt=0)

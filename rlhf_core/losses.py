@@ -1,7 +1,7 @@
 """Training losses and KL estimators as pure tensor functions.
 
 Everything here maps tensors to tensors: no model, no engine, no I/O, so each function can be
-checked against a hand computation (tests/unit/test_losses.py). The math is ALGORITHMS.md's.
+checked against a hand computation (tests/unit/test_losses.py). The math: docs/algorithms.md.
 
 Choices, and why:
 - Inputs may be float32 or bfloat16 (or float16); every function upcasts to at least float32
@@ -47,7 +47,7 @@ __all__ = [
     "sft_loss",
 ]
 
-KL_CLAMP = 10.0  # |logπ − logπ_ref| beyond this is clamped before any KL estimator (ALGORITHMS.md)
+KL_CLAMP = 10.0  # |logπ − logπ_ref| beyond this is clamped before any KL estimator (docs/algorithms.md)
 
 
 def _f32(x: Tensor | float) -> Tensor:
@@ -176,7 +176,7 @@ def pairwise_reward_loss(
 
 
 class DPOLossType(str, Enum):
-    """DPO-family losses on the log-ratio margin z (ALGORITHMS.md)."""
+    """DPO-family losses on the log-ratio margin z (docs/algorithms.md)."""
 
     SIGMOID = "sigmoid"  # DPO, cDPO with label_smoothing > 0
     IPO = "ipo"

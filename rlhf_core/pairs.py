@@ -19,6 +19,9 @@ import sys
 
 from rlhf_core.config import PairsConfig, RewardSourceName
 
+# The share of prompts that gave a pair; the pipeline's report shows it (tasks/reports.py).
+PAIR_FRACTION = "pairs/pair_fraction"
+
 
 class NoPairsError(RuntimeError):
     """Every prompt's samples scored the same: there is nothing to prefer."""
@@ -86,7 +89,7 @@ def run_pairs(cfg: PairsConfig) -> dict:
         scores = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
         rows, skipped = build_pairs(prompts.prompts, responses, scores)
         metrics = {"pairs/mean_reward": sum(flat) / len(flat), "pairs/num_pairs": len(rows),
-                   "pairs/pair_fraction": len(rows) / len(prompts), "pairs/num_skipped_prompts": skipped,
+                   PAIR_FRACTION: len(rows) / len(prompts), "pairs/num_skipped_prompts": skipped,
                    "pairs/mean_response_len": sum(len(c.token_ids) for g in groups for c in g) / len(flat)}
         print(f"[pairs] {len(rows)} pairs from {len(prompts)} prompts ({skipped} skipped: equal scores), mean "
               f"reward {metrics['pairs/mean_reward']:.4f}", file=sys.stderr, flush=True)

@@ -1,16 +1,30 @@
-"""What identifies a run's code and configuration: the package version + git commit, and a config hash.
+"""What identifies a run's code and configuration: the package version + a source digest, and a config hash.
 
 Both are cheap and torch-free, so the orchestration layer computes cache keys with the same
 functions the trainers write into `stage.json`.
+
+The code version is a digest of the source files themselves, not a git commit: a commit says
+nothing about uncommitted edits (which would then reuse outputs of other code), and there is no
+git checkout in a `pip install .` or a cluster image (where the package version alone would let
+every build share one cache). The digest covers every `.py` file of `rlhf_core` (what the jobs
+run), `flows` and `tasks` (what builds each job's arguments, configs and environment: e.g. a
+flag `_eval_job` adds is in no params hash), less the few modules that only record or report
+runs and never shape a job (`NOT_IN_CODE_VERSION`). A new module counts until someone excludes it
+with a reason. Reading ~50 small files takes about 2 ms, once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from functools import lru_cache
 from pathlib import Path
+
+SOURCE_PACKAGES = ("rlhf_core", "flows", "tasks")
+# Modules that cannot change a stage's output, so editing them must not invalidate every cache:
+# `rlhf lineage` (reads runs), the pipeline CLI (its parsed parameters are hashed in the keys
+# themselves), the summary/markdown reports and the MLflow bookkeeping of the flow.
+NOT_IN_CODE_VERSION = frozenset({"rlhf_core/lineage.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"})
 
 # Fields that say where things go or how they are watched, not what is trained.
 NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_steps", "max_ckpt_num",
@@ -68,17 +82,35 @@ def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None,
     }
 
 
+def source_files(root: Path) -> list[str]:
+    """Sorted POSIX paths, relative to `root`, of the source files the code version covers."""
+    files = []
+    for package in SOURCE_PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            if "__pycache__" not in path.relative_to(root).parts and rel not in NOT_IN_CODE_VERSION:
+                files.append(rel)
+    return sorted(files)
+
+
+def source_digest(root: Path) -> str:
+    """sha256 (hex) of the covered source files under `root`: each one's relative path and bytes."""
+    digest = hashlib.sha256()
+    for rel in source_files(root):
+        data = (root / rel).read_bytes()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
+    """`<package version>+src.<12 hex of source_digest>`, computed once per process."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         pkg = version("rlhf-lifecycle")
     except PackageNotFoundError:
         pkg = "0+unknown"
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    return f"{pkg}+{sha}" if sha else pkg
+    src = "src." + source_digest(Path(__file__).resolve().parents[1])[:12]
+    return f"{pkg}.{src}" if "+" in pkg else f"{pkg}+{src}"

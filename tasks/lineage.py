@@ -6,7 +6,8 @@ datasets into a run that already carries its lineage tags:
 
     rlhf.stage, rlhf.pipeline_run_id, rlhf.prefect_flow_run_id, rlhf.code_version,
     rlhf.cache_key, rlhf.upstream_run_ids (comma-separated), rlhf.upstream.<stage>.run_id,
-    rlhf.upstream.<stage>.model_uri, rlhf.output_uri (set by the job), rlhf.cached_from
+    rlhf.upstream.<stage>.model_uri, rlhf.input.<role> (a model no stage of the run made: `model`,
+    `reference`), rlhf.output_uri (set by the job), rlhf.cached_from
 
 Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so
 several stage tasks can talk to MLflow from one process without stepping on each other.

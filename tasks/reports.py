@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact
 
+from rlhf_core.pairs import PAIR_FRACTION
 from tasks.stages import StageOutcome
 
 # What each stage's own held-out evaluation says, shown after a pipeline run ("before -> after").
@@ -12,7 +13,7 @@ KEY_METRICS = {
     "rm": [("pairwise accuracy", "eval_initial/accuracy", "eval/accuracy")],
     "dpo": [("reward accuracy", None, "eval/reward_accuracy"),
             ("chosen-rejected log-prob margin", "eval_initial/logp_margin", "eval/logp_margin")],
-    "pairs": [("prompts with a pair", None, "pairs/fraction_with_pair")],
+    "pairs": [("prompts with a pair", None, PAIR_FRACTION)],
 }
 
 

@@ -7,7 +7,7 @@ rank's hardware, see rlhf_core/precision.py) means, on CPU, bf16 autocast around
 with fp32 master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU, DeepSpeed's own
 bf16 or fp16 (with its dynamic loss scaling).
 
-The LR schedule is ALGORITHMS.md's: linear warmup, then cosine down to `min_lr_ratio` x LR.
+The LR schedule (docs/algorithms.md): linear warmup, then cosine down to `min_lr_ratio` x LR.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Supervised fine-tuning: next-token NLL on response tokens (or every token with --pretrain_mode).
 
 The loss is summed over response tokens and divided by the global count of response tokens in
-the optimizer step (ALGORITHMS.md), not averaged per sample, so long answers weigh what their
+the optimizer step (docs/algorithms.md), not averaged per sample, so long answers weigh what their
 tokens weigh and micro-batching does not change the result.
 """
 

@@ -3,6 +3,7 @@ runner's log relay / failure typing / cleanup (against an in-memory Jobs API), f
 
 from __future__ import annotations
 
+import os
 import sys
 from types import SimpleNamespace
 
@@ -156,7 +157,8 @@ def test_flow_parameters_validate_every_section():
 def test_flows_and_tasks_never_import_torch():
     import subprocess
 
-    code = "import sys, flows.pipeline, flows.cli, tasks.stages; print('torch' in sys.modules)"
+    code = ("import sys, flows.pipeline, flows.cli, tasks.stages; from rlhf_core.version import code_version; "
+            "code_version(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -337,3 +339,140 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams())
     assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5), parent="other-run") == \
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training stages: a model named in the config rather than made upstream is an input by URI.
+
+def dpo_job(tmp_path, cfg=None, **values):
+    """The pipeline's DPO job (cache key, lineage tags) for `cfg` or `PipelineDPOConfig(**values)`."""
+    from flows.params import PipelineDPOConfig, PipelineSettings
+    from flows.pipeline import _train_job
+    from tasks.stages import _tags, stage_cache_key
+
+    data = tmp_path / "prep" / "data" / "preference"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+    ctx = flow_ctx(tmp_path)
+    job = _train_job(ctx, PipelineSettings(), cfg or PipelineDPOConfig(**values), upstream.__getitem__)
+    key = stage_cache_key(job)
+    return key, _tags(ctx, job, key), job
+
+
+def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path):
+    import yaml
+
+    base_key, base_tags, base = dpo_job(tmp_path)
+    assert "rlhf.input.reference" not in base_tags  # filled from the SFT model, already upstream
+    assert yaml.safe_load(base.config_yaml)["ref_pretrain"] == str(tmp_path / "sft")
+    key_a, tags_a, job_a = dpo_job(tmp_path, ref_pretrain="org/ref-a")
+    key_b, _, _ = dpo_job(tmp_path, ref_pretrain="org/ref-b")
+    assert len({base_key, key_a, key_b}) == 3
+    assert tags_a["rlhf.input.reference"] == "org/ref-a" and job_a.config_hash == base.config_hash
+    assert yaml.safe_load(job_a.config_yaml)["ref_pretrain"] == "org/ref-a"
+
+    # With an explicit pretrain, a reference equal to it, given or derived, adds nothing.
+    from flows.params import PipelineDPOConfig
+    from rlhf_core.config import with_updates
+
+    own_key, own_tags, _ = dpo_job(tmp_path, pretrain="org/base")
+    assert "rlhf.input.reference" not in own_tags and own_tags["rlhf.input.model"] == "org/base"
+    revalidated = PipelineDPOConfig.model_validate(PipelineDPOConfig(pretrain="org/base").model_dump())
+    assert "ref_pretrain" in revalidated.model_fields_set  # derived, yet now indistinguishable by the field
+    for same in (dict(cfg=revalidated), dict(cfg=with_updates(PipelineDPOConfig(pretrain="org/base"), beta=0.1)),
+                 dict(pretrain="org/base", ref_pretrain="org/base")):
+        assert dpo_job(tmp_path, **same)[0] == own_key, same
+    other_key, other_tags, _ = dpo_job(tmp_path, pretrain="org/base", ref_pretrain="org/other")
+    assert other_key != own_key and other_tags["rlhf.input.reference"] == "org/other"
+
+
+def test_given_reference_tells_a_named_reference_from_a_derived_one():
+    from flows.pipeline import given_reference
+    from rlhf_core.config import DPOConfig, KTOConfig, SFTConfig
+
+    for cls in (DPOConfig, KTOConfig):
+        assert given_reference(cls()) is None
+        assert given_reference(cls(pretrain="a")) is None  # filled from pretrain by the validator
+        assert given_reference(cls(ref_pretrain="r")) == "r"
+        assert given_reference(cls(pretrain="a", ref_pretrain="r")) == "r"
+    assert given_reference(SFTConfig(pretrain="a")) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The code version: a digest of the source itself, so uncommitted edits and installs without git
+# get keys of their own.
+
+def source_copy(tmp_path):
+    """A copy of the source packages (with whatever __pycache__ they hold), outside any git checkout."""
+    import shutil
+    from pathlib import Path
+
+    import rlhf_core
+    from rlhf_core.version import SOURCE_PACKAGES
+
+    here = Path(rlhf_core.__file__).resolve().parents[1]
+    root = tmp_path / "src"
+    for package in SOURCE_PACKAGES:
+        shutil.copytree(here / package, root / package)
+    return root
+
+
+def test_source_digest_moves_with_source_bytes_and_nothing_else(tmp_path):
+    import os
+    import shutil
+
+    from rlhf_core.version import NOT_IN_CODE_VERSION, source_digest, source_files
+
+    assert NOT_IN_CODE_VERSION == {"rlhf_core/lineage.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"}
+    root = source_copy(tmp_path)
+    base = source_digest(root)
+    assert source_digest(root) == base and {"rlhf_core/losses.py", "flows/pipeline.py"} <= set(source_files(root))
+
+    losses = root / "rlhf_core" / "losses.py"
+    original = losses.read_bytes()
+    losses.write_bytes(original.replace(b"KL_CLAMP = 10.0", b"KL_CLAMP = 20.0"))
+    assert source_digest(root) != base
+    losses.write_bytes(original)
+    os.utime(losses, (0, 0))  # bytes, not timestamps
+    assert source_digest(root) == base
+
+    (root / "flows" / "ppo.py").write_text("")  # a new module counts at once, even an empty one
+    assert source_digest(root) != base
+    (root / "flows" / "ppo.py").unlink()
+    shutil.move(root / "tasks" / "cache.py", root / "tasks" / "keys.py")  # paths count, not only bytes
+    assert source_digest(root) != base
+    shutil.move(root / "tasks" / "keys.py", root / "tasks" / "cache.py")
+
+    (root / "rlhf_core" / "__pycache__").mkdir(exist_ok=True)
+    (root / "rlhf_core" / "__pycache__" / "losses.cpython-312.pyc").write_bytes(b"compiled")
+    (root / "rlhf_core" / "notes.txt").write_text("not source")
+    (root / "tasks" / "reports.py").write_text("# only renders what the jobs wrote\n")
+    assert source_digest(root) == base
+
+
+def test_code_version_is_the_digest_of_the_running_source_outside_git(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    import rlhf_core.version
+    from rlhf_core.version import code_version, source_digest
+
+    here = Path(rlhf_core.version.__file__).resolve().parents[1]
+    assert code_version().endswith(f"+src.{source_digest(here)[:12]}")
+
+    root = source_copy(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
+
+    def version_there() -> str:
+        code = "import rlhf_core.version as v; print(v.__file__); print(v.code_version())"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                             env=env).stdout.split()
+        assert out[0] == str(root / "rlhf_core" / "version.py")
+        return out[1]
+
+    first = version_there()
+    assert first == code_version()  # the same bytes give the same version wherever they live
+    path = root / "rlhf_core" / "trainers" / "dpo.py"
+    path.write_text(path.read_text() + "\n# an uncommitted edit\n")
+    assert version_there() != first

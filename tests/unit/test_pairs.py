@@ -9,7 +9,8 @@ from rlhf_core.cli import main
 from rlhf_core.config import DataConfig, DPOConfig, build_config
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.models.loading import load_reward_model, load_tokenizer
-from rlhf_core.pairs import build_pairs
+from rlhf_core.pairs import PAIR_FRACTION, build_pairs
+from tasks.reports import stage_metrics_lines
 
 N_PROMPTS = 8
 
@@ -35,6 +36,10 @@ def test_best_and_worst_are_paired_and_ties_skipped():
 def test_blank_responses_are_never_paired():
     rows, skipped = build_pairs(["p", "q"], [["", "good", " "], ["", "only"]], [[-5.0, 1.0, 0.0], [0.0, 1.0]])
     assert rows == [] and skipped == 2
+
+
+def test_the_pipeline_report_shows_the_pair_fraction_pairs_logs():
+    assert stage_metrics_lines("pairs", {PAIR_FRACTION: 0.375, "pairs/num_pairs": 3}) == ["prompts with a pair: 0.375"]
 
 
 def test_mismatched_lengths_are_refused():
@@ -67,6 +72,7 @@ def test_pairs_from_a_reward_model_train_dpo(prepared, reward_model, tmp_path, c
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert m["pairs/num_pairs"] == len(rows) >= 1 and m["pairs/pair_fraction"] == len(rows) / N_PROMPTS
     assert m["pairs/num_skipped_prompts"] == N_PROMPTS - len(rows)
+    assert stage_metrics_lines("pairs", m) == [f"prompts with a pair: {len(rows) / N_PROMPTS:.4g}"]
     assert all(r["chosen_score"] > r["rejected_score"] and r["chosen"] != r["rejected"] for r in rows)
     prompts = [json.loads(line)["prompt"] for line in open(prepared["prompts_train"])][:N_PROMPTS]
     assert {r["prompt"] for r in rows} <= set(prompts)  # raw prompts, as trainers expect them
