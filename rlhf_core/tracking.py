@@ -84,13 +84,21 @@ def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+FLUSH_SECONDS = 10.0  # buffered metrics reach MLflow at least this often while a stage trains
+METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch
+
+
 class Tracker:
     """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled."""
 
     def __init__(self, enabled: bool, experiment: str, run_name: str | None, parent_run_id: str | None,
                  tags: dict[str, str] | None = None):
+        import time
+
         self.enabled = enabled
         self.run_id: str | None = None
+        self._pending: list = []
+        self._flushed_at = time.monotonic()
         if not enabled:
             return
         import mlflow
@@ -113,10 +121,32 @@ class Tracker:
                 mlflow.log_params(dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffered: written in batches at most every FLUSH_SECONDS, and by `flush`/`finish`.
+        One write per step cost a SQLite transaction (about 13 ms) per step: 7 s of a 500-step
+        CPU SFT run that trains in 30 s."""
         if self.enabled and metrics:
-            import mlflow
+            import time
 
-            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+            if time.monotonic() - self._flushed_at >= FLUSH_SECONDS:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered metrics now (in MLflow's batches of at most 1000)."""
+        if not (self.enabled and self._pending):
+            return
+        import time
+
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        for i in range(0, len(self._pending), METRICS_PER_BATCH):
+            client.log_batch(self.run_id, metrics=self._pending[i : i + METRICS_PER_BATCH])
+        self._pending.clear()
+        self._flushed_at = time.monotonic()
 
     def log_datasets(self, described: list[dict], context: str) -> None:
         if not self.enabled:
@@ -150,4 +180,5 @@ class Tracker:
         if self.enabled:
             import mlflow
 
+            self.flush()
             mlflow.end_run(status=status)

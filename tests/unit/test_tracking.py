@@ -30,3 +30,32 @@ def test_lineage_shows_the_params_a_run_changed_from_its_stage_defaults():
     assert params_off_default("dpo", logged) == {"beta": "0.2", "data.max_len": "96", "ipo": "True", "loss_type": "ipo"}
     assert params_off_default("prep", {"task": "sort", "seed": "3"}) == {"task": "sort", "seed": "3"}
     assert params_off_default("dpo", logged | {"old_flag": "1"})["old_flag"] == "1"
+
+
+def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatch, tmp_path):
+    import mlflow
+
+    from rlhf_core import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
+    writes = []
+    real = mlflow.MlflowClient.log_batch
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", lambda self, *a, **k: writes.append(1) or real(self, *a, **k))
+    tracker = tracking.Tracker(True, "buffered", "run", None)
+    for step in range(1, 301):
+        tracker.log_metrics({"train/loss": 1.0 / step, "train/lr": 0.1, "train/tokens_per_s": 5.0, "x": 1.0}, step)
+    assert writes == []  # 300 steps inside FLUSH_SECONDS: nothing written yet
+    history = mlflow.MlflowClient().get_metric_history(tracker.run_id, "train/loss")
+    assert history == []
+    tracker.flush()
+    assert len(writes) == 2  # 1200 values in batches of at most 1000
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.0)
+    tracker.log_metrics({"train/loss": 0.001}, 301)  # the flush interval has passed: written at once
+    assert len(writes) == 3
+    tracker.log_metrics({"eval/loss": 0.5}, 302)
+    tracker.finish("FAILED")  # a crashed stage keeps what it measured
+    history = mlflow.MlflowClient().get_metric_history(tracker.run_id, "train/loss")
+    assert [m.step for m in history] == list(range(1, 302)) and history[0].value == 1.0
+    assert mlflow.MlflowClient().get_metric_history(tracker.run_id, "eval/loss")[0].step == 302
+    assert mlflow.get_run(tracker.run_id).info.status == "FAILED"
