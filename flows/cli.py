@@ -16,6 +16,8 @@ at servers instead. `--config FILE.yaml` has one section per flow parameter:
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 
 from rlhf_core.config import ConfigError, build_config, load_yaml
 
@@ -98,4 +100,14 @@ def print_summary(summary: dict) -> None:
     print(f"\nsummary:    {summary['summary_uri']}")
     print("lineage:    rlhf lineage models:/rlhf-policy@champion")
     print(f"MLflow UI:  mlflow ui --backend-store-uri {tracking_uri()}")
-    print("Prefect UI: prefect server start  (then open http://127.0.0.1:4200)")
+    print(f"Prefect UI: {prefect_ui_hint()}")
+
+
+def prefect_ui_hint() -> str:
+    """Where this run's flow runs can be seen: the server in use, or a local one on the embedded database."""
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        return api.rstrip("/").removesuffix("/api")
+    home = os.environ.get("PREFECT_HOME")
+    prefix = f"PREFECT_HOME={shlex.quote(home)} " if home else ""
+    return f"{prefix}prefect server start  (then open http://127.0.0.1:4200)"

@@ -51,8 +51,10 @@ def ensure_ray() -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env}, configure_logging=False)
+    from rlhf_core.local_ray import init_local  # on 127.0.0.1, token authentication on
+
+    init_local(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+               runtime_env={"env_vars": env}, configure_logging=False)
     return True
 
 

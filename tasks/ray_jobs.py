@@ -11,8 +11,9 @@ job's log lines to a callback (the Prefect task logger), and waits for a termina
   error" (retrying cannot help), anything else is an infrastructure failure worth a retry.
   Both carry the job's last log lines, so the task failure says what went wrong.
 - The embedded default starts a local Ray with its dashboard (the Jobs API lives there) for the
-  duration of a flow run and shuts it down after; with `RAY_ADDRESS` (the dashboard's
-  `http://host:8265`) the same code submits to a real cluster.
+  duration of a flow run and shuts it down after: on 127.0.0.1 with token authentication
+  (`rlhf_core/local_ray.py`). With `RAY_ADDRESS` (the dashboard's `http://host:8265`) the same
+  code submits to a real cluster.
 """
 
 from __future__ import annotations
@@ -206,10 +207,11 @@ def ray_cluster() -> Iterator[str]:
     import ray
 
     from rlhf_core.launch import prepare_environment
+    from rlhf_core.local_ray import init_local
 
     prepare_environment()  # state dir, compiled-op cache: the local cluster's processes inherit them
-    context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=os.cpu_count(),
-                       configure_logging=False, log_to_driver=False)
+    context = init_local(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=os.cpu_count(),
+                         configure_logging=False, log_to_driver=False)
     try:
         yield "http://" + context.dashboard_url
     finally:

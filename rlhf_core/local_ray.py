@@ -1,0 +1,98 @@
+"""The local Ray a run starts when RAY_ADDRESS is unset: on 127.0.0.1, token authentication on.
+
+- Loopback. Ray's services bind the address the node advertises; when that is the machine's
+  address, the GCS, raylet and workers listen on all interfaces. On Linux Ray silently replaces a
+  loopback `_node_ip_address` (or `ray start --node-ip-address 127.0.0.1`) with the machine's
+  address unless its cluster mode (named for Windows/macOS) is off, so it is switched off while
+  `ray.init` starts the node's processes, which keep it. Measured with `ss -ltnp` during a
+  pipeline run: every Ray process then listens on 127.0.0.1 only (in a training stage, rank 0's
+  torch.distributed rendezvous store still listens on all interfaces: torch binds it so).
+- Token authentication (RAY_AUTH_MODE=token) unless the user chose a mode. Ray turns it on by
+  default as well, but says "set RAY_AUTH_MODE=disabled to opt out"; a user who did disable it
+  gets one warning instead.
+- A token before Ray starts. Ray would write ~/.ray/auth_token readable by every local user (0644
+  under the usual umask); we write it owner-only, and warn when an existing one is not.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+AUTH_MODE = "RAY_AUTH_MODE"
+CLUSTER_MODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # off: Ray's node address may be loopback
+
+
+def default_token_path(home: Path | None = None) -> Path:
+    """Where Ray looks for its token when neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH is set."""
+    return (home or Path.home()) / ".ray" / "auth_token"
+
+
+def write_token(path: Path) -> None:
+    """A new random token (Ray's format: 64 hex digits) readable by its owner only; keeps an existing one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def prepare_auth(environ: MutableMapping[str, str] = os.environ, home: Path | None = None) -> str | None:
+    """Token authentication on (unless the user chose a mode) with a token in place.
+
+    Returns a warning for the user, or None. Mirrors Ray's token lookup: RAY_AUTH_TOKEN, then
+    RAY_AUTH_TOKEN_PATH (Ray itself reports a file that is missing there), then ~/.ray/auth_token.
+    """
+    mode = environ.get(AUTH_MODE)
+    if mode is None:
+        environ[AUTH_MODE] = "token"
+    elif mode.strip().lower() != "token":
+        return (f"{AUTH_MODE}={mode}: the local Ray started for this run accepts requests without a token, so "
+                "any user or program on this machine can run code as you through it. Unset "
+                f"{AUTH_MODE} to keep token authentication on.")
+    if environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    path = default_token_path(home)
+    if not path.exists():
+        write_token(path)
+        return None
+    mode_bits = path.stat().st_mode & 0o777
+    if mode_bits & 0o077:
+        return (f"Ray's auth token {path} can be read by other users of this machine (mode {mode_bits:o}), "
+                f"and with it run code as you through this run's Ray: chmod 600 {path}")
+    return None
+
+
+def reread_ray_config() -> None:
+    """Ray read RAY_AUTH_MODE when it was imported; re-read it (as Ray does when it turns auth on)."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def init_local(**kwargs):
+    """`ray.init` a new single-node cluster on 127.0.0.1 with token authentication; returns its context."""
+    import ray
+    from ray._private import ray_constants
+
+    warning = prepare_auth()
+    if warning:
+        print(f"rlhf: warning: {warning}", file=sys.stderr, flush=True)
+    reread_ray_config()
+    saved_env, saved_constant = os.environ.get(CLUSTER_MODE), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[CLUSTER_MODE] = "0"  # the node's processes, started by ray.init, inherit it
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray before the variable was set
+    try:
+        return ray.init(_node_ip_address=LOOPBACK, **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
+        if saved_env is None:
+            os.environ.pop(CLUSTER_MODE, None)
+        else:
+            os.environ[CLUSTER_MODE] = saved_env

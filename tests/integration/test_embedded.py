@@ -1,0 +1,134 @@
+"""The embedded default on a machine that never ran it: `rlhf pipeline run` with nothing set, and
+the local Ray it starts (127.0.0.1, token authentication on).
+
+The pipeline test is the user's first command on a brand-new machine: a fresh HOME (no ~/.prefect,
+no ~/.ray) and working directory (no .rlhf), a clean environment, the CLI as a subprocess. Only
+the compiled DeepSpeed op cache is shared, to save its 40 s build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import yaml
+
+import rlhf_core
+
+pytestmark = pytest.mark.integration
+
+ROOT = str(Path(rlhf_core.__file__).resolve().parents[1])
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+TINY = {"settings": {"retries": 0, "stages": ["prep", "sft"]},
+        "prep": {"n_train": 128, "n_test": 16},
+        "sft": {"max_steps": 2, "train_batch_size": 16, "micro_train_batch_size": 16}}
+
+
+def _listening(processes) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket these processes listen on."""
+    found = set()
+    for p in processes:
+        try:
+            name = p.name()
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    found.add((c.laddr.ip, c.laddr.port, name))
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return found
+
+
+def _without_token(url: str) -> int:
+    return requests.get(url, timeout=5).status_code
+
+
+def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_token(monkeypatch):
+    import ray
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    from tasks.ray_jobs import ray_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with ray_cluster() as address:
+        assert address.startswith("http://127.0.0.1:")
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        assert os.environ["RAY_AUTH_MODE"] == "token"
+        jobs = f"{address}/api/jobs/"
+        assert _without_token(jobs) == 401
+        assert requests.get(jobs, headers={"Authorization": "Bearer " + "0" * 64}, timeout=5).status_code == 403
+        assert requests.get(jobs, headers=get_auth_headers_if_auth_enabled({}), timeout=5).status_code == 200
+        # The node's job agent runs what it is sent: without the token it refuses too.
+        assert requests.post("http://127.0.0.1:52365/api/job_agent/jobs/", json={"entrypoint": "true"},
+                             timeout=5).status_code == 401
+
+        # Every process of the cluster (GCS, raylet, dashboard, agents, idle workers) binds loopback.
+        sockets = _listening(psutil.Process().children(recursive=True))
+        assert {"gcs_server", "raylet"} <= {name for _, _, name in sockets}
+        exposed = {s for s in sockets if s[0] not in LOOPBACK}
+        assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+
+
+def test_ensure_ray_starts_a_cli_stage_cluster_on_loopback_with_token_auth(monkeypatch):
+    import ray
+
+    from rlhf_core.launch import ensure_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ensure_ray() is True
+    try:
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        assert os.environ["RAY_AUTH_MODE"] == "token"
+        assert ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).remote()) == "token"
+    finally:
+        ray.shutdown()
+
+
+def _probe_dashboard(stop: threading.Event, codes: list) -> None:
+    """The Jobs API's answers to a request without the token while the run goes (000: not up)."""
+    while not stop.is_set():
+        try:
+            codes.append(_without_token("http://127.0.0.1:8265/api/jobs/"))
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+
+
+def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "project"
+    home.mkdir()
+    cwd.mkdir()
+    (cwd / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": os.environ.get("LANG", "C.UTF-8"),
+           "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
+
+    stop, codes = threading.Event(), []
+    probe = threading.Thread(target=_probe_dashboard, args=(stop, codes), daemon=True)
+    probe.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--config", "tiny.yaml"],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        stop.set()
+        probe.join()
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    errors = [line for line in output.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
+    assert not errors, "\n".join(errors[:20])
+    assert "Connecting to existing Ray cluster at address: 127.0.0.1:" in output, "the SFT job's driver"
+    assert "opt out" not in output, "no nudge to turn Ray's authentication off"
+
+    state = cwd / ".rlhf"
+    assert (state / "prefect" / "prefect.db").is_file() and not (home / ".prefect").exists()
+    assert f"PREFECT_HOME={state / 'prefect'} prefect server start" in output
+    token = home / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert not (home / ".config" / "mlflow" / "telemetry.json").exists(), "MLflow's telemetry stayed off"
+    assert 401 in codes and 200 not in codes, f"the Jobs API without the token answered {sorted(set(codes))}"
