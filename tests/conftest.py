@@ -27,6 +27,7 @@ def _state_dir(tmp_path_factory):
     home = tmp_path_factory.mktemp("rlhf_home")
     os.environ["RLHF_HOME"] = str(home)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/rlhf-torch-extensions"))
+    _drop_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     yield home
 
@@ -50,3 +51,16 @@ def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("prep")
     paths = prepare(out, task="addition", seed=0, model_size="tiny", n_train=1024, n_test=128)
     return {k: str(v) for k, v in paths.items()} | {"root": str(out)}
+
+
+def _drop_stale_build_locks(extensions_dir: str, older_than_s: float = 900) -> None:
+    """A compile of a DeepSpeed op that was killed leaves its `lock` file behind, and every later
+    build of that op waits on it forever (a test then hangs until its timeout). A build takes
+    1-2 minutes; a lock untouched for 15 is a leftover: remove it and the half-built folder."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    for lock in Path(extensions_dir).glob("*/lock"):
+        if time.time() - lock.stat().st_mtime > older_than_s:
+            shutil.rmtree(lock.parent, ignore_errors=True)
