@@ -26,7 +26,7 @@ Choices, and why:
 - Tokens are the real (non-pad) tokens of prompt+response in the step's batches, counted the
   same way on both sides; DPO counts chosen and rejected sequences. pairs/s is steps x global
   batch / time.
-- Nothing is asserted about time: the script prints throughput and ratios (DESIGN.md).
+- Nothing is asserted about time: the script prints throughput and ratios (benchmarks/README.md).
 
 Usage: python benchmarks/bench_vs_trl.py [--stages sft,dpo] [--steps 20] [--repeats 3]
 (see benchmarks/README.md). Needs TRL: pip install -e '.[bench]'; exits 2 without it.
@@ -122,7 +122,8 @@ def run_ours(args) -> dict:
         "pretrain": str(Path(args.data_root) / "base"), "dataset": f"json@{data}", "save_path": args.out_dir,
         "apply_chat_template": True, "max_len": args.max_len, "train_batch_size": args.train_batch_size,
         "micro_train_batch_size": args.micro_train_batch_size, "learning_rate": LEARNING_RATE[args.stage],
-        "bf16": True, "zero_stage": args.zero_stage, "max_steps": args.warmup + args.steps, "use_mlflow": False,
+        "param_dtype": args.precision, "zero_stage": args.zero_stage, "max_steps": args.warmup + args.steps,
+        "use_mlflow": False,
         "packing_samples": args.packing, "seed": SEED,
     })
     recipe = recipe_class(args.stage)(cfg)
@@ -156,8 +157,11 @@ def trl_rows(args) -> list[dict]:
     kind = "sft" if args.stage == "sft" else "preference"
     path = Path(args.data_root) / "data" / kind / "train.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    plan = BatchPlan(len(rows), args.train_batch_size, args.micro_train_batch_size, 0, 1, SEED)
-    order = [i for s in range(args.warmup + args.steps) for mb in plan.micro_batches(0, s) for i in mb]
+    if args.whole:  # a whole run: the first rows, in file order (TRL shuffles them itself)
+        order = list(range(min(len(rows), args.process_rows[args.stage])))
+    else:
+        plan = BatchPlan(len(rows), args.train_batch_size, args.micro_train_batch_size, 0, 1, SEED)
+        order = [i for s in range(args.warmup + args.steps) for mb in plan.micro_batches(0, s) for i in mb]
 
     def user(text):
         return [{"role": "user", "content": text}]
@@ -215,10 +219,13 @@ def run_trl(args) -> dict:
     common = dict(
         output_dir=str(Path(args.out_dir) / "trl"), per_device_train_batch_size=args.micro_train_batch_size,
         gradient_accumulation_steps=args.train_batch_size // args.micro_train_batch_size,
-        max_steps=args.warmup + args.steps, learning_rate=LEARNING_RATE[args.stage], lr_scheduler_type="cosine",
-        warmup_steps=math.ceil(0.03 * (args.warmup + args.steps)), adam_beta1=0.9, adam_beta2=0.95,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused", bf16=True, use_cpu=True,
-        gradient_checkpointing=False, train_sampling_strategy="sequential", dataloader_num_workers=0,
+        max_steps=-1 if args.whole else args.warmup + args.steps, num_train_epochs=1,
+        learning_rate=LEARNING_RATE[args.stage], lr_scheduler_type="cosine",
+        warmup_steps=math.ceil(0.03 * (len(dataset) // args.train_batch_size if args.whole
+                                       else args.warmup + args.steps)), adam_beta1=0.9, adam_beta2=0.95,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused", bf16=args.precision == "bf16", use_cpu=True,
+        gradient_checkpointing=False, train_sampling_strategy="random" if args.whole else "sequential",
+        dataloader_num_workers=0,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         seed=SEED,
     )
@@ -246,6 +253,9 @@ def run_trl(args) -> dict:
                        callbacks=[step_clock], **extra)
     torch.set_num_threads(args.threads)
     trainer.train()
+    if args.whole:  # what a TRL user's script ends with: the model and tokenizer on disk
+        trainer.save_model(str(Path(args.out_dir) / "model"))
+        return {"side": "trl", "stage": args.stage, "steps": trainer.state.global_step}
     ends = step_clock.ends[args.warmup - 1:]  # the clock starts at the end of the last warm-up step
     tokens = step_clock.tokens[-1] - step_clock.tokens[args.warmup - 1]
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -315,7 +325,7 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path, snaps
            "--packing", str(variant.get("packing", True)), "--zero_stage", str(variant.get("zero_stage", 2)),
            "--padding_free", str(variant.get("padding_free", False)),
            "--our_attention", str(variant.get("our_attention", False)),
-           "--force_zero", str(variant.get("force_zero", False))]
+           "--force_zero", str(variant.get("force_zero", False)), "--precision", args.precision]
     # Compiled DeepSpeed ops (about 2 min to build, once) are cached outside the throwaway work dir.
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench" / "torch_extensions"))
     env = dict(os.environ, RLHF_NO_PROGRESS="1", OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
@@ -334,6 +344,56 @@ def run_child(args, stage: str, name: str, data_root: Path, out_dir: Path, snaps
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["process_s"] = time.perf_counter() - started
     return result
+
+
+def run_whole(args, stage: str, side: str, data_root: Path, out_dir: Path, snapshot: Path) -> dict:
+    """One whole training run as a user starts it, timed from process start to exit: ours is
+    `rlhf train <stage>` (Ray worker group, DeepSpeed, MLflow, held-out evaluation, save); TRL is
+    a script that loads the model, trains one epoch with SFTTrainer/DPOTrainer and saves."""
+    kind = "sft" if stage == "sft" else "preference"
+    rows = args.process_rows[stage]
+    if side == "ours":
+        cmd = [sys.executable, "-m", "rlhf_core.cli", "train", stage, "--pretrain", str(data_root / "base"),
+               "--dataset", f"json@{data_root / 'data' / kind}", "--apply_chat_template", "--packing_samples",
+               "--max_len", str(args.max_len), "--train_batch_size", str(args.train_batch_size),
+               "--micro_train_batch_size", str(args.micro_train_batch_size), "--max_epochs", "1",
+               "--max_samples", str(rows), "--learning_rate", str(LEARNING_RATE[stage]),
+               "--param_dtype", args.precision, "--seed", str(SEED), "--save_path", str(out_dir / "model")]
+    else:
+        cmd = [sys.executable, str(snapshot / Path(__file__).name), "--side", "trl", "--stage", stage, "--whole",
+               "--data_root", str(data_root), "--out_dir", str(out_dir), "--max_len", str(args.max_len),
+               "--threads", str(args.threads), "--train_batch_size", str(args.train_batch_size),
+               "--micro_train_batch_size", str(args.micro_train_batch_size), "--precision", args.precision,
+               "--process_rows", json.dumps(args.process_rows)]
+    env = dict(os.environ, RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench"
+                                                                                / "torch_extensions")),
+               PYTHONPATH=os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH")) if p))
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=snapshot)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        print(f"  {stage} whole {side}: FAILED (exit {proc.returncode})\n{tail}", file=sys.stderr, flush=True)
+        return {"failed": True, "exit": proc.returncode}
+    return {"side": side, "stage": stage, "seconds": seconds, "rows": rows, "load_1m": os.getloadavg()[0]}
+
+
+def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
+    ok = {side: [r["seconds"] for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
+    unit = "pairs" if stage == "dpo" else "rows"
+    lines = [f"### {stage.upper()} whole process: {args.process_rows[stage]} {unit}, 1 epoch, global batch "
+             f"{args.train_batch_size}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
+             f"{args.model_size}, medians of {args.repeats} alternating runs", "",
+             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) |", "|---|---|---|---|---|"]
+    med = {side: statistics.median(t) if t else None for side, t in ok.items()}
+    for side in ("ours", "trl"):
+        ratio = f"**{med['trl'] / med['ours']:.2f}x**" if side == "trl" and med["ours"] and med["trl"] else "—"
+        shown = f"{med[side]:.1f}" if med[side] else "failed"
+        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | "
+                     f"{', '.join(f'{t:.1f}' for t in ok[side])} | {ratio} |")
+    return lines + [""]
 
 
 def throughput(result: dict, stage: str) -> float:
@@ -378,7 +438,7 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
     fast = {n: median_of(n, lambda r: fast_throughput(r, stage, args.train_batch_size)) for n in names}
     lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
              f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
-             f"max_len {args.max_len}, bf16 autocast, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
+             f"max_len {args.max_len}, {args.precision}, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
              "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
              + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
              "| ours ÷ this, fast steps | load (1 min) |",
@@ -410,7 +470,10 @@ def print_saved(path: str) -> int:
     args = argparse.Namespace(**saved["args"])
     lines = [saved["header"], ""]
     for stage, results in saved["results"].items():
-        lines += report(args, stage, list(results), results)
+        if stage.endswith("-whole"):
+            lines += report_whole(args, stage.removesuffix("-whole"), results)
+        else:
+            lines += report(args, stage, list(results), results)
     print("\n".join(lines))
     return 0
 
@@ -428,15 +491,22 @@ def driver_main(args) -> int:
         raise SystemExit("--train_batch_size must be a multiple of --micro_train_batch_size")
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1")
+    from rlhf_core.precision import resolve_here
+
+    # auto: what the CLI would pick on this machine; an explicit choice is measured as asked.
+    args.precision = resolve_here("auto").value if args.param_dtype == "auto" else args.param_dtype
 
     keep = args.work_dir is not None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-vs-trl-")).resolve()
-    data_root = work / f"prep-{args.task}-{args.model_size}"
+    data_root = work / f"prep-{args.task}-{args.model_size}-{args.mode}"
     print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
     snapshot, code = take_snapshot(work)
-    prep = subprocess.run([sys.executable, "-c", "import sys; from rlhf_core.prep import prepare; "
-                           "prepare(sys.argv[1], task=sys.argv[3], seed=0, model_size=sys.argv[2])",
-                           str(data_root), args.model_size, args.task], capture_output=True, text=True, cwd=snapshot)
+    n_train = max(args.process_rows.values()) if args.mode == "process" else None  # else prep's default
+    prep = subprocess.run([sys.executable, "-c", "import sys, json; from rlhf_core.prep import prepare; "
+                           "prepare(sys.argv[1], task=sys.argv[3], seed=0, model_size=sys.argv[2], "
+                           "**({'n_train': int(sys.argv[4])} if sys.argv[4] != 'None' else {}))",
+                           str(data_root), args.model_size, args.task, str(n_train)],
+                          capture_output=True, text=True, cwd=snapshot)
     if prep.returncode != 0:
         print(prep.stderr[-3000:], file=sys.stderr)
         return 1
@@ -445,7 +515,22 @@ def driver_main(args) -> int:
     header = versions_line(args, code)
     out_lines = [header, ""]
     failed = False
-    for stage in stages:
+    for stage in stages if args.mode == "process" else []:
+        whole: dict[str, list[dict]] = {"ours": [], "trl": []}
+        for round_ in range(args.repeats):
+            for side in ("ours", "trl"):
+                result = run_whole(args, stage, side, data_root, work / "runs" / f"whole-{stage}-{side}-{round_}",
+                                   snapshot)
+                whole[side].append(result)
+                failed |= bool(result.get("failed"))
+                if not result.get("failed"):
+                    print(f"  {stage} whole round {round_ + 1}/{args.repeats} {side:5s} {result['seconds']:7.1f} s",
+                          file=sys.stderr, flush=True)
+        raw[f"{stage}-whole"] = whole
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": header, "results": raw}, indent=2))
+        out_lines += report_whole(args, stage, whole)
+    for stage in stages if args.mode == "steps" else []:
         names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[stage]
         names = [n for n in names if not (stage == "dpo" and n == "trl-padding-free")]
         unknown = [n for n in names if n not in VARIANTS]
@@ -479,8 +564,11 @@ def driver_main(args) -> int:
 def versions_line(args, code: str) -> str:
     from importlib.metadata import version
 
+    from rlhf_core.precision import describe_hardware
+
     names = ["torch", "transformers", "deepspeed", "trl", "accelerate"]
-    return (f"Versions: {code}, " + ", ".join(f"{n} {version(n)}" for n in names)
+    return (f"Machine: {describe_hardware()}; both sides in {args.precision}.\n"
+            f"Versions: {code}, " + ", ".join(f"{n} {version(n)}" for n in names)
             + f"; {args.threads} torch threads per run, {os.cpu_count()} CPUs visible, "
             f"{args.repeats} alternating runs each")
 
@@ -494,6 +582,11 @@ def parse_args(argv=None):
     p.add_argument("--model_size", default="small", choices=["tiny", "small"])
     p.add_argument("--task", default="sort", help="built-in task whose data both sides train on (default: the "
                                                    "pipeline's task; addition has shorter, more even rows)")
+    p.add_argument("--mode", choices=["steps", "process"], default="steps",
+                   help="steps: timed optimizer steps in steady state; process: whole runs as users start them "
+                        "(ours: `rlhf train`), timed from process start to exit")
+    p.add_argument("--process_rows", type=json.loads, default={"sft": 16000, "dpo": 8000},
+                   help='rows per whole run, JSON (default {"sft": 16000, "dpo": 8000}); one epoch each')
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs of each setup, alternated")
@@ -501,6 +594,8 @@ def parse_args(argv=None):
     p.add_argument("--micro_train_batch_size", type=int, default=32)
     p.add_argument("--max_len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="precision of both sides: auto = bf16 where this CPU computes it natively, else fp32")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
     p.add_argument("--work_dir", default=None, help="keep data and run folders here (default: a temp dir, removed)")
     p.add_argument("--json_out", default=None, help="write every run's raw result here (updated after each run)")
@@ -515,6 +610,8 @@ def parse_args(argv=None):
     p.add_argument("--our_attention", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     p.add_argument("--zero_stage", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--force_zero", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
