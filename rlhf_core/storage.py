@@ -232,12 +232,11 @@ def registered_versions(uri: str) -> list[str]:
     store exists) and answers; otherwise, or on an error, [] with a warning: a store that is down
     must not block a run, and one never set up has no registry.
     """
-    tracking = os.environ.get("MLFLOW_TRACKING_URI")
-    if not tracking:
-        db = state_dir() / "mlflow.db"
-        if not db.exists():
-            return []
-        tracking = f"sqlite:///{db}"
+    from rlhf_core.tracking import tracking_uri
+
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (state_dir() / "mlflow.db").exists():
+        return []
+    tracking = tracking_uri()
     if tracking.startswith(("http://", "https://")) and not _reachable(tracking):
         print(f"rlhf: warning: MLflow at {tracking} does not answer; not checked whether a registered model "
               f"points at {uri}", file=sys.stderr)
