@@ -245,8 +245,9 @@ def test_an_output_a_registered_model_version_points_at_is_kept(tmp_path, monkey
     from mlflow import MlflowClient
 
     sft = output(tmp_path / "sft", "sft")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = MlflowClient()
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    client = MlflowClient(tracking_uri=store)  # not the process's default: an earlier test may have set one
     run = client.create_run("0")
     client.create_registered_model("rlhf-sft")
     client.create_model_version("rlhf-sft", f"runs:/{run.info.run_id}/stage.json", run.info.run_id,
