@@ -71,10 +71,12 @@ def run_stage(cfg: TrainConfig) -> dict:
     import ray
     import torch
 
+    from rlhf_core import storage
     from rlhf_core.distributed.worker_group import WorkerGroup
     from rlhf_core.trainers import check_data
 
     cfg.check_complete()
+    storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
     prepare_environment()
     data = check_data(cfg)
     if trains_in_process(cfg):

@@ -33,6 +33,9 @@ from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, build_tiny_llama, train_to
 DEFAULT_N_TRAIN = 4000
 DEFAULT_N_TEST = 200
 DATA_KINDS = ("sft", "preference", "prompts")
+# What a local prep rewrites under its folder; anything else there (e.g. models saved under
+# `work/models`) is left alone, so rerunning prep over its own output is allowed with it present.
+REWRITTEN = ("data", "tokenizer", "base")
 
 
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
@@ -123,6 +126,9 @@ def prep_config(**params) -> dict:
 def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     """`rlhf prep`: `prepare`, then write `stage.json` last, and log to the orchestrator's MLflow run.
 
+    `out_dir` must be new, empty, or an earlier (or unfinished) prep output (`storage.check_destination`,
+    ConfigError otherwise, before anything is built).
+
     The manifest records the parameters (all of them, defaults included, and their hash) and the
     sha256 of every data file; it is written only after everything else is in place, so its
     presence means the prep output is complete.
@@ -131,15 +137,19 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
 
     params = prep_config(**params)
     out = storage.normalize_uri(str(out_dir))
-    if storage.is_remote(out):  # build locally, then upload with the manifest last
+    remote = storage.is_remote(out)
+    storage.check_destination(out, "prep", flag="--out", replaces=None if remote else REWRITTEN)
+    if remote:  # build locally, then upload with the manifest last
         with tempfile.TemporaryDirectory(prefix="rlhf-prep-") as tmp:
             manifest, tracker = _prep_and_record(Path(tmp), out, params)
-            storage.publish_dir(tmp, out, manifest)
-    else:
+            storage.publish_dir(tmp, out, manifest, flag="--out")
+    else:  # in place, marked as being written, so a rerun after a crash may take it over
         local = Path(out)
+        storage.mark_writing(out, "prep")
         (local / storage.MANIFEST).unlink(missing_ok=True)
         manifest, tracker = _prep_and_record(local, out, params)
         storage.write_manifest(local, manifest)
+        storage.clear_writing(out)
     tracker.finish()
     return manifest
 

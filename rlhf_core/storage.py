@@ -2,8 +2,14 @@
 
 A stage is finished when its `stage.json` exists, and `stage.json` is always written last:
 locally the whole directory is built under a temporary name and renamed into place; on S3 the
-files are uploaded first and the manifest after them (an older manifest is removed before the
-upload starts). So a crash never leaves something that looks like a finished stage.
+files are uploaded first and the manifest after them. So a crash never leaves something that
+looks like a finished stage.
+
+Nothing is removed that a stage did not write. `check_destination` holds the rules for where a
+stage may write; the driver runs it before anything trains and the publish step again before it
+replaces anything. A location is replaced only when it is an earlier output of the same stage
+kind (its `stage.json`), an unfinished one (its `.rlhf-writing.json` marker, put there before
+anything is written in place and removed after `stage.json`), or an empty folder.
 
 S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, ...), which s3fs reads itself; they never pass through our configs.
@@ -15,11 +21,23 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.config import ConfigError, state_dir
+
 MANIFEST = "stage.json"
+WRITING = ".rlhf-writing.json"  # "being written by stage X": a retry of X may replace what is there
+CHECKPOINTS = "rlhf-checkpoints.json"  # the checkpoint tags each run wrote (rlhf_core/trainers/checkpoints.py)
+_MARKS = (MANIFEST, WRITING, CHECKPOINTS)
+
+# What a stage may write over (anything else is refused).
+NEW, EMPTY, EARLIER, UNFINISHED = "new", "empty folder", "earlier output", "unfinished output"
 
 
 def is_remote(uri: str) -> bool:
@@ -39,34 +57,302 @@ def _fs(uri: str):
     return fsspec.core.url_to_fs(uri)[0]
 
 
-def publish_dir(local_dir: str | Path, uri: str, manifest: dict) -> str:
-    """Move/upload a finished local directory to `uri`, then write its manifest last."""
+# --- where a stage may write -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    """What is at a location. `entries` are relative POSIX paths: every file below it when it holds
+    an output (a `stage.json` or marker at its top), else only its top-level entries."""
+
+    kind: str  # "missing" | "file" (anything but a folder) | "folder"
+    entries: tuple[str, ...] = ()
+    stage: str | None = None  # the stage its top-level stage.json names
+    writing: str | None = None  # the stage its top-level marker names
+
+
+@dataclass(frozen=True)
+class Destination:
+    uri: str  # normalized
+    state: str  # NEW, EMPTY, EARLIER or UNFINISHED
+    found: Found
+
+
+def destination_state(found: Found, stage: str, replaces: Iterable[str] | None = None) -> str:
+    """NEW, EMPTY, EARLIER or UNFINISHED when `stage` may write its output over `found`, else ConfigError.
+
+    `replaces`: the top-level entries the stage rewrites (prep rewrites its own folders in place);
+    None: the whole folder. Another output inside what would be replaced (a `stage.json`, a marker
+    or a checkpoint record below the top) is refused: it is not this stage's to remove.
+    """
+    if found.kind == "missing":
+        return NEW
+    if found.kind == "file":
+        raise ConfigError("is a file, not a folder")
+    if found.stage is None and found.writing is None:
+        if not found.entries:
+            return EMPTY
+        raise ConfigError(f"is a folder with other content ({_some(found.entries)}), not an output of {stage}")
+    if found.stage is not None and found.stage != stage:
+        raise ConfigError(f"holds the output of stage {found.stage}, not of {stage}")
+    if found.writing is not None and found.writing != stage:
+        raise ConfigError(f"is being written by stage {found.writing}, not by {stage}")
+    scope = None if replaces is None else tuple(replaces)
+    nested = [e for e in found.entries if "/" in e and e.rsplit("/", 1)[1] in _MARKS
+              and (scope is None or e.split("/", 1)[0] in scope)]
+    if nested:
+        raise ConfigError(f"holds other outputs inside it ({_some(nested)})")
+    return EARLIER if found.stage is not None else UNFINISHED
+
+
+def check_destination(uri: str, stage: str, inputs: Iterable[tuple[str, str]] = (), *, flag: str = "--save_path",
+                      replaces: Iterable[str] | None = None) -> Destination:
+    """Whether `stage` may write its output at `uri`; ConfigError (exit 2) naming `flag` when not.
+
+    Refused: a file; a folder that is not an output of `stage` (other content, another stage's
+    output or one being written by another stage, other outputs inside it); a location that is or
+    contains one of `inputs` (`(flag, location)` pairs, see `stage_inputs`); an output a
+    registered MLflow model version points at. Nothing is read beyond what these rules need.
+    """
+    target = normalize_uri(uri)
+    for name, location in inputs:
+        if _contains(target, normalize_uri(location)):
+            raise ConfigError(f"{flag} {uri}: is or contains the input {name} {location}; a stage never writes "
+                              "over what it reads")
+    found = _look(target)
+    try:
+        state = destination_state(found, stage, replaces)
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {uri}: {e}; nothing was written or removed (choose another location, or move "
+                          "it away yourself)") from None
+    if state == NEW and not is_remote(target):
+        parent = next(p for p in Path(target).parents if p.exists())
+        if not parent.is_dir():
+            raise ConfigError(f"{flag} {uri}: {parent} is a file, not a folder")
+    if state in (EARLIER, UNFINISHED):
+        versions = registered_versions(target)
+        if versions:
+            raise ConfigError(f"{flag} {uri}: registered model version {', '.join(versions)} points at this output "
+                              "(MLflow tag rlhf.output_uri); it is kept; choose another location")
+    return Destination(target, state, found)
+
+
+def check_stage_output(cfg) -> Destination:
+    """`check_destination` for a stage config: its `save_path`, its stage, its inputs."""
+    return check_destination(cfg.save_path, cfg.stage, stage_inputs(cfg))
+
+
+def stage_inputs(cfg) -> list[tuple[str, str]]:
+    """`(flag, location)` of what a stage config reads: models, dataset files and folders, checkpoints.
+
+    Local model and data paths that do not exist are left out (hub names); `ckpt_path` stays in
+    even before its first checkpoint, so an output can never be published over it.
+    """
+    found = [(f"--{name}", value) for name in ("pretrain", "ref_pretrain", "reward_pretrain")
+             if (value := getattr(cfg, name, None))]
+    data = getattr(cfg, "data", cfg)
+    for name in ("dataset", "eval_dataset"):
+        for spec in (getattr(data, name, None) or "").split(","):
+            if spec.strip():
+                found.append((f"--{name}", spec.strip().removeprefix("json@")))
+    found = [(n, v) for n, v in found if is_remote(v) or Path(v.removeprefix("file://")).expanduser().exists()]
+    if getattr(cfg, "ckpt_path", None):
+        found.append(("--ckpt_path", cfg.ckpt_path))
+    return found
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _some(entries: Iterable[str], shown: int = 3) -> str:
+    entries = list(entries)
+    more = f", ... {len(entries) - shown} more" if len(entries) > shown else ""
+    return ", ".join(entries[:shown]) + more
+
+
+def _look(target: str) -> Found:
+    if is_remote(target):
+        return _look_remote(_fs(target), target)
+    return _look_local(Path(target))
+
+
+def _look_local(path: Path) -> Found:
+    if not path.exists() and not path.is_symlink():
+        return Found("missing")
+    if not path.is_dir():
+        return Found("file")
+    top = sorted(p.name for p in path.iterdir())
+    stage = _named_stage(path / MANIFEST) if MANIFEST in top else None
+    writing = _named_stage(path / WRITING) if WRITING in top else None
+    if stage is None and writing is None:
+        return Found("folder", tuple(top))
+    files = [(Path(root) / name).relative_to(path).as_posix() for root, _, names in os.walk(path) for name in names]
+    return Found("folder", tuple(sorted(files)), stage, writing)
+
+
+def _look_remote(fs, target: str) -> Found:
+    fs.invalidate_cache(target)
+    if fs.isfile(target):
+        return Found("file")
+    base = fs._strip_protocol(target).rstrip("/")
+    try:
+        top = sorted({_relative(base, p) for p in fs.ls(target, detail=False)} - {""})
+    except FileNotFoundError:
+        top = []
+    if not top:  # an empty prefix holds nothing: object stores have no empty folders
+        return Found("missing")
+    stage = _named_stage(f"{target}/{MANIFEST}", fs) if MANIFEST in top else None
+    writing = _named_stage(f"{target}/{WRITING}", fs) if WRITING in top else None
+    if stage is None and writing is None:
+        return Found("folder", tuple(top))
+    return Found("folder", tuple(sorted(_relative(base, p) for p in fs.find(target))), stage, writing)
+
+
+def _relative(base: str, path: str) -> str:
+    return path.rstrip("/")[len(base):].lstrip("/") if path.startswith(base) else path
+
+
+def _named_stage(path, fs=None) -> str:
+    try:
+        if fs is None:
+            value = json.loads(Path(path).read_text()).get("stage")
+        else:
+            with fs.open(path) as f:
+                value = json.load(f).get("stage")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    return value if isinstance(value, str) and value else f"(unreadable {Path(str(path)).name})"
+
+
+def registered_versions(uri: str) -> list[str]:
+    """`name/version` of the registered MLflow model versions whose output (tag `rlhf.output_uri`) is `uri`.
+
+    Asked only where a tracking store is configured (`MLFLOW_TRACKING_URI`, or the embedded SQLite
+    store exists) and answers; otherwise, or on an error, [] with a warning: a store that is down
+    must not block a run, and one never set up has no registry.
+    """
+    from rlhf_core.tracking import tracking_uri
+
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (state_dir() / "mlflow.db").exists():
+        return []
+    tracking = tracking_uri()
+    if tracking.startswith(("http://", "https://")) and not _reachable(tracking):
+        print(f"rlhf: warning: MLflow at {tracking} does not answer; not checked whether a registered model "
+              f"points at {uri}", file=sys.stderr)
+        return []
+    try:
+        from mlflow import MlflowClient
+
+        # A quote cannot be escaped in a filter: match it with LIKE's one-character wildcard, compare below.
+        test = "LIKE" if "'" in uri else "="
+        versions = MlflowClient(tracking_uri=tracking).search_model_versions(
+            f"tags.`rlhf.output_uri` {test} '{uri.replace(chr(39), '_')}'", max_results=100)
+    except Exception as e:  # noqa: BLE001 - any store failure: warn and go on, as above
+        print(f"rlhf: warning: could not search the MLflow model registry at {tracking} ({type(e).__name__}: "
+              f"{e}); not checked whether a registered model points at {uri}", file=sys.stderr)
+        return []
+    return sorted(f"{v.name}/{v.version}" for v in versions if v.tags.get("rlhf.output_uri") == uri)
+
+
+def _reachable(url: str, timeout: float = 2.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+# --- writing outputs ---------------------------------------------------------------------------
+
+
+def mark_writing(uri: str, stage: str) -> None:
+    """Say that `stage` is writing its output at `uri` (first, before anything is written in place)."""
+    marker = {"stage": stage, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid()}
+    if is_remote(uri):
+        with _fs(uri).open(f"{uri.rstrip('/')}/{WRITING}", "w") as f:
+            json.dump(marker, f)
+        return
+    path = Path(normalize_uri(uri))
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(path / WRITING, marker)
+
+
+def clear_writing(uri: str) -> None:
+    """Remove the marker of `mark_writing` (last, after `stage.json`)."""
+    if is_remote(uri):
+        try:
+            _fs(uri).rm_file(f"{uri.rstrip('/')}/{WRITING}")
+        except FileNotFoundError:
+            pass
+        return
+    (Path(normalize_uri(uri)) / WRITING).unlink(missing_ok=True)
+
+
+def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterable[tuple[str, str]] = (),
+                flag: str = "--save_path") -> str:
+    """Move/upload a finished local directory to `uri`, then write its manifest (`stage`: whose output) last.
+
+    Checks `uri` again (`check_destination`) and replaces only what the check found to be this
+    stage's own; the previous output's files go, none else. Locally the old folder is moved aside,
+    checked once more where nobody else writes, and removed after the new one is in place.
+    """
     local_dir = Path(local_dir)
     (local_dir / MANIFEST).unlink(missing_ok=True)
+    inputs = list(inputs)
     if not is_remote(uri):
-        dest = Path(uri.removeprefix("file://")).expanduser().resolve()
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(local_dir, staging)
-        _write_json_atomic(staging / MANIFEST, manifest)
-        if dest.exists():
-            trash = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            dest.rename(trash)
-            staging.rename(dest)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            staging.rename(dest)
-        return str(dest)
-    fs = _fs(uri)
-    target = uri.rstrip("/")
-    if fs.exists(f"{target}/{MANIFEST}"):
-        fs.rm(f"{target}/{MANIFEST}")
-    for path in sorted(local_dir.rglob("*")):
-        if path.is_file():
-            fs.put_file(str(path), f"{target}/{path.relative_to(local_dir).as_posix()}")
+        return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
+    target = normalize_uri(uri)
+    found = check_destination(target, manifest["stage"], inputs, flag=flag).found
+    fs = _fs(target)
+    mark_writing(target, manifest["stage"])
+    files = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
+    # Only what the check saw (and found ours) is removed, stage.json first; later arrivals stay.
+    old = [e for e in found.entries if e not in files and e != WRITING]
+    if MANIFEST in old:
+        fs.rm_file(f"{target}/{MANIFEST}")
+    stale = [f"{target}/{e}" for e in old if e != MANIFEST]
+    if stale:
+        fs.rm(stale)
+    for rel, path in files.items():
+        fs.put_file(str(path), f"{target}/{rel}")
     with fs.open(f"{target}/{MANIFEST}", "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
+    clear_writing(target)
     return target
+
+
+def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, flag: str) -> str:
+    stage = manifest["stage"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(local_dir, staging)
+        _write_json_atomic(staging / MANIFEST, manifest)
+        if check_destination(str(dest), stage, inputs, flag=flag).state == NEW:
+            try:
+                staging.rename(dest)  # fails on anything but an empty folder that appeared since the check
+            except OSError as e:
+                raise ConfigError(f"{flag} {dest}: appeared while the output was being published ({e.strerror}); "
+                                  "it is left as it was") from None
+            return str(dest)
+        trash = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        dest.rename(trash)
+        try:  # what was moved aside, where nobody else writes: still ours?
+            destination_state(_look_local(trash), stage)
+        except ConfigError as e:
+            trash.rename(dest)
+            raise ConfigError(f"{flag} {dest}: changed while it was being replaced: {e}; it is left as it was") from None
+        staging.rename(dest)
+        shutil.rmtree(trash, ignore_errors=True)
+        return str(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed into place
 
 
 def write_manifest(local_dir: str | Path, manifest: dict) -> None:

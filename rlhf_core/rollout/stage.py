@@ -4,7 +4,8 @@ They run in the calling process (under an orchestrator, that process is already 
 driver): no worker group, no DeepSpeed. Like the trainers they open one MLflow run (resuming
 the orchestrator's `MLFLOW_RUN_ID` when there is one) and end with the stage-output contract:
 the output directory is built locally, then published with `storage.publish_dir`, which writes
-`stage.json` last, so nothing half-written ever looks finished, locally or on S3.
+`stage.json` last, so nothing half-written ever looks finished, locally or on S3. `stage_run`
+first checks that the output may go to `save_path` (`storage.check_stage_output`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from rlhf_core.version import code_version, stage_manifest
 
 @contextmanager
 def stage_run(cfg, sources: list[dict]):
-    """An MLflow run for the stage with its params and datasets; FAILED if the body raises."""
+    """An MLflow run for the stage with its params and datasets; FAILED if the body raises.
+
+    ConfigError, before the run opens, when the output may not go to `cfg.save_path`."""
+    storage.check_stage_output(cfg)
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
     try:
@@ -46,7 +50,7 @@ def publish_stage(cfg, tracker: Tracker, files: dict[str, str], metrics: dict, i
         out.mkdir()
         for name, text in files.items():
             (out / name).write_text(text, encoding="utf-8")
-        storage.publish_dir(out, cfg.save_path, manifest)
+        storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
     tracker.log_metrics(manifest["metrics"], step=0)
     tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
     with tempfile.TemporaryDirectory() as tmp:

@@ -170,7 +170,7 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
             model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
             manifest["output_uri"] = storage.normalize_uri(cfg.save_path)
-            storage.publish_dir(out, cfg.save_path, manifest)
+            storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
         ctx.tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
         ctx.tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
         with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,8 @@ both back.
 
 Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's own format), the
 step (which fixes the data position, see `BatchPlan`) and every rank's RNG states, so a resumed
-run ends with the same weights as an uninterrupted one.
+run ends with the same weights as an uninterrupted one. `--max_ckpt_num` rotates only the tags
+this run (resumes included) wrote, as `checkpoints.py` records them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -135,6 +135,8 @@ class TrainLoop:
         return {f"{prefix}{k}": (v / totals[-1]).item() for k, v in zip(keys, totals[:-1], strict=True)}
 
     # -- checkpoints -----------------------------------------------------------------------
+    checkpoint_run: str | None = None  # the id this run's tags are recorded under (checkpoints.py), rank 0
+
     def save_checkpoint(self) -> None:
         ckpt = Path(self.cfg.ckpt_path)
         tag = f"global_step{self.step}"
@@ -146,11 +148,13 @@ class TrainLoop:
         self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": self.step})
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if self.rank == 0:
-            tags = sorted((p for p in ckpt.glob("global_step*") if p.is_dir()),
-                          key=lambda p: int(p.name.removeprefix("global_step")))
-            for old in tags[: -self.cfg.max_ckpt_num]:
-                shutil.rmtree(old, ignore_errors=True)
+        if self.rank == 0:  # rotate this run's own checkpoints only: others may share ckpt_path
+            from rlhf_core.trainers import checkpoints
+
+            if self.checkpoint_run is None:
+                self.checkpoint_run = checkpoints.new_run_id()
+            checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
+            checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.max_ckpt_num)
 
     def load_checkpoint(self) -> int:
         ckpt = Path(self.cfg.ckpt_path)
@@ -170,6 +174,11 @@ class TrainLoop:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         if self.rank == 0:
+            from rlhf_core.trainers import checkpoints
+
+            # The same run, continued: its earlier tags (and the one resumed from) keep rotating.
+            self.checkpoint_run = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
+            checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, int(client["step"]))
             print(f"resumed from {ckpt / tag} at step {client['step']}", file=sys.stderr, flush=True)
         return int(client["step"])
 

@@ -59,3 +59,31 @@ def test_trained_stage_saves_to_s3_and_next_stage_reads_it(s3_endpoint, prepared
     follow = run_recipe(build_config(SFTConfig, None, {**values, "pretrain": "s3://models/run2/sft",
                                                        "save_path": str(tmp_path / "sft2")}))
     assert follow["inputs"]["pretrain"] == "s3://models/run2/sft"
+
+
+def test_an_output_replaces_only_its_own_earlier_files_on_s3(s3_endpoint, tmp_path):
+    """s3fs's own listing (prefixes, no folders): old shards of the earlier output go, other objects stay."""
+    import fsspec
+
+    from rlhf_core.config import ConfigError
+
+    fsspec.config.conf.clear()
+    fs = fsspec.filesystem("s3")
+    uri = "s3://models/run4/sft"
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "stage.json"):
+        fs.pipe(f"{uri}/{name}", b'{"stage": "sft"}' if name == "stage.json" else b"old")
+    fs.pipe("s3://models/run4/notes/readme.txt", b"keep")
+    fs.pipe("s3://models/run4/object", b"keep")
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"new")
+    storage.publish_dir(src, uri, {"stage": "sft"})
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find(uri)) == ["model.safetensors", "stage.json"]
+    for foreign, stage in (("s3://models/run4/notes", "sft"), ("s3://models/run4/object", "sft"), (uri, "dpo"),
+                           ("s3://models/run4", "sft")):
+        with pytest.raises(ConfigError):
+            storage.publish_dir(src, foreign, {"stage": stage})
+    fs.invalidate_cache()
+    assert fs.cat("s3://models/run4/notes/readme.txt") == b"keep" and fs.cat("s3://models/run4/object") == b"keep"
+    assert storage.read_manifest(uri) == {"stage": "sft"}

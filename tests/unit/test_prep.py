@@ -188,3 +188,47 @@ def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in
             manifest["config_hash"], name
     with pytest.raises(TypeError):
         prep_module.prep_config(not_a_parameter=1)
+
+
+def test_prep_writes_only_where_it_may_and_a_rerun_takes_over_a_crashed_prep(tmp_path, monkeypatch):
+    """Only a new or empty folder or an earlier prep output; a crash leaves a marker a rerun accepts,
+    and models saved under an earlier prep output (outside what prep rewrites) stay where they are."""
+    import functools
+
+    from rlhf_core import prep as prep_module
+    from rlhf_core import storage
+    from rlhf_core.config import ConfigError
+
+    def fake_prepare(out_dir, crash=False, **params):
+        (Path(out_dir) / "data" / "sft").mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "data" / "sft" / "train.jsonl").write_text("{}\n")
+        if crash:
+            raise RuntimeError("killed")
+        return {}
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setattr(prep_module, "prepare", functools.wraps(prepare)(fake_prepare))
+    work = tmp_path / "work"
+    monkeypatch.setattr(prep_module, "prep_config", lambda **params: params)
+    with pytest.raises(RuntimeError, match="killed"):
+        prep_module.run_prep(work, crash=True)
+    assert storage.read_manifest(str(work)) is None and (work / storage.WRITING).exists()
+    with pytest.raises(ConfigError, match="is being written by stage prep"):
+        storage.check_destination(str(work), "sft")
+    prep_module.run_prep(work)
+    assert storage.read_manifest(str(work))["stage"] == "prep" and not (work / storage.WRITING).exists()
+
+    sft = work / "models" / "sft"  # README layout: models saved under the prep folder
+    sft.mkdir(parents=True)
+    (sft / "stage.json").write_text('{"stage": "sft"}')
+    prep_module.run_prep(work)
+    assert (sft / "stage.json").read_text() == '{"stage": "sft"}'
+    (work / "base").mkdir()
+    (work / "base" / "eval").mkdir()
+    (work / "base" / "eval" / "stage.json").write_text('{"stage": "eval"}')  # inside what prep rewrites
+    with pytest.raises(ConfigError, match=r"holds other outputs inside it \(base/eval/stage.json"):
+        prep_module.run_prep(work)
+    (tmp_path / "notes.md").write_text("keep")
+    with pytest.raises(ConfigError, match="folder with other content"):
+        prep_module.run_prep(tmp_path)
+    assert (tmp_path / "notes.md").read_text() == "keep" and not (tmp_path / "data").exists()

@@ -1,0 +1,72 @@
+"""Which checkpoint tags under a `--ckpt_path` each training run wrote, so rotation removes only its own.
+
+`rlhf-checkpoints.json` in the checkpoint folder maps a tag (`global_step<N>`) to the run that
+wrote it: `{"tags": {tag: {"run": id, "stage": ..., "step": N}}}`. A run that starts fresh has a
+new id; a run that resumes (`--load_checkpoint`) continues the id of the tag it loaded (a tag no
+record lists, e.g. one written before records existed, is taken over by the run resuming from it),
+so `--max_ckpt_num` counts the checkpoints of the whole run across restarts. Tags of other runs and
+folders the record does not list are never removed. Rank 0 writes the record, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from rlhf_core.storage import CHECKPOINTS
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def read_record(ckpt: Path) -> dict:
+    """The record of `ckpt` (`{"tags": {}}` when there is none yet, or it cannot be read)."""
+    try:
+        record = json.loads((Path(ckpt) / CHECKPOINTS).read_text())
+    except (OSError, ValueError):
+        return {"tags": {}}
+    return record if isinstance(record.get("tags"), dict) else {"tags": {}}
+
+
+def run_of(ckpt: Path, tag: str) -> str | None:
+    """The run that wrote `tag`, None when no record lists it."""
+    entry = read_record(ckpt)["tags"].get(tag)
+    return entry.get("run") if isinstance(entry, dict) else None
+
+
+def record_tag(ckpt: Path, tag: str, run: str, stage: str, step: int) -> None:
+    """Note that `run` wrote (or resumed from) `tag`."""
+    record = read_record(ckpt)
+    record["tags"][tag] = {"run": run, "stage": stage, "step": step}
+    _write(Path(ckpt), record)
+
+
+def tags_to_remove(record: dict, run: str, keep: int) -> list[str]:
+    """The tags of `run` beyond its newest `keep` (by step), oldest first; other runs' tags never."""
+    mine = sorted((entry["step"], tag) for tag, entry in record["tags"].items()
+                  if isinstance(entry, dict) and entry.get("run") == run)
+    return [tag for _, tag in mine[: max(len(mine) - keep, 0)]]
+
+
+def rotate(ckpt: Path, run: str, keep: int) -> list[str]:
+    """Remove the checkpoints of `run` beyond its newest `keep`; returns the tags removed."""
+    ckpt = Path(ckpt)
+    record = read_record(ckpt)
+    removed = tags_to_remove(record, run, keep)
+    for tag in removed:
+        shutil.rmtree(ckpt / tag, ignore_errors=True)
+        del record["tags"][tag]
+    if removed:
+        _write(ckpt, record)
+    return removed
+
+
+def _write(ckpt: Path, record: dict) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt / f".{CHECKPOINTS}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+    os.replace(tmp, ckpt / CHECKPOINTS)
