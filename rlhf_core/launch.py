@@ -68,11 +68,7 @@ def trains_in_process(cfg: TrainConfig) -> bool:
 
 def run_stage(cfg: TrainConfig) -> dict:
     """Train one stage on `cfg.world_size` ranks and return its manifest (from rank 0)."""
-    import ray
-    import torch
-
     from rlhf_core import storage
-    from rlhf_core.distributed.worker_group import WorkerGroup
     from rlhf_core.trainers import check_data
 
     cfg.check_complete()
@@ -86,6 +82,11 @@ def run_stage(cfg: TrainConfig) -> dict:
             return run_recipe(cfg, data)
         except Exception as e:
             raise StageFailed(e) from e
+    import ray  # about 1.5 s to import: only where a worker group runs
+    import torch
+
+    from rlhf_core.distributed.worker_group import WorkerGroup
+
     started = ensure_ray()
     group = None
     try:
