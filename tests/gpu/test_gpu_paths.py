@@ -16,7 +16,7 @@ def _sft(prepared, out, **overrides):
 
     values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(out),
               "apply_chat_template": True, "max_len": 48, "train_batch_size": 32, "micro_train_batch_size": 16,
-              "learning_rate": 2e-3, "max_steps": 20, "bf16": True, "max_eval_samples": 64, **overrides}
+              "learning_rate": 2e-3, "max_steps": 20, "param_dtype": "auto", "max_eval_samples": 64, **overrides}
     return build_config(SFTConfig, None, values)
 
 
@@ -25,6 +25,8 @@ def test_bf16_deepspeed_on_cuda_learns(prepared, tmp_path):
 
     manifest = run_stage(_sft(prepared, tmp_path / "sft"))
     assert manifest["metrics"]["eval/loss"] < 0.7 * manifest["metrics"]["eval_initial/loss"]
+    # auto on a CUDA device with bf16 (Ampere and later) is DeepSpeed's bf16, and the manifest says so
+    assert manifest["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn not installed")
@@ -49,7 +51,7 @@ def test_flash_attention_packing_matches_padding(prepared):
 def test_two_gpu_ranks_over_nccl_match_one(prepared, tmp_path):
     from rlhf_core.launch import run_stage
 
-    one = run_stage(_sft(prepared, tmp_path / "one", bf16=False, max_steps=3))
-    two = run_stage(_sft(prepared, tmp_path / "two", bf16=False, max_steps=3, num_gpus_per_node=2, zero_stage=3,
+    one = run_stage(_sft(prepared, tmp_path / "one", param_dtype="fp32", max_steps=3))
+    two = run_stage(_sft(prepared, tmp_path / "two", param_dtype="fp32", max_steps=3, num_gpus_per_node=2, zero_stage=3,
                          micro_train_batch_size=8))
     assert abs(one["metrics"]["train/final_loss"] - two["metrics"]["train/final_loss"]) < 1e-4
