@@ -62,7 +62,11 @@ def load_stage_data(cfg: TrainConfig, load) -> StageData:
 
 def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     """Join (or start, for one local rank) the process group, seed, open the MLflow run on rank 0."""
-    if not torch.distributed.is_initialized():
+    if not torch.distributed.is_initialized() and cfg.world_size == 1:
+        # One rank meets nobody: a free loopback port, never a MASTER_PORT inherited from a parent
+        # process (one that trained in-process holds that port, and this run would fail to bind it).
+        init_distributed(0, 1, "127.0.0.1", None)
+    elif not torch.distributed.is_initialized():  # ranks started by a launcher that set the variables
         init_distributed(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                          os.environ.get("MASTER_ADDR", "127.0.0.1"),
                          int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None)
