@@ -271,7 +271,10 @@ cmd_stop() {
 start_ray() {
   local env_vars=(RLHF_HOME="$HOME_DIR" MLFLOW_TRACKING_URI="http://127.0.0.1:$MLFLOW_PORT"
     RLHF_JOB_COMMAND="$JOB_COMMAND" TORCH_EXTENSIONS_DIR="$TORCH_EXT" RAY_AUTH_MODE=token
-    TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0)
+    TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+    # On Linux Ray replaces a loopback --node-ip-address with the machine's address (and its
+    # services then listen on all interfaces) unless this "cluster mode" is off: see local_ray.py.
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)
   local cpus=()
   [ -n "${RLHF_STACK_CPUS:-}" ] && cpus=(--num-cpus "$RLHF_STACK_CPUS")
   mkdir -p "$RAY_TMP"
