@@ -17,7 +17,6 @@ from rlhf_core.config import STAGE_CONFIGS, ConfigError, add_config_flags, build
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-HARDWARE_PREFIX = "rlhf-hardware: "  # the line `rlhf hardware` prints (read back by the flow)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "hardware":
             from rlhf_core.launch import prepare_environment, probe_hardware
+            from rlhf_core.precision import HARDWARE_PREFIX
 
             prepare_environment()
             print(HARDWARE_PREFIX + json.dumps(probe_hardware(), sort_keys=True), flush=True)

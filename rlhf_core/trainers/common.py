@@ -116,12 +116,18 @@ def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
     return model
 
 
+def packs_into_one_row(cfg: TrainConfig) -> bool:
+    """flash-attn's variable-length kernels take one packed row and no dense mask."""
+    from rlhf_core.models.loading import attention_implementation
+
+    return attention_implementation(cfg.flash_attn) == "flash_attention_2"
+
+
 def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     """`sequences -> Batch` on `device`: padded, or packed (one row with flash-attn, else rows of max_len)."""
     from rlhf_core.data.batching import make_batch
-    from rlhf_core.models.loading import attention_implementation
 
-    capacity = None if attention_implementation(cfg.flash_attn) == "flash_attention_2" else cfg.data.max_len
+    capacity = None if packs_into_one_row(cfg) else cfg.data.max_len
 
     def build(sequences):
         return make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences], tokenizer.pad_token_id,
@@ -138,10 +144,9 @@ def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     whose masks cannot express a shared prompt, it is `batch_builder` on chosen + rejected.
     """
     from rlhf_core.data.batching import pack_pairs
-    from rlhf_core.models.loading import attention_implementation
 
     plain = batch_builder(cfg, tokenizer, device)
-    if not cfg.data.packing_samples or attention_implementation(cfg.flash_attn) == "flash_attention_2":
+    if not cfg.data.packing_samples or packs_into_one_row(cfg):
         return lambda chosen, rejected: plain(list(chosen) + list(rejected))
 
     def build(chosen, rejected):

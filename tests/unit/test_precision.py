@@ -97,6 +97,16 @@ def test_manifest_records_the_precision_used_and_hashes_it_instead_of_auto():
     assert json.loads(json.dumps(bf16))["config"]["param_dtype"] == "auto"  # what was asked for stays visible
 
 
-def test_this_machine_is_described_with_its_bf16_support():
-    line = precision.describe_hardware()
-    assert "native bf16: yes" in line or "native bf16: no" in line
+def test_this_machine_reports_what_onednn_reports_and_auto_follows_it():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU's report")
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert precision.this_hardware().native_bf16 == native
+    assert f"native bf16: {'yes' if native else 'no'}" in precision.describe_hardware()
+    precision.resolve_here.cache_clear()
+    try:
+        assert precision.resolve_here("auto") == (Precision.BF16 if native else Precision.FP32)
+    finally:
+        precision.resolve_here.cache_clear()
