@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--model_size", default="tiny", choices=["tiny", "small"])
     prep.add_argument("--n_train", type=int, default=None, help="Training examples per data kind")
     prep.add_argument("--n_test", type=int, default=None, help="Held-out examples per data kind")
+    prep.add_argument("--demo_error_rate", type=float, default=None, help="Fraction of SFT training demonstrations "
+                      "that are wrong (near misses): SFT then stays imperfect and RL has room (default 0)")
 
     train = sub.add_parser("train", help="Train one stage")
     stages = train.add_subparsers(dest="stage", required=True)
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 get_task(args.task)
             except ValueError as e:
                 raise ConfigError(f"--task: {e}") from None
-            sizes = {k: getattr(args, k) for k in ("n_train", "n_test") if getattr(args, k) is not None}
+            sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate") if getattr(args, k) is not None}
+            if not 0 <= sizes.get("demo_error_rate", 0) < 1:
+                raise ConfigError(f"--demo_error_rate: must be in [0, 1), got {args.demo_error_rate}")
             manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)
             print(json.dumps(manifest["outputs"], indent=2))
             return 0

@@ -81,6 +81,7 @@ def prepare(
     n_train: int = DEFAULT_N_TRAIN,
     n_test: int = DEFAULT_N_TEST,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    demo_error_rate: float = 0.0,
 ) -> dict[str, str]:
     """Build the data, tokenizer and base model under ``out_dir``; return their paths.
 
@@ -89,7 +90,7 @@ def prepare(
     """
     out = Path(out_dir)
     synthetic_task = get_task(task)
-    splits = build_splits(synthetic_task, seed=seed, n_train=n_train, n_test=n_test)
+    splits = build_splits(synthetic_task, seed=seed, n_train=n_train, n_test=n_test, demo_error_rate=demo_error_rate)
 
     paths: dict[str, str] = {}
     for kind in DATA_KINDS:

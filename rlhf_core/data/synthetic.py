@@ -214,7 +214,7 @@ def _unique_examples(task: SyntheticTask, rng: random.Random, n: int, exclude: s
 
 
 def build_splits(
-    task: SyntheticTask, seed: int, n_train: int, n_test: int
+    task: SyntheticTask, seed: int, n_train: int, n_test: int, demo_error_rate: float = 0.0
 ) -> dict[str, dict[str, list[dict]]]:
     """Draw disjoint train/test examples and lay them out as the three kinds of data.
 
@@ -223,15 +223,32 @@ def build_splits(
     sft rows ``{prompt, response}``, preference rows ``{prompt, chosen, rejected}`` (chosen is the
     right answer, rejected a near miss), prompt rows ``{prompt, answer}``. Prompts are raw task
     text; stages apply the chat template themselves.
+
+    ``demo_error_rate`` makes that fraction of the *training* demonstrations near misses (drawn
+    from their own stream): the setting where RL has room. Imitation copies the mistakes, so a
+    policy sampled at temperature 1 answers wrongly about that often, while the verifier, the
+    preference pairs (always right vs near miss) and the test split stay correct. Rows with a
+    training row says whether its demonstration is right (``"demo_correct"``), so a reader can tell.
     """
+    if not 0.0 <= demo_error_rate < 1.0:
+        raise ValueError(f"demo_error_rate must be in [0, 1), got {demo_error_rate}")
     test = _unique_examples(task, random.Random(f"{seed}-test"), n_test, exclude=set())
     train = _unique_examples(task, random.Random(f"{seed}-train"), n_train, exclude={p for p, _ in test})
     # Rejected answers come from their own stream, so the examples never depend on them.
     miss_rng = random.Random(f"{seed}-near-miss")
 
+    error_rng = random.Random(f"{seed}-demo-errors")
+
+    def demonstration(answer: str, split: str) -> dict:
+        if split != "train" or not demo_error_rate:
+            return {"response": answer}
+        if error_rng.random() < demo_error_rate:
+            return {"response": task.near_miss(answer, error_rng), "demo_correct": False}
+        return {"response": answer, "demo_correct": True}
+
     splits: dict[str, dict[str, list[dict]]] = {"sft": {}, "preference": {}, "prompts": {}}
     for split, examples in (("train", train), ("test", test)):
-        splits["sft"][split] = [{"prompt": p, "response": a} for p, a in examples]
+        splits["sft"][split] = [{"prompt": p, **demonstration(a, split)} for p, a in examples]
         splits["preference"][split] = [
             {"prompt": p, "chosen": a, "rejected": task.near_miss(a, miss_rng)} for p, a in examples
         ]

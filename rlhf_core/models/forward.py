@@ -51,3 +51,58 @@ def reward_scores(model, batch: Batch) -> torch.Tensor:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     values = base.score(hidden).squeeze(-1).float()
     return values.reshape(-1)[batch.last_token_index]
+
+
+# --- RL: per-token quantities of each sample's response, laid out `(num_samples, T)` -------------
+
+
+def response_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each sample's response tokens (its loss-masked tokens, in order) sit in the batch.
+
+    Returns `(index, mask)`, both `(num_samples, T_max)`: `index[i, t]` is the flat position
+    (into `rows * T`) of response token t of sample i, `mask[i, t]` is 1 where sample i has a
+    token t. The same for padded and packed batches, so RL tensors never depend on the layout.
+    """
+    seq = batch.seq_ids.reshape(-1)
+    flat = torch.arange(seq.numel(), device=seq.device)
+    keep = (batch.loss_mask.reshape(-1) > 0) & (seq >= 0)
+    owner, where = seq[keep], flat[keep]
+    order = torch.sort(owner, stable=True).indices  # positions are increasing within a sample
+    owner, where = owner[order], where[order]
+    counts = torch.bincount(owner, minlength=batch.num_samples)
+    starts = torch.cumsum(counts, 0) - counts
+    t = torch.arange(owner.numel(), device=seq.device) - starts[owner]
+    width = int(counts.max().item()) if owner.numel() else 0
+    index = torch.zeros((batch.num_samples, width), dtype=torch.long, device=seq.device)
+    mask = torch.zeros((batch.num_samples, width), dtype=torch.float32, device=seq.device)
+    index[owner, t] = where
+    mask[owner, t] = 1.0
+    return index, mask
+
+
+def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The logits that predict each response token, divided by `temperature`: `(num_samples, T, vocab)`.
+
+    Token at flat position p is predicted at p - 1 (a response always follows its prompt in the
+    same row). Only these rows of the logits are kept, never a `(rows, T, vocab)` log-softmax.
+    """
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False)
+    logits = out.logits.reshape(-1, out.logits.shape[-1])[(index - 1).clamp(min=0)]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logprobs(model, batch: Batch, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each response token at `temperature`: `(num_samples, T)` float32 (0 where masked out)."""
+    targets = batch.input_ids.reshape(-1)[index]
+    return gather_token_logprobs(response_logits(model, batch, index, temperature), targets)
+
+
+def response_values(critic, batch: Batch, index: torch.Tensor) -> torch.Tensor:
+    """A value model's estimate before each response token (read at the position that predicts
+    it, as the log-probs are): `(num_samples, T)` float32."""
+    hidden = backbone(critic)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    base = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
+    values = base.score(hidden).squeeze(-1).float()
+    return values.reshape(-1)[(index - 1).clamp(min=0)]

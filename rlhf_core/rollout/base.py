@@ -1,11 +1,15 @@
 """The generation interface every rollout engine implements, and where inference runs.
 
-An engine takes prompts that are already formatted (chat template applied) and returns, per
-prompt, `n` completions: the decoded text (special tokens stripped) and the response token ids
-as sampled, up to and including the EOS token when one was generated. Callers that need exact
-log-probs of what was sampled (KL, PPO) use the ids; callers that score or store text use the
-text. Temperature 0 means greedy decoding; otherwise the model's own distribution at that
-temperature, with no top-k/top-p shaping, so samples are draws from the policy itself.
+Engines speak token ids: `generate_ids` takes prompt token ids and returns, per prompt, `n`
+`Sample`s: the response token ids as sampled (up to and including the EOS token when one was
+generated) and the log-prob the engine gave each of them at the sampling temperature. RL trains
+on those ids and compares those log-probs with the trainer's own; `generate` is the text view of
+the same call for `rlhf eval` and `rlhf pairs` (formatted prompts in, decoded text out, special
+tokens stripped). Temperature 0 means greedy decoding; otherwise the model's own distribution at
+that temperature, with no top-k/top-p shaping, so samples are draws from the policy itself.
+
+An engine that serves a policy being trained also takes new weights (`update_weights`, after
+every optimizer step) and can give its memory back while the trainer runs (`sleep` / `wake_up`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,40 @@ class Completion:
     token_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response: its token ids, the engine's log-prob of each, whether it ended with EOS."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finished: bool
+
+
 class RolloutEngine(abc.ABC):
+    tokenizer: object
+    add_special_tokens: bool  # a raw prompt gets the tokenizer's special tokens; a chat template writes its own
+
     @abc.abstractmethod
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
-                 seed: int) -> list[list[Completion]]:
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, max_new_tokens: int,
+                     seed: int) -> list[list[Sample]]:
+        """`n` samples for each prompt (token ids): `[len(prompt_ids)][n]`."""
+
+    def generate(self, prompts: list[str], n: int = 1, temperature: float = 0.0, max_new_tokens: int = 64,
+                 seed: int = 0) -> list[list[Completion]]:
         """`n` completions for each already-formatted prompt: `[len(prompts)][n]`."""
+        ids = [self.tokenizer(p, add_special_tokens=self.add_special_tokens)["input_ids"] for p in prompts]
+        return [[Completion(self.tokenizer.decode(s.token_ids, skip_special_tokens=True), s.token_ids) for s in group]
+                for group in self.generate_ids(ids, n, temperature, max_new_tokens, seed)]
+
+    @abc.abstractmethod
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load the policy's current weights (names as in its Hugging Face `state_dict`)."""
+
+    def sleep(self) -> None:  # noqa: B027 (engines with nothing to release keep the default)
+        """Give the engine's accelerator memory back while the trainer runs (no-op where there is none)."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Take the memory back before the next generation."""
 
     def close(self) -> None:  # noqa: B027 (optional hook: engines without memory to give back skip it)
         """Release the engine's memory (GPU memory above all) before another model loads."""

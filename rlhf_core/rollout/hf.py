@@ -1,30 +1,22 @@
-"""Rollouts with `transformers.generate`, on CPU or GPU.
+"""Rollouts on CPU or GPU with a loaded `transformers` causal LM and our own sampling loop.
 
-Prompts are tokenized one by one and left-padded into batches (the position ids generate derives
-from the attention mask keep padded rows exact). `n` samples per prompt come from
-`num_return_sequences`; greedy decoding (temperature 0) runs once per prompt and repeats the
-result. Sampling is seeded per batch inside a forked RNG, so a seed gives the same completions
-on CPU and the caller's random state is left alone. Sampling parameters are passed explicitly
-(top_k=0, top_p=1, no penalties): a checkpoint's generation_config, which hub models use to ship
-top-k/top-p/penalty defaults, must not silently reshape the policy's distribution.
+Prompts arrive as token ids and are left-padded into batches of at most `batch_size` sequences
+(prompts x samples); `rollout/sampling.py` draws the responses with a KV cache and records each
+token's log-prob. Greedy decoding (temperature 0) runs once per prompt and repeats the result.
+Batch b is sampled with a generator seeded `seed + b`, so a seed gives the same samples on CPU
+and the caller's random state is left alone. No checkpoint `generation_config` is consulted: hub
+models ship top-k/top-p/penalty defaults there, which must not reshape the policy's distribution.
+
+On a GPU, `sleep` moves the weights to host memory and `wake_up` brings them back, so a trainer
+colocated with the engine has the device to itself in between; on CPU there is nothing to free.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhf_core.rollout.base import (
-    Completion,
-    RolloutEngine,
-    check_request,
-    cut_at_eos,
-    inference_device,
-    inference_dtype,
-)
-
-GREEDY = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
-UNSHAPED_SAMPLING = {"do_sample": True, "num_beams": 1, "top_k": 0, "top_p": 1.0, "min_p": None, "typical_p": 1.0,
-                     "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+from rlhf_core.rollout.base import RolloutEngine, Sample, check_request, inference_device, inference_dtype
+from rlhf_core.rollout.sampling import sample
 
 
 def left_pad(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,34 +59,54 @@ class TransformersEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], n: int = 1, temperature: float = 0.0, max_new_tokens: int = 64,
-                 seed: int = 0) -> list[list[Completion]]:
+    def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
+                     max_new_tokens: int = 64, seed: int = 0) -> list[list[Sample]]:
         check_request(n, temperature, max_new_tokens)
         greedy = temperature == 0
         per_prompt = 1 if greedy else n
-        options = GREEDY if greedy else {**UNSHAPED_SAMPLING, "temperature": temperature}
-        ids = [self.tokenizer(p, add_special_tokens=self.add_special_tokens)["input_ids"] for p in prompts]
         prompts_per_batch = max(1, self.batch_size // per_prompt)
         device = self.device
-        results: list[list[Completion]] = []
-        for b, start in enumerate(range(0, len(ids), prompts_per_batch)):
-            chunk = ids[start : start + prompts_per_batch]
+        eos = set(self.eos_ids)
+        results: list[list[Sample]] = []
+        for b, start in enumerate(range(0, len(prompt_ids), prompts_per_batch)):
+            chunk = prompt_ids[start : start + prompts_per_batch]
             input_ids, attention = left_pad(chunk, self.pad_id)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed + b)
-                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                          max_new_tokens=max_new_tokens, num_return_sequences=per_prompt,
-                                          pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **options)
-            responses = out[:, input_ids.shape[1] :].tolist()
+            generator = torch.Generator(device).manual_seed(seed + b)
+            tokens, logprobs, lengths = sample(
+                self.model, input_ids.repeat_interleave(per_prompt, 0).to(device),
+                attention.repeat_interleave(per_prompt, 0).to(device), max_new_tokens, temperature, self.eos_ids,
+                self.pad_id, generator)
+            tokens, logprobs, lengths = tokens.tolist(), logprobs.tolist(), lengths.tolist()
             for i in range(len(chunk)):
-                group = [self._completion(r) for r in responses[i * per_prompt : (i + 1) * per_prompt]]
+                group = []
+                for j in range(i * per_prompt, (i + 1) * per_prompt):
+                    ids = tuple(tokens[j][: lengths[j]])
+                    group.append(Sample(ids, tuple(logprobs[j][: lengths[j]]), bool(ids) and ids[-1] in eos))
                 results.append(group * n if greedy else group)
         return results
 
-    def _completion(self, token_ids: list[int]) -> Completion:
-        response = cut_at_eos(token_ids, set(self.eos_ids))
-        return Completion(self.tokenizer.decode(response, skip_special_tokens=True), tuple(response))
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy the policy's weights in (cast to the engine's dtype); every parameter must be named."""
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if k not in self._tied_names()]
+        if missing or unexpected:
+            raise ValueError(f"update_weights: weights do not match the engine's model (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+
+    def _tied_names(self) -> set[str]:
+        tied = getattr(self.model, "_tied_weights_keys", None) or []
+        return set(tied if isinstance(tied, (list, tuple, set)) else tied.keys())
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self._asleep_on = torch.device("cuda")
+
+    def wake_up(self) -> None:
+        if getattr(self, "_asleep_on", None) is not None:
+            self.model.to(self._asleep_on)
+            self._asleep_on = None
 
     def close(self) -> None:
         self.model = None

@@ -6,16 +6,24 @@ the tokenizer's special tokens, which would put a second BOS in front of a chat-
 Each prompt gets its own sampling seed (`seed + index`), so results do not depend on how vLLM
 schedules the batch; greedy requests run once per prompt and are repeated, like the transformers
 engine. `generation_config="vllm"` keeps a checkpoint's sampling defaults out, as there.
+
+Each sampled token comes back with its log-prob after temperature (`logprobs_mode=
+"processed_logprobs"`), the quantity the trainer recomputes. `update_weights` loads the policy's
+weights into the engine's model in place (`LLM.apply_model`, which needs the engine core in this
+process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built); `sleep` /
+`wake_up` are vLLM's own (level 1: weights to host memory, KV cache dropped), enabled with
+`enable_sleep=True`.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 
 import torch
 
-from rlhf_core.rollout.base import Completion, RolloutEngine, check_request, cut_at_eos
+from rlhf_core.rollout.base import RolloutEngine, Sample, check_request, cut_at_eos
 
 
 def vllm_available() -> bool:
@@ -24,7 +32,8 @@ def vllm_available() -> bool:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
-                 dtype: str = "auto", enforce_eager: bool = False, seed: int = 0):
+                 dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model reaches the model in-process
         from vllm import LLM
 
         from rlhf_core.models.loading import load_tokenizer
@@ -34,30 +43,42 @@ class VLLMEngine(RolloutEngine):
         # Leaves room on the GPU for the transformers models evaluation loads next to it.
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                       generation_config="vllm")
+                       generation_config="vllm", logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep)
         self.eos_ids = {self.tokenizer.eos_token_id}
 
-    def generate(self, prompts: list[str], n: int = 1, temperature: float = 0.0, max_new_tokens: int = 64,
-                 seed: int = 0) -> list[list[Completion]]:
+    def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
+                     max_new_tokens: int = 64, seed: int = 0) -> list[list[Sample]]:
         from vllm import SamplingParams
 
         check_request(n, temperature, max_new_tokens)
         greedy = temperature == 0
-        inputs = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=self.add_special_tokens)["input_ids"]}
-                  for p in prompts]
+        inputs = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
-                                 seed=seed + i, skip_special_tokens=True, repetition_penalty=1.0)
-                  for i in range(len(prompts))]
+                                 seed=seed + i, skip_special_tokens=True, repetition_penalty=1.0, logprobs=0)
+                  for i in range(len(prompt_ids))]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         results = []
         for out in outputs:
-            group = [self._completion(list(c.token_ids)) for c in out.outputs]
+            group = [self._sample(list(c.token_ids), c.logprobs or []) for c in out.outputs]
             results.append(group * n if greedy else group)
         return results
 
-    def _completion(self, token_ids: list[int]) -> Completion:
+    def _sample(self, token_ids: list[int], logprobs: list) -> Sample:
         response = cut_at_eos(token_ids, self.eos_ids)
-        return Completion(self.tokenizer.decode(response, skip_special_tokens=True), tuple(response))
+        values = tuple(float(step[t].logprob) if step and t in step else 0.0
+                       for t, step in zip(response, logprobs + [None] * len(response), strict=False))
+        return Sample(tuple(response), values, bool(response) and response[-1] in self.eos_ids)
+
+    def update_weights(self, weights: dict) -> None:
+        items = list(weights.items())
+        self.llm.apply_model(lambda model: model.load_weights(iter(items)))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
 
     def close(self) -> None:
         engine = getattr(getattr(self, "llm", None), "llm_engine", None)

@@ -94,23 +94,9 @@ class TrainLoop:
     def train_step(self) -> tuple[dict[str, float], int]:
         epoch, index = divmod(self.step, self.plan.steps_per_epoch)
         micro = [[self.train_examples[i] for i in mb] for mb in self.plan.micro_batches(epoch, index)]
-        units = all_reduce_sum(torch.tensor(float(sum(self.recipe.count(m) for m in micro))))
-        scale = self.world_size * self.cfg.accumulation_steps / units.clamp(min=1.0)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-        tokens = 0
-        self.engine.train()
-        for examples in micro:
-            with autocast(precision_of(self.cfg)):
-                loss_sum, stats, n_tok = self.recipe.micro_step(self.engine, examples)
-            self.engine.backward(loss_sum * scale.to(loss_sum.device))
-            self.engine.step()
-            for k, v in stats.items():
-                sums[k] = sums[k] + v.detach().float().cpu()
-            tokens += n_tok
-        totals = all_reduce_sum(torch.stack([sums[k] for k in sorted(sums)]))
-        metrics = {f"train/{k}": (v / units).item() for k, v in zip(sorted(sums), totals, strict=True)}
-        tokens = int(all_reduce_sum(torch.tensor(float(tokens))).item())
-        return metrics, tokens
+        sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, self.recipe.micro_step,
+                                             self.world_size, precision_of(self.cfg))
+        return {f"train/{k}": (v / units).item() for k, v in sums.items()}, tokens
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -202,6 +188,37 @@ class TrainLoop:
         # Under an orchestrator (a Ray job's log, not a terminal) RLHF_PROGRESS_SECONDS spaces the updates.
         return tqdm(total=self.total_steps, initial=self.step, desc=f"{self.cfg.stage} steps", file=sys.stderr,
                     mininterval=float(os.environ.get("RLHF_PROGRESS_SECONDS", "2")), dynamic_ncols=True)
+
+
+def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: int, precision
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    """One optimizer step of `engine` over this rank's micro-batches, with the loss normalised by
+    the global count of loss units: the primitive every trainer (supervised, preference, RL) uses.
+
+    `count(micro_batch)` is the number of loss units in a micro-batch (tokens, pairs, samples...);
+    `micro_step(engine, micro_batch)` returns `(loss summed over its units, metric sums, tokens)`.
+    The sum is divided by the units of the whole step, all micro-batches of all ranks, so the
+    gradient does not depend on how the step is split. DeepSpeed divides by its accumulation
+    steps and averages over ranks; the scale multiplies both back (`len(micro_batches)` must be
+    the engine's accumulation steps, so its last backward steps the optimizer).
+    Returns `(metric sums over all ranks, global units, global tokens)`.
+    """
+    units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches))))
+    scale = world_size * len(micro_batches) / units.clamp(min=1.0)
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+    tokens = 0
+    engine.train()
+    for examples in micro_batches:
+        with autocast(precision):
+            loss_sum, stats, n_tok = micro_step(engine, examples)
+        engine.backward(loss_sum * scale.to(loss_sum.device))
+        engine.step()
+        for k, v in stats.items():
+            sums[k] = sums[k] + v.detach().float().cpu()
+        tokens += n_tok
+    keys = sorted(sums)
+    totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))]))
+    return dict(zip(keys, totals[:-1], strict=True)), units, int(totals[-1].item())
 
 
 def total_steps(cfg, num_examples: int) -> int:

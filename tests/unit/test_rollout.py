@@ -84,3 +84,45 @@ def test_bad_requests_are_refused(engine):
         engine.generate(["x"], n=0, temperature=1.0, max_new_tokens=2, seed=0)
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(["x"], n=1, temperature=-1.0, max_new_tokens=2, seed=0)
+
+
+def _token_prompts(engine, formatted):
+    return [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_the_policys_at_the_temperature(engine, formatted, temperature):
+    """Each recorded log-prob equals an exact forward pass over prompt + response at logits / T,
+    and a prompt sampled in a left-padded batch gets the same tokens as the same prompt alone."""
+    from rlhf_core.data.batching import pad_batch
+    from rlhf_core.models.forward import response_index, response_logprobs
+
+    prompts = _token_prompts(engine, formatted)
+    groups = engine.generate_ids(prompts, n=3, temperature=temperature, max_new_tokens=MAX_NEW, seed=5)
+    flat = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+    assert all(len(s.token_ids) == len(s.logprobs) >= 1 for _, s in flat)
+    assert all(s.finished == (s.token_ids[-1] in engine.eos_ids) for _, s in flat)
+    batch = pad_batch([p + list(s.token_ids) for p, s in flat],
+                      [[0] * len(p) + [1] * len(s.token_ids) for p, s in flat], engine.pad_id)
+    index, mask = response_index(batch)
+    with torch.no_grad():
+        recomputed = response_logprobs(engine.model, batch, index, temperature)
+    for i, (_, s) in enumerate(flat):
+        assert torch.allclose(recomputed[i, : len(s.logprobs)], torch.tensor(s.logprobs), atol=1e-4)
+    again = engine.generate_ids(prompts, n=3, temperature=temperature, max_new_tokens=MAX_NEW, seed=5)
+    assert again == groups  # a seed fixes the samples
+    assert engine.generate_ids(prompts, n=3, temperature=temperature, max_new_tokens=MAX_NEW, seed=6) != groups
+
+
+def test_update_weights_changes_what_the_engine_samples(prepared, formatted):
+    from rlhf_core.models.tiny import build_tiny_llama
+
+    engine = TransformersEngine.from_pretrained(prepared["base"], batch_size=8)
+    prompts = _token_prompts(engine, formatted)
+    before = engine.generate_ids(prompts, 1, 0.0, MAX_NEW, 0)
+    other = build_tiny_llama(engine.tokenizer, seed=7)
+    engine.update_weights(other.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), other.parameters(), strict=True))
+    assert engine.generate_ids(prompts, 1, 0.0, MAX_NEW, 0) != before
+    with pytest.raises(ValueError, match="do not match"):
+        engine.update_weights({"not.a.weight": torch.zeros(1)})

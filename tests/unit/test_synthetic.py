@@ -133,3 +133,20 @@ def test_impossible_split_sizes_fail_instead_of_hanging():
     assert len(build_splits(coin, seed=0, n_train=1, n_test=1)["sft"]["train"]) == 1
     with pytest.raises(ValueError, match="distinct prompts"):
         build_splits(coin, seed=0, n_train=2, n_test=1)
+
+
+def test_demo_error_rate_corrupts_only_training_demonstrations():
+    """The RL setting: a fraction of SFT training responses are near misses, flagged; the test split,
+    the preference pairs and the prompts' answers stay exactly what they are without it."""
+    task = get_task("sort")
+    clean = build_splits(task, seed=3, n_train=400, n_test=50)
+    noisy = build_splits(task, seed=3, n_train=400, n_test=50, demo_error_rate=0.3)
+    assert noisy["prompts"] == clean["prompts"] and noisy["preference"] == clean["preference"]
+    assert noisy["sft"]["test"] == clean["sft"]["test"]
+    wrong = [r for r in noisy["sft"]["train"] if not r["demo_correct"]]
+    assert 0.2 < len(wrong) / 400 < 0.4
+    answers = {r["prompt"]: r["answer"] for r in clean["prompts"]["train"]}
+    assert all(r["response"] != answers[r["prompt"]] for r in wrong)
+    assert all(r["response"] == answers[r["prompt"]] for r in noisy["sft"]["train"] if r["demo_correct"])
+    with pytest.raises(ValueError, match="demo_error_rate"):
+        build_splits(task, seed=3, n_train=10, n_test=5, demo_error_rate=1.0)
