@@ -249,46 +249,109 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _add_field_flags(parser, model_cls: type[BaseModel], skip: set[str]) -> None:
+def flag_kwargs(annotation, description: str | None) -> dict | None:
+    """argparse keyword arguments for a field of this type (None: the type has no flag form).
+
+    Booleans take an optional value (`--flag`, `--flag false`), tuples one value per element,
+    enums and literals their choices. The default is SUPPRESS: only flags given reach the config.
+    """
     import argparse
     import types
     import typing
 
+    ann = annotation
+    origin = typing.get_origin(ann)
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        ann, origin = args[0], typing.get_origin(args[0])
+    kwargs: dict = {"default": argparse.SUPPRESS, "help": description}
+    if ann is bool:
+        kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+    elif origin is tuple:
+        kwargs.update(nargs=len(typing.get_args(ann)), type=typing.get_args(ann)[0])
+    elif origin is typing.Literal:
+        kwargs.update(choices=list(typing.get_args(ann)), type=type(typing.get_args(ann)[0]))
+    elif isinstance(ann, type) and issubclass(ann, Enum):
+        kwargs.update(choices=[m.value for m in ann])
+    elif ann in (int, float, str):
+        kwargs.update(type=ann)
+    else:
+        return None
+    return kwargs
+
+
+def _add_field_flags(parser, model_cls: type[BaseModel], skip: set[str],
+                     aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     for name, field in model_cls.model_fields.items():
-        if name in skip:
-            continue
-        ann = field.annotation
-        origin = typing.get_origin(ann)
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        if origin in (typing.Union, types.UnionType) and len(args) == 1:
-            ann, origin = args[0], typing.get_origin(args[0])
-        kwargs: dict = {"default": argparse.SUPPRESS, "help": field.description}
-        if ann is bool:
-            kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
-        elif origin is tuple:
-            kwargs.update(nargs=len(typing.get_args(ann)), type=typing.get_args(ann)[0])
-        elif isinstance(ann, type) and issubclass(ann, Enum):
-            kwargs.update(choices=[m.value for m in ann])
-        elif ann in (int, float, str):
-            kwargs.update(type=ann)
-        else:
-            continue
-        parser.add_argument(f"--{name}", *FLAG_ALIASES.get(name, ()), dest=name, **kwargs)
+        kwargs = None if name in skip else flag_kwargs(field.annotation, field.description)
+        if kwargs is not None:
+            parser.add_argument(f"--{name}", *(aliases or {}).get(name, ()), dest=name, **kwargs)
 
 
-# Other spellings of a field's flag (OpenRLHF's newer dotted names).
-FLAG_ALIASES = {"param_dtype": ("--ds.param_dtype",)}
+# The trainers' fields under OpenRLHF's dotted flag names (its CLI since 2026-04: train_sft.py,
+# train_rm.py, train_dpo.py), so a script of either era runs. A field's flat name stays its flag.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "pretrain": ("--model.model_name_or_path",),
+    "ref_pretrain": ("--ref.model_name_or_path",),
+    "save_path": ("--ckpt.output_dir",),
+    "zero_stage": ("--ds.zero_stage",),
+    "adam_offload": ("--ds.adam_offload",),
+    "param_dtype": ("--ds.param_dtype",),
+    "gradient_checkpointing": ("--model.gradient_checkpointing_enable",),
+    "train_batch_size": ("--train.batch_size",),
+    "micro_train_batch_size": ("--train.micro_batch_size",),
+    "learning_rate": ("--adam.lr",),
+    "adam_betas": ("--adam.betas",),
+    "l2": ("--adam.weight_decay",),
+    "max_epochs": ("--train.max_epochs",),
+    "seed": ("--train.seed",),
+    "lora_rank": ("--ds.lora.rank",),
+    "lora_alpha": ("--ds.lora.alpha",),
+    "lora_dropout": ("--ds.lora.dropout",),
+    "target_modules": ("--ds.lora.target_modules",),
+    "save_steps": ("--ckpt.save_steps",),
+    "ckpt_path": ("--ckpt.path",),
+    "max_ckpt_num": ("--ckpt.max_num",),
+    "load_checkpoint": ("--ckpt.load_enable",),
+    "eval_steps": ("--eval.steps",),
+    "logging_steps": ("--logger.logging_steps",),
+    "pretrain_mode": ("--model.pretrain_mode_enable",),  # sft
+    "loss": ("--model.loss_type",),  # rm
+    "value_head_prefix": ("--ds.value_head_prefix",),  # rm
+    "beta": ("--model.beta",),  # dpo (kto)
+    "ipo": ("--model.ipo_enable",),  # dpo
+    "label_smoothing": ("--model.label_smoothing",),  # dpo
+    "nll_loss_coef": ("--model.nll_loss_coef",),  # dpo
+    # data
+    "dataset": ("--data.dataset",),
+    "dataset_probs": ("--data.dataset_probs",),
+    "dataset_split": ("--data.dataset_split",),
+    "eval_dataset": ("--eval.dataset",),
+    "eval_split": ("--eval.split",),
+    "input_key": ("--data.input_key",),
+    "output_key": ("--data.output_key",),
+    "prompt_key": ("--data.prompt_key",),
+    "chosen_key": ("--data.chosen_key",),
+    "rejected_key": ("--data.rejected_key",),
+    "input_template": ("--data.input_template",),
+    "apply_chat_template": ("--data.apply_chat_template",),
+    "tokenizer_chat_template": ("--data.tokenizer_chat_template",),
+    "max_samples": ("--data.max_samples",),
+    "max_len": ("--data.max_len",),
+    "packing_samples": ("--ds.packing_samples",),
+}
+_DOTTED_KEYS = {alias[2:]: name for name, spellings in FLAG_ALIASES.items() for alias in spellings}
 
 
 def add_config_flags(parser, config_cls: type[TrainConfig]) -> None:
     """Register one flag per config field (and per data field) on an argparse parser."""
     parser.add_argument("--config", default=None, help="YAML file with any of these fields")
-    _add_field_flags(parser, config_cls, skip={"data", "stage"})
-    _add_field_flags(parser, DataConfig, skip=set())
+    _add_field_flags(parser, config_cls, skip={"data", "stage"}, aliases=FLAG_ALIASES)
+    _add_field_flags(parser, DataConfig, skip=set(), aliases=FLAG_ALIASES)
 
 
 def _nest_data_fields(values: dict) -> dict:
-    values = dict(values)
+    values = {_DOTTED_KEYS.get(k, k): v for k, v in values.items()}  # YAML may use the dotted names too
     data = dict(values.pop("data", None) or {})
     for key in list(values):
         if key in DataConfig.model_fields:
@@ -297,16 +360,22 @@ def _nest_data_fields(values: dict) -> dict:
     return values
 
 
-def _format_validation_error(err, source: str) -> str:
+def _flat_flag_name(loc: tuple) -> str | None:
+    """A trainer config's flag for an error location: data fields are flat (`--max_len`)."""
+    parts = [str(p) for p in loc if p != "data"]
+    return "--" + ".".join(parts) if parts else None
+
+
+def _format_validation_error(err, source: str, flag_name=_flat_flag_name) -> str:
+    """One line per pydantic error, each naming its flag (`flag_name(loc)`, None: a check across fields)."""
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        loc = [str(p) for p in e["loc"] if p != "data"]
-        name = "--" + ".".join(loc) if loc else "(config)"
+        name = flag_name(e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {name}: unknown field")
+            lines.append(f"  {name or '(config)'}: unknown field")
         elif e["type"] == "missing":
-            lines.append(f"  {name}: required")
-        elif not loc:  # a check across fields: its message names them; the input is the whole config
+            lines.append(f"  {name or '(config)'}: required")
+        elif name is None:  # a check across fields: its message names them; the input is the whole config
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {name}: {e['msg']} (got {e.get('input')!r})")

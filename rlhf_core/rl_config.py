@@ -1,0 +1,657 @@
+"""`rlhf train ppo`: the configuration of the RL stage (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO).
+
+Sectioned like OpenRLHF's CLI since 2026-04: one model per section (`actor`, `critic`, `ref`,
+`reward`, `rollout`, `vllm`, `algo`, `train`, `eval`, `logger`, `ds`, `data`, `ckpt`), and a
+field's flag is its dotted path (`--actor.adam.lr`, `--algo.kl.init_coef`). The flat flags of
+OpenRLHF's earlier releases (`--pretrain`, `--actor_learning_rate`, `--init_kl_coef`, ...) are
+aliases of the same fields (`ALIASES`); a few set two fields (`--adam_betas`, `--l2`, ... for the
+actor and the critic, as they did). YAML may give a field nested (`actor: {adam: {lr: ...}}`),
+dotted (`actor.adam.lr: ...`) or flat (`actor_learning_rate: ...`).
+
+Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors; so is one field
+given two different values in one place (two spellings on the command line, or in one file).
+Derived defaults are resolved here, so the controller reads plain values: the critic's and the
+reference's starting models, `rollout.max_new_tokens`, `data.max_len`, `actor.eps_clip_low_high`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
+from rlhf_core.config import (
+    ConfigError,
+    RolloutBackend,
+    StrictModel,
+    _format_validation_error,
+    _parse_bool,
+    flag_kwargs,
+)
+from rlhf_core.precision import Precision
+
+AdvantageEstimator = Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"]
+# Baselines from the other samples of a prompt: they need n_samples_per_prompt > 1 and use gamma 1.
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class Placement(StrictModel):
+    """Where a role's ranks run."""
+
+    num_nodes: int = Field(1, ge=1)
+    num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+
+class ActorAdam(StrictModel):
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class CriticAdam(ActorAdam):
+    lr: float = Field(9e-6, gt=0)
+
+
+class ActorConfig(Placement):
+    model_name_or_path: str | None = Field(None, description="Policy to start from (HF directory, s3:// URI or "
+                                           "hub name; required)")
+    adam: ActorAdam = Field(default_factory=ActorAdam)
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_norm: float = Field(1.0, gt=0)
+    gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range")
+    eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip range (low, high); "
+                                                          "default: (eps_clip, eps_clip)")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)")
+    entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)")
+
+
+class CriticConfig(Placement):
+    model_name_or_path: str | None = Field(None, description="Critic to start from (gae only); default: the "
+                                           "first reward model, else the actor")
+    adam: CriticAdam = Field(default_factory=CriticAdam)
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_norm: float = Field(1.0, gt=0)
+    value_clip: float = Field(0.5, gt=0, description="Value clip range")
+    freezing_steps: int = Field(0, ge=-1, description="Freeze the actor for the first N steps while the critic "
+                                "warms up (-1, OpenRLHF's default, is read as 0)")
+    save_value_network: bool = Field(False, description="Save the critic next to the policy")
+
+
+class RefConfig(Placement):
+    model_name_or_path: str | None = Field(None, description="Reference model (default: the actor's)")
+
+
+class RewardConfig(Placement):
+    model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated")
+    remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
+                                   "Python file defining reward_func")
+    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses")
+    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
+    clip_range: tuple[float, float] = (-10.0, 10.0)
+    overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
+                                            "tokens of the budget (off by default)")
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+
+    @property
+    def sources(self) -> list[str]:
+        """The reward source kinds given: any of "model", "remote_url", "task"."""
+        return [kind for kind, value in (("model", self.model_name_or_path), ("remote_url", self.remote_url),
+                                         ("task", self.task)) if value]
+
+
+class RolloutConfig(StrictModel):
+    batch_size: int = Field(1024, gt=0, description="Prompts per rollout step")
+    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank")
+    n_samples_per_prompt: int = Field(1, ge=1)
+    max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS with "
+                                       "--reward.task, else data.max_len - data.prompt_max_len when max_len is "
+                                       "given, else 1024")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
+                                    "auto or transformers; vllm needs num_engines > 0")
+
+
+class VLLMConfig(StrictModel):
+    num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.95, gt=0, le=1)
+    enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)")
+    sync_backend: Literal["nccl", "gloo"] = Field("nccl", description="Weight sync backend, trainer -> vLLM")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM")
+    enable_prefix_caching: bool = False
+
+
+class AdvantageConfig(StrictModel):
+    estimator: AdvantageEstimator = Field("gae", description="gae (PPO), reinforce (REINFORCE++), rloo, "
+                                          "reinforce_baseline, group_norm (GRPO), dr_grpo")
+    gamma: float = Field(1.0, gt=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std")
+
+
+class KLConfig(StrictModel):
+    init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)")
+    target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)")
+    horizon: int = Field(10000, gt=0)
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty")
+
+
+class AlgoConfig(StrictModel):
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses reduce to one "
+                                       "(docs/algorithms.md, Aggregation)")
+    dynamic_filtering_enable: bool = Field(False, description="Keep only prompt groups whose mean score lies "
+                                           "strictly inside dynamic_filtering_range")
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+
+
+class TrainSection(StrictModel):
+    batch_size: int = Field(128, gt=0, description="Samples per optimizer step (all ranks)")
+    micro_batch_size: int = Field(1, gt=0, description="Samples per forward/backward on one rank")
+    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout")
+    num_episodes: int = Field(1, ge=1, description="Passes over the prompts")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many rollout steps")
+    seed: int = 42
+    colocate_all: bool = Field(False, description="All models and the vLLM engines share the actor's GPUs")
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+
+
+class EvalSection(StrictModel):
+    dataset: str | None = Field(None, description="Held-out prompts (evaluated every eval.steps)")
+    split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'")
+    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
+    temperature: float = Field(0.6, gt=0)
+    n_samples_per_prompt: int = Field(4, ge=1)
+
+
+class LoggerSection(StrictModel):
+    logging_steps: int = Field(1, gt=0)
+
+
+class DSConfig(StrictModel):
+    zero_stage: int = Field(2, ge=0, le=3)
+    param_dtype: Precision = Field(Precision.AUTO, description="Training precision: auto (bf16 where the device "
+                                   "computes it natively, else fp32), bf16, fp16 (GPU) or fp32")
+    adam_offload: bool = False
+    flash_attn: bool = False
+    value_head_prefix: str = Field("score", description="Name of the value head in reward/critic weights")
+
+
+class PromptDataConfig(StrictModel):
+    prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
+                                       "names, comma-separated (required)")
+    prompt_split: str = "train"
+    input_key: str = "prompt"
+    label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)")
+    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts are truncated (left)")
+    max_len: int | None = Field(None, gt=1, description="Prompt + response tokens; default: prompt_max_len + "
+                                "rollout.max_new_tokens")
+    max_samples: int = Field(100_000_000, gt=0)
+    apply_chat_template: bool = True
+    input_template: str | None = Field(None, description="Python format string with one {} for the prompt")
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's")
+
+
+class CkptConfig(StrictModel):
+    output_dir: str | None = Field(None, description="Stage output (the trained policy): local directory or "
+                                   "s3:// URI (required)")
+    path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)")
+    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)")
+    max_num: int = Field(3, gt=0)
+    load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path")
+
+
+class PPOConfig(StrictModel):
+    """`rlhf train ppo`: every section of the RL stage."""
+
+    stage: Literal["ppo"] = "ppo"
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    logger: LoggerSection = Field(default_factory=LoggerSection)
+    ds: DSConfig = Field(default_factory=DSConfig)
+    data: PromptDataConfig = Field(default_factory=PromptDataConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+
+    mlflow_experiment: str = "rlhf"
+    mlflow_run_name: str | None = None
+    mlflow_parent_run_id: str | None = None
+    use_mlflow: bool = True
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage.estimator == "gae"
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.algo.kl.init_coef > 0 or self.algo.kl.use_loss
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self) -> PPOConfig:
+        problems: list[str] = []
+        set_ = object.__setattr__  # resolved defaults, without re-running validation
+        actor, critic, reward, rollout, algo, train = (self.actor, self.critic, self.reward, self.rollout,
+                                                       self.algo, self.train)
+        adv = algo.advantage
+
+        if critic.freezing_steps < 0:
+            set_(critic, "freezing_steps", 0)
+        if actor.eps_clip_low_high is None:
+            set_(actor, "eps_clip_low_high", (actor.eps_clip, actor.eps_clip))
+
+        # Advantage estimator and the models it needs.
+        if adv.estimator in GROUP_ESTIMATORS:
+            if rollout.n_samples_per_prompt < 2:
+                problems.append(f"--algo.advantage.estimator {adv.estimator} needs --rollout.n_samples_per_prompt "
+                                f"> 1 (a baseline from the prompt's other samples; got {rollout.n_samples_per_prompt})")
+            if adv.gamma != 1.0:
+                problems.append(f"--algo.advantage.gamma must be 1 with --algo.advantage.estimator {adv.estimator} "
+                                f"(got {adv.gamma})")
+        if self.uses_critic:
+            if critic.model_name_or_path is None:
+                reward_models = [m.strip() for m in (reward.model_name_or_path or "").split(",") if m.strip()]
+                set_(critic, "model_name_or_path", reward_models[0] if reward_models else actor.model_name_or_path)
+        elif critic.model_name_or_path is not None:
+            problems.append(f"--critic.model_name_or_path: only --algo.advantage.estimator gae trains a critic "
+                            f"(got {adv.estimator})")
+        if self.ref.model_name_or_path is None:
+            set_(self.ref, "model_name_or_path", actor.model_name_or_path)
+
+        # Rewards: one kind of source.
+        if len(reward.sources) > 1:
+            problems.append("give one reward source: --reward.model_name_or_path, --reward.remote_url or "
+                            f"--reward.task (got {', '.join(reward.sources)})")
+        if reward.remote_url is not None:
+            for url in reward.remote_url.split(","):
+                url = url.strip()
+                if not (url.startswith(("http://", "https://")) or url.endswith(".py")):
+                    problems.append(f"--reward.remote_url: {url!r} is neither an http(s) URL nor a .py file")
+        if reward.normalize_enable and not reward.model_name_or_path:
+            problems.append("--reward.normalize_enable needs --reward.model_name_or_path")
+        if reward.clip_range[0] >= reward.clip_range[1]:
+            problems.append(f"--reward.clip_range: low must be below high (got {reward.clip_range})")
+        if algo.dynamic_filtering_enable:
+            low, high = algo.dynamic_filtering_range
+            if low >= high:
+                problems.append(f"--algo.dynamic_filtering_range: low must be below high (got {(low, high)})")
+            if rollout.n_samples_per_prompt < 2:
+                problems.append("--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt > 1")
+
+        # Generation budget.
+        task_budget = None
+        if reward.task is not None:
+            from rlhf_core.data.synthetic import get_task
+
+            try:
+                task_budget = get_task(reward.task).max_answer_len + 1  # the longest answer and EOS
+            except ValueError as e:
+                problems.append(f"--reward.task: {e}")
+        if rollout.max_new_tokens is None:
+            if task_budget is not None:
+                set_(rollout, "max_new_tokens", task_budget)
+            elif self.data.max_len is None:
+                set_(rollout, "max_new_tokens", 1024)
+            elif self.data.max_len > self.data.prompt_max_len:
+                set_(rollout, "max_new_tokens", self.data.max_len - self.data.prompt_max_len)
+            else:
+                problems.append(f"--data.max_len ({self.data.max_len}) leaves no room to generate after "
+                                f"--data.prompt_max_len ({self.data.prompt_max_len}): give --rollout.max_new_tokens")
+        if self.data.input_template is not None and "{}" not in self.data.input_template:
+            problems.append("--data.input_template must contain '{}' where the prompt goes")
+        if self.data.max_len is None and rollout.max_new_tokens is not None:
+            set_(self.data, "max_len", self.data.prompt_max_len + rollout.max_new_tokens)
+
+        # Batches: a rollout step is whole optimizer steps; an optimizer step is whole micro-batches.
+        samples = rollout.batch_size * rollout.n_samples_per_prompt
+        if samples % train.batch_size:
+            problems.append(f"--rollout.batch_size x --rollout.n_samples_per_prompt ({rollout.batch_size} x "
+                            f"{rollout.n_samples_per_prompt} = {samples}) must be a multiple of --train.batch_size "
+                            f"({train.batch_size})")
+        trained = [("actor", actor)] + ([("critic", critic)] if self.uses_critic else [])
+        for role, placement in trained:
+            per_step = train.micro_batch_size * placement.world_size
+            if train.batch_size % per_step:
+                problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of "
+                                f"--train.micro_batch_size x {role} ranks ({train.micro_batch_size} x "
+                                f"{placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+
+        # Placement.
+        if (train.colocate_actor_ref or train.colocate_all) and self.uses_ref and \
+                (actor.num_nodes, actor.num_gpus_per_node) != (self.ref.num_nodes, self.ref.num_gpus_per_node):
+            problems.append("colocating actor and reference (--train.colocate_actor_ref or --train.colocate_all) "
+                            "needs the same --actor.num_nodes/num_gpus_per_node and --ref.num_nodes/num_gpus_per_node")
+        if (train.colocate_critic_reward or train.colocate_all) and self.uses_critic and reward.model_name_or_path \
+                and (critic.num_nodes, critic.num_gpus_per_node) != (reward.num_nodes, reward.num_gpus_per_node):
+            problems.append("colocating critic and reward model (--train.colocate_critic_reward or "
+                            "--train.colocate_all) needs the same --critic.num_nodes/num_gpus_per_node and "
+                            "--reward.num_nodes/num_gpus_per_node")
+        vllm = self.vllm
+        if train.colocate_all and vllm.num_engines and \
+                actor.world_size != vllm.num_engines * vllm.tensor_parallel_size:
+            problems.append(f"--train.colocate_all: actor ranks ({actor.world_size}) must equal --vllm.num_engines x "
+                            f"--vllm.tensor_parallel_size ({vllm.num_engines} x {vllm.tensor_parallel_size})")
+        if rollout.backend == RolloutBackend.VLLM and not vllm.num_engines:
+            problems.append("--rollout.backend vllm needs --vllm.num_engines > 0")
+        if rollout.backend == RolloutBackend.TRANSFORMERS and vllm.num_engines:
+            problems.append(f"--rollout.backend transformers contradicts --vllm.num_engines {vllm.num_engines}: "
+                            "give one of them")
+
+        # Checkpoints.
+        if self.ckpt.save_steps > 0 and not self.ckpt.path:
+            problems.append("--ckpt.save_steps needs --ckpt.path")
+        if self.ckpt.load_enable and not self.ckpt.path:
+            problems.append("--ckpt.load_enable needs --ckpt.path")
+
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
+
+    def check_complete(self) -> None:
+        """Raise ConfigError naming every input/output a run still needs: the actor, the prompts, the
+        output directory and a reward source (a pipeline fills them in from upstream stages)."""
+        missing = [f"--{path} (--{_flat_spelling(path)}): required"
+                   for path, value in (("actor.model_name_or_path", self.actor.model_name_or_path),
+                                       ("data.prompt_dataset", self.data.prompt_dataset),
+                                       ("ckpt.output_dir", self.ckpt.output_dir)) if not value]
+        if not self.reward.sources:
+            missing.append("a reward source is required: --reward.model_name_or_path (--reward_pretrain), "
+                           "--reward.remote_url (--remote_rm_url) or --reward.task (--task)")
+        if missing:
+            raise ConfigError(f"{self.stage}: " + "; ".join(missing))
+
+
+# ---------------------------------------------------------------------------------------------
+# Spellings. Every leaf field's dotted path is its flag and YAML key; the names below are other
+# spellings of the same fields: OpenRLHF's flat flags before 2026-04 (and ours: --task,
+# --rollout_backend, --max_steps, ...). A name with two targets sets both.
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    # actor
+    "pretrain": ("actor.model_name_or_path",),
+    "actor_learning_rate": ("actor.adam.lr",),
+    "actor_num_nodes": ("actor.num_nodes",),
+    "actor_num_gpus_per_node": ("actor.num_gpus_per_node",),
+    "gradient_checkpointing": ("actor.gradient_checkpointing_enable",),
+    "eps_clip": ("actor.eps_clip",),
+    "eps_clip_low_high": ("actor.eps_clip_low_high",),
+    "dual_clip": ("actor.dual_clip",),
+    "entropy_loss_coef": ("actor.entropy_coef",),
+    # actor and critic (one flat flag set both optimisers)
+    "adam_betas": ("actor.adam.betas", "critic.adam.betas"),
+    "l2": ("actor.adam.weight_decay", "critic.adam.weight_decay"),
+    "lr_warmup_ratio": ("actor.lr_warmup_ratio", "critic.lr_warmup_ratio"),
+    "min_lr_ratio": ("actor.min_lr_ratio", "critic.min_lr_ratio"),
+    "max_norm": ("actor.max_norm", "critic.max_norm"),
+    # critic
+    "critic_pretrain": ("critic.model_name_or_path",),
+    "critic_learning_rate": ("critic.adam.lr",),
+    "critic_num_nodes": ("critic.num_nodes",),
+    "critic_num_gpus_per_node": ("critic.num_gpus_per_node",),
+    "value_clip": ("critic.value_clip",),
+    "freezing_actor_steps": ("critic.freezing_steps",),
+    "actor.freezing_steps": ("critic.freezing_steps",),
+    "save_value_network": ("critic.save_value_network",),
+    # ref
+    "ref_pretrain": ("ref.model_name_or_path",),
+    "ref_num_nodes": ("ref.num_nodes",),
+    "ref_num_gpus_per_node": ("ref.num_gpus_per_node",),
+    # reward
+    "reward_pretrain": ("reward.model_name_or_path",),
+    "remote_rm_url": ("reward.remote_url",),
+    "task": ("reward.task",),
+    "normalize_reward": ("reward.normalize_enable",),
+    "reward_clip_range": ("reward.clip_range",),
+    "overlong_buffer_len": ("reward.overlong_buffer_len",),
+    "overlong_penalty_factor": ("reward.overlong_penalty_factor",),
+    "reward_num_nodes": ("reward.num_nodes",),
+    "reward_num_gpus_per_node": ("reward.num_gpus_per_node",),
+    # rollout
+    "rollout_batch_size": ("rollout.batch_size",),
+    "micro_rollout_batch_size": ("rollout.micro_batch_size",),
+    "n_samples_per_prompt": ("rollout.n_samples_per_prompt",),
+    "generate_max_len": ("rollout.max_new_tokens",),
+    "max_new_tokens": ("rollout.max_new_tokens",),
+    "temperature": ("rollout.temperature",),
+    "top_p": ("rollout.top_p",),
+    "rollout_backend": ("rollout.backend",),
+    # vllm
+    "vllm_num_engines": ("vllm.num_engines",),
+    "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size",),
+    "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization",),
+    "vllm_enable_sleep": ("vllm.enable_sleep",),
+    "vllm_sync_backend": ("vllm.sync_backend",),
+    "enforce_eager": ("vllm.enforce_eager",),
+    "enable_prefix_caching": ("vllm.enable_prefix_caching",),
+    # algo
+    "advantage_estimator": ("algo.advantage.estimator",),
+    "gamma": ("algo.advantage.gamma",),
+    "lambd": ("algo.advantage.lambd",),
+    "no_advantage_std_norm": ("algo.advantage.no_std_norm",),
+    "init_kl_coef": ("algo.kl.init_coef",),
+    "kl_target": ("algo.kl.target",),
+    "kl_horizon": ("algo.kl.horizon",),
+    "kl_estimator": ("algo.kl.estimator",),
+    "use_kl_loss": ("algo.kl.use_loss",),
+    "loss_agg_mode": ("algo.loss_agg_mode",),
+    "dynamic_filtering": ("algo.dynamic_filtering_enable",),
+    "dynamic_filtering_reward_range": ("algo.dynamic_filtering_range",),
+    # train
+    "train_batch_size": ("train.batch_size",),
+    "micro_train_batch_size": ("train.micro_batch_size",),
+    "max_epochs": ("train.max_epochs",),
+    "num_episodes": ("train.num_episodes",),
+    "max_steps": ("train.max_steps",),
+    "seed": ("train.seed",),
+    "colocate_all_models": ("train.colocate_all",),
+    "colocate_actor_ref": ("train.colocate_actor_ref",),
+    "colocate_critic_reward": ("train.colocate_critic_reward",),
+    # eval, logger
+    "eval_dataset": ("eval.dataset",),
+    "eval_split": ("eval.split",),
+    "eval_steps": ("eval.steps",),
+    "eval_temperature": ("eval.temperature",),
+    "eval_n_samples_per_prompt": ("eval.n_samples_per_prompt",),
+    "logging_steps": ("logger.logging_steps",),
+    # ds
+    "zero_stage": ("ds.zero_stage",),
+    "param_dtype": ("ds.param_dtype",),
+    "adam_offload": ("ds.adam_offload",),
+    "flash_attn": ("ds.flash_attn",),
+    "value_head_prefix": ("ds.value_head_prefix",),
+    # data
+    "prompt_data": ("data.prompt_dataset",),
+    "prompt_split": ("data.prompt_split",),
+    "input_key": ("data.input_key",),
+    "label_key": ("data.label_key",),
+    "prompt_max_len": ("data.prompt_max_len",),
+    "max_len": ("data.max_len",),
+    "max_samples": ("data.max_samples",),
+    "apply_chat_template": ("data.apply_chat_template",),
+    "input_template": ("data.input_template",),
+    "tokenizer_chat_template": ("data.tokenizer_chat_template",),
+    # ckpt
+    "save_path": ("ckpt.output_dir",),
+    "ckpt_path": ("ckpt.path",),
+    "save_steps": ("ckpt.save_steps",),
+    "max_ckpt_num": ("ckpt.max_num",),
+    "load_checkpoint": ("ckpt.load_enable",),
+}
+# `--bf16` (OpenRLHF before 2026-01) is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
+BF16 = "bf16"
+
+
+def _leaves(model_cls: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
+    out: dict[str, FieldInfo] = {}
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(_leaves(ann, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = field
+    return out
+
+
+LEAVES: dict[str, FieldInfo] = _leaves(PPOConfig)  # dotted path -> field, e.g. "actor.adam.lr"
+SECTIONS: frozenset[str] = frozenset(p.rsplit(".", i)[0] for p in LEAVES for i in range(1, p.count(".") + 1))
+
+
+def _flat_spelling(path: str) -> str | None:
+    return next((name for name, targets in ALIASES.items() if path in targets and "." not in name), None)
+
+
+def spellings(path: str) -> list[str]:
+    """Every flag of a field: its dotted path first, then its other spellings."""
+    return [f"--{path}"] + [f"--{name}" for name, targets in ALIASES.items() if path in targets]
+
+
+class _SetFields(argparse.Action):
+    """Store a flag's value under each of its target fields; a field given two different values
+    (by two of its spellings, or one flag twice) is an argparse error naming the flag."""
+
+    def __init__(self, option_strings, dest, targets=(), transform=None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.targets, self.transform = tuple(targets) or (dest,), transform
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.transform is not None:
+            values = self.transform(values)
+            if values is None:
+                return
+        for target in self.targets:
+            before = getattr(namespace, target, _UNSET)
+            if before is not _UNSET and before != values:
+                others = spellings(target) + ([f"--{BF16}"] if target == "ds.param_dtype" else [])
+                raise argparse.ArgumentError(self, f"--{target} was already set to {before!r} (by this flag or "
+                                             f"another of its spellings: {', '.join(others)}): give it once")
+            setattr(namespace, target, values)
+
+
+_UNSET = object()
+
+
+def add_ppo_flags(parser) -> None:
+    """Register `--config` and every field's flags: its dotted path and its other spellings. The
+    value lands under the dotted path (`vars(args)["actor.adam.lr"]`); build_ppo_config takes it."""
+    parser.add_argument("--config", default=None, help="YAML file with any of these fields (nested, dotted or flat)")
+    for path, field in LEAVES.items():
+        kwargs = flag_kwargs(field.annotation, field.description)
+        if kwargs is None or path == "stage":
+            continue
+        others = [f"--{name}" for name, targets in ALIASES.items() if targets == (path,)]
+        parser.add_argument(f"--{path}", *others, dest=path, action=_SetFields, **kwargs)
+    for name, targets in ALIASES.items():
+        if len(targets) > 1:
+            kwargs = flag_kwargs(LEAVES[targets[0]].annotation, "Sets " + " and ".join(f"--{t}" for t in targets))
+            kwargs.setdefault("metavar", name.upper())
+            parser.add_argument(f"--{name}", dest=targets[0], action=_SetFields, targets=targets, **kwargs)
+    parser.add_argument(f"--{BF16}", dest="ds.param_dtype", action=_SetFields, default=argparse.SUPPRESS,
+                        nargs="?", const=True, type=_parse_bool, metavar="BOOL",
+                        transform=lambda on: Precision.BF16.value if on else None,
+                        help="Older spelling of --ds.param_dtype bf16")
+
+
+def _flatten(values: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(key as written, dotted where nested; value) for every leaf of a YAML/flag mapping."""
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path in SECTIONS:
+            out.extend(_flatten(value, f"{path}."))
+        else:
+            out.append((path, value))
+    return out
+
+
+def _same_value(path: str, a, b) -> bool:
+    if a == b:
+        return True
+    adapter = TypeAdapter(LEAVES[path].annotation)
+    try:
+        return adapter.validate_python(a) == adapter.validate_python(b)
+    except ValidationError:
+        return False
+
+
+def _to_paths(values: dict, where: str) -> dict[str, object]:
+    """Any mix of nested, dotted and flat keys -> {dotted path: value}; ConfigError for an unknown key
+    or for one field given different values by two of its spellings."""
+    out: dict[str, tuple[str, object]] = {}
+    unknown = []
+    for key, value in _flatten(values):
+        if key == BF16:
+            if not _parse_bool(value):
+                continue
+            targets, value = ("ds.param_dtype",), Precision.BF16.value
+        elif key in LEAVES:
+            targets = (key,)
+        elif key in ALIASES:
+            targets = ALIASES[key]
+        else:
+            unknown.append(key)
+            continue
+        for target in targets:
+            if target in out and not _same_value(target, out[target][1], value):
+                first, before = out[target]
+                raise ConfigError(f"invalid configuration ({where}): --{first} ({before!r}) and --{key} ({value!r}) "
+                                  f"set --{target} to different values: give one")
+            out[target] = (key, value)
+    if unknown:
+        raise ConfigError(f"invalid configuration ({where}):\n" + "\n".join(f"  --{k}: unknown field"
+                                                                             for k in unknown))
+    return {path: value for path, (_, value) in out.items()}
+
+
+def _nest(paths: dict[str, object]) -> dict:
+    nested: dict = {}
+    for path, value in paths.items():
+        *sections, name = path.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return nested
+
+
+def _flag_name(loc: tuple) -> str | None:
+    """An error location's flags, e.g. `--actor.adam.lr (--actor_learning_rate)`; None: a check across fields."""
+    path = ".".join(str(p) for p in loc if not isinstance(p, int))
+    if not path:
+        return None
+    names = spellings(path)
+    return names[0] + (f" ({', '.join(names[1:])})" if len(names) > 1 else "")
+
+
+def build_ppo_config(yaml_values: dict | None, flag_values: dict, complete: bool = True) -> PPOConfig:
+    """Merge YAML (lower precedence) and flags into a validated PPOConfig, or raise ConfigError.
+
+    Both may use any spelling: nested sections, dotted paths, flat names. `complete=False` allows
+    leaving out the actor, the prompts, the output and the reward source (a pipeline fills them in).
+    """
+    merged = {**_to_paths(yaml_values or {}, "--config"), **_to_paths(flag_values, "flags")}
+    try:
+        cfg = PPOConfig.model_validate(_nest(merged))
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, "flags and --config", _flag_name)) from None
+    if complete:
+        cfg.check_complete()
+    return cfg
