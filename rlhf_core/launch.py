@@ -83,8 +83,8 @@ def run_stage(cfg: TrainConfig) -> dict:
         except Exception as e:
             raise StageFailed(e) from e
     import ray  # about 1.5 s to import: only where a worker group runs
-    import torch
 
+    from rlhf_core.distributed.role_group import RoleError
     from rlhf_core.distributed.worker_group import WorkerGroup
 
     started = ensure_ray()
@@ -92,10 +92,10 @@ def run_stage(cfg: TrainConfig) -> dict:
     try:
         # The checked data goes to the object store once; the driver keeps only the reference.
         shared, data = ray.put(data), None
-        group = WorkerGroup(cfg.world_size, use_gpu=torch.cuda.is_available())
+        group = WorkerGroup(cfg.world_size)  # GPUs when the cluster has them, whatever this driver has
         return group.run_stage(cfg.model_dump(mode="json"), shared)
-    except ray.exceptions.RayTaskError as e:
-        raise StageFailed(e.cause if getattr(e, "cause", None) is not None else e) from None
+    except RoleError as e:  # a rank raised (its exception), died or hung (the error naming the rank)
+        raise StageFailed(e.cause if e.cause is not None else e) from None
     finally:
         if group is not None:
             group.shutdown()
@@ -110,11 +110,12 @@ def probe_hardware() -> dict:
     native, and what each `--param_dtype` resolves to there (`rlhf hardware` prints it)."""
     import ray
 
+    from rlhf_core.distributed.resources import detect_devices
     from rlhf_core.precision import Precision, resolve, this_hardware
 
     started = ensure_ray()
     try:
-        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        gpus = detect_devices().use_gpu
         hw = ray.get(ray.remote(num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1)(this_hardware).remote(),
                      timeout=300)
     finally:

@@ -1,0 +1,246 @@
+"""Where the ranks of a job's roles run: the cluster's devices, and placement groups they share.
+
+- Devices come from the cluster (`ray.cluster_resources()`), never from the driver: a CPU-only
+  head of a GPU cluster still trains on GPUs, and a driver with CUDA joining a CPU cluster does not.
+- A `ResourcePool` is one placement group of `n` equal bundles ({"GPU": 1, "CPU": c} on GPU,
+  {"CPU": c} on CPU). Bundle i hosts rank i of every role placed in the pool; each role takes a
+  `share` of every bundle it uses (`num_gpus = share`, `num_cpus = share * c`), so colocated roles
+  (OpenRLHF's `--colocate_all_models`, `--colocate_actor_ref`, `--colocate_critic_reward`) sit on
+  the same GPUs, and a role placed alone gets a pool of its own with share 1.
+- `plan_layout` (pure) turns role world sizes and colocation groups into pools and shares. On CPU
+  the whole job fits in the cluster's CPUs: they are divided evenly among all bundles of all pools
+  (whole cores when there are enough, else fractions), so an RL job's four roles fit in 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_POOL_TIMEOUT_S = 600.0
+RESOURCE_UNIT = 1e-4  # Ray keeps resource amounts in fixed point with 4 decimals
+
+
+def floor_units(x: float) -> float:
+    """`x` rounded down to Ray's resource precision (fractions that add up never exceed a bundle)."""
+    return math.floor(x / RESOURCE_UNIT + 1e-6) * RESOURCE_UNIT
+
+
+class PlacementError(ValueError):
+    """The requested roles cannot be placed on this cluster (or in this pool)."""
+
+
+@dataclass(frozen=True)
+class ClusterDevices:
+    """What the ranks run on: GPUs when the cluster has any, else CPUs (`cpus` are those available)."""
+
+    use_gpu: bool
+    gpus: float
+    cpus: float
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
+
+
+def cluster_devices(resources: Mapping[str, float], available: Mapping[str, float] | None = None) -> ClusterDevices:
+    """Pure: the devices of a cluster from its total `resources` (`ray.cluster_resources()`), and
+    the CPUs still free from `available` (`ray.available_resources()`; default: the totals). GPUs
+    count from the totals, so GPUs busy at the moment do not turn a GPU cluster into a CPU one."""
+    gpus = float(resources.get("GPU", 0) or 0)
+    cpus = float((available if available is not None else resources).get("CPU", 0) or 0)
+    return ClusterDevices(use_gpu=gpus >= 1, gpus=gpus, cpus=cpus)
+
+
+def detect_devices() -> ClusterDevices:
+    """The devices of the cluster this driver is connected to."""
+    import ray
+
+    return cluster_devices(ray.cluster_resources(), ray.available_resources())
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """`bundles` bundles of {"CPU": cpus, "GPU": gpus} (GPU left out when 0)."""
+
+    name: str
+    bundles: int
+    cpus: float
+    gpus: float = 0.0
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one role goes: ranks 0..world_size-1 on bundles 0..world_size-1 of `pool`, each rank
+    taking `share` of its bundle (`num_cpus`, `num_gpus`)."""
+
+    role: str
+    pool: str
+    world_size: int
+    share: float
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
+    roles: dict[str, Placement] = field(default_factory=dict)
+
+
+def colocation_groups(roles: Iterable[str], *, colocate_all_models: bool = False, colocate_actor_ref: bool = False,
+                      colocate_critic_reward: bool = False) -> list[list[str]]:
+    """OpenRLHF's colocation flags as groups of role names (roles: "actor", "ref", "critic",
+    "reward", "rollout"; only those in `roles` appear, so a job without a critic just leaves it
+    out). `colocate_all_models` puts every role, the rollout engines included, in one pool."""
+    present = list(dict.fromkeys(roles))
+    if colocate_all_models:
+        return [present] if present else []
+    groups = []
+    for flag, pair in ((colocate_actor_ref, ("actor", "ref")), (colocate_critic_reward, ("critic", "reward"))):
+        members = [r for r in pair if r in present]
+        if flag and len(members) > 1:
+            groups.append(members)
+    return groups
+
+
+def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]] = (), *,
+                devices: ClusterDevices, cpus_per_gpu: float = 1.0) -> Layout:
+    """Pure: pools and per-rank shares for roles of the given world sizes.
+
+    Each colocation group becomes one pool (named "a+b") of as many bundles as its largest role
+    has ranks; every role not in a group gets a pool of its own. A role in a group of k takes 1/k
+    of each bundle it uses. On GPU a bundle is one GPU and `cpus_per_gpu` CPUs (less when the
+    cluster has fewer CPUs than that per bundle); on CPU the available CPUs are split evenly over
+    all bundles of the job: whole cores when each gets at least one, else equal fractions.
+    """
+    sizes = dict(world_sizes)
+    for role, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise PlacementError(f"role {role!r}: world size must be a positive integer, got {n!r}")
+    groups: list[list[str]] = []
+    placed: dict[str, int] = {}
+    for group in colocate:
+        members = list(dict.fromkeys(group))
+        for role in members:
+            if role not in sizes:
+                raise PlacementError(f"colocation group {members}: unknown role {role!r} (roles: {sorted(sizes)})")
+            if role in placed:
+                raise PlacementError(f"role {role!r} is in two colocation groups")
+            placed[role] = len(groups)
+        if members:
+            groups.append(members)
+    groups += [[role] for role in sizes if role not in placed]
+    groups.sort(key=lambda g: min(list(sizes).index(r) for r in g))  # pools in the order roles were given
+
+    total_bundles = sum(max(sizes[r] for r in g) for g in groups)
+    if devices.use_gpu:
+        if total_bundles > devices.gpus:
+            raise PlacementError(f"the roles need {total_bundles} GPUs ({_describe(groups, sizes)}); "
+                                 f"the cluster has {devices.gpus:g}: colocate roles or use fewer ranks")
+        cpus, gpus = floor_units(min(cpus_per_gpu, devices.cpus / total_bundles)), 1.0
+    else:
+        per_bundle = devices.cpus / total_bundles
+        cpus, gpus = (float(math.floor(per_bundle)) if per_bundle >= 1 else floor_units(per_bundle)), 0.0
+    if cpus <= 0:
+        raise PlacementError(f"the cluster's {devices.cpus:g} available CPUs cannot be split over "
+                             f"{total_bundles} bundles ({_describe(groups, sizes)})")
+    layout = Layout()
+    for group in groups:
+        pool = PoolSpec("+".join(group), max(sizes[r] for r in group), cpus, gpus)
+        layout.pools[pool.name] = pool
+        share = floor_units(1.0 / len(group))
+        for role in group:
+            layout.roles[role] = Placement(role, pool.name, sizes[role], share, floor_units(cpus * share),
+                                           floor_units(gpus * share))
+    return layout
+
+
+def _describe(groups: list[list[str]], sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{'+'.join(g)}: {max(sizes[r] for r in g)}" for g in groups)
+
+
+class ResourcePool:
+    """One placement group of `bundles` equal bundles that one or several roles share.
+
+    A role claims a `share` of a range of bundles (`claim`); claims beyond a whole bundle are
+    refused here, instead of leaving an actor pending in Ray forever.
+    """
+
+    def __init__(self, bundles: int, cpus: float, gpus: float = 0.0, *, name: str = "pool", strategy: str = "PACK",
+                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        if bundles < 1:
+            raise PlacementError(f"pool {name!r}: needs at least one bundle")
+        self.spec = PoolSpec(name, bundles, cpus, gpus)
+        self._claims: dict[str, tuple[float, range]] = {}
+        self.pg = placement_group([self.spec.bundle()] * bundles, strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise PlacementError(f"pool {name!r}: {bundles} bundles of {self.spec.bundle()} were not placed within "
+                                 f"{timeout_s:g} s; the cluster has {ray.cluster_resources()}, "
+                                 f"available now {ray.available_resources()}") from None
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, **kwargs) -> ResourcePool:
+        return cls(spec.bundles, spec.cpus, spec.gpus, name=spec.name, **kwargs)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def bundles(self) -> int:
+        return self.spec.bundles
+
+    def claim(self, role: str, share: float, first: int, count: int) -> None:
+        """Reserve `share` of bundles first..first+count-1 for `role` (refused past a whole bundle)."""
+        if not 0 < share <= 1:
+            raise PlacementError(f"role {role!r}: share must be in (0, 1], got {share}")
+        if role in self._claims:
+            raise PlacementError(f"pool {self.name!r}: role {role!r} is already placed here")
+        wanted = range(first, first + count)
+        if first < 0 or wanted.stop > self.bundles:
+            raise PlacementError(f"role {role!r}: bundles {first}..{wanted.stop - 1} are outside pool "
+                                 f"{self.name!r} of {self.bundles}")
+        for i in wanted:
+            taken = sum(s for s, r in self._claims.values() if i in r)
+            if taken + share > 1 + 1e-9:
+                raise PlacementError(f"pool {self.name!r} bundle {i}: role {role!r} asks for {share:g} of it, "
+                                     f"{taken:g} is already taken by {sorted(self._claims)}")
+        self._claims[role] = (share, wanted)
+
+    def release(self, role: str) -> None:
+        self._claims.pop(role, None)
+
+    def scheduling(self, index: int):
+        """The scheduling strategy that puts an actor (or task) in bundle `index`."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+def create_pools(layout: Layout, **kwargs) -> dict[str, ResourcePool]:
+    """One ResourcePool per pool of `layout` (removed again if a later one cannot be placed)."""
+    pools: dict[str, ResourcePool] = {}
+    try:
+        for spec in layout.pools.values():
+            pools[spec.name] = ResourcePool.from_spec(spec, **kwargs)
+    except BaseException:
+        for pool in pools.values():
+            pool.remove()
+        raise
+    return pools

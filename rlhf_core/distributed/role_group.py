@@ -1,0 +1,355 @@
+"""A role (actor, critic, reference, reward, rollout, or a supervised stage's ranks) as Ray actors.
+
+`RoleGroup(worker_cls, world_size, pool)` makes one Ray actor per rank from any plain class:
+rank 0 first, which picks its node's address and a free port for the role's torch.distributed
+rendezvous, then the other ranks. Before the class's own `__init__` runs, every rank has RANK,
+WORLD_SIZE, LOCAL_RANK (0: Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES), MASTER_ADDR and
+MASTER_PORT set, and torch uses as many threads as the rank has whole CPUs (at least one). Each
+role rendezvouses on its own port, so each has its own process group (`init_process_group`, or
+the worker's own `deepspeed.init_distributed` in a later method: never in `__init__`, which runs
+before the other ranks exist).
+
+The controller calls methods on the ranks: `call_all` (same arguments everywhere, results in rank
+order), `call_rank0`, `call_sharded` (a batch split into world_size equal contiguous shards, the
+results concatenated in rank order). Each has an `_async` twin returning a `PendingCall` (a list
+of ObjectRefs, so `ray.wait` takes it) to overlap roles; `.result()` or `gather_all` collect them.
+Every wait has a deadline (`timeout_s`): a rank that died, raised, or did not answer in time
+raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from rlhf_core.distributed.resources import (
+    ClusterDevices,
+    ResourcePool,
+    detect_devices,
+    floor_units,
+    plan_layout,
+)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RoleError(RuntimeError):
+    """A call on a role failed. `role`, `ranks` (`rank`: the first), `method`; `cause`: the
+    exception the worker raised (None when the actor died or did not answer)."""
+
+    def __init__(self, role: str, ranks: Sequence[int], method: str, message: str,
+                 cause: BaseException | None = None):
+        self.role, self.ranks, self.method, self.cause = role, list(ranks), method, cause
+        where = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {self.ranks}"
+        super().__init__(f"role {role!r} {where}: {message}")
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[0]
+
+
+class RoleTimeoutError(RoleError, TimeoutError):
+    """Ranks that did not answer within the deadline (stuck, or slower than `timeout_s` allows)."""
+
+
+class RankActor:
+    """Mixed into the worker class: sets the rank's environment before the class's `__init__`."""
+
+    def __init__(self, _role_setup: dict, *args, **kwargs):
+        env = dict(_role_setup["env"])
+        if "MASTER_ADDR" not in env:  # rank 0: the rendezvous is on its node
+            from rlhf_core.distributed.engine import free_port
+
+            env.update(MASTER_ADDR=ray.util.get_node_ip_address(), MASTER_PORT=str(free_port()))
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(_role_setup["num_threads"])
+        self._role_name, self._role_rank = _role_setup["role"], _role_setup["rank"]
+        super().__init__(*args, **kwargs)
+
+    def _role_master(self) -> tuple[str, int]:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    def _role_info(self) -> dict:
+        import torch
+
+        return {"role": self._role_name, "rank": self._role_rank, "pid": os.getpid(),
+                "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def _role_init_process_group(self, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """Join the role's process group (NCCL with a GPU, else gloo); returns (rank, world size)."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        return dist.get_rank(), dist.get_world_size()
+
+
+_ACTOR_CLASSES: dict[type, Any] = {}
+
+
+def actor_class(worker_cls: type):
+    """`worker_cls` with RankActor mixed in, as a Ray actor class (made once per class)."""
+    if isinstance(worker_cls, ray.actor.ActorClass):
+        raise TypeError(f"{worker_cls}: pass the plain class, without @ray.remote (RoleGroup makes the actors)")
+    if worker_cls not in _ACTOR_CLASSES:
+        # A qualified name nothing resolves to: cloudpickle ships the subclass by value, its bases by reference.
+        cls = type(worker_cls.__name__, (RankActor, worker_cls),
+                   {"__qualname__": f"RoleActor.{worker_cls.__name__}", "__doc__": worker_cls.__doc__})
+        _ACTOR_CLASSES[worker_cls] = ray.remote(cls)
+    return _ACTOR_CLASSES[worker_cls]
+
+
+# -- batches: split into shards, concatenate results ------------------------------------------
+
+def batch_len(batch) -> int:
+    """Rows of a batch: a tensor (dim 0), a list/tuple, or a dict of those (all of one length)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("a 0-dimensional tensor has no rows to split")
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)):
+        return len(batch)
+    if isinstance(batch, Mapping):
+        lengths = {k: batch_len(v) for k, v in batch.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"the batch's fields differ in length: {lengths}")
+        return next(iter(lengths.values()))
+    raise TypeError(f"cannot split a {type(batch).__name__}: pass a tensor, a list, or a dict of them")
+
+
+def _rows(batch, start: int, stop: int):
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop].clone()  # a view would ship the whole batch's storage to every rank
+    if isinstance(batch, (list, tuple)):
+        return batch[start:stop]
+    return {k: _rows(v, start, stop) for k, v in batch.items()}
+
+
+def split_batch(batch, n: int) -> list:
+    """`batch` in `n` equal contiguous shards (ValueError when its rows do not divide by `n`)."""
+    rows = batch_len(batch)
+    if rows % n:
+        raise ValueError(f"a batch of {rows} rows does not split into {n} equal shards")
+    k = rows // n
+    return [_rows(batch, i * k, (i + 1) * k) for i in range(n)]
+
+
+def concat_results(values: Sequence):
+    """Per-rank results joined in rank order: tensors concatenated on dim 0 (0-d ones stacked),
+    lists joined, dicts joined per key; all None gives None; anything else stays a list."""
+    import torch
+
+    if all(v is None for v in values):
+        return None
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
+    if all(isinstance(v, (list, tuple)) for v in values):
+        return [x for v in values for x in v]
+    if all(isinstance(v, Mapping) for v in values) and len({tuple(v) for v in values}) == 1:
+        return {k: concat_results([v[k] for v in values]) for k in values[0]}
+    return list(values)
+
+
+# -- waiting with deadlines ------------------------------------------------------------------
+
+class PendingCall(list):
+    """The ObjectRefs of one call on a role, in rank order. `ray.get`/`ray.wait` take it as a
+    list; `result()` collects it with the role's deadline and error naming."""
+
+    def __init__(self, refs, *, role: str, method: str, ranks: Sequence[int], mode: str, timeout_s: float):
+        super().__init__(refs)
+        self.role, self.method, self.ranks, self.mode, self.timeout_s = role, method, list(ranks), mode, timeout_s
+
+    def finish(self, values: list):
+        if self.mode == "rank0":
+            return values[0]
+        if self.mode == "sharded":
+            return concat_results(values)
+        return values
+
+    def result(self, timeout_s: float | None = None):
+        return gather_all([self], timeout_s=timeout_s)[0]
+
+
+def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None) -> list:
+    """Results of several calls (on several roles) at once, failing at the first rank that
+    raised or died; `timeout_s` (default: the longest of the calls' own) bounds the whole wait."""
+    timeout_s = timeout_s if timeout_s is not None else max((c.timeout_s for c in calls), default=DEFAULT_TIMEOUT_S)
+    where = {ref: (c, i) for c in calls for i, ref in enumerate(c)}
+    values: dict[int, list] = {id(c): [None] * len(c) for c in calls}
+    pending = [ref for c in calls for ref in c]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late: dict[tuple[str, str], list[int]] = {}
+            for ref in pending:
+                call, i = where[ref]
+                late.setdefault((call.role, call.method), []).append(call.ranks[i])
+            (role, method), ranks = next(iter(late.items()))
+            others = "; also " + ", ".join(f"role {r!r} ranks {k} ({m})" for (r, m), k in list(late.items())[1:]) \
+                if len(late) > 1 else ""
+            raise RoleTimeoutError(role, ranks, method, f"no answer to {method}() within {timeout_s:g} s (stuck, or "
+                                   f"slower than the timeout allows){others}")
+        for ref in ready:
+            call, i = where[ref]
+            values[id(call)][i] = _get_ready(ref, call.role, call.ranks[i], call.method)
+    return [c.finish(values[id(c)]) for c in calls]
+
+
+def _get_ready(ref, role: str, rank: int, method: str):
+    try:
+        return ray.get(ref, timeout=DEFAULT_TIMEOUT_S)  # ready: at most a transfer from another node
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+        raise RoleError(role, [rank], method, f"{method}() raised {type(cause).__name__}: {cause}", cause) from e
+    except ray.exceptions.RayActorError as e:
+        raise RoleError(role, [rank], method, f"the actor died during {method}():\n{e}") from e
+    except ray.exceptions.GetTimeoutError as e:
+        raise RoleTimeoutError(role, [rank], method, f"the result of {method}() could not be fetched") from e
+    except ray.exceptions.RayError as e:
+        raise RoleError(role, [rank], method, f"{method}() failed in Ray: {type(e).__name__}: {e}") from e
+
+
+# -- the group -------------------------------------------------------------------------------
+
+class RoleGroup:
+    """`world_size` Ray actors of `worker_cls`, rank i in bundle `bundle_offset + i` of `pool`,
+    each taking `share` of its bundle. Without a pool the group makes (and later removes) one of
+    its own, sized from the cluster's devices (`devices`, default: detected)."""
+
+    def __init__(self, worker_cls: type, world_size: int, pool: ResourcePool | None = None, *,
+                 name: str | None = None, share: float = 1.0, bundle_offset: int = 0, args: Sequence = (),
+                 kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
+                 devices: ClusterDevices | None = None):
+        if timeout_s is None or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.name = name or worker_cls.__name__
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.actors: list = []
+        self._owns_pool = pool is None
+        if pool is None:
+            layout = plan_layout({self.name: world_size}, devices=devices or detect_devices())
+            pool = ResourcePool.from_spec(layout.pools[self.name], timeout_s=timeout_s)
+        self.pool = pool
+        self._claimed = False
+        try:
+            pool.claim(self.name, share, bundle_offset, world_size)
+            self._claimed = True
+            self.num_cpus = floor_units(pool.spec.cpus * share)
+            self.num_gpus = floor_units(pool.spec.gpus * share)
+            cls = actor_class(worker_cls)
+            options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+            if env:
+                options["runtime_env"] = {"env_vars": {k: str(v) for k, v in env.items()}}
+            threads = num_threads or max(1, int(self.num_cpus))
+
+            def start(rank: int, master: dict):
+                setup = {"role": self.name, "rank": rank, "num_threads": threads,
+                         "env": {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", **master}}
+                return cls.options(scheduling_strategy=pool.scheduling(bundle_offset + rank), **options).remote(
+                    setup, *args, **(kwargs or {}))
+
+            self.actors.append(start(0, {}))
+            self.master_addr, self.master_port = self.call_rank0("_role_master")
+            master = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+            self.actors += [start(rank, master) for rank in range(1, world_size)]
+            self.info: list[dict] = self.call_all("_role_info")  # every rank constructed, or an error naming it
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # dispatch ---------------------------------------------------------------------------------
+
+    def _method(self, actor, method: str):
+        try:
+            return getattr(actor, method)
+        except AttributeError:
+            raise AttributeError(f"role {self.name!r}: its worker class has no method {method!r}") from None
+
+    def _pending(self, method: str, mode: str, ranks: Sequence[int], calls: Sequence[tuple[tuple, dict]]):
+        refs = [self._method(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, calls, strict=True)]
+        return PendingCall(refs, role=self.name, method=method, ranks=ranks, mode=mode, timeout_s=self.timeout_s)
+
+    def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments every rank gets: in the object store once, not once per rank (an ObjectRef
+        argument is handed over as it is, so the ranks still receive its value)."""
+        if self.world_size == 1:
+            return args, kwargs
+        put = lambda v: v if isinstance(v, ray.ObjectRef) else ray.put(v)  # noqa: E731
+        return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
+
+    def call_all_async(self, method: str, *args, **kwargs) -> PendingCall:
+        shared = self._shared(args, kwargs)
+        return self._pending(method, "all", range(self.world_size), [shared] * self.world_size)
+
+    def call_rank0_async(self, method: str, *args, **kwargs) -> PendingCall:
+        return self._pending(method, "rank0", [0], [(args, kwargs)])
+
+    def call_sharded_async(self, method: str, batch, *args, **kwargs) -> PendingCall:
+        """`method(shard_i, *args, **kwargs)` on rank i, shard i being the i-th of world_size
+        equal contiguous parts of `batch` (a tensor, a list, or a dict of them)."""
+        try:
+            shards = split_batch(batch, self.world_size)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"role {self.name!r} ({self.world_size} ranks): {method}(): {e}") from None
+        args, kwargs = self._shared(args, kwargs)
+        return self._pending(method, "sharded", range(self.world_size), [((s, *args), kwargs) for s in shards])
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        """`method(*args, **kwargs)` on every rank; the results in rank order."""
+        return self.call_all_async(method, *args, **kwargs).result()
+
+    def call_rank0(self, method: str, *args, **kwargs):
+        return self.call_rank0_async(method, *args, **kwargs).result()
+
+    def call_sharded(self, method: str, batch, *args, **kwargs):
+        """The batch split over the ranks, their results concatenated in rank order (`concat_results`)."""
+        return self.call_sharded_async(method, batch, *args, **kwargs).result()
+
+    def init_process_group(self, backend: str | None = None) -> list[tuple[int, int]]:
+        """Every rank joins the role's own process group; returns each rank's (rank, world size)."""
+        return self.call_all("_role_init_process_group", backend, self.timeout_s)
+
+    # lifetime ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Kill the ranks, give back their share of the pool (and the pool, when the group made it)."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self._claimed:
+            self.pool.release(self.name)
+            self._claimed = False
+        if self._owns_pool and self.pool is not None:
+            self.pool.remove()
+            self.pool = None
+
+    def __enter__(self) -> RoleGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
