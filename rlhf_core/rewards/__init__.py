@@ -8,28 +8,40 @@ exactly; reward models score the formatted conversation at its last token.
 Batched (the RL stage, OpenRLHF's convention; see `base`): `source(queries, prompts, labels,
 **kwargs) -> RewardOutput`, built by `build_reward_source` from a reward file, a remote reward
 server (`rlhf serve-rm`), reward models or a task verifier.
+
+Names load on first use: `rlhf_core.rewards.cli` (the `serve-rm` flags) is imported by the CLI's
+parser and must not bring torch with it.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
-
-from rlhf_core.rewards.adapters import CombinedReward, RewardModelSource, VerifierSource
-from rlhf_core.rewards.base import BatchRewardSource, RewardError, RewardOutput, as_reward_output
-from rlhf_core.rewards.factory import build_reward_source
-from rlhf_core.rewards.remote import RankToken, RemoteReward, read_token, token_for_ranks
-from rlhf_core.rewards.reward_file import RewardFile, load_reward_file
-from rlhf_core.rewards.reward_model import RewardModelReward
-from rlhf_core.rewards.server import RewardServer, add_serve_rm_arguments, serve_reward, serve_rm_main
-from rlhf_core.rewards.verifier import VerifierReward
 
 
 class RewardSource(Protocol):
     def score(self, prompts: list, responses: list[str], answers: list[str | None]) -> list[float]: ...
 
 
-__all__ = ["BatchRewardSource", "CombinedReward", "RankToken", "RemoteReward", "RewardError", "RewardFile",
-           "RewardModelReward", "RewardModelSource", "RewardOutput", "RewardServer", "RewardSource",
-           "VerifierReward", "VerifierSource", "add_serve_rm_arguments", "as_reward_output",
-           "build_reward_source", "load_reward_file", "read_token", "serve_reward", "serve_rm_main",
-           "token_for_ranks"]
+_WHERE = {
+    "CombinedReward": "adapters", "RewardModelSource": "adapters", "VerifierSource": "adapters",
+    "BatchRewardSource": "base", "RewardError": "base", "RewardOutput": "base", "as_reward_output": "base",
+    "build_reward_source": "factory",
+    "RankToken": "remote", "RemoteReward": "remote", "read_token": "remote", "token_for_ranks": "remote",
+    "RewardFile": "reward_file", "load_reward_file": "reward_file",
+    "RewardModelReward": "reward_model",
+    "RewardServer": "server", "serve_reward": "server", "write_token_file": "server",
+    "add_serve_rm_arguments": "cli", "serve_rm_main": "cli",
+    "VerifierReward": "verifier",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RewardSource", *sorted(_WHERE)]

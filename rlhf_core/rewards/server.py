@@ -1,4 +1,4 @@
-"""`rlhf serve-rm`: a reward source behind OpenRLHF's HTTP API, with a bearer token.
+"""A reward source behind OpenRLHF's HTTP API, with a bearer token.
 
 `POST /get_reward` with `{"query": [...], "prompts": [...], "labels": [...]}` answers
 `{"rewards": [...], "scores": [...], "extra_logs": {name: [...]}}`; `GET /health` answers
@@ -31,11 +31,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlhf_core.rewards.base import RewardError, as_reward_output
+from rlhf_core.rewards.cli import DEFAULT_PORT
 from rlhf_core.rewards.remote import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 5000  # OpenRLHF's serve_rm default
 MAX_BODY_BYTES = 256 * 2**20
 TOKEN_FILE_NAME = "rm_token"
 
@@ -233,53 +233,3 @@ def serve_reward(source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, toke
         announce(f"note: {host} is reachable from other machines over plain HTTP: the bearer token travels "
                  "unencrypted (put TLS in front, or keep to 127.0.0.1 and an SSH tunnel)")
     return server.start() if background else server
-
-
-# ---------------------------------------------------------------------------------------------
-# `rlhf serve-rm`
-
-def add_serve_rm_arguments(parser) -> None:
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--reward.model_name_or_path", "--reward_pretrain", dest="reward_pretrain", default=None,
-                      metavar="DIR", help="Reward model directory (or s3:// URI); several comma-separated are summed")
-    what.add_argument("--reward.remote_url", "--remote_rm_url", dest="remote_rm_url", default=None,
-                      metavar="FILE.py", help="Python file defining reward_func(queries, prompts, labels, **kwargs)")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0: a free one)")
-    parser.add_argument("--batch_size", type=int, default=32, help="Reward model forward batch size")
-    parser.add_argument("--normalize_reward", "--reward.normalize_enable", dest="normalize_reward",
-                        action="store_true", help="Normalise with the reward model's stored reward_mean/std")
-    parser.add_argument("--token_file", default=None, help="Where a generated token is written when RLHF_RM_TOKEN "
-                        "is unset (default <state dir>/rm_token)")
-
-
-def serve_rm_main(args) -> int:
-    """Run `rlhf serve-rm` until interrupted; 2 for a configuration problem, 1 when it cannot listen."""
-    from rlhf_core.config import ConfigError
-    from rlhf_core.rewards.factory import build_reward_source
-
-    if args.batch_size < 1:
-        print("rlhf: error: --batch_size must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        if args.remote_rm_url and not args.remote_rm_url.endswith(".py"):
-            raise ConfigError("--reward.remote_url: serve-rm serves a reward file (FILE.py), not another server")
-        source = build_reward_source(
-            [p for p in args.reward_pretrain.split(",") if p.strip()] if args.reward_pretrain else None,
-            args.remote_rm_url, normalize=args.normalize_reward, batch_size=args.batch_size)
-    except ConfigError as e:
-        print(f"rlhf: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        server = serve_reward(source, args.host, args.port, token_file=args.token_file)
-    except OSError as e:
-        print(f"rlhf: error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    print(f"serving {source!r} at {server.url}", file=sys.stderr, flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
-    return 0

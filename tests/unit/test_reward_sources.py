@@ -461,3 +461,14 @@ def test_build_reward_source(dict_file, reward_models, prepared):
                          ({"model_paths": [prepared["base"]], "normalize": True}, "reward_mean/reward_std")]:
         with pytest.raises(ConfigError, match=message):
             build_reward_source(**bad)
+
+
+def test_serve_rm_flags_import_without_torch():
+    """The CLI builds its parser with `add_serve_rm_arguments`: that must not cost a torch import."""
+    import subprocess
+    import sys
+
+    code = "import sys, rlhf_core.rewards.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.strip() == "False"
