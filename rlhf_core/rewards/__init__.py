@@ -1,20 +1,47 @@
-"""Reward sources behind one interface: `score(prompts, responses, answers) -> list[float]`.
+"""Reward sources.
 
-Prompts are raw (each source formats them as it was trained to), responses are decoded text,
-answers are the reference answers (None where a source does not need them). Built-in verifiers
-check answers exactly; reward models score the formatted conversation at its last token.
+Per sample (eval, pairs): `score(prompts, responses, answers) -> list[float]`. Prompts are raw
+(each source formats them as it was trained to), responses are decoded text, answers are the
+reference answers (None where a source does not need them). Built-in verifiers check answers
+exactly; reward models score the formatted conversation at its last token.
+
+Batched (the RL stage, OpenRLHF's convention; see `base`): `source(queries, prompts, labels,
+**kwargs) -> RewardOutput`, built by `build_reward_source` from a reward file, a remote reward
+server (`rlhf serve-rm`), reward models or a task verifier.
+
+Names load on first use: `rlhf_core.rewards.cli` (the `serve-rm` flags) is imported by the CLI's
+parser and must not bring torch with it.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
-
-from rlhf_core.rewards.reward_model import RewardModelReward
-from rlhf_core.rewards.verifier import VerifierReward
 
 
 class RewardSource(Protocol):
     def score(self, prompts: list, responses: list[str], answers: list[str | None]) -> list[float]: ...
 
 
-__all__ = ["RewardModelReward", "RewardSource", "VerifierReward"]
+_WHERE = {
+    "CombinedReward": "adapters", "RewardModelSource": "adapters", "VerifierSource": "adapters",
+    "BatchRewardSource": "base", "RewardError": "base", "RewardOutput": "base", "as_reward_output": "base",
+    "build_reward_source": "factory",
+    "RankToken": "remote", "RemoteReward": "remote", "read_token": "remote", "token_for_ranks": "remote",
+    "RewardFile": "reward_file", "load_reward_file": "reward_file",
+    "RewardModelReward": "reward_model",
+    "RewardServer": "server", "serve_reward": "server", "write_token_file": "server",
+    "add_serve_rm_arguments": "cli", "serve_rm_main": "cli",
+    "VerifierReward": "verifier",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RewardSource", *sorted(_WHERE)]

@@ -43,9 +43,21 @@ class RewardModelReward:
         fmt = self.formatter
         return [fmt.prompt_ids(p) + fmt.completion_ids(r) for p, r in zip(prompts, responses, strict=True)]
 
-    @torch.no_grad()
+    def sequences_from_text(self, prompt_texts: list[str], responses: list[str]) -> list[list[int]]:
+        """Token ids of (already formatted prompt text, response): the text is tokenized as it is,
+        with the tokenizer's own special tokens (e.g. BOS) only when it does not already start with
+        BOS (a chat template writes its own), which is how `sequences` tokenizes a prompt it formats."""
+        tok, fmt = self.tokenizer, self.formatter
+        bos = tok.bos_token
+        ids = [tok(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in prompt_texts]
+        return [p + fmt.completion_ids(r) for p, r in zip(ids, responses, strict=True)]
+
     def score(self, prompts: list, responses: list[str], answers: list[str | None] | None = None) -> list[float]:
-        seqs = self.sequences(prompts, responses)
+        return self.score_sequences(self.sequences(prompts, responses))
+
+    @torch.no_grad()
+    def score_sequences(self, seqs: list[list[int]]) -> list[float]:
+        """The head's value at each sequence's last token, normalised when asked."""
         device = next(self.model.parameters()).device
         body = getattr(self.model, self.model.base_model_prefix)
         pad_id = self.tokenizer.pad_token_id

@@ -1,0 +1,68 @@
+"""A reward function in a Python file (`--reward.remote_url reward.py`, flat `--remote_rm_url`).
+
+The file defines `reward_func(queries, prompts, labels, **kwargs)` (OpenRLHF's signature) and
+returns `{"rewards": Tensor, "scores": Tensor, "extra_logs": {name: Tensor}}` (`scores` optional:
+the rewards then), or, as OpenRLHF releases before mid-2025, the rewards alone; lists and numpy
+arrays are accepted as well. It is called once per batch with the whole batch. Problems loading
+the file are `ConfigError`s naming it; a call that raises or answers something unusable is a
+`RewardError` naming the file (with the original exception's message).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from rlhf_core.config import ConfigError
+from rlhf_core.rewards.base import RewardError, RewardOutput, as_reward_output, check_batch
+
+
+class RewardFile:
+    def __init__(self, path: str | Path, func):
+        self.path = str(path)
+        self.func = func
+        self.name = f"reward file {self.path}"
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list, **kwargs) -> RewardOutput:
+        n = check_batch(queries, prompts, labels, self.name)
+        try:
+            value = self.func(list(queries), list(prompts), list(labels), **kwargs)
+        except Exception as e:
+            raise RewardError(f"{self.name}: reward_func raised {type(e).__name__}: {e}") from e
+        return as_reward_output(value, n, self.name)
+
+    def __repr__(self) -> str:
+        return f"RewardFile({self.path!r})"
+
+
+def load_reward_file(path: str | Path) -> RewardFile:
+    """Import `path` and return its `reward_func` as a batched reward source."""
+    p = Path(path).expanduser()
+    if p.suffix != ".py":
+        raise ConfigError(f"reward file {path}: expected a .py file defining reward_func(queries, prompts, labels)")
+    if not p.is_file():
+        raise ConfigError(f"reward file {path}: no such file")
+    p = p.resolve()
+    # A module name of its own per file, so two reward files (or a reload) never share a module.
+    name = f"rlhf_reward_file_{hashlib.sha256(str(p).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"reward file {path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling inside the file look their module up
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ConfigError(f"reward file {path}: importing it raised {type(e).__name__}: {e}") from e
+    func = getattr(module, "reward_func", None)
+    if func is None:
+        raise ConfigError(f"reward file {path}: defines no reward_func(queries, prompts, labels, **kwargs)")
+    if not callable(func):
+        raise ConfigError(f"reward file {path}: reward_func is a {type(func).__name__}, not a function")
+    return RewardFile(p, func)
+
+
+__all__ = ["RewardError", "RewardFile", "load_reward_file"]

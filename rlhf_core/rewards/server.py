@@ -1,0 +1,235 @@
+"""A reward source behind OpenRLHF's HTTP API, with a bearer token.
+
+`POST /get_reward` with `{"query": [...], "prompts": [...], "labels": [...]}` answers
+`{"rewards": [...], "scores": [...], "extra_logs": {name: [...]}}`; `GET /health` answers
+`{"status": "ok"}` (no token needed, nothing about the source). Every `/get_reward` needs
+`Authorization: Bearer <token>` (401 otherwise, compared in constant time). The token is the
+`token` argument, else RLHF_RM_TOKEN, else a new one (`secrets.token_urlsafe`) written to a file
+only the user can read (0600; `--token_file`, default `<state dir>/rm_token`) whose path, never
+the token, is printed. A body that is not JSON, lacks a key or has columns of different lengths
+is a 400 with the reason; a reward source that fails is a 500 with its message. Requests are
+logged by their request line only: neither the token nor any header is ever logged.
+
+The standard library's `ThreadingHTTPServer` rather than FastAPI + uvicorn: uvicorn is not a
+dependency of this project (only of mlflow and prefect), scoring is synchronous torch work that
+an event loop would not speed up (calls into the source are serialised by a lock: one model, one
+device), and a plain server runs in a thread on a free port in tests, with its logging in our hands.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from rlhf_core.rewards.base import RewardError, as_reward_output
+from rlhf_core.rewards.cli import DEFAULT_PORT
+from rlhf_core.rewards.remote import TOKEN_ENV
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 * 2**20
+TOKEN_FILE_NAME = "rm_token"
+
+
+def write_token_file(path: str | Path | None = None) -> tuple[str, Path]:
+    """A new token written to `path` (default `<state dir>/rm_token`) readable by the user only."""
+    if path is None:
+        from rlhf_core.config import state_dir
+
+        path = state_dir() / TOKEN_FILE_NAME
+    path = Path(path).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed run with our pid; O_EXCL then never follows a link
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)  # never a moment where the file exists with other permissions
+    return token, path
+
+
+class RewardServer:
+    """An HTTP server around a batched reward source; `serve_forever()` or `start()` (a thread)."""
+
+    def __init__(self, source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
+                 token_path: Path | None = None):
+        if not token:
+            raise ValueError("the reward server needs a token")
+        self.source, self.token_path = source, token_path
+        self._lock = threading.Lock()
+        server_cls = _IPv6Server if ":" in host else ThreadingHTTPServer
+        self.httpd = server_cls((host, port), _handler(self, token.encode()))
+        self.httpd.daemon_threads = True
+        self.host, self.port = host, self.httpd.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/get_reward"
+
+    def __repr__(self) -> str:
+        return f"RewardServer({self.url!r}, source={self.source!r})"
+
+    def score(self, queries: list[str], prompts: list[str], labels: list) -> dict:
+        with self._lock:
+            out = self.source(queries, prompts, labels)
+        out = as_reward_output(out, len(queries), repr(self.source))
+        return {"rewards": out.rewards.tolist(), "scores": out.scores.tolist(),
+                "extra_logs": {k: v.tolist() for k, v in out.extra_logs.items()}}
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def start(self) -> RewardServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="reward-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.httpd.server_close()
+
+    def __enter__(self) -> RewardServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _parse_request(body: bytes) -> tuple[list[str], list[str], list]:
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise _BadRequest(f"the body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise _BadRequest('expected a JSON object {"query": [...], "prompts": [...], "labels": [...]}')
+    missing = [k for k in ("query", "prompts", "labels") if k not in data]
+    if missing:
+        raise _BadRequest(f"missing key(s) {', '.join(missing)}: expected query, prompts and labels")
+    queries, prompts, labels = data["query"], data["prompts"], data["labels"]
+    for name, col in (("query", queries), ("prompts", prompts), ("labels", labels)):
+        if not isinstance(col, list):
+            raise _BadRequest(f"{name} must be a list, got {type(col).__name__}")
+    for name, col in (("query", queries), ("prompts", prompts)):
+        bad = next((i for i, v in enumerate(col) if not isinstance(v, str)), None)
+        if bad is not None:
+            raise _BadRequest(f"{name}[{bad}] must be a string")
+    if not len(queries) == len(prompts) == len(labels):
+        raise _BadRequest(f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels: "
+                          "one of each per sample")
+    return queries, prompts, labels
+
+
+def _handler(server: RewardServer, token: bytes):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "rlhf-reward"
+        sys_version = ""
+
+        def do_GET(self):
+            if urllib.parse.urlsplit(self.path).path == "/health":
+                return self._reply(200, {"status": "ok"})
+            self._reply(404, {"error": "not found: POST /get_reward"})
+
+        def do_POST(self):
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                return self._reply(411, {"error": "Content-Length required"}, close=True)
+            if length < 0 or length > MAX_BODY_BYTES:
+                return self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes: send smaller chunks"},
+                                   close=True)
+            if urllib.parse.urlsplit(self.path).path != "/get_reward":
+                self._drain(length)
+                return self._reply(404, {"error": "not found: POST /get_reward"}, close=True)
+            if not self._authorized():
+                self._drain(length)
+                return self._reply(401, {"error": "missing or wrong bearer token: send Authorization: Bearer "
+                                         "<token> (clients read it from RLHF_RM_TOKEN)"}, close=True,
+                                   extra={"WWW-Authenticate": 'Bearer realm="rlhf-reward"'})
+            body = self.rfile.read(length)
+            try:
+                queries, prompts, labels = _parse_request(body)
+            except _BadRequest as e:
+                return self._reply(400, {"error": str(e)})
+            try:
+                result = server.score(queries, prompts, labels)
+            except RewardError as e:
+                return self._reply(500, {"error": str(e)})
+            except Exception as e:
+                log.exception("reward source failed")
+                return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self._reply(200, result)
+
+        def _drain(self, length: int) -> None:
+            # Read a small unwanted body before answering: closing on unread data resets the
+            # connection, and the client could lose the answer that says what was wrong.
+            if length <= 2**20:
+                self.rfile.read(length)
+
+        def _authorized(self) -> bool:
+            scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
+
+        def _reply(self, code: int, payload: dict, close: bool = False, extra: dict | None = None) -> None:
+            body = json.dumps(payload, allow_nan=False).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # the request line and status only, never headers
+            log.info("%s %s", self.address_string(), format % args)
+
+    return Handler
+
+
+def serve_reward(source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None, *,
+                 token_file: str | Path | None = None, background: bool = False, announce=None) -> RewardServer:
+    """Serve `source` on host:port (0: a free port). `background=True` returns a started server
+    (a daemon thread); otherwise call `serve_forever()` on it. The token: `token`, else
+    RLHF_RM_TOKEN, else a new one written to `token_file` (default `<state dir>/rm_token`), 0600,
+    whose path is announced (`announce`, default a line on stderr)."""
+    announce = announce or (lambda line: print(line, file=sys.stderr, flush=True))
+    token_path = None
+    token = token or os.environ.get(TOKEN_ENV, "").strip() or None
+    if token is None:
+        token, token_path = write_token_file(token_file)
+        announce(f"reward server token written to {token_path} (mode 0600); clients: "
+                 f"export RLHF_RM_TOKEN_FILE={token_path}")
+    server = RewardServer(source, host, port, token=token, token_path=token_path)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        announce(f"note: {host} is reachable from other machines over plain HTTP: the bearer token travels "
+                 "unencrypted (put TLS in front, or keep to 127.0.0.1 and an SSH tunnel)")
+    return server.start() if background else server
