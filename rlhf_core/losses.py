@@ -1,4 +1,4 @@
-"""Training losses and KL estimators as pure tensor functions.
+"""Training losses, KL estimators and the RL policy/value losses as pure tensor functions.
 
 Everything here maps tensors to tensors: no model, no engine, no I/O, so each function can be
 checked against a hand computation (tests/unit/test_losses.py). The math: docs/algorithms.md.
@@ -14,6 +14,10 @@ Choices, and why:
   response tokens in the whole global batch). Summing the micro-batch losses of every rank then
   equals the loss of one big batch, which a per-micro-batch mean does not when micro-batches hold
   different numbers of tokens.
+- The RL terms (`policy_loss`, `value_loss`, `entropy_from_logits`) return per-token losses,
+  and `aggregate_loss` reduces them by a `LossAggMode`, dividing by a global unit count from
+  `loss_units` (tokens or sequences), by the same rule. Advantages, returns and the KL
+  controllers, which hold rollout-side state, are in rlhf_core/advantages.py.
 - Variants are `str` enums (`DPOLossType`, ...) picked by name through small registries
   (`DPO_LOSSES`, ...), so a config string selects a function and a typo fails loudly.
 - Log-sigmoid and softplus are used instead of `log(sigmoid(x))` / `log(1 + exp(x))`: they stay
@@ -35,16 +39,22 @@ __all__ = [
     "REWARD_LOSSES",
     "DPOLossType",
     "KLEstimator",
+    "LossAggMode",
     "RewardLossType",
+    "aggregate_loss",
     "dpo_loss",
+    "entropy_from_logits",
     "gather_token_logprobs",
     "kl_penalty",
     "kto_kl_estimate",
     "kto_loss",
+    "loss_units",
     "masked_mean",
     "masked_sum",
     "pairwise_reward_loss",
+    "policy_loss",
     "sft_loss",
+    "value_loss",
 ]
 
 KL_CLAMP = 10.0  # |logπ − logπ_ref| beyond this is clamped before any KL estimator (docs/algorithms.md)
@@ -312,3 +322,161 @@ def kl_penalty(
     """
     delta = (_f32(logprobs) - _f32(ref_logprobs)).clamp(-KL_CLAMP, KL_CLAMP)
     return KL_ESTIMATORS[KLEstimator(estimator)](delta)
+
+
+# --- RL: policy, value and entropy terms ------------------------------------------------------
+
+RATIO_LOG_CLAMP = 20.0  # |logπ − logπ_old| beyond this is clamped before exp (docs/algorithms.md)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token, optionally dual-clipped.
+
+    logprobs: `(B, T)` log-probs of the sampled tokens under the policy being trained.
+    old_logprobs: `(B, T)` the same under the policy that generated the rollout.
+    advantages: `(B, T)`; mask: `(B, T)` response tokens.
+    ratio = exp(clamp(logπ − logπ_old, −20, 20));
+    L = −min(ratio·A, clip(ratio, 1 − eps_low, 1 + eps_high)·A);
+    dual clip (c = dual_clip > 1): where A < 0, L = min(L, −c·A).
+    Returns `(loss, clipped)`, each `(B, T)` float32 and exactly 0 outside the mask, unreduced
+    (`aggregate_loss` reduces). `clipped` is 1 where a clip bound the loss, so that the token's
+    gradient is 0: the PPO clip (clip(ratio)·A < ratio·A) or the dual clip (−c·A < L); the two
+    never hold on the same token. Its masked mean is the clip fraction to log.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    log_ratio = (_f32(logprobs) - _f32(old_logprobs)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    ratio = log_ratio.exp()
+    advantages = _f32(advantages).to(ratio.device)
+    unclipped = ratio * advantages
+    clipped_surrogate = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped_surrogate)
+    clip_active = clipped_surrogate < unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (bound < loss)
+        loss = torch.where(dual_active, bound, loss)
+        clip_active = clip_active | dual_active
+    keep = torch.as_tensor(mask, device=loss.device) != 0
+    zero = torch.zeros_like(loss)
+    return torch.where(keep, loss, zero), torch.where(keep, clip_active.to(loss.dtype), zero)
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None = None
+) -> Tensor:
+    """Critic regression loss per token.
+
+    values: `(B, T)` current predictions V; old_values: `(B, T)` predictions at rollout time;
+    returns: `(B, T)` targets R.
+    Without value_clip: 0.5·(V − R)². With it: 0.5·max((V − R)², (V_clip − R)²), where
+    V_clip = V_old + clamp(V − V_old, −value_clip, value_clip).
+    Returns `(B, T)` float32, unmasked and unreduced (`aggregate_loss` masks and reduces).
+    """
+    values, returns = _f32(values), _f32(returns).to(values.device)
+    loss = (values - returns) ** 2
+    if value_clip is not None:
+        old_values = _f32(old_values).to(values.device)
+        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z over the last dim, in the dtype of `logits`."""
+    probs = torch.softmax(logits, dim=-1)
+    expected_logit = (probs.unsqueeze(-2) @ logits.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    return torch.logsumexp(logits, dim=-1) - expected_logit
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax of each position's logits.
+
+    logits: `(B, T, vocab)`, any float dtype.
+    Returns `(B, T)` float32: −Σ_v p_v·log p_v = logsumexp(z) − Σ_v p_v·z_v, differentiable.
+
+    As in `gather_token_logprobs`, 16-bit logits are upcast one sequence at a time, so at most one
+    `(T, vocab)` float32 copy exists at a time in the forward pass; float32 logits are used as
+    they are. The expected logit is a batched dot product, with no `p·z` product tensor.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        return _entropy(logits)
+    return torch.stack([_entropy(row.float()) for row in logits])
+
+
+# --- RL: loss aggregation ---------------------------------------------------------------------
+
+
+class LossAggMode(str, Enum):
+    """How a per-token loss becomes the step's scalar (verl's `loss_agg_mode` names)."""
+
+    TOKEN_MEAN = "token-mean"  # Σ mask·L / global token count
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # mean over sequences of each token sum
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # mean over sequences of each token mean
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # mean over sequences of token sum / L_max
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the global units are tokens (else sequences)."""
+        return self is LossAggMode.TOKEN_MEAN
+
+
+def loss_units(mask: Tensor, mode: LossAggMode | str) -> Tensor:
+    """What one micro-batch adds to the normaliser of `aggregate_loss`.
+
+    mask: `(B, T)` response-token mask (0/1 or float weights).
+    Returns a float32 scalar: for `token-mean` the mask sum (the number of response tokens); for
+    the seq-* modes the number of sequences with at least one response token. Rows without any
+    (a fully masked row) contribute no loss, so they are not counted either: a batch padded with
+    empty rows has the same loss as one without them (as in verl and OpenRLHF).
+    Sum this over every micro-batch of every rank of the optimizer step (an all-reduce) to get
+    `global_units`.
+    """
+    m = _f32(mask)
+    if LossAggMode(mode).per_token:
+        return m.sum()
+    return (m.sum(-1) != 0).to(m.dtype).sum()
+
+
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: LossAggMode | str,
+    global_units: int | float | Tensor,
+    norm_length: int | float | None = None,
+) -> Tensor:
+    """This micro-batch's share of the step's loss, already divided by the global normaliser.
+
+    loss: `(B, T)` per-token loss; mask: `(B, T)` response-token mask (0/1 or float weights).
+    global_units: the sum of `loss_units(mask, mode)` over every micro-batch of every rank in the
+        optimizer step.
+    norm_length: the constant of `seq-mean-token-sum-norm` (the maximum response length,
+        Dr.GRPO); required for that mode, unused otherwise.
+    With s_b = Σ_t mask·L (a sequence's token sum) and n_b = Σ_t mask (its token count):
+      token-mean:              Σ_b s_b / global_units           (units: tokens)
+      seq-mean-token-sum:      Σ_b s_b / global_units           (units: sequences)
+      seq-mean-token-mean:     Σ_{b: n_b>0} (s_b / n_b) / global_units
+      seq-mean-token-sum-norm: Σ_b (s_b / norm_length) / global_units
+    Returns a float32 scalar. Summed over micro-batches and ranks it equals the loss of the whole
+    batch at once, whatever the split. An engine that divides by the accumulation steps or
+    averages gradients over ranks must have that undone by the caller (as for `sft_loss`).
+    """
+    mode = LossAggMode(mode)
+    seq_sums = masked_sum(loss, mask, dim=-1)  # (B,)
+    if mode is LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+        counts = _f32(mask).sum(-1).to(seq_sums.device)
+        seq_sums = torch.where(counts != 0, seq_sums / counts.clamp(min=1e-8), torch.zeros_like(seq_sums))
+    elif mode is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM:
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the maximum response length)")
+        seq_sums = seq_sums / norm_length
+    units = _f32(global_units).to(seq_sums.device)
+    return seq_sums.sum() / units.clamp(min=1e-8)

@@ -34,3 +34,12 @@ def test_the_algorithms_document_names_every_variant_the_registries_accept():
     for registry in (DPO_LOSSES, KL_ESTIMATORS, REWARD_LOSSES):
         for variant in registry:
             assert re.search(rf"`{variant.value}`|\b{variant.value} =", text), variant
+
+
+def test_the_algorithms_document_names_every_rl_estimator_and_aggregation_mode():
+    from rlhf_core.advantages import AdvantageEstimator
+    from rlhf_core.losses import LossAggMode
+
+    text = (ROOT / "docs/algorithms.md").read_text()
+    for variant in (*AdvantageEstimator, *LossAggMode):
+        assert f"`{variant.value}`" in text, variant

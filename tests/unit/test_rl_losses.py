@@ -1,0 +1,247 @@
+"""The RL terms of rlhf_core.losses: policy, value and entropy losses and loss aggregation."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from rlhf_core.losses import (
+    LossAggMode,
+    aggregate_loss,
+    entropy_from_logits,
+    loss_units,
+    policy_loss,
+    value_loss,
+)
+
+LN2 = math.log(2.0)
+MODES = list(LossAggMode)
+
+
+def assert_close(actual, expected, atol=1e-6, rtol=1e-6):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=rtol)
+
+
+def right_padded_mask(lengths, T):
+    return (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+
+
+# --- policy loss ------------------------------------------------------------------------------
+
+
+def test_policy_loss_clip_cases_hand_computed():
+    ratios = [1.5, 1.5, 0.5, 0.5, 1.0]
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0]])
+    logp = torch.log(torch.tensor([ratios]))
+    loss, clipped = policy_loss(logp, torch.zeros(1, 5), adv, torch.ones(1, 5))
+    # ratio 1.5, A>0: min(1.5, 1.2) → clipped; A<0: min(−1.5, −1.2) = −1.5, not clipped;
+    # ratio 0.5, A>0: min(0.5, 0.8) = 0.5; A<0: min(−0.5, −0.8) → clipped; ratio 1: −A.
+    assert_close(loss, [[-1.2, 1.5, -0.5, 0.8, -2.0]])
+    assert_close(clipped, [[1.0, 0.0, 0.0, 1.0, 0.0]])
+
+
+def test_policy_loss_asymmetric_clip_and_ratio_clamp():
+    logp = torch.log(torch.tensor([[1.25, 0.75]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, clipped = policy_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2), eps_low=0.2, eps_high=0.28)
+    assert_close(loss, [[-1.25, 0.8]])  # 1.25 < 1.28 is inside; 0.75 < 0.8 is clipped (A < 0)
+    assert_close(clipped, [[0.0, 1.0]])
+    # A log-ratio of 50 is clamped to 20 before exp.
+    loss, _ = policy_loss(torch.tensor([[50.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1))
+    assert_close(loss, [[math.exp(20.0)]], rtol=1e-5)
+
+
+def test_policy_loss_dual_clip_hand_computed():
+    logp = torch.log(torch.tensor([[5.0, 2.0, 5.0, 0.5]]))
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
+    loss, clipped = policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), dual_clip=3.0)
+    # ratio 5, A = −1: PPO gives 5, dual clip caps at 3. ratio 2: 2 < 3 stays.
+    # ratio 5, A = +1: PPO clip to 1.2, dual clip does not apply. ratio 0.5, A = −2: PPO clip, 1.6.
+    assert_close(loss, [[3.0, 2.0, -1.2, 1.6]])
+    assert_close(clipped, [[1.0, 0.0, 1.0, 1.0]])
+    with pytest.raises(ValueError):
+        policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), dual_clip=1.0)
+
+
+def test_policy_loss_mask_gradient_and_dtype():
+    logp = torch.log(torch.tensor([[1.5, 1.0, 1.1, 1.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, 2.0, -1.0, 3.0]])
+    old = torch.tensor([[0.0, 0.0, 0.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, clipped = policy_loss(logp.bfloat16(), old, adv, mask)
+    assert loss.dtype == clipped.dtype == torch.float32
+    assert loss[0, 3].item() == 0.0 and clipped[0, 3].item() == 0.0  # NaN outside the mask
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    # d(−ratio·A)/dlogπ = −ratio·A where unclipped; 0 where clipped or masked.
+    assert grad[0, 0].item() == 0.0 and grad[0, 3].item() == 0.0
+    assert_close(grad[0, 1:3], [-2.0, 1.1 * 1.0], rtol=1e-2)  # bf16 rounding of logπ
+
+
+@pytest.mark.parametrize("dual_clip", [None, 2.5])
+def test_policy_loss_matches_loop_reference(dual_clip):
+    rng = random.Random(11)
+    B, T, el, eh = 4, 6, 0.2, 0.3
+    logp = [[rng.uniform(-1, 0.2) for _ in range(T)] for _ in range(B)]
+    old = [[x + rng.uniform(-1.2, 1.2) for x in row] for row in logp]
+    adv = [[rng.uniform(-2, 2) for _ in range(T)] for _ in range(B)]
+    lengths = [6, 2, 4, 5]
+    exp_loss = [[0.0] * T for _ in range(B)]
+    exp_clip = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(lengths[b]):
+            ratio = math.exp(max(-20.0, min(20.0, logp[b][t] - old[b][t])))
+            a = adv[b][t]
+            s1, s2 = ratio * a, min(max(ratio, 1 - el), 1 + eh) * a
+            loss = -min(s1, s2)
+            hit = s2 < s1
+            if dual_clip is not None and a < 0 and -dual_clip * a < loss:
+                loss, hit = -dual_clip * a, True
+            exp_loss[b][t], exp_clip[b][t] = loss, float(hit)
+    loss, clipped = policy_loss(
+        torch.tensor(logp, dtype=torch.float64), torch.tensor(old, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64), right_padded_mask(lengths, T), el, eh, dual_clip,
+    )
+    assert_close(loss, exp_loss, atol=1e-12, rtol=1e-12)
+    assert_close(clipped, exp_clip)
+    assert 0 < sum(map(sum, exp_clip)) < sum(lengths)  # some tokens clipped, some not
+
+
+# --- value loss -------------------------------------------------------------------------------
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[1.0, 1.0, -1.0]])
+    old = torch.tensor([[0.0, 0.8, 0.0]])
+    returns = torch.tensor([[2.0, 0.0, 0.0]])
+    # No clip: 0.5·(V − R)².
+    assert_close(value_loss(values, old, returns), [[0.5, 0.5, 0.5]])
+    # Clip 0.5: V_clip = [0.5, 1.0, −0.5]; max((V−R)², (V_clip−R)²) = [2.25, 1, 1].
+    assert_close(value_loss(values, old, returns, value_clip=0.5), [[1.125, 0.5, 0.5]])
+
+
+def test_value_loss_matches_loop_reference():
+    rng = random.Random(12)
+    rows = [[(rng.uniform(-2, 2), rng.uniform(-2, 2), rng.uniform(-2, 2)) for _ in range(5)] for _ in range(3)]
+    v, o, r = (torch.tensor([[c[i] for c in row] for row in rows], dtype=torch.float64) for i in range(3))
+    expected = []
+    for row in rows:
+        out = []
+        for vi, oi, ri in row:
+            vc = oi + max(-0.3, min(0.3, vi - oi))
+            out.append(0.5 * max((vi - ri) ** 2, (vc - ri) ** 2))
+        expected.append(out)
+    assert_close(value_loss(v, o, r, value_clip=0.3), expected, atol=1e-12, rtol=1e-12)
+
+
+# --- entropy ----------------------------------------------------------------------------------
+
+
+def test_entropy_hand_computed():
+    # p = [1/4, 1/4, 1/2]: H = 2·(1/4)·ln4 + (1/2)·ln2 = 1.5·ln2. Uniform over 3: ln3.
+    logits = torch.tensor([[[0.0, 0.0, LN2], [7.0, 7.0, 7.0]]])
+    assert_close(entropy_from_logits(logits), [[1.5 * LN2, math.log(3.0)]])
+    assert_close(entropy_from_logits(logits + 1000.0), [[1.5 * LN2, math.log(3.0)]], atol=1e-4)
+
+
+def test_entropy_matches_loop_reference_and_gradient():
+    torch.manual_seed(13)
+    logits = (torch.randn(2, 3, 7, dtype=torch.float64) * 3).requires_grad_()
+    expected = torch.empty(2, 3, dtype=torch.float64)
+    for b in range(2):
+        for t in range(3):
+            row = logits[b, t].tolist()
+            z = sum(math.exp(x) for x in row)
+            expected[b, t] = -sum(math.exp(x) / z * (x - math.log(z)) for x in row)
+    out = entropy_from_logits(logits)
+    assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    ref = torch.distributions.Categorical(logits=logits).entropy()
+    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+    assert_close(grad, ref_grad, atol=1e-10, rtol=1e-10)
+
+
+def test_entropy_bf16_computes_in_float32():
+    torch.manual_seed(14)
+    logits = (torch.randn(2, 4, 9) * 4).bfloat16()
+    out = entropy_from_logits(logits)
+    assert out.dtype == torch.float32
+    expected = torch.distributions.Categorical(logits=logits.float()).entropy()
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- aggregation ------------------------------------------------------------------------------
+
+
+def test_aggregate_loss_hand_computed():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the last row is empty
+    assert loss_units(mask, "token-mean").item() == 4
+    for mode in MODES[1:]:
+        assert loss_units(mask, mode).item() == 2  # the empty row is not a unit
+
+    def agg(mode, **kw):
+        return aggregate_loss(loss, mask, mode, loss_units(mask, mode), **kw)
+
+    assert_close(agg("token-mean"), 10 / 4)
+    assert_close(agg("seq-mean-token-sum"), (6 + 4) / 2)
+    assert_close(agg("seq-mean-token-mean"), (2 + 4) / 2)
+    assert_close(agg("seq-mean-token-sum-norm", norm_length=3), (6 / 3 + 4 / 3) / 2)
+    with pytest.raises(ValueError, match="norm_length"):
+        agg("seq-mean-token-sum-norm")
+    with pytest.raises(ValueError):
+        LossAggMode("seq-mean")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_loss_matches_loop_reference(mode):
+    rng = random.Random(15)
+    B, T, L_max = 5, 7, 10
+    lengths = [7, 1, 0, 4, 6]
+    loss = [[rng.uniform(-3, 3) for _ in range(T)] for _ in range(B)]
+    rows = [(sum(loss[b][: lengths[b]]), lengths[b]) for b in range(B) if lengths[b]]
+    if mode is LossAggMode.TOKEN_MEAN:
+        expected = sum(s for s, _ in rows) / sum(n for _, n in rows)
+    elif mode is LossAggMode.SEQ_MEAN_TOKEN_SUM:
+        expected = sum(s for s, _ in rows) / len(rows)
+    elif mode is LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+        expected = sum(s / n for s, n in rows) / len(rows)
+    else:
+        expected = sum(s / L_max for s, _ in rows) / len(rows)
+    mask = right_padded_mask(lengths, T)
+    got = aggregate_loss(torch.tensor(loss, dtype=torch.float64), mask, mode, loss_units(mask, mode), L_max)
+    assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregation_is_split_invariant(mode):
+    """One batch == micro-batches == two simulated ranks, in value and gradient."""
+    torch.manual_seed(16)
+    B, T, L_max = 8, 9, 12
+    lengths = [9, 2, 5, 1, 0, 7, 3, 8]  # uneven token counts; one empty row
+    base = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
+    mask = right_padded_mask(lengths, T)
+
+    def per_token(rows):  # each micro-batch trimmed to its own padded length, as a loader would
+        width = max(max(lengths[r] for r in rows), 1)
+        idx = torch.tensor(rows)
+        return base[idx, :width] ** 2, mask[idx, :width]
+
+    def run(split):
+        """split: ranks → micro-batches → rows. Returns the summed loss over all of them."""
+        parts = [per_token(rows) for rank in split for rows in rank]
+        global_units = sum(loss_units(m, mode) for _, m in parts)  # the all-reduce
+        return sum(aggregate_loss(x, m, mode, global_units, norm_length=L_max) for x, m in parts)
+
+    whole = run([[list(range(B))]])
+    micro = run([[[0, 1, 2], [3, 4], [5, 6, 7]]])
+    ranks = run([[[0, 1], [2, 3, 4]], [[5, 6, 7]]])  # rank 0: 2 micro-batches, rank 1: one
+    grads = [torch.autograd.grad(x, base)[0] for x in (whole, micro, ranks)]
+    assert_close(micro, whole.item(), atol=1e-12, rtol=1e-12)
+    assert_close(ranks, whole.item(), atol=1e-12, rtol=1e-12)
+    assert_close(grads[1], grads[0], atol=1e-12, rtol=1e-12)
+    assert_close(grads[2], grads[0], atol=1e-12, rtol=1e-12)
+    # Not vacuous: averaging each part's own normalised loss gives a different number.
+    parts = [per_token(rows) for rows in ([0, 1], [2, 3, 4], [5, 6, 7])]
+    local = sum(aggregate_loss(x, m, mode, loss_units(m, mode), norm_length=L_max) for x, m in parts) / 3
+    assert abs(local.item() - whole.item()) > 1e-3
