@@ -209,7 +209,7 @@ def token_level_rewards(
     kl: Tensor,
     mask: Tensor,
     kl_coef: float,
-    reward_clip: float | None = None,
+    reward_clip: float | tuple[float, float] | None = None,
 ) -> Tensor:
     """Per-token rewards: the scalar reward on the last response token, minus β·KL on every token.
 
@@ -217,8 +217,8 @@ def token_level_rewards(
     kl: `(B, T)` per-token KL estimate (`losses.kl_penalty`); ignored outside `mask`.
     mask: `(B, T)` response-token mask.
     kl_coef: β ≥ 0 (pass 0 when the KL goes into the loss instead, `use_kl_loss`).
-    reward_clip: clip the scalar to [−reward_clip, reward_clip] before placing it (OpenRLHF clips
-        the shaped reward, default ±10); None leaves it alone.
+    reward_clip: clip the scalar to [−reward_clip, reward_clip], or to [low, high] for a pair,
+        before placing it (OpenRLHF clips the shaped reward, default ±10); None leaves it alone.
     Returns `(B, T)` float32: r·1[t = last] − β·KL_t where mask is set, exactly 0 elsewhere. A row
     with no response token gets nothing.
     """
@@ -227,7 +227,8 @@ def token_level_rewards(
     kl = _f32(kl)
     rewards = _f32(rewards).to(kl.device)
     if reward_clip is not None:
-        rewards = rewards.clamp(-reward_clip, reward_clip)
+        low, high = reward_clip if isinstance(reward_clip, (tuple, list)) else (-reward_clip, reward_clip)
+        rewards = rewards.clamp(low, high)
     last = _last_token_onehot(mask).to(kl.device)
     token_rewards = torch.where(last, rewards.unsqueeze(-1).to(kl.dtype), torch.zeros_like(kl))
     if kl_coef:
@@ -318,7 +319,7 @@ def compute_advantages(
     lambd: float = 1.0,
     values: Tensor | None = None,
     std_norm: bool = True,
-    reward_clip: float | None = None,
+    reward_clip: float | tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns for one rollout batch, OpenRLHF's order of operations.
 

@@ -1,4 +1,4 @@
-"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto`, `eval`, `pairs`, `pipeline run`, `lineage`, `hardware`.
+"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto|ppo`, `serve-rm`, `eval`, `pairs`, `pipeline run`, `lineage`, `hardware`.
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     stages = train.add_subparsers(dest="stage", required=True)
     for name, cls in STAGE_CONFIGS.items():
         add_config_flags(stages.add_parser(name, help=f"{name} trainer", argument_default=argparse.SUPPRESS), cls)
+    from rlhf_core.rl_config import add_ppo_flags
+
+    add_ppo_flags(stages.add_parser("ppo", argument_default=argparse.SUPPRESS, help="PPO-family RL (PPO, "
+                                    "REINFORCE++, RLOO, GRPO, Dr.GRPO): OpenRLHF's dotted or flat flags"))
 
     from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, add_flat_config_flags
 
@@ -53,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
         from flows.cli import add_arguments
 
         add_arguments(sub.add_parser("pipeline", help="Run the whole lifecycle as the Prefect flow `rlhf`"))
+
+    from rlhf_core.rewards.cli import add_serve_rm_arguments
+
+    add_serve_rm_arguments(sub.add_parser("serve-rm", help="Serve reward models or a reward file over HTTP "
+                                          "(POST /get_reward, bearer token required)"))
 
     sub.add_parser("hardware", help="What a stage's ranks would train on here (device, native bf16, what each "
                    "--param_dtype resolves to), probed on the Ray cluster; one JSON line")
@@ -90,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)
             print(json.dumps(manifest["outputs"], indent=2))
             return 0
+        if args.command == "train" and args.stage == "ppo":
+            from rlhf_core.launch import run_rl_stage
+            from rlhf_core.rl_config import build_ppo_config
+
+            values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
+            cfg = build_ppo_config(load_yaml(args.config) if getattr(args, "config", None) else None, values)
+            print(json.dumps(run_rl_stage(cfg), indent=2, sort_keys=True))
+            return 0
         if args.command == "train":
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
             cfg = build_config(STAGE_CONFIGS[args.stage], load_yaml(args.config) if getattr(args, "config", None)
@@ -113,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(str(e), EXIT_USAGE)
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
+        if args.command == "serve-rm":
+            from rlhf_core.rewards.cli import serve_rm_main
+
+            return serve_rm_main(args)
         if args.command == "hardware":
             from rlhf_core.launch import prepare_environment, probe_hardware
             from rlhf_core.precision import HARDWARE_PREFIX

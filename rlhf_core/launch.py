@@ -104,6 +104,21 @@ def run_stage(cfg: TrainConfig) -> dict:
         sys.stderr.flush()
 
 
+def run_rl_stage(cfg) -> dict:
+    """Run an RL stage (`rlhf train ppo`) from this process, its single controller; returns its manifest."""
+    from rlhf_core import storage
+
+    cfg.check_complete()
+    storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
+    prepare_environment()
+    from rlhf_core.trainers.ppo import run_ppo
+
+    try:
+        return run_ppo(cfg)
+    except Exception as e:
+        raise StageFailed(e) from e
+
+
 def probe_hardware() -> dict:
     """What the ranks of a stage would train on, probed on the cluster (not on this driver): a GPU
     worker when the cluster has GPUs, else a CPU worker. Returns the device, whether bf16 is

@@ -176,6 +176,8 @@ class EvalSection(StrictModel):
     steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
     temperature: float = Field(0.6, gt=0)
     n_samples_per_prompt: int = Field(4, ge=1)
+    task: str | None = Field(None, description="Built-in task whose exact verifier measures held-out accuracy "
+                             "(default: --reward.task); the training reward may come from a reward model")
 
 
 class LoggerSection(StrictModel):
@@ -237,6 +239,35 @@ class PPOConfig(StrictModel):
     mlflow_run_name: str | None = None
     mlflow_parent_run_id: str | None = None
     use_mlflow: bool = True
+
+    # The names every stage config answers to (storage's destination checks, manifests, pipelines).
+    @property
+    def save_path(self) -> str | None:
+        return self.ckpt.output_dir
+
+    @property
+    def pretrain(self) -> str | None:
+        return self.actor.model_name_or_path
+
+    @property
+    def ref_pretrain(self) -> str | None:
+        return self.ref.model_name_or_path
+
+    @property
+    def reward_pretrain(self) -> str | None:
+        return self.reward.model_name_or_path
+
+    @property
+    def critic_pretrain(self) -> str | None:
+        return self.critic.model_name_or_path if self.uses_critic else None
+
+    @property
+    def ckpt_path(self) -> str | None:
+        return self.ckpt.path
+
+    @property
+    def param_dtype(self) -> Precision:
+        return self.ds.param_dtype
 
     @property
     def uses_critic(self) -> bool:
@@ -306,6 +337,16 @@ class PPOConfig(StrictModel):
                 task_budget = get_task(reward.task).max_answer_len + 1  # the longest answer and EOS
             except ValueError as e:
                 problems.append(f"--reward.task: {e}")
+        if self.eval.task is None and reward.task is not None:
+            set_(self.eval, "task", reward.task)
+        elif self.eval.task is not None and self.eval.task != reward.task:
+            from rlhf_core.data.synthetic import get_task
+
+            try:
+                budget = get_task(self.eval.task).max_answer_len + 1
+                task_budget = budget if task_budget is None else max(task_budget, budget)
+            except ValueError as e:
+                problems.append(f"--eval.task: {e}")
         if rollout.max_new_tokens is None:
             if task_budget is not None:
                 set_(rollout, "max_new_tokens", task_budget)

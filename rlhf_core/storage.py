@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from rlhf_core.config import ConfigError, state_dir
 
 MANIFEST = "stage.json"
@@ -148,11 +150,14 @@ def stage_inputs(cfg) -> list[tuple[str, str]]:
     Local model and data paths that do not exist are left out (hub names); `ckpt_path` stays in
     even before its first checkpoint, so an output can never be published over it.
     """
-    found = [(f"--{name}", value) for name in ("pretrain", "ref_pretrain", "reward_pretrain")
-             if (value := getattr(cfg, name, None))]
+    found = [(f"--{name}", value.strip()) for name in ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain")
+             for value in (getattr(cfg, name, None) or "").split(",") if value.strip()]
     data = getattr(cfg, "data", cfg)
-    for name in ("dataset", "eval_dataset"):
-        for spec in (getattr(data, name, None) or "").split(","):
+    datasets = [(name, getattr(data, name, None)) for name in ("dataset", "eval_dataset", "prompt_dataset")]
+    if isinstance(getattr(cfg, "eval", None), BaseModel):  # the RL config's eval section
+        datasets.append(("eval.dataset", cfg.eval.dataset))
+    for name, specs in datasets:
+        for spec in (specs or "").split(","):
             if spec.strip():
                 found.append((f"--{name}", spec.strip().removeprefix("json@")))
     found = [(n, v) for n, v in found if is_remote(v) or Path(v.removeprefix("file://")).expanduser().exists()]

@@ -1,0 +1,303 @@
+"""The RL stage's single controller: rollout -> rewards -> reference and values -> advantages ->
+PPO epochs over actor and critic -> weight sync, once per rollout step.
+
+It runs on the job's driver and owns the loop, the prompt order, the KL coefficient, the MLflow
+run and the checkpoints; the models live in role groups (`rl/groups.py`) that it calls on shards
+of a batch of `RolloutSample`s. The estimator decides what is built: a critic for `gae` only, a
+reference whenever a KL term is used (in the reward or in the loss).
+
+Choices, and why:
+- Prompts are read once, formatted like the trainers' data (chat template or input template) and
+  visited in a seeded order per episode; the position is part of the checkpoint. Prompts longer
+  than `--data.prompt_max_len` tokens are left out (counted and reported), as OpenRLHF does.
+- The engine's log-probs are kept next to the trainer's recomputation of them (`old_logprobs`),
+  and their mean absolute difference per token is logged (`rollout/logprob_mismatch`): 0 up to
+  float noise for the transformers engine in fp32, a few hundredths for vLLM in bf16.
+- PPO epochs visit the rollout in a seeded permutation cut into global optimizer steps of
+  `--train.batch_size`; rank r of a trainable role takes its contiguous slice of every step, so
+  one rank and two ranks make the same updates.
+- Dynamic filtering drops prompts whose samples all score the same (no signal for a group
+  estimator) and draws more prompts until the rollout is full, giving up after
+  `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+
+import torch
+
+from rlhf_core.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
+from rlhf_core.data.synthetic import get_task
+from rlhf_core.losses import kl_penalty
+from rlhf_core.rl.experience import RolloutSample, stack, unstack
+
+log = logging.getLogger(__name__)
+
+MAX_FILTER_ROUNDS = 8
+
+
+class PromptStream:
+    """Prompt indices in a seeded order per episode; `position` is how many have been drawn."""
+
+    def __init__(self, num_prompts: int, seed: int):
+        self.num_prompts, self.seed, self.position = num_prompts, seed, 0
+
+    def order(self, episode: int) -> list[int]:
+        rng = random.Random(f"{self.seed}-episode-{episode}")
+        order = list(range(self.num_prompts))
+        rng.shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            episode, offset = divmod(self.position, self.num_prompts)
+            out.append(self.order(episode)[offset])
+            self.position += 1
+        return out
+
+
+def arrange_for_ranks(samples: list, batch_size: int, world_size: int, seed: int) -> list:
+    """A seeded permutation of `samples` cut into global steps of `batch_size`, reordered so that
+    contiguous equal shards give rank r its slice of every step, in step order."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    steps = [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    per_rank = batch_size // world_size
+    arranged = [i for r in range(world_size) for step in steps for i in step[r * per_rank : (r + 1) * per_rank]]
+    return [samples[i] for i in arranged]
+
+
+def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
+                     overlong_buffer_len: int | None, overlong_penalty_factor: float) -> torch.Tensor:
+    """The source's rewards with DAPO's soft overlong penalty: a response longer than
+    `max_new_tokens - buffer` loses `factor * excess / buffer`, at most `factor`. (Clipping to
+    `--reward.clip_range` comes after group shaping, in `compute_advantages`, as in OpenRLHF.)"""
+    rewards = raw.float()
+    if overlong_buffer_len:
+        excess = (lengths.float() - (max_new_tokens - overlong_buffer_len)).clamp(min=0)
+        rewards = rewards - (excess / overlong_buffer_len * overlong_penalty_factor).clamp(max=overlong_penalty_factor)
+    return rewards
+
+
+class RLController:
+    def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
+                 eval_labels: list | None, tokenizer, engine, actor, critic, ref, reward_model, reward_fn, tracker,
+                 kl_controller, rollout_steps: int):
+        self.cfg, self.tokenizer, self.engine = cfg, tokenizer, engine
+        self.prompt_ids, self.labels = prompt_ids, labels
+        self.eval_prompt_ids, self.eval_labels = eval_prompt_ids or [], eval_labels or []
+        self.actor, self.critic, self.ref, self.reward_model, self.reward_fn = actor, critic, ref, reward_model, reward_fn
+        self.tracker, self.kl = tracker, kl_controller
+        self.estimator = AdvantageEstimator(cfg.algo.advantage.estimator)
+        self.prompts = PromptStream(len(prompt_ids), cfg.train.seed)
+        self.rollout_steps = rollout_steps
+        self.step = 0
+        self.history: list[dict] = []
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        initial = self.evaluate("eval_initial/") if self.step == 0 else {}
+        self._log(initial)
+        while self.step < self.rollout_steps:
+            metrics = self.train_step()
+            self.step += 1
+            self._log(metrics)
+            if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
+                    and self.step < self.rollout_steps:
+                self._log(self.evaluate())
+        final = self.evaluate()
+        self._log(final)
+        summary = {**initial, **final, "train/steps": self.step}
+        if self.history:
+            summary.update({k: v for k, v in self.history[-1].items() if k.startswith(("rollout/", "train/"))})
+        return summary
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        samples, rollout_stats = self.rollout(times)
+        t = time.perf_counter()
+        self.make_experience(samples)
+        times["experience"] = time.perf_counter() - t
+        t = time.perf_counter()
+        train_stats = self.train(samples)
+        times["train"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.sync_weights()
+        times["sync"] = time.perf_counter() - t
+        kl_now = train_stats["rollout/kl"]
+        self.kl.update(kl_now, len(samples))
+        elapsed = time.perf_counter() - t0
+        metrics = {**rollout_stats, **train_stats, "train/kl_coef": self.kl.value,
+                   **{f"time/{k}_s": v for k, v in times.items()}, "time/step_s": elapsed,
+                   "perf/samples_per_s": len(samples) / elapsed}
+        if (self.step + 1) % cfg.logger.logging_steps == 0 or self.step + 1 == self.rollout_steps:
+            shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
+                              ("rollout/reward_mean", "rollout/kl", "train/policy_loss", "train/value_loss", "perf/samples_per_s")
+                              if k in metrics)
+            shown += " | s: " + " ".join(f"{k}={v:.1f}" for k, v in times.items())
+            print(f"[rl step {self.step + 1}/{self.rollout_steps}] {shown}", file=sys.stderr, flush=True)
+        return metrics
+
+    # -- rollout and rewards ----------------------------------------------------------------
+    def rollout(self, times: dict[str, float]) -> tuple[list[RolloutSample], dict[str, float]]:
+        cfg = self.cfg
+        n, want = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
+        kept: list[RolloutSample] = []
+        drawn_groups = passed_groups = 0
+        times["generate"] = times["reward"] = 0.0
+        for round_ in range(MAX_FILTER_ROUNDS if cfg.algo.dynamic_filtering_enable else 1):
+            indices = self.prompts.take(want - len(kept) // n)
+            t = time.perf_counter()
+            groups = self.engine.generate_ids([self.prompt_ids[i] for i in indices], n, cfg.rollout.temperature,
+                                              cfg.rollout.max_new_tokens, seed=cfg.train.seed * 1_000_003
+                                              + self.prompts.position * 7 + round_)
+            times["generate"] += time.perf_counter() - t
+            fresh = [RolloutSample(list(self.prompt_ids[i]), list(s.token_ids), i, torch.tensor(s.logprobs),
+                                   s.finished) for i, group in zip(indices, groups, strict=True) for s in group]
+            t = time.perf_counter()
+            self.score(fresh)
+            times["reward"] += time.perf_counter() - t
+            drawn_groups += len(indices)
+            if cfg.algo.dynamic_filtering_enable:
+                low, high = cfg.algo.dynamic_filtering_range
+                keep = dynamic_filter_mask(torch.tensor([s.score for s in fresh]), n, low, high)
+                fresh = [s for g, ok in enumerate(keep.tolist()) if ok for s in fresh[g * n : (g + 1) * n]]
+            passed_groups += len(fresh) // n
+            kept += fresh
+            if len(kept) >= want * n:
+                break
+        if not kept:
+            raise RuntimeError(f"dynamic filtering: every one of {drawn_groups} prompts gave samples that all "
+                               "scored the same; widen --algo.dynamic_filtering_range or turn it off")
+        kept = kept[: want * n]
+        rewards = torch.tensor([s.reward for s in kept])
+        scores = torch.tensor([s.score for s in kept])
+        lengths = torch.tensor([float(s.response_len) for s in kept])
+        stats = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std(unbiased=False).item(),
+                 "rollout/score_mean": scores.mean().item(), "rollout/response_length": lengths.mean().item(),
+                 "rollout/truncated_frac": sum(not s.finished for s in kept) / len(kept)}
+        if cfg.algo.dynamic_filtering_enable:
+            stats["rollout/filter_pass_rate"] = passed_groups / drawn_groups
+        return kept, stats
+
+    def score(self, samples: list[RolloutSample], labels: list | None = None) -> None:
+        """Fill in each sample's score (the source's) and reward (with the overlong penalty);
+        `labels`: of the prompts the samples index (default: the training prompts')."""
+        cfg = self.cfg
+        labels = self.labels if labels is None else labels
+        if self.reward_model is not None:
+            raw = torch.tensor(self.reward_model.call_sharded("scores", samples), dtype=torch.float32)
+            scores = raw
+        else:
+            decode = self.tokenizer.decode
+            queries = [decode(s.prompt_ids + s.response_ids, skip_special_tokens=False) for s in samples]
+            prompts = [decode(s.prompt_ids, skip_special_tokens=False) for s in samples]
+            responses = [decode(s.response_ids, skip_special_tokens=True) for s in samples]
+            out = self.reward_fn(queries, prompts, [labels[s.prompt_index] for s in samples], responses=responses)
+            raw, scores = out.rewards.float(), out.scores.float()
+        lengths = torch.tensor([s.response_len for s in samples])
+        rewards = overlong_penalty(raw, lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer_len,
+                                   cfg.reward.overlong_penalty_factor)
+        for s, r, sc in zip(samples, rewards.tolist(), scores.tolist(), strict=True):
+            s.reward, s.score = r, sc
+
+    # -- experience -------------------------------------------------------------------------
+    def make_experience(self, samples: list[RolloutSample]) -> None:
+        """Old log-probs (actor), reference log-probs, values, then advantages and returns."""
+        cfg = self.cfg
+        futures = {"old": self.actor.call_sharded_async("logprobs", samples)}
+        if self.ref is not None:
+            futures["ref"] = self.ref.call_sharded_async("logprobs", samples)
+        if self.critic is not None:
+            futures["values"] = self.critic.call_sharded_async("values", samples)
+        results = {k: pending.gather() for k, pending in futures.items()}
+        for i, s in enumerate(samples):
+            s.old_logprobs = results["old"][i]
+            s.ref_logprobs = results["ref"][i] if "ref" in results else None
+            s.values = results["values"][i] if "values" in results else None
+        lengths = [s.response_len for s in samples]
+        mask = stack([torch.ones(n) for n in lengths])
+        old = stack([s.old_logprobs for s in samples])
+        if self.ref is not None:
+            kl = kl_penalty(old, stack([s.ref_logprobs for s in samples]), "k1" if not cfg.algo.kl.use_loss
+                            else cfg.algo.kl.estimator) * mask
+        else:
+            kl = torch.zeros_like(old)
+        self._kl_stats = (kl.sum(-1)).mean().item()
+        kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
+        advantages, returns = compute_advantages(
+            self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
+            n=cfg.rollout.n_samples_per_prompt, gamma=cfg.algo.advantage.gamma, lambd=cfg.algo.advantage.lambd,
+            values=stack([s.values for s in samples]) if self.critic is not None else None,
+            std_norm=not cfg.algo.advantage.no_std_norm, reward_clip=tuple(cfg.reward.clip_range))
+        for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
+            s.advantages, s.returns = a, r
+        rollout_lp = stack([s.rollout_logprobs for s in samples])
+        self._mismatch = ((rollout_lp - old).abs() * mask).sum().item() / mask.sum().item()
+
+    # -- training ---------------------------------------------------------------------------
+    def train(self, samples: list[RolloutSample]) -> dict[str, float]:
+        cfg = self.cfg
+        stats: dict[str, float] = {"rollout/kl": self._kl_stats, "rollout/logprob_mismatch": self._mismatch}
+        actor_frozen = self.step < cfg.critic.freezing_steps
+        sums: dict[str, float] = {}
+        for epoch in range(cfg.train.max_epochs):
+            seed = cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+            calls = []
+            if not actor_frozen:
+                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed)
+                calls.append(self.actor.call_sharded_async("train_epoch", arranged, kl_coef=self.kl.value))
+            if self.critic is not None:
+                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.critic.world_size, seed)
+                calls.append(self.critic.call_sharded_async("train_epoch", arranged))
+            for pending in calls:  # every rank reports the same (all-reduced) numbers: rank 0's
+                for k, v in pending.first().items():
+                    sums[k] = sums.get(k, 0.0) + v / cfg.train.max_epochs
+        stats.update({f"train/{k}": v for k, v in sums.items()})
+        return stats
+
+    def sync_weights(self) -> None:
+        """Every rollout engine gets the actor's new weights."""
+        if self.step < self.cfg.critic.freezing_steps:
+            return
+        self.engine.update_weights(self.actor.call_rank0("weights"))
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
+        """Held-out prompts, sampled at `--eval.temperature` and greedy: the mean reward, and with a
+        task verifier (`--eval.task`, default `--reward.task`) the exact-match accuracy."""
+        if not self.eval_prompt_ids:
+            return {}
+        cfg = self.cfg
+        verifier = get_task(cfg.eval.task) if cfg.eval.task else None
+        out = {}
+        for name, temperature, n in (("sampled", cfg.eval.temperature, cfg.eval.n_samples_per_prompt),
+                                     ("greedy", 0.0, 1)):
+            groups = self.engine.generate_ids(self.eval_prompt_ids, n, temperature, cfg.rollout.max_new_tokens,
+                                              seed=cfg.train.seed + 17)
+            samples = [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
+                       for i, (p, group) in enumerate(zip(self.eval_prompt_ids, groups, strict=True)) for s in group]
+            self.score(samples, self.eval_labels)
+            out[f"{prefix}{name}_reward"] = sum(s.score for s in samples) / len(samples)
+            if verifier is not None:
+                responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+                out[f"{prefix}{name}_accuracy"] = sum(
+                    verifier.score(r, self.eval_labels[s.prompt_index]) for r, s in zip(responses, samples, strict=True)
+                ) / len(samples)
+        return out
+
+    # -- reporting --------------------------------------------------------------------------
+    def _log(self, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        self.history.append(metrics)
+        self.tracker.log_metrics(metrics, step=self.step)
+        if not any(k.startswith(("train/", "rollout/")) for k in metrics):
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+            print(f"[rl step {self.step}] {shown}", file=sys.stderr, flush=True)

@@ -1,0 +1,69 @@
+"""What one rollout produces and what the roles compute on it, sample by sample.
+
+A `RolloutSample` is one response to one prompt: the token ids (prompt and response), the rollout
+engine's log-probs, and, filled in as the controller goes, the reward, the old policy's and the
+reference's log-probs, the critic's values, the advantages and returns. Per-token tensors have
+one entry per response token, `(T_i,)`, so a list of samples shards across ranks by plain
+slicing and nothing depends on how a batch was padded.
+
+`collate` turns samples into a training `Batch` (padded or packed) plus the `(N, T_max)` layout
+of their response tokens (`models.forward.response_index`), and `stack` pads per-sample tensors
+into the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf_core.data.batching import Batch, make_batch
+from rlhf_core.models.forward import response_index
+
+
+@dataclass
+class RolloutSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    prompt_index: int  # which prompt of the prompt set (its label, its group)
+    rollout_logprobs: torch.Tensor  # (T,) the engine's log-probs of the sampled tokens
+    finished: bool  # ended with EOS (not cut at max_new_tokens)
+    reward: float = 0.0  # the source's reward with the overlong penalty (group shaping and clipping come later)
+    score: float = 0.0  # the reward source's score (dynamic filtering, accuracy)
+    old_logprobs: torch.Tensor | None = None  # (T,) the policy that sampled, recomputed by the trainer
+    ref_logprobs: torch.Tensor | None = None  # (T,)
+    values: torch.Tensor | None = None  # (T,) critic, gae only
+    advantages: torch.Tensor | None = None  # (T,)
+    returns: torch.Tensor | None = None  # (T,)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
+            ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """`(batch, index, mask)`: the samples' prompt+response sequences with the response tokens
+    under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`)."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
+    capacity = None if row_capacity is None else max(row_capacity, max(len(q) for q in seqs))
+    batch = make_batch(seqs, masks, pad_id, packing, capacity)
+    index, mask = response_index(batch)
+    return batch, index, mask
+
+
+def stack(values: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Right-pad `(T_i,)` tensors with zeros into `(N, width)` float32 (width: the longest)."""
+    width = width if width is not None else max(v.numel() for v in values)
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, v in enumerate(values):
+        out[i, : v.numel()] = v.float()
+    return out
+
+
+def unstack(matrix: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """The inverse of `stack`: row i cut to `lengths[i]`, on CPU."""
+    matrix = matrix.detach().float().cpu()
+    return [matrix[i, :n].clone() for i, n in enumerate(lengths)]

@@ -1,0 +1,296 @@
+"""The models of an RL stage, one class per role: policy (actor), critic, reference, reward model.
+
+Each role is one rank of its worker group: the same class runs in the controller's process (one
+local rank) or as a Ray actor (several ranks, possibly sharing devices with other roles), and the
+controller only ever calls its methods on shards of a batch of `RolloutSample`s. Trainable roles
+(policy, critic) hold a DeepSpeed engine and run their PPO epochs with the same optimizer-step
+primitive as the supervised trainers (`trainers.loop.optimizer_step`): each optimizer step's loss
+is normalised by the global count of loss units (tokens or sequences, `--algo.loss_agg_mode`), so
+the update does not depend on the micro-batch or rank split.
+
+Log-probs are computed at the rollout temperature (logits / T), for the policy and the reference
+alike: the policy being optimised is the one that samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_core.distributed.engine import autocast, device, initialize, precision_of
+from rlhf_core.losses import (
+    LossAggMode,
+    aggregate_loss,
+    entropy_from_logits,
+    gather_token_logprobs,
+    kl_penalty,
+    policy_loss,
+    value_loss,
+)
+from rlhf_core.models.forward import response_logits, response_values
+from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
+from rlhf_core.trainers.loop import optimizer_step
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `distributed.engine.initialize` reads, for one trainable role of an RL config."""
+
+    learning_rate: float
+    adam_betas: tuple[float, float]
+    l2: float
+    lr_warmup_ratio: float
+    min_lr_ratio: float
+    max_norm: float
+    train_batch_size: int
+    micro_train_batch_size: int
+    world_size: int
+    zero_stage: int
+    adam_offload: bool
+    param_dtype: str
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.train_batch_size // (self.micro_train_batch_size * self.world_size)
+
+
+def engine_settings(cfg, section, world_size: int) -> EngineSettings:
+    return EngineSettings(section.adam.lr, tuple(section.adam.betas), section.adam.weight_decay,
+                          section.lr_warmup_ratio, section.min_lr_ratio, section.max_norm, cfg.train.batch_size,
+                          cfg.train.micro_batch_size, world_size, cfg.ds.zero_stage, cfg.ds.adam_offload,
+                          cfg.ds.param_dtype.value)
+
+
+def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
+    """Loss units in `samples` under `mode`: response tokens for token-mean, else sequences."""
+    if LossAggMode(mode) == LossAggMode.TOKEN_MEAN:
+        return float(sum(s.response_len for s in samples))
+    return float(len(samples))
+
+
+def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list[list]]:
+    """This rank's samples cut into optimizer steps of `per_rank_batch`, each into micro-batches."""
+    return [[samples[i + j : i + j + micro] for j in range(0, per_rank_batch, micro)]
+            for i in range(0, len(samples) - per_rank_batch + 1, per_rank_batch)]
+
+
+class _Role:
+    """Loading, batching and no-grad forward passes every role shares."""
+
+    def __init__(self, cfg, pad_id: int, rank: int = 0, world_size: int = 1):
+        self.cfg, self.pad_id, self.rank, self.world_size = cfg, pad_id, rank, world_size
+        self.device = device()
+        self.precision = precision_of(cfg.ds)
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.packing = True
+
+    def _collate(self, samples: list[RolloutSample]):
+        batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity)
+        return batch.to(self.device), index.to(self.device), mask.to(self.device)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.cfg.data.max_len
+
+    def _chunks(self, samples: list[RolloutSample]):
+        size = self.cfg.rollout.micro_batch_size  # forward passes without gradients (experience)
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+class PolicyRole(_Role):
+    """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out weights."""
+
+    def __init__(self, cfg, pad_id: int, total_optimizer_steps: int, rank: int = 0, world_size: int = 1):
+        super().__init__(cfg, pad_id, rank, world_size)
+        from rlhf_core.models.loading import load_causal_lm
+
+        model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds.flash_attn)
+        if cfg.actor.gradient_checkpointing_enable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        self.engine = initialize(model, engine_settings(cfg, cfg.actor, world_size), total_optimizer_steps)
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
+        self.engine.eval()
+        out = []
+        for chunk in self._chunks(samples):
+            batch, index, mask = self._collate(chunk)
+            with autocast(self.precision):
+                logits = response_logits(self.engine, batch, index, self.temperature)
+                lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
+            out += unstack(lp, [s.response_len for s in chunk])
+        return out
+
+    def train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
+        """One pass over this rank's share of the rollout (already in step order): a few optimizer steps."""
+        algo, train = self.cfg.algo, self.cfg.train
+        mode = LossAggMode(algo.loss_agg_mode)
+        eps_low, eps_high = self.cfg.actor.eps_clip_low_high
+        norm_length = self.cfg.rollout.max_new_tokens
+
+        def micro_step(engine, chunk):
+            batch, index, mask = self._collate(chunk)
+            logits = response_logits(engine, batch, index, self.temperature)
+            logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index])
+            width = mask.shape[1]
+            old = stack([s.old_logprobs for s in chunk], width).to(self.device)
+            advantages = stack([s.advantages for s in chunk], width).to(self.device)
+            loss, clipped = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high, self.cfg.actor.dual_clip)
+            stats = {"policy_loss": aggregate_loss(loss, mask, mode, 1.0, norm_length).detach(),
+                     "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
+                     "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()}
+            if algo.kl.use_loss:
+                ref = stack([s.ref_logprobs for s in chunk], width).to(self.device)
+                kl = kl_penalty(logprobs, ref, algo.kl.estimator)
+                loss = loss + kl_coef * kl
+                stats["kl_loss_tokens"] = (kl * mask).sum().detach()
+            entropy = entropy_from_logits(logits)
+            stats["entropy_tokens"] = (entropy.detach() * mask).sum()
+            if self.cfg.actor.entropy_coef:
+                loss = loss - self.cfg.actor.entropy_coef * entropy
+            return aggregate_loss(loss, mask, mode, 1.0, norm_length), stats, int(batch.input_ids.numel())
+
+        per_rank = train.batch_size // self.world_size
+        totals: dict[str, float] = {}
+        for micro in optimizer_steps(samples, per_rank, train.micro_batch_size):
+            sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
+                                            self.world_size, self.precision)
+            tokens = max(1.0, float(sums["tokens"]))
+            step = {"policy_loss": float(sums["policy_loss"] / units), "clip_frac": float(sums["clip_tokens"]) / tokens,
+                    "ratio": float(sums["ratio_sum"]) / tokens, "entropy": float(sums["entropy_tokens"]) / tokens,
+                    "lr": self.engine.get_lr()[0]}
+            if "kl_loss_tokens" in sums:
+                step["kl_loss"] = float(sums["kl_loss_tokens"]) / tokens
+            for k, v in step.items():
+                totals[k] = totals.get(k, 0.0) + v
+            totals["steps"] = totals.get("steps", 0.0) + 1
+        n = totals.pop("steps", 0.0)
+        return {k: v / n for k, v in totals.items()} if n else {}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU."""
+        from rlhf_core.models.loading import _gathered_state_dict, _is_partitioned
+
+        module = self.engine.module
+        if _is_partitioned(module):
+            return _gathered_state_dict(module, self.rank) or {}
+        return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+
+
+class CriticRole(_Role):
+    """The value model: values before each response token, trained towards the returns (clipped)."""
+
+    def __init__(self, cfg, pad_id: int, model_path: str, total_optimizer_steps: int, rank: int = 0,
+                 world_size: int = 1):
+        super().__init__(cfg, pad_id, rank, world_size)
+        from rlhf_core.models.loading import load_reward_model
+
+        model = load_reward_model(model_path, pad_id, flash_attn=cfg.ds.flash_attn)
+        model.config.use_cache = False
+        self.engine = initialize(model, engine_settings(cfg, cfg.critic, world_size), total_optimizer_steps)
+
+    @torch.no_grad()
+    def values(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
+        self.engine.eval()
+        out = []
+        for chunk in self._chunks(samples):
+            batch, index, mask = self._collate(chunk)
+            with autocast(self.precision):
+                v = response_values(self.engine, batch, index) * mask
+            out += unstack(v, [s.response_len for s in chunk])
+        return out
+
+    def train_epoch(self, samples: list[RolloutSample]) -> dict[str, float]:
+        algo, train = self.cfg.algo, self.cfg.train
+        mode = LossAggMode(algo.loss_agg_mode)
+        norm_length = self.cfg.rollout.max_new_tokens
+
+        def micro_step(engine, chunk):
+            batch, index, mask = self._collate(chunk)
+            values = response_values(engine, batch, index)
+            width = mask.shape[1]
+            old = stack([s.values for s in chunk], width).to(self.device)
+            returns = stack([s.returns for s in chunk], width).to(self.device)
+            loss = value_loss(values, old, returns, self.cfg.critic.value_clip)
+            summed = aggregate_loss(loss, mask, mode, 1.0, norm_length)
+            return summed, {"value_loss": summed.detach(), "value_tokens": (values.detach() * mask).sum(),
+                            "tokens": mask.sum()}, int(batch.input_ids.numel())
+
+        per_rank = train.batch_size // self.world_size
+        losses, means = [], []
+        for micro in optimizer_steps(samples, per_rank, train.micro_batch_size):
+            sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
+                                            self.world_size, self.precision)
+            losses.append(float(sums["value_loss"] / units))
+            means.append(float(sums["value_tokens"]) / max(1.0, float(sums["tokens"])))
+        return {"value_loss": sum(losses) / len(losses), "values": sum(means) / len(means)} if losses else {}
+
+
+class ReferenceRole(_Role):
+    """The frozen reference policy (KL)."""
+
+    def __init__(self, cfg, pad_id: int, model_path: str, rank: int = 0, world_size: int = 1):
+        super().__init__(cfg, pad_id, rank, world_size)
+        from rlhf_core.distributed.engine import initialize_frozen
+        from rlhf_core.models.loading import load_causal_lm
+
+        self.model = initialize_frozen(load_causal_lm(model_path, cfg.ds.flash_attn), engine_settings(cfg, cfg.actor, world_size))
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
+        out = []
+        for chunk in self._chunks(samples):
+            batch, index, mask = self._collate(chunk)
+            with autocast(self.precision):
+                logits = response_logits(self.model, batch, index, self.temperature)
+                lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
+            out += unstack(lp, [s.response_len for s in chunk])
+        return out
+
+
+class RewardModelRole(_Role):
+    """Trained reward model(s) scoring each sample at its last token (several: their sum)."""
+
+    def __init__(self, cfg, pad_id: int, model_paths: list[str], rank: int = 0, world_size: int = 1):
+        super().__init__(cfg, pad_id, rank, world_size)
+        from rlhf_core.distributed.engine import initialize_frozen
+        from rlhf_core.models.loading import load_reward_model
+
+        self.models, self.stats = [], []
+        for path in model_paths:
+            model = load_reward_model(path, pad_id, flash_attn=cfg.ds.flash_attn)
+            self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
+                               path))
+            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, world_size)))
+        if cfg.reward.normalize_enable:
+            missing = [p for mean, std, p in self.stats if mean is None or not std]
+            if missing:
+                raise ValueError(f"--reward.normalize_enable: no reward_mean/reward_std in the config of {missing[0]} "
+                                 "(saved by `rlhf train rm`)")
+
+    @torch.no_grad()
+    def scores(self, samples: list[RolloutSample]) -> list[float]:
+        """The sum over reward models of each model's score (normalised with its stored mean/std with
+        `--reward.normalize`), read at the sample's last token."""
+        from rlhf_core.models.forward import reward_scores
+
+        total = torch.zeros(len(samples))
+        for model, (mean, std, _) in zip(self.models, self.stats, strict=True):
+            out = []
+            for chunk in self._chunks(samples):
+                batch, _, _ = self._collate(chunk)
+                with autocast(self.precision):
+                    out.append(reward_scores(model, batch).float().cpu())
+            scores = torch.cat(out)
+            if self.cfg.reward.normalize_enable:
+                scores = (scores - mean) / std
+            total += scores
+        return total.tolist()
+
+
+def total_optimizer_steps(rollout_steps: int, cfg) -> int:
+    per_rollout = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.batch_size
+    return max(1, math.ceil(rollout_steps * per_rollout * cfg.train.max_epochs))

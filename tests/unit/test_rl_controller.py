@@ -1,0 +1,41 @@
+"""The RL controller's pure parts: prompt order, the rank arrangement of PPO epochs, reward shaping."""
+
+import torch
+
+from rlhf_core.rl.controller import PromptStream, arrange_for_ranks, overlong_penalty
+from rlhf_core.rl.roles import optimizer_steps
+
+
+def test_prompt_stream_visits_every_prompt_once_per_episode_in_a_seeded_order():
+    stream = PromptStream(10, seed=3)
+    first, second = stream.take(10), stream.take(10)
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    again = PromptStream(10, seed=3)
+    assert again.take(4) + again.take(16) == first + second  # the position alone fixes what comes next
+    resumed = PromptStream(10, seed=3)
+    resumed.position = 14
+    assert resumed.take(6) == second[4:]
+
+
+def test_two_ranks_take_the_slices_of_the_same_global_steps_as_one():
+    samples = list(range(16))
+    one = arrange_for_ranks(samples, batch_size=8, world_size=1, seed=5)
+    two = arrange_for_ranks(samples, batch_size=8, world_size=2, seed=5)
+    steps_one = [set(s[0]) for s in optimizer_steps(one, 8, 8)]
+    rank0, rank1 = two[:8], two[8:]
+    steps_two = [set(a[0]) | set(b[0]) for a, b in zip(optimizer_steps(rank0, 4, 4), optimizer_steps(rank1, 4, 4),
+                                                        strict=True)]
+    assert steps_one == steps_two and sorted(one) == samples
+    assert arrange_for_ranks(samples, 8, 1, seed=6) != one
+
+
+def test_optimizer_steps_cut_whole_steps_into_micro_batches():
+    assert optimizer_steps(list(range(8)), 4, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+def test_overlong_penalty_grows_over_the_buffer_and_caps_at_the_factor():
+    raw = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([10, 16, 18, 20])
+    out = overlong_penalty(raw, lengths, max_new_tokens=20, overlong_buffer_len=4, overlong_penalty_factor=2.0)
+    assert torch.allclose(out, torch.tensor([1.0, 1.0, 0.0, -1.0]))
+    assert torch.equal(overlong_penalty(raw, lengths, 20, None, 2.0), raw)
