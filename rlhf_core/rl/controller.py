@@ -33,6 +33,7 @@ import torch
 from rlhf_core.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.losses import kl_penalty
+from rlhf_core.rl import checkpoint
 from rlhf_core.rl.experience import RolloutSample, stack, unstack
 
 log = logging.getLogger(__name__)
@@ -96,16 +97,22 @@ class RLController:
         self.prompts = PromptStream(len(prompt_ids), cfg.train.seed)
         self.rollout_steps = rollout_steps
         self.step = 0
+        self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
         self.history: list[dict] = []
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
+        cfg = self.cfg
+        if cfg.ckpt.load_enable and checkpoint.load(self, cfg.ckpt.path) is not None:
+            self.sync_weights(force=True)
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
         while self.step < self.rollout_steps:
             metrics = self.train_step()
             self.step += 1
             self._log(metrics)
+            if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
+                self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
             if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
                     and self.step < self.rollout_steps:
                 self._log(self.evaluate())
@@ -262,9 +269,9 @@ class RLController:
         stats.update({f"train/{k}": v for k, v in sums.items()})
         return stats
 
-    def sync_weights(self) -> None:
-        """Every rollout engine gets the actor's new weights."""
-        if self.step < self.cfg.critic.freezing_steps:
+    def sync_weights(self, force: bool = False) -> None:
+        """Every rollout engine gets the actor's new weights (none while the actor is frozen)."""
+        if self.step < self.cfg.critic.freezing_steps and not force:
             return
         self.engine.update_weights(self.actor.call_rank0("weights"))
 

@@ -21,6 +21,9 @@ class Pending:
     def first(self):
         return self.results[0]
 
+    def all(self) -> list:
+        return list(self.results)
+
 
 class LocalGroup:
     """A role of one rank in this process."""
@@ -38,6 +41,9 @@ class LocalGroup:
 
     def call_rank0(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_all_async(self, method: str, *args, **kwargs) -> Pending:
+        return Pending([getattr(self.worker, method)(*args, **kwargs)])
 
     def call_all(self, method: str, *args, **kwargs) -> list:
         return [getattr(self.worker, method)(*args, **kwargs)]

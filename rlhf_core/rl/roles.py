@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -99,8 +100,34 @@ class _Role:
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
-class PolicyRole(_Role):
+class _Checkpointed:
+    """Save and restore a trainable role's engine (weights, optimizer, scheduler) and this rank's RNG
+    under `directory/<name>` (DeepSpeed's own format, tag = the role's name)."""
+
+    name: str
+
+    def save_checkpoint(self, directory: str) -> None:
+        from rlhf_core.rl.checkpoint import rng_state
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
+        self.engine.save_checkpoint(str(path), tag=self.name)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from rlhf_core.rl.checkpoint import set_rng_state
+
+        loaded, _ = self.engine.load_checkpoint(directory, tag=self.name, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if loaded is None:
+            raise RuntimeError(f"--ckpt.load_enable: DeepSpeed could not load the {self.name} from {directory}")
+        set_rng_state(torch.load(Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", weights_only=False))
+
+
+class PolicyRole(_Checkpointed, _Role):
     """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out weights."""
+
+    name = "actor"
 
     def __init__(self, cfg, pad_id: int, total_optimizer_steps: int, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
@@ -180,8 +207,10 @@ class PolicyRole(_Role):
         return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
 
 
-class CriticRole(_Role):
+class CriticRole(_Checkpointed, _Role):
     """The value model: values before each response token, trained towards the returns (clipped)."""
+
+    name = "critic"
 
     def __init__(self, cfg, pad_id: int, model_path: str, total_optimizer_steps: int, rank: int = 0,
                  world_size: int = 1):

@@ -1,0 +1,94 @@
+"""Checkpoints of a whole RL run: every trainable role, the controller's state, every RNG.
+
+Layout under `--ckpt.path`:
+
+    global_step<N>/actor/, critic/   DeepSpeed checkpoints (weights, optimizer, scheduler)
+    global_step<N>/rng_<role>_rank<r>.pt   each rank's RNG states
+    global_step<N>/controller.pt     step, prompt position, KL controller, the driver's RNG states
+    latest                           the newest complete tag, written last
+
+So `latest` never names a half-written checkpoint. A resumed run restores all of it and pushes the
+actor's restored weights to the rollout engines before its first rollout: it then makes exactly
+the updates an uninterrupted run makes (`torch.equal` in fp32 on CPU; tests/unit/test_rl_resume.py).
+Rotation (`--ckpt.max_num`) removes only this run's own tags (`trainers/checkpoints.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+CONTROLLER = "controller.pt"
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest_tag(ckpt: str | os.PathLike) -> str | None:
+    path = Path(ckpt) / LATEST
+    return path.read_text().strip() if path.exists() else None
+
+
+def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
+    """Write the checkpoint of `controller`'s current step; returns this run's id (for rotation)."""
+    from rlhf_core.trainers import checkpoints
+
+    ckpt = Path(ckpt)
+    tag = f"global_step{controller.step}"
+    directory = ckpt / tag
+    directory.mkdir(parents=True, exist_ok=True)
+    roles = [g for g in (controller.actor, controller.critic) if g is not None]
+    for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
+        pending.all()
+    state = {"step": controller.step, "prompt_position": controller.prompts.position,
+             "kl": controller.kl.state_dict(), "rng": rng_state()}
+    torch.save(state, directory / CONTROLLER)
+    tmp = ckpt / f".{LATEST}.{os.getpid()}.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, ckpt / LATEST)
+    run_id = run_id or checkpoints.new_run_id()
+    checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
+    checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num)
+    return run_id
+
+
+def load(controller, ckpt: str | os.PathLike) -> str | None:
+    """Restore the newest checkpoint under `ckpt` into `controller` (and its roles); returns the run
+    id that wrote it, or None (and a note) when there is none yet."""
+    from rlhf_core.trainers import checkpoints
+
+    ckpt = Path(ckpt)
+    tag = latest_tag(ckpt)
+    if tag is None:
+        print(f"rlhf: --ckpt.load_enable: no checkpoint in {ckpt} yet; starting from step 0", file=sys.stderr,
+              flush=True)
+        return None
+    directory = ckpt / tag
+    roles = [g for g in (controller.actor, controller.critic) if g is not None]
+    for pending in [g.call_all_async("load_checkpoint", str(directory)) for g in roles]:
+        pending.all()
+    state = torch.load(directory / CONTROLLER, weights_only=False)
+    controller.step = int(state["step"])
+    controller.prompts.position = int(state["prompt_position"])
+    controller.kl.load_state_dict(state["kl"])
+    set_rng_state(state["rng"])
+    run_id = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
+    checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
+    print(f"resumed from {directory} at step {controller.step}", file=sys.stderr, flush=True)
+    return run_id

@@ -1,0 +1,85 @@
+"""A killed RL run, resumed, ends with exactly the weights of an uninterrupted one (fp32, CPU).
+
+The kill is real: the reward function (a reward file, as users write them) SIGKILLs its own
+process during the third rollout step, after the step-2 checkpoint. The resumed run must restore
+the actor, the critic, both optimizers and schedulers, the KL controller, the prompt position and
+every RNG, and push the restored weights to the rollout engine: any of these missing and the
+final weights differ. That it resumed rather than restarted is checked by counting rollout steps.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+REWARD_FILE = '''
+import os, signal
+from pathlib import Path
+import torch
+
+COUNTER = Path(__file__).with_suffix(".calls")
+KILL_AT = int(os.environ.get("TEST_KILL_AT_CALL", "0"))
+
+def reward_func(queries, prompts, labels, **kwargs):
+    calls = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
+    COUNTER.write_text(str(calls))
+    if calls == KILL_AT:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        response = query[len(prompt):].replace("<|eos|>", "").strip()
+        out.append(1.0 if response == label else 0.0)
+    return torch.tensor(out)
+'''
+
+
+def run(prepared, tmp_path: Path, name: str, *extra, kill_at: int = 0) -> subprocess.CompletedProcess:
+    reward = tmp_path / f"{name}_reward.py"
+    if not reward.exists():
+        reward.write_text(REWARD_FILE)
+    args = [sys.executable, "-m", "rlhf_core.cli", "train", "ppo", "--pretrain", prepared["base"],
+            "--prompt_data", f"json@{prepared['prompts']}", "--remote_rm_url", str(reward),
+            "--advantage_estimator", "gae", "--init_kl_coef", "0.05", "--rollout_batch_size", "8",
+            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "8",
+            "--max_epochs", "2", "--generate_max_len", "5", "--actor_learning_rate", "1e-3",
+            "--critic_learning_rate", "1e-3", "--param_dtype", "fp32", "--use_mlflow", "false", "--seed", "3",
+            "--max_steps", "4", "--save_steps", "2", "--ckpt_path", str(tmp_path / f"{name}_ckpt"),
+            "--save_path", str(tmp_path / f"{name}_out"), *extra]
+    env = {**os.environ, "TEST_KILL_AT_CALL": str(kill_at), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_a_killed_run_resumes_to_the_same_weights(prepared, tmp_path):
+    whole = run(prepared, tmp_path, "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    killed = run(prepared, tmp_path, "split", kill_at=3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpt = tmp_path / "split_ckpt"
+    assert (ckpt / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "split_out" / "stage.json").exists()  # nothing half-done looks finished
+
+    resumed = run(prepared, tmp_path, "split", "--load_checkpoint")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
+    # Steps 3 and 4 only: 2 killed-run calls + the killed one + 2. A restart from step 0 would also
+    # end with equal weights (the run is deterministic) but call the reward 4 more times.
+    assert (tmp_path / "split_reward.calls").read_text() == "5"
+    a, b = weights(tmp_path / "whole_out"), weights(tmp_path / "split_out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first = weights(Path(prepared["base"]))
+    assert not all(torch.equal(a[k], first[k]) for k in a if k in first)  # it trained at all
+    manifest = json.loads((tmp_path / "split_out" / "stage.json").read_text())
+    assert manifest["metrics"]["train/steps"] == 4
