@@ -333,3 +333,36 @@ def test_a_resolved_config_validates_again_unchanged():
     for cfg in (_ppo(PPO_DOTTED), _ppo(GRPO_DOTTED)):
         dumped = cfg.model_dump(mode="json")  # what a pipeline stores as parameters
         assert PPOConfig.model_validate(dumped).model_dump(mode="json") == dumped
+
+
+def test_the_configs_variant_names_are_the_registries():
+    """rl_config spells the estimators and aggregation modes as Literals (the CLI parser and the
+    orchestration layer import it without torch); they must be exactly the enums the math uses."""
+    import typing
+
+    from rlhf_core import rl_config
+    from rlhf_core.advantages import AdvantageEstimator
+    from rlhf_core.losses import LossAggMode
+
+    assert set(typing.get_args(rl_config.AdvantageEstimator)) == {e.value for e in AdvantageEstimator}
+    assert set(typing.get_args(rl_config.LossAggMode)) == {m.value for m in LossAggMode}
+    assert set(rl_config.GROUP_ESTIMATORS) == {e.value for e in AdvantageEstimator if e.is_group}
+
+
+def test_the_readmes_dotted_and_flat_grpo_commands_are_the_same_run():
+    import re
+    import shlex
+    from pathlib import Path
+
+    from rlhf_core.cli import _parser
+    from rlhf_core.rl_config import build_ppo_config
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    commands = [re.sub(r"\s*\\\n\s*", " ", c) for c in re.findall(r"^rlhf train ppo (?:.*\\\n)*.*$", readme, re.M)]
+    assert len(commands) >= 2
+    configs = []
+    for command in commands[:2]:
+        args = _parser().parse_args(shlex.split(command.split("#")[0])[1:])
+        values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
+        configs.append(build_ppo_config(None, values).model_dump())
+    assert configs[0] == configs[1]
