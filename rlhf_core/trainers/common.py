@@ -168,24 +168,30 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
     if ctx.is_main:
         for key, value in (config_updates or {}).items():
             setattr(model.config, key, value)
-        model.config.use_cache = True
         cfg = ctx.cfg
         manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id, precision=precision_of(cfg).value)
-        local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
-        if local_parent is not None:
-            local_parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
-            out = Path(tmp) / "model"
-            model.save_pretrained(out, safe_serialization=True)
-            tokenizer.save_pretrained(out)
-            manifest["output_uri"] = storage.normalize_uri(cfg.save_path)
-            storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
-        ctx.tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
-        ctx.tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / storage.MANIFEST
-            path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            ctx.tracker.log_artifact(str(path))
+        publish_model(cfg, model, tokenizer, manifest, ctx.tracker)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return manifest
+
+
+def publish_model(cfg, model, tokenizer, manifest: dict, tracker: Tracker) -> None:
+    """Publish `model` + `tokenizer` + `manifest` (stage.json, written last) to `cfg.save_path`, and
+    record the output on the stage's MLflow run (tags, final metrics, stage.json as an artifact)."""
+    model.config.use_cache = True
+    manifest["output_uri"] = storage.normalize_uri(cfg.save_path)
+    local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
+    if local_parent is not None:
+        local_parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
+        out = Path(tmp) / "model"
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
+    tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
+    tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / storage.MANIFEST
+        path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        tracker.log_artifact(str(path))

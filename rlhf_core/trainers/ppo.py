@@ -14,14 +14,10 @@ holding its own copy of the policy, refreshed from the actor after every step.
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from rlhf_core import storage
 from rlhf_core.advantages import kl_controller
 from rlhf_core.distributed.engine import init_distributed, precision_of
 from rlhf_core.rl.controller import RLController
@@ -136,25 +132,11 @@ def run_ppo(cfg) -> dict:
 def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], tracker, precision: str) -> dict:
     """The actor as the stage output: HF model + tokenizer + stage.json, published atomically."""
     from rlhf_core.models.loading import export_model
+    from rlhf_core.trainers.common import publish_model
 
     model = export_model(actor.worker.engine.module, 0)
-    model.config.use_cache = True
     inputs = {"pretrain": cfg.actor.model_name_or_path, "reward_pretrain": cfg.reward.model_name_or_path,
               "datasets": sources}
     manifest = stage_manifest(cfg, inputs, metrics, tracker.run_id, precision=precision)
-    manifest["output_uri"] = storage.normalize_uri(cfg.ckpt.output_dir)
-    local_parent = None if storage.is_remote(cfg.ckpt.output_dir) else Path(manifest["output_uri"]).parent
-    if local_parent is not None:
-        local_parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
-        out = Path(tmp) / "model"
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        storage.publish_dir(out, cfg.ckpt.output_dir, manifest, storage.stage_inputs(cfg))
-    tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
-    tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / storage.MANIFEST
-        path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        tracker.log_artifact(str(path))
+    publish_model(cfg, model, tokenizer, manifest, tracker)
     return manifest
