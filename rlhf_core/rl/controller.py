@@ -119,8 +119,9 @@ class RLController:
         final = self.evaluate()
         self._log(final)
         summary = {**initial, **final, "train/steps": self.step}
-        if self.history:
-            summary.update({k: v for k, v in self.history[-1].items() if k.startswith(("rollout/", "train/"))})
+        trained = [m for m in self.history if "rollout/reward_mean" in m]
+        if trained:  # the last step's rollout and training numbers
+            summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})
         return summary
 
     def train_step(self) -> dict[str, float]:

@@ -12,7 +12,8 @@ import pytest
 
 from rlhf_core.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# The first test also builds the shared SFT and reward models (about 2 minutes on a quiet 2-core machine).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.usefixtures("one_torch_thread")]
 
 REWARD_FILE = '''
 import torch
@@ -61,3 +62,22 @@ def test_grpo_with_a_reward_file(rl_setting, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_ppo_with_a_critic_and_the_reward_model(rl_setting, tmp_path, capsys):
+    manifest = ppo(rl_setting, tmp_path / "ppo", "--algo.advantage.estimator", "gae", "--algo.advantage.lambd", "0.95",
+                   "--reward.model_name_or_path", rl_setting["rm"], "--reward.normalize_enable",
+                   "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32", "--train.batch_size", "64",
+                   "--train.micro_batch_size", "32", "--actor.adam.lr", "5e-5", "--critic.adam.lr", "2e-4",
+                   "--critic.freezing_steps", "10", "--algo.kl.init_coef", "0.01", "--train.max_steps", "80",
+                   capsys=capsys)
+    assert_learned(manifest)
+    assert manifest["metrics"]["train/value_loss"] > 0
+
+
+def test_reinforce_plus_plus_with_the_verifier(rl_setting, tmp_path, capsys):
+    manifest = ppo(rl_setting, tmp_path / "reinforce", "--algo.advantage.estimator", "reinforce",
+                   "--reward.task", "sort", "--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "128",
+                   "--train.batch_size", "64", "--train.micro_batch_size", "32", "--actor.adam.lr", "1e-4",
+                   "--algo.kl.init_coef", "0.01", "--train.max_steps", "60", capsys=capsys)
+    assert_learned(manifest)
