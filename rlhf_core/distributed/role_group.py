@@ -189,10 +189,15 @@ class PendingCall(list):
     def result(self, timeout_s: float | None = None):
         return gather_all([self], timeout_s=timeout_s)[0]
 
+    def per_rank(self, timeout_s: float | None = None) -> list:
+        """Every rank's own result, in rank order, whatever the call's mode."""
+        return gather_all([self], timeout_s=timeout_s, finish=False)[0]
 
-def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None) -> list:
+
+def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None, finish: bool = True) -> list:
     """Results of several calls (on several roles) at once, failing at the first rank that
-    raised or died; `timeout_s` (default: the longest of the calls' own) bounds the whole wait."""
+    raised or died; `timeout_s` (default: the longest of the calls' own) bounds the whole wait.
+    `finish=False`: each call's per-rank results as they are (a list in rank order)."""
     timeout_s = timeout_s if timeout_s is not None else max((c.timeout_s for c in calls), default=DEFAULT_TIMEOUT_S)
     where = {ref: (c, i) for c in calls for i, ref in enumerate(c)}
     values: dict[int, list] = {id(c): [None] * len(c) for c in calls}
@@ -213,7 +218,7 @@ def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None) -> 
         for ref in ready:
             call, i = where[ref]
             values[id(call)][i] = _get_ready(ref, call.role, call.ranks[i], call.method)
-    return [c.finish(values[id(c)]) for c in calls]
+    return [c.finish(values[id(c)]) if finish else values[id(c)] for c in calls]
 
 
 def _get_ready(ref, role: str, rank: int, method: str):
@@ -298,6 +303,13 @@ class RoleGroup:
             return args, kwargs
         put = lambda v: v if isinstance(v, ray.ObjectRef) else ray.put(v)  # noqa: E731
         return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
+
+    def call_each_async(self, method: str, calls: Sequence[tuple[tuple, Mapping[str, Any]]],
+                        ranks: Sequence[int] | None = None) -> PendingCall:
+        """A call of its own on each rank: `method(*args_i, **kwargs_i)` on `ranks[i]` (default: rank
+        i); the results per rank, in that order."""
+        ranks = list(range(len(calls))) if ranks is None else list(ranks)
+        return self._pending(method, "all", ranks, [(tuple(a), dict(kw)) for a, kw in calls])
 
     def call_all_async(self, method: str, *args, **kwargs) -> PendingCall:
         shared = self._shared(args, kwargs)

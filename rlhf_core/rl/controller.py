@@ -86,9 +86,9 @@ def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: i
 
 class RLController:
     def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
-                 eval_labels: list | None, tokenizer, engine, actor, critic, ref, reward_model, reward_fn, tracker,
+                 eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_model, reward_fn, tracker,
                  kl_controller, rollout_steps: int):
-        self.cfg, self.tokenizer, self.engine = cfg, tokenizer, engine
+        self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
         self.prompt_ids, self.labels = prompt_ids, labels
         self.eval_prompt_ids, self.eval_labels = eval_prompt_ids or [], eval_labels or []
         self.actor, self.critic, self.ref, self.reward_model, self.reward_fn = actor, critic, ref, reward_model, reward_fn
@@ -162,9 +162,8 @@ class RLController:
         for round_ in range(MAX_FILTER_ROUNDS if cfg.algo.dynamic_filtering_enable else 1):
             indices = self.prompts.take(want - len(kept) // n)
             t = time.perf_counter()
-            groups = self.engine.generate_ids([self.prompt_ids[i] for i in indices], n, cfg.rollout.temperature,
-                                              cfg.rollout.max_new_tokens, seed=cfg.train.seed * 1_000_003
-                                              + self.prompts.position * 7 + round_)
+            groups = self.generate([self.prompt_ids[i] for i in indices], n, cfg.rollout.temperature,
+                                   seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_)
             times["generate"] += time.perf_counter() - t
             fresh = [RolloutSample(list(self.prompt_ids[i]), list(s.token_ids), i, torch.tensor(s.logprobs),
                                    s.finished) for i, group in zip(indices, groups, strict=True) for s in group]
@@ -180,6 +179,7 @@ class RLController:
             kept += fresh
             if len(kept) >= want * n:
                 break
+        self.engines.sleep()  # while the models train (--vllm.enable_sleep; otherwise nothing)
         if not kept:
             raise RuntimeError(f"dynamic filtering: every one of {drawn_groups} prompts gave samples that all "
                                "scored the same; widen --algo.dynamic_filtering_range or turn it off")
@@ -271,10 +271,11 @@ class RLController:
         return stats
 
     def sync_weights(self, force: bool = False) -> None:
-        """Every rollout engine gets the actor's new weights (none while the actor is frozen)."""
+        """Every rollout engine gets the actor's new weights (none while the actor is frozen;
+        `rl/engines.py`: from the object store, with a deadline, woken up first when asleep)."""
         if self.step < self.cfg.critic.freezing_steps and not force:
             return
-        self.engine.update_weights(self.actor.call_rank0("weights"))
+        self.engines.sync(self.actor)
 
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
@@ -287,8 +288,7 @@ class RLController:
         out = {}
         for name, temperature, n in (("sampled", cfg.eval.temperature, cfg.eval.n_samples_per_prompt),
                                      ("greedy", 0.0, 1)):
-            groups = self.engine.generate_ids(self.eval_prompt_ids, n, temperature, cfg.rollout.max_new_tokens,
-                                              seed=cfg.train.seed + 17)
+            groups = self.generate(self.eval_prompt_ids, n, temperature, seed=cfg.train.seed + 17)
             samples = [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
                        for i, (p, group) in enumerate(zip(self.eval_prompt_ids, groups, strict=True)) for s in group]
             self.score(samples, self.eval_labels)
@@ -298,7 +298,12 @@ class RLController:
                 out[f"{prefix}{name}_accuracy"] = sum(
                     verifier.score(r, self.eval_labels[s.prompt_index]) for r, s in zip(responses, samples, strict=True)
                 ) / len(samples)
+        self.engines.sleep()
         return out
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int):
+        self.engines.wake_up()
+        return self.engines.generate_ids(prompt_ids, n, temperature, self.cfg.rollout.max_new_tokens, seed)
 
     # -- reporting --------------------------------------------------------------------------
     def _log(self, metrics: dict[str, float]) -> None:

@@ -1,28 +1,37 @@
 """How the controller calls a role: on every rank, on rank 0, or on shards of a batch.
 
 `LocalGroup` is one rank in the controller's own process (one CPU rank needs no Ray actor, as a
-single `deepspeed` process needs no launcher); a Ray role group exposes the same calls over
-several actors. Calls return a `Pending` whose `gather()` concatenates the ranks' results in rank
-order and whose `first()` is rank 0's, so the controller can start several roles before waiting.
+single `deepspeed` process needs no launcher); `RayGroup` is a role's ranks as Ray actors (a
+`distributed.role_group.RoleGroup`) behind the same calls. Calls return a `Pending` whose
+`gather()` concatenates the ranks' results in rank order and whose `first()` is rank 0's, so the
+controller can start several roles before waiting on any.
+
+A batch is sharded into equal contiguous parts, one per rank: a batch that does not divide is
+padded by repeating its last item and the padding's results are dropped, so every rank runs the
+same number of forward passes (ZeRO-3 ranks gather parameters together and must not fall out of
+step) and the results are those of the unpadded batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-
-@dataclass
 class Pending:
-    results: list  # one result per rank, in rank order
+    """The results of one call on every rank of a role, in rank order (waited for on first use)."""
 
-    def gather(self) -> list:
-        return [item for part in self.results for item in part]
-
-    def first(self):
-        return self.results[0]
+    def __init__(self, results: list | None = None, call=None, keep: int | None = None):
+        self._results, self._call, self._keep = results, call, keep
 
     def all(self) -> list:
-        return list(self.results)
+        if self._results is None:
+            self._results = self._call.per_rank()
+        return list(self._results)
+
+    def gather(self) -> list:
+        items = [item for part in self.all() for item in part]
+        return items if self._keep is None else items[: self._keep]
+
+    def first(self):
+        return self.all()[0]
 
 
 class LocalGroup:
@@ -47,3 +56,45 @@ class LocalGroup:
 
     def call_all(self, method: str, *args, **kwargs) -> list:
         return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+def padded_shards(items: list, world_size: int) -> list[list]:
+    """`items` in `world_size` equal contiguous shards, the last item repeated to fill the last ones."""
+    if not items:
+        raise ValueError("an empty batch has nothing to shard")
+    size = -(-len(items) // world_size)
+    padded = list(items) + [items[-1]] * (size * world_size - len(items))
+    return [padded[r * size : (r + 1) * size] for r in range(world_size)]
+
+
+class RayGroup:
+    """A role's ranks as Ray actors (`RoleGroup`), called like a `LocalGroup`. Errors of a rank
+    (it raised, died or hung past the group's timeout) surface as `RoleError` naming role and rank."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world_size = group.world_size
+        self.name = group.name
+
+    def call_sharded_async(self, method: str, items: list, **kwargs) -> Pending:
+        shards = padded_shards(items, self.world_size)
+        call = self.group.call_each_async(method, [((shard,), kwargs) for shard in shards])
+        return Pending(call=call, keep=len(items))
+
+    def call_sharded(self, method: str, items: list, **kwargs) -> list:
+        return self.call_sharded_async(method, items, **kwargs).gather()
+
+    def call_rank0(self, method: str, *args, **kwargs):
+        return self.group.call_rank0(method, *args, **kwargs)
+
+    def call_all_async(self, method: str, *args, **kwargs) -> Pending:
+        return Pending(call=self.group.call_all_async(method, *args, **kwargs))
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return self.group.call_all(method, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

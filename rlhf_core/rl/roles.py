@@ -197,6 +197,14 @@ class PolicyRole(_Checkpointed, _Role):
         n = totals.pop("steps", 0.0)
         return {k: v / n for k, v in totals.items()} if n else {}
 
+    def export(self) -> dict[str, torch.Tensor] | None:
+        """The state dict of the policy as a plain HF model (LoRA merged, fp32, on CPU) on rank 0,
+        None elsewhere; call on every rank. A state dict, not the module: it crosses processes."""
+        from rlhf_core.models.loading import export_model
+
+        model = export_model(self.engine.module, self.rank)
+        return None if model is None else model.state_dict()
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU."""
         from rlhf_core.models.loading import _gathered_state_dict, _is_partitioned

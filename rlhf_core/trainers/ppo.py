@@ -7,14 +7,19 @@ rollout engine, the reward source, the MLflow run, and at the end the actor save
 output (a plain `transformers` causal LM + tokenizer + `stage.json`), exactly like the other
 trainers' outputs.
 
-With one rank per role and no cluster to join, every role lives in this process (colocated, as
-`--train.colocate_all` asks for on a cluster) and the rollout engine is a transformers engine
-holding its own copy of the policy, refreshed from the actor after every step.
+Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join, every role
+lives in this process and the rollout engine is a transformers engine holding its own copy of the
+policy. Otherwise each role is a Ray worker group (`rl/ray_roles.py`) placed by OpenRLHF's
+placement and colocation flags, and the engines are Ray actors (`rl/engines.py`): vLLM on GPU
+with `--vllm.num_engines`, else one transformers engine. Either way the engines get the actor's
+weights after every training step, and the controller and the saved model are the same.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,13 +73,108 @@ def build_reward_fn(cfg):
     return build_reward_source(None, cfg.reward.remote_url, cfg.reward.task)
 
 
-def run_ppo(cfg) -> dict:
-    """Train, evaluate and save; returns the stage manifest."""
-    from rlhf_core.models.loading import load_tokenizer
+def runs_on_ray(cfg) -> bool:
+    """Roles as Ray worker groups when there is a cluster to join (`RAY_ADDRESS`, as in a pipeline's
+    Ray job), a role has several ranks, or vLLM engines are asked for; otherwise every role is in
+    this process (one CPU rank needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
+    ranks = [cfg.actor.world_size, cfg.critic.world_size, cfg.ref.world_size, cfg.reward.world_size]
+    return bool(os.environ.get("RAY_ADDRESS")) or cfg.vllm.num_engines > 0 or max(ranks) > 1
+
+
+@dataclass
+class Roles:
+    """The groups the controller calls (None: the estimator or reward source does not need it)."""
+
+    actor: object
+    critic: object | None
+    ref: object | None
+    reward_model: object | None
+    engines: object
+    pools: list = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        for group in (self.engines, self.reward_model, self.ref, self.critic, self.actor):
+            if group is not None:
+                group.shutdown()
+        for pool in self.pools:
+            pool.remove()
+        self.pools = []
+
+
+def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) -> dict[str, tuple]:
+    """Each model role this config needs and its constructor's arguments (after `cfg, pad_id`)."""
+    specs = {"actor": (optimizer_steps,)}
+    if cfg.uses_ref:
+        specs["ref"] = (local_model_path(cfg.ref.model_name_or_path),)
+    if cfg.uses_critic:
+        specs["critic"] = (local_model_path(cfg.critic.model_name_or_path), optimizer_steps)
+    if reward_paths:
+        specs["reward"] = (reward_paths,)
+    return {kind: (cfg, pad_id, *args) for kind, args in specs.items()}
+
+
+def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
+    from rlhf_core.rl.engines import LocalEngines
     from rlhf_core.rollout.hf import TransformersEngine
 
     if not torch.distributed.is_initialized():
         init_distributed(0, 1, "127.0.0.1", None)
+    classes = {"actor": PolicyRole, "critic": CriticRole, "ref": ReferenceRole, "reward": RewardModelRole}
+    made = {kind: LocalGroup(classes[kind](*args)) for kind, args in specs.items()}
+    engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32, batch_size=GENERATION_BATCH)
+    return Roles(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
+                 LocalEngines(engine, cfg.vllm.enable_sleep))
+
+
+def engine_options(cfg) -> tuple[str, dict]:
+    """The rollout engines' backend and constructor options (`rl/engines.EngineWorker`)."""
+    if cfg.vllm.num_engines:
+        if cfg.vllm.tensor_parallel_size > 1:
+            raise ValueError("--vllm.tensor_parallel_size > 1 is not supported yet: use more engines of one GPU each")
+        return "vllm", {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
+                        "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
+                        "enable_sleep": cfg.vllm.enable_sleep}
+    return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
+
+
+def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[str]) -> Roles:
+    from rlhf_core.distributed.resources import create_pools, detect_devices
+    from rlhf_core.distributed.role_group import RoleGroup, gather_all
+    from rlhf_core.distributed.worker_group import stage_timeout_s
+    from rlhf_core.rl.engines import EngineWorker, RayEngines
+    from rlhf_core.rl.groups import RayGroup
+    from rlhf_core.rl.ray_roles import RoleWorker, rl_layout
+
+    backend, options = engine_options(cfg)
+    layout = rl_layout(cfg, reward_paths, detect_devices())
+    pools = create_pools(layout)
+    made: dict[str, RoleGroup] = {}
+    try:
+        for kind, args in [*specs.items(), ("rollout", None)]:
+            place = layout.roles[kind]
+            worker, worker_args = (RoleWorker, (kind, *args)) if args is not None \
+                else (EngineWorker, (backend, actor_path, options))
+            made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
+                                   args=worker_args, timeout_s=stage_timeout_s())
+        gather_all([group.call_all_async("setup") for group in made.values()])  # models load in parallel
+    except BaseException:
+        for group in made.values():
+            group.shutdown()
+        for pool in pools.values():
+            pool.remove()
+        raise
+    placed = ", ".join(f"{k}: {p.world_size} x (cpu {p.num_cpus:g}, gpu {p.num_gpus:g}) in {p.pool}"
+                       for k, p in layout.roles.items())
+    print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
+    wrap = lambda kind: RayGroup(made[kind]) if kind in made else None  # noqa: E731
+    return Roles(wrap("actor"), wrap("critic"), wrap("ref"), wrap("reward"),
+                 RayEngines(made["rollout"], cfg.vllm.enable_sleep), list(pools.values()))
+
+
+def run_ppo(cfg, on_ray: bool | None = None) -> dict:
+    """Train, evaluate and save; returns the stage manifest. `on_ray`: default `runs_on_ray(cfg)`."""
+    from rlhf_core.models.loading import load_tokenizer
+
     seed_everything(cfg.train.seed)
     actor_path = local_model_path(cfg.actor.model_name_or_path)
     tokenizer = load_tokenizer(actor_path)
@@ -91,10 +191,13 @@ def run_ppo(cfg) -> dict:
                          f"(--rollout.batch_size {cfg.rollout.batch_size})")
     steps = rollout_steps(cfg, len(prompt_ids))
     optimizer_steps = total_optimizer_steps(steps, cfg)
+    on_ray = runs_on_ray(cfg) if on_ray is None else on_ray
 
     precision = precision_of(cfg.ds).value
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage, cfg.mlflow_parent_run_id,
                       tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(), "rlhf.precision": precision})
+    roles = None
+    started_ray = False
     try:
         tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
         tracker.log_datasets(sources, "training")
@@ -105,36 +208,43 @@ def run_ppo(cfg) -> dict:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         reward_paths = [local_model_path(p.strip()) for p in (cfg.reward.model_name_or_path or "").split(",")
                         if p.strip()]
-        actor = LocalGroup(PolicyRole(cfg, pad_id, optimizer_steps))
-        critic = None
-        if cfg.uses_critic:
-            critic = LocalGroup(CriticRole(cfg, pad_id, local_model_path(cfg.critic.model_name_or_path),
-                                           optimizer_steps))
-        ref = LocalGroup(ReferenceRole(cfg, pad_id, local_model_path(cfg.ref.model_name_or_path))) \
-            if cfg.uses_ref else None
-        reward_model = LocalGroup(RewardModelRole(cfg, pad_id, reward_paths)) if reward_paths else None
+        specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps)
+        if on_ray:
+            from rlhf_core.launch import ensure_ray
+
+            started_ray = ensure_ray()
+            roles = ray_roles(cfg, specs, actor_path, reward_paths)
+        else:
+            roles = local_roles(cfg, specs, actor_path)
         reward_fn = None if reward_paths else build_reward_fn(cfg)
-        engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32,
-                                                    batch_size=GENERATION_BATCH)
-        engine.update_weights(actor.call_rank0("weights"))
-        controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, engine, actor, critic, ref,
-                                  reward_model, reward_fn, tracker,
+        roles.engines.sync(roles.actor)
+        controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, roles.engines,
+                                  roles.actor, roles.critic, roles.ref, roles.reward_model, reward_fn, tracker,
                                   kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps)
         metrics = controller.run()
-        manifest = save_policy(cfg, actor, tokenizer, metrics, sources + eval_sources, tracker, precision)
+        manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision)
     except BaseException:
         tracker.finish("FAILED")
         raise
+    finally:
+        if roles is not None:
+            roles.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     tracker.finish("FINISHED")
     return manifest
 
 
 def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], tracker, precision: str) -> dict:
     """The actor as the stage output: HF model + tokenizer + stage.json, published atomically."""
-    from rlhf_core.models.loading import export_model
+    from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.trainers.common import publish_model
 
-    model = export_model(actor.worker.engine.module, 0)
+    state = actor.call_all("export")[0]  # rank 0's; every rank takes part in a ZeRO-3 gather
+    model = load_causal_lm(local_model_path(cfg.actor.model_name_or_path))
+    model.load_state_dict(state, strict=True)
     inputs = {"pretrain": cfg.actor.model_name_or_path, "reward_pretrain": cfg.reward.model_name_or_path,
               "datasets": sources}
     manifest = stage_manifest(cfg, inputs, metrics, tracker.run_id, precision=precision)

@@ -1,0 +1,179 @@
+"""The RL stage on Ray worker groups (a 2-CPU local Ray): the same run whatever the placement.
+
+- colocated roles (`--train.colocate_all`: actor, reference, critic and the rollout engine share
+  one bundle) and separate pools make the same first step (losses, KL, rewards) and weights;
+- 2 actor ranks (gloo all-reduce, each its half of every optimizer step) make the same updates as 1;
+- a run whose reward function raises fails with the file named; resumed from its checkpoint on
+  Ray, it ends with exactly the weights of an uninterrupted run;
+- a weight sync to an engine that hangs or dies fails with `EngineSyncError` naming the engine.
+
+`RAY_ADDRESS` is set as in a pipeline's Ray job, so `rlhf train ppo` puts every role on Ray.
+"""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.cli import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+REWARD_FILE = '''
+import os
+from pathlib import Path
+import torch
+
+COUNTER = Path(__file__).with_suffix(".calls")
+FAIL_AT = int(os.environ.get("TEST_FAIL_AT_CALL", "0"))
+
+def reward_func(queries, prompts, labels, **kwargs):
+    calls = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
+    COUNTER.write_text(str(calls))
+    if calls == FAIL_AT:
+        raise RuntimeError("the grader is down")
+    out = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        response = query[len(prompt):].replace("<|eos|>", "").strip()
+        out.append(1.0 if response == label else 0.1 * (len(response) % 3))  # a signal for a random model
+    return torch.tensor(out)
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    from rlhf_core.local_ray import init_local
+
+    context = init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = context.address_info["address"]
+    try:
+        yield context
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = saved
+        ray.shutdown()
+
+
+def ppo(prepared, tmp_path, name: str, *flags, capsys, fail_at: int = 0) -> tuple[int, dict | None, str]:
+    reward = tmp_path / f"{name}_reward.py"
+    if not reward.exists():
+        reward.write_text(REWARD_FILE)
+    os.environ["TEST_FAIL_AT_CALL"] = str(fail_at)  # the driver calls the reward function
+    code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--remote_rm_url", str(reward), "--rollout_batch_size", "8", "--train_batch_size", "8",
+                 "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8", "--generate_max_len", "5",
+                 "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--param_dtype", "fp32",
+                 "--use_mlflow", "false", "--seed", "3", "--save_path", str(tmp_path / f"{name}_out"), *flags])
+    captured = capsys.readouterr()
+    manifest = json.loads(captured.out) if code == 0 else None
+    return code, manifest, captured.err
+
+
+def weights(tmp_path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(tmp_path / f"{name}_out" / "model.safetensors"))
+
+
+PPO = ("--advantage_estimator", "gae", "--init_kl_coef", "0.05", "--max_epochs", "2")
+
+
+def test_colocated_and_separate_roles_make_the_same_first_step(cluster, prepared, tmp_path, capsys):
+    runs = {}
+    for name, extra in (("separate", ()), ("colocated", ("--colocate_all_models",))):
+        code, manifest, err = ppo(prepared, tmp_path, name, *PPO, "--max_steps", "1", *extra, capsys=capsys)
+        assert code == 0, err[-3000:]
+        assert "RL roles on Ray" in err
+        runs[name] = manifest["metrics"]
+    assert "in actor+ref+critic+rollout" in err  # the last run: one pool for every role
+    first = {k: v for k, v in runs["separate"].items() if k.startswith(("train/", "rollout/"))}
+    assert {"train/policy_loss", "train/value_loss", "rollout/kl", "rollout/reward_mean"} <= set(first)
+    for key, value in first.items():
+        assert runs["colocated"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    a, b = weights(tmp_path, "separate"), weights(tmp_path, "colocated")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_two_actor_ranks_make_the_same_updates_as_one(cluster, prepared, tmp_path, capsys):
+    grpo = ("--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+            "--max_steps", "2")
+    code, one, err = ppo(prepared, tmp_path, "one", *grpo, capsys=capsys)
+    assert code == 0, err[-3000:]
+    code, two, err = ppo(prepared, tmp_path, "two", *grpo, "--actor_num_gpus_per_node", "2", capsys=capsys)
+    assert code == 0, err[-3000:]
+    assert "actor: 2 x" in err
+    a, b = weights(tmp_path, "one"), weights(tmp_path, "two")
+    base = load_file(os.path.join(prepared["base"], "model.safetensors"))
+    assert any(not torch.equal(a[k], base[k]) for k in a)  # it trained
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), (k, (a[k] - b[k]).abs().max())
+    assert one["metrics"]["train/policy_loss"] == pytest.approx(two["metrics"]["train/policy_loss"], abs=1e-5)
+
+
+def test_a_failed_run_resumes_on_ray_to_the_same_weights(cluster, prepared, tmp_path, capsys):
+    ckpt = ("--save_steps", "2", "--max_steps", "4")
+    code, _, err = ppo(prepared, tmp_path, "whole", *PPO, *ckpt, "--ckpt_path", str(tmp_path / "whole_ckpt"),
+                       capsys=capsys)
+    assert code == 0, err[-3000:]
+    split = ("--ckpt_path", str(tmp_path / "split_ckpt"))
+    code, _, err = ppo(prepared, tmp_path, "split", *PPO, *ckpt, *split, capsys=capsys, fail_at=3)
+    assert code != 0
+    assert "split_reward.py" in err and "the grader is down" in err
+    assert (tmp_path / "split_ckpt" / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "split_out" / "stage.json").exists()
+    code, _, err = ppo(prepared, tmp_path, "split", *PPO, *ckpt, *split, "--load_checkpoint", capsys=capsys)
+    assert code == 0, err[-3000:]
+    assert "at step 2" in err
+    assert (tmp_path / "split_reward.calls").read_text() == "5"  # steps 3 and 4 only, after the failed call
+    a, b = weights(tmp_path, "whole"), weights(tmp_path, "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class StuckEngine:
+    """An engine whose weight sync never ends on rank 1 and kills the process on rank 2."""
+
+    def update_weights(self, weights):
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            time.sleep(3600)
+        if rank == 2:
+            os._exit(1)
+        return True
+
+
+class Weights:
+    def weights(self):
+        return {"w": torch.ones(2)}
+
+
+@pytest.mark.parametrize("engines,message", [(2, "rollout engine 1: weight sync failed.*no answer to update_weights"),
+                                             (3, "rollout engine 2: weight sync failed.*died")])
+def test_a_stuck_or_dead_engine_fails_the_sync_naming_it(cluster, engines, message):
+    import ray
+
+    from rlhf_core.distributed.resources import cluster_devices, create_pools, plan_layout
+    from rlhf_core.distributed.role_group import RoleGroup
+    from rlhf_core.rl.engines import EngineSyncError, RayEngines
+    from rlhf_core.rl.groups import RayGroup
+
+    layout = plan_layout({"actor": 1, "rollout": engines}, [["actor", "rollout"]],
+                         devices=cluster_devices(ray.cluster_resources()))  # the last case's pool may still be going
+    pool = create_pools(layout, timeout_s=60)["actor+rollout"]
+    share = layout.roles["actor"].share
+    group = RoleGroup(StuckEngine, engines, pool, name="rollout", share=share, timeout_s=60)
+    actor = RayGroup(RoleGroup(Weights, 1, pool, name="actor", share=share, timeout_s=60))
+    try:
+        t = time.monotonic()
+        with pytest.raises(EngineSyncError, match=message):
+            RayEngines(group, timeout_s=5).sync(actor)
+        assert time.monotonic() - t < 30  # the deadline, or at once for a dead engine: never a hang
+    finally:
+        group.shutdown()
+        actor.shutdown()
+        pool.remove()

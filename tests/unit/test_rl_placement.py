@@ -1,0 +1,64 @@
+"""Where an RL stage's roles run (pure): pools from the config's ranks and colocation flags, and
+how batches and prompts are split over ranks and engines."""
+
+import pytest
+
+from rlhf_core.distributed.resources import ClusterDevices
+from rlhf_core.rl.engines import prompt_shards
+from rlhf_core.rl.groups import padded_shards
+from rlhf_core.rl.ray_roles import rl_layout, role_world_sizes
+from rlhf_core.rl_config import build_ppo_config
+
+CPU2 = ClusterDevices(use_gpu=False, gpus=0, cpus=2)
+GPU8 = ClusterDevices(use_gpu=True, gpus=8, cpus=64)
+
+
+def config(*flags: str):
+    values = {"actor.model_name_or_path": "m", "data.prompt_dataset": "p", "ckpt.output_dir": "o",
+              "reward.task": "sort"}
+    it = iter(flags)
+    for key in it:
+        values[key] = next(it)
+    return build_ppo_config(None, values)
+
+
+def test_the_roles_follow_the_estimator_and_the_reward_source():
+    grpo = config("algo.advantage.estimator", "group_norm", "rollout.n_samples_per_prompt", "4",
+                  "algo.kl.init_coef", "0")
+    assert role_world_sizes(grpo, []) == {"actor": 1, "rollout": 1}  # no KL: no reference
+    ppo = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01", "vllm.num_engines", "2")
+    assert role_world_sizes(ppo, ["rm"]) == {"actor": 1, "ref": 1, "critic": 1, "reward": 1, "rollout": 2}
+
+
+def test_separate_roles_split_two_cpus_and_colocate_all_shares_one_bundle():
+    cfg = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01")
+    layout = rl_layout(cfg, [], CPU2)
+    assert set(layout.pools) == {"actor", "ref", "critic", "rollout"}
+    assert {p.num_cpus for p in layout.roles.values()} == {0.5}
+    cfg = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01", "train.colocate_all", True)
+    layout = rl_layout(cfg, [], CPU2)
+    assert list(layout.pools) == ["actor+ref+critic+rollout"]
+    assert {p.share for p in layout.roles.values()} == {0.25}
+    assert {p.num_cpus for p in layout.roles.values()} == {0.5}
+
+
+def test_gpu_placement_counts_gpus_and_refuses_what_does_not_fit():
+    cfg = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01", "actor.num_gpus_per_node", "4",
+                 "ref.num_gpus_per_node", "4", "train.colocate_actor_ref", True, "vllm.num_engines", "2")
+    layout = rl_layout(cfg, ["rm"], GPU8)
+    assert layout.roles["actor"].num_gpus == layout.roles["ref"].num_gpus == 0.5
+    assert layout.pools["actor+ref"].bundles == 4
+    assert layout.roles["rollout"].num_gpus == 1 and layout.pools["rollout"].bundles == 2
+    with pytest.raises(ValueError, match=r"the roles need 11 GPUs \(actor: 8, ref: 1, critic: 1, rollout: 1\)"):
+        rl_layout(config("algo.advantage.estimator", "gae", "actor.num_gpus_per_node", "8"), [], GPU8)
+
+
+def test_padded_shards_are_equal_and_repeat_the_last_item():
+    assert padded_shards([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5, 5]]
+    assert padded_shards([1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
+    assert padded_shards([1], 3) == [[1], [1], [1]]
+
+
+def test_prompts_split_over_engines_in_contiguous_parts():
+    assert prompt_shards(5, 2) == [range(0, 3), range(3, 5)]
+    assert prompt_shards(2, 4) == [range(0, 1), range(1, 2)]
