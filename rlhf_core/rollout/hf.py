@@ -72,10 +72,8 @@ class TransformersEngine(RolloutEngine):
             chunk = prompt_ids[start : start + prompts_per_batch]
             input_ids, attention = left_pad(chunk, self.pad_id)
             generator = torch.Generator(device).manual_seed(seed + b)
-            tokens, logprobs, lengths = sample(
-                self.model, input_ids.repeat_interleave(per_prompt, 0).to(device),
-                attention.repeat_interleave(per_prompt, 0).to(device), max_new_tokens, temperature, self.eos_ids,
-                self.pad_id, generator)
+            tokens, logprobs, lengths = sample(self.model, input_ids.to(device), attention.to(device), max_new_tokens,
+                                               temperature, self.eos_ids, self.pad_id, generator, repeats=per_prompt)
             tokens, logprobs, lengths = tokens.tolist(), logprobs.tolist(), lengths.tolist()
             for i in range(len(chunk)):
                 group = []

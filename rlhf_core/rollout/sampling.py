@@ -7,6 +7,9 @@ logits-processor machinery each step; this loop does the one thing a rollout nee
 
 - Prompts are left-padded; position ids come from the attention mask, so a padded row computes
   exactly what it would alone.
+- `repeats` samples per prompt share one prefill: the prompt forward runs once per prompt and its
+  KV cache and last logits are repeated for the prompt's samples (a group of 8 costs one prompt
+  forward, not 8); the draws are the same as with the prompts repeated beforehand.
 - Temperature T > 0 samples from softmax(logits / T): the policy's own distribution at T, no
   top-k/top-p. The log-prob recorded is log softmax(logits / T) of the drawn token, the quantity
   the trainer recomputes (its forward divides the logits by the same T). T = 0 is greedy, with
@@ -24,22 +27,26 @@ import torch
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, temperature: float,
-           eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None
+           eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample continuations of left-padded prompts.
+    """Sample `repeats` continuations of each left-padded prompt.
 
-    input_ids, attention_mask: `(B, P)`, padding on the left.
+    input_ids, attention_mask: `(P, L)`, padding on the left. B = P x repeats rows come back, the
+    samples of prompt i in rows `i * repeats ... (i + 1) * repeats - 1`.
     Returns `(tokens (B, N), logprobs (B, N) float32, lengths (B,))` with N <= max_new_tokens:
     row i's response is `tokens[i, :lengths[i]]` (its EOS included when it produced one); entries
     past a row's length are `pad_id` and 0.
     """
     device = input_ids.device
-    batch = input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
     attention = attention_mask.clone()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1]
+    if repeats > 1:
+        cache.batch_repeat_interleave(repeats)
+        logits, attention, positions = (t.repeat_interleave(repeats, 0) for t in (logits, attention, positions))
+    batch = logits.shape[0]
     next_position = positions[:, -1] + 1
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)

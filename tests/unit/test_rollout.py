@@ -126,3 +126,20 @@ def test_update_weights_changes_what_the_engine_samples(prepared, formatted):
     assert engine.generate_ids(prompts, 1, 0.0, MAX_NEW, 0) != before
     with pytest.raises(ValueError, match="do not match"):
         engine.update_weights({"not.a.weight": torch.zeros(1)})
+
+
+def test_one_prefill_per_prompt_draws_what_repeated_prompts_draw(engine, formatted):
+    from rlhf_core.rollout.sampling import sample
+
+    ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
+    input_ids, mask = left_pad(ids, engine.pad_id)
+    calls = []
+    model = lambda **kw: calls.append(kw["input_ids"].shape) or engine.model(**kw)  # noqa: E731
+    args = (MAX_NEW, 1.0, engine.eos_ids, engine.pad_id)
+    once = sample(model, input_ids, mask, *args, torch.Generator().manual_seed(5), repeats=4)
+    assert calls[0][0] == len(ids)  # the prefill ran on each prompt once
+    repeated = sample(engine.model, input_ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), *args,
+                      torch.Generator().manual_seed(5))
+    assert torch.equal(once[0], repeated[0]) and torch.equal(once[2], repeated[2])
+    assert torch.allclose(once[1], repeated[1], atol=1e-5)
+    assert len({tuple(r) for r in once[0].tolist()}) > len(ids)  # the samples of a prompt differ
