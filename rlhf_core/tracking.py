@@ -39,7 +39,9 @@ def artifact_root() -> str:
 def ensure_experiment(name: str) -> str:
     import mlflow
 
-    server = os.environ.get("MLFLOW_TRACKING_URI")  # read first: set_tracking_uri exports it
+    # A tracking server keeps artifacts where it was told to; a database file has no artifact root
+    # of its own (MLflow would write to ./mlruns in whatever folder the run started from).
+    server = os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http://", "https://", "databricks"))
     mlflow.set_tracking_uri(tracking_uri())
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:

@@ -59,3 +59,17 @@ def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatc
     assert [m.step for m in history] == list(range(1, 302)) and history[0].value == 1.0
     assert mlflow.MlflowClient().get_metric_history(tracker.run_id, "eval/loss")[0].step == 302
     assert mlflow.get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_a_tracking_database_of_the_users_keeps_artifacts_under_the_state_dir_not_the_working_dir(monkeypatch, tmp_path):
+    import mlflow
+
+    from rlhf_core import tracking
+
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/users.db")
+    monkeypatch.chdir(tmp_path)
+    experiment = tracking.ensure_experiment("artifacts-where")
+    location = mlflow.MlflowClient(f"sqlite:///{tmp_path}/users.db").get_experiment(experiment).artifact_location
+    assert location == f"{(tmp_path / 'home' / 'mlartifacts').as_uri()}/artifacts-where"
+    assert not (tmp_path / "mlruns").exists()
