@@ -154,52 +154,70 @@ def shared_prefix_len(a: list[int], b: list[int], mask_a: list[int], mask_b: lis
 
 def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], chosen_masks: list[list[int]],
                rejected_masks: list[list[int]], row_capacity: int, pad_id: int = 0) -> Batch:
-    """Chosen and rejected sequences packed with their shared prompt computed once.
-
-    Each pair becomes one segment `[prompt | chosen response | rejected response]`: the rejected
-    tokens attend to the prompt and to themselves, never to the chosen ones, and their positions
-    continue from the prompt's, so under causal attention every token sees exactly what it sees
-    in its own sequence and all log-probs and last-token scores are those of the two sequences
-    packed apart. The prompt's forward and backward run once instead of twice (a quarter of a
-    pair's tokens when prompt and responses are as long). Samples are numbered as in
-    `pack_batch(chosen + rejected)`: chosen i is sample i, rejected i is sample n + i (prompt
-    tokens belong to the chosen sample; they carry no loss). Segments are placed first-fit in
-    rows of up to `row_capacity` tokens; padding attends only to itself.
-    """
+    """Chosen and rejected sequences packed with their shared prompt computed once
+    (`pack_shared_prefix` with groups `[i, n + i]`): chosen i is sample i, rejected i is sample
+    n + i, as in `pack_batch(chosen + rejected)`. The prompt's forward and backward run once
+    instead of twice (a quarter of a pair's tokens when prompt and responses are as long)."""
     n = len(chosen)
-    shared = [shared_prefix_len(c, r, cm, rm) for c, r, cm, rm in zip(chosen, rejected, chosen_masks, rejected_masks,
-                                                                      strict=True)]
-    lengths = [len(chosen[i]) + len(rejected[i]) - shared[i] for i in range(n)]
+    return pack_shared_prefix(chosen + rejected, chosen_masks + rejected_masks, [[i, n + i] for i in range(n)],
+                              row_capacity, pad_id)
+
+
+def pack_shared_prefix(seqs: list[list[int]], loss_masks: list[list[int]], groups: list[list[int]],
+                       row_capacity: int, pad_id: int = 0) -> Batch:
+    """Sequences packed so that each group's common prompt is computed once.
+
+    `groups` partitions the sample indices; a group (a DPO pair, an RL prompt's samples) becomes
+    one segment `[prompt | response 1 | response 2 | ...]`, its prompt being the longest start all
+    members share that carries no loss in any. Every response attends to the prompt and to itself,
+    never to its siblings, and its positions continue from the prompt's, so under causal
+    attention every token sees exactly what it sees in its own sequence: log-probs and last-token
+    scores are those of the sequences packed apart. The first token of a later response is
+    predicted by the prompt's last position (`Batch.predecessors`). Prompt tokens belong to the
+    group's first sample (they carry no loss). Segments are placed first-fit in rows of up to
+    `row_capacity` tokens (`least_padded_rows`); padding attends only to itself.
+    """
+    shared = []
+    for members in groups:
+        first = members[0]
+        shared.append(min((shared_prefix_len(seqs[first], seqs[i], loss_masks[first], loss_masks[i])
+                           for i in members[1:]), default=0))
+    lengths = [len(seqs[g[0]]) + sum(len(seqs[i]) - s for i in g[1:]) for g, s in zip(groups, shared, strict=True)]
     rows = least_padded_rows(lengths, row_capacity)
     width = max(sum(lengths[i] for i in members) for members in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    loss = torch.zeros((len(rows), width), dtype=torch.float32)
-    seq_ids = torch.full((len(rows), width), -1, dtype=torch.long)
-    allowed = torch.zeros((len(rows), width, width), dtype=torch.bool)
+    # Per slot, as lists: token, position, loss, sample, segment, member of the segment, prompt or not.
+    cols: dict[str, list[list]] = {k: [] for k in ("ids", "pos", "loss", "seq", "segment", "member", "prompt")}
     predecessors = []
-    for r, members in enumerate(rows):
-        at = 0
-        for i in members:
-            s, c, j = shared[i], len(chosen[i]), at + len(chosen[i])  # j: where the rejected response starts
-            m = len(rejected[i]) - s
-            input_ids[r, at:j] = torch.tensor(chosen[i])
-            input_ids[r, j : j + m] = torch.tensor(rejected[i][s:])
-            position_ids[r, at:j] = torch.arange(c)
-            position_ids[r, j : j + m] = torch.arange(s, s + m)
-            loss[r, at:j] = torch.tensor(chosen_masks[i], dtype=torch.float32)
-            loss[r, j : j + m] = torch.tensor(rejected_masks[i][s:], dtype=torch.float32)
-            seq_ids[r, at:j], seq_ids[r, j : j + m] = i, n + i
-            allowed[r, at:j, at:j] = torch.ones(c, c, dtype=torch.bool).tril()
-            allowed[r, j : j + m, at : at + s] = True
-            allowed[r, j : j + m, j : j + m] = torch.ones(m, m, dtype=torch.bool).tril()
-            if s and m:
-                predecessors.append((r, j, at + s - 1))
-            at = j + m
-        position_ids[r, at:] = torch.arange(width - at)
-        allowed[r, torch.arange(at, width), torch.arange(at, width)] = True
+    for r, segments in enumerate(rows):
+        row = {k: [] for k in cols}
+        for g in segments:
+            s, prompt_end = shared[g], len(row["ids"]) + shared[g]
+            for k, i in enumerate(groups[g]):
+                offset = 0 if k == 0 else s  # the first member carries the prompt
+                if k and s and len(seqs[i]) > s:
+                    predecessors.append((r, len(row["ids"]), prompt_end - 1))
+                m = len(seqs[i]) - offset
+                row["ids"] += seqs[i][offset:]
+                row["pos"] += range(offset, offset + m)
+                row["loss"] += loss_masks[i][offset:]
+                row["seq"] += [i] * m
+                row["segment"] += [g] * m
+                row["member"] += [k] * m
+                row["prompt"] += [k == 0 and t < s for t in range(m)]
+        pad = width - len(row["ids"])
+        for k, fill in (("ids", [pad_id] * pad), ("pos", range(pad)), ("loss", [0] * pad), ("seq", [-1] * pad),
+                        ("segment", range(-1, -1 - pad, -1)), ("member", [0] * pad), ("prompt", [False] * pad)):
+            row[k] += fill  # padding: its own segment per slot, so it attends only to itself
+            cols[k].append(row[k])
+    segment, member, prompt = (torch.tensor(cols[k]) for k in ("segment", "member", "prompt"))
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_segment = segment.unsqueeze(-1) == segment.unsqueeze(-2)
+    visible = (member.unsqueeze(-1) == member.unsqueeze(-2)) | prompt.unsqueeze(-2)
+    allowed = causal & same_segment & visible
     jumps = torch.tensor(predecessors, dtype=torch.long).reshape(-1, 3)
-    return Batch(input_ids, allowed.unsqueeze(1), position_ids, loss, seq_ids, 2 * n, jumps)
+    return Batch(torch.tensor(cols["ids"], dtype=torch.long), allowed.unsqueeze(1),
+                 torch.tensor(cols["pos"], dtype=torch.long), torch.tensor(cols["loss"], dtype=torch.float32),
+                 torch.tensor(cols["seq"], dtype=torch.long), len(seqs), jumps)
 
 
 def make_batch(seqs, loss_masks, pad_id: int, packing: bool, row_capacity: int | None = None) -> Batch:

@@ -80,15 +80,32 @@ def response_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return index, mask
 
 
+def predicting_index(batch: Batch, index: torch.Tensor) -> torch.Tensor:
+    """The flat position whose output predicts each token of `index` (same shape): p - 1 (a
+    response always follows its prompt in the same row), or the earlier position
+    `batch.predecessors` names (a response packed after a sibling that shares its prompt)."""
+    rows, width = batch.input_ids.shape
+    source = torch.arange(rows * width, device=index.device) - 1
+    if batch.predecessors is not None and len(batch.predecessors):
+        row, col, pred = batch.predecessors.to(index.device).unbind(-1)
+        source[row * width + col] = row * width + pred
+    return source.clamp(min=0)[index]
+
+
 def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The logits that predict each response token, divided by `temperature`: `(num_samples, T, vocab)`.
 
-    Token at flat position p is predicted at p - 1 (a response always follows its prompt in the
-    same row). Only these rows of the logits are kept, never a `(rows, T, vocab)` log-softmax.
+    Only the positions that predict response tokens (`predicting_index`) go through the LM head,
+    never the prompts' or the padding's, and no `(rows, T, vocab)` log-softmax is formed.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False)
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[(index - 1).clamp(min=0)]
+    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
+    logits = base.get_output_embeddings()(hidden)
+    cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma's, applied in its forward
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -104,5 +121,5 @@ def response_values(critic, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     hidden = backbone(critic)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                               position_ids=batch.position_ids, use_cache=False).last_hidden_state
     base = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
-    values = base.score(hidden).squeeze(-1).float()
-    return values.reshape(-1)[(index - 1).clamp(min=0)]
+    hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
+    return base.score(hidden).squeeze(-1).float()

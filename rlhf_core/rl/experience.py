@@ -6,9 +6,9 @@ reference's log-probs, the critic's values, the advantages and returns. Per-toke
 one entry per response token, `(T_i,)`, so a list of samples shards across ranks by plain
 slicing and nothing depends on how a batch was padded.
 
-`collate` turns samples into a training `Batch` (padded or packed) plus the `(N, T_max)` layout
-of their response tokens (`models.forward.response_index`), and `stack` pads per-sample tensors
-into the same layout.
+`collate` turns samples into a training `Batch` (padded, or packed with each prompt computed once
+for all of its samples) plus the `(N, T_max)` layout of their response tokens
+(`models.forward.response_index`), and `stack` pads per-sample tensors into the same layout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_core.data.batching import Batch, make_batch
+from rlhf_core.data.batching import Batch, make_batch, pack_shared_prefix
 from rlhf_core.models.forward import response_index
 
 
@@ -42,14 +42,36 @@ class RolloutSample:
         return len(self.response_ids)
 
 
+def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
+    """Indices of `samples` grouped by prompt (same prompt index and ids), in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.prompt_index, tuple(s.prompt_ids)), []).append(i)
+    return list(groups.values())
+
+
 def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
             ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     """`(batch, index, mask)`: the samples' prompt+response sequences with the response tokens
-    under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`)."""
+    under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`).
+
+    Packed, the samples of one prompt share its tokens (`pack_shared_prefix`): a group of n
+    samples computes its prompt once, not n times. Rows are at most twice the longest segment
+    wide (and at most `row_capacity`): attention is dense within a row, so one row of a whole
+    micro-batch would cost far more than the padding it saves (the tiny model's forward and
+    backward on 32 sort samples: 0.27 s in one row of 734 tokens, 0.13 s in rows of 47, fp32).
+    """
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
-    capacity = None if row_capacity is None else max(row_capacity, max(len(q) for q in seqs))
-    batch = make_batch(seqs, masks, pad_id, packing, capacity)
+    groups = prompt_groups(samples)
+    if packing and len(groups) < len(samples):
+        longest = max(len(seqs[g[0]]) + sum(s.response_len for s in (samples[i] for i in g[1:])) for g in groups)
+        capacity = 2 * longest if row_capacity is None else max(longest, min(row_capacity, 2 * longest))
+        batch = pack_shared_prefix(seqs, masks, groups, capacity, pad_id)
+    else:
+        longest = max(len(q) for q in seqs)
+        capacity = None if row_capacity is None else max(longest, min(row_capacity, 2 * longest))
+        batch = make_batch(seqs, masks, pad_id, packing, capacity)
     index, mask = response_index(batch)
     return batch, index, mask
 

@@ -143,3 +143,41 @@ def test_pairs_with_a_shared_prompt_give_the_logprobs_scores_and_gradients_of_se
     rm = load_reward_model(prepared["base"], tok.pad_token_id).eval()
     with torch.no_grad():
         assert torch.allclose(reward_scores(rm, shared), reward_scores(rm, apart), atol=1e-4, rtol=0)
+
+
+def test_an_rl_micro_batch_computes_each_prompt_once_with_the_logprobs_values_and_gradients_of_padding(prepared):
+    from rlhf_core.models.forward import response_logprobs, response_values
+    from rlhf_core.rl.experience import RolloutSample, collate
+
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for p in range(4):  # 4 prompts x 3 samples, interleaved as a permuted rollout would leave them
+        prompt = torch.randint(10, 100, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(3):
+            response = torch.randint(10, 100, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            samples.append(RolloutSample(prompt, response, p, torch.zeros(len(response)), True))
+    samples = samples[::2] + samples[1::2]
+    shared, index, mask = collate(samples, 0, packing=True, row_capacity=64)
+    apart, index_apart, mask_apart = collate(samples, 0, packing=False, row_capacity=64)
+    assert int((shared.seq_ids >= 0).sum()) < sum(len(s.prompt_ids) + s.response_len for s in samples)
+    assert len(shared.predecessors) > 0 and torch.equal(mask, mask_apart)
+
+    model = load_causal_lm(prepared["base"]).train()
+    per = []
+    for batch, idx in ((shared, index), (apart, index_apart)):
+        model.zero_grad()
+        lp = response_logprobs(model, batch, idx, temperature=0.7)
+        (lp * mask * torch.linspace(0.5, 1.5, lp.numel()).reshape(lp.shape)).sum().backward()
+        per.append((lp.detach() * mask, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    assert torch.allclose(per[0][0], per[1][0], atol=1e-4, rtol=0)
+    assert max((per[0][1][k] - per[1][1][k]).abs().max().item() for k in per[0][1]) < 1e-4
+
+    critic = load_reward_model(prepared["base"], 0).eval()
+    with torch.no_grad():
+        assert torch.allclose(response_values(critic, shared, index) * mask,
+                              response_values(critic, apart, index_apart) * mask, atol=1e-4, rtol=0)
+        # Without the re-pointed predecessors a later sibling's first token would be read from the
+        # previous sibling's last position: the comparison above can fail.
+        shared.predecessors = None
+        assert not torch.allclose(response_logprobs(model, shared, index) * mask,
+                                  response_logprobs(model, apart, index_apart) * mask, atol=1e-3)
