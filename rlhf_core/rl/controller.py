@@ -15,7 +15,8 @@ Choices, and why:
   float noise for the transformers engine in fp32, a few hundredths for vLLM in bf16.
 - PPO epochs visit the rollout in a seeded permutation cut into global optimizer steps of
   `--train.batch_size`; rank r of a trainable role takes its contiguous slice of every step, so
-  one rank and two ranks make the same updates.
+  one rank and two ranks make the same updates. The permutation moves a prompt's samples
+  together where the steps hold whole groups, so each micro-batch computes a prompt once.
 - Dynamic filtering drops prompts whose samples all score the same (no signal for a group
   estimator) and draws more prompts until the rollout is full, giving up after
   `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
@@ -46,12 +47,15 @@ class PromptStream:
 
     def __init__(self, num_prompts: int, seed: int):
         self.num_prompts, self.seed, self.position = num_prompts, seed, 0
+        self._cached: tuple[int, tuple[int, ...]] | None = None  # (episode, its order): one shuffle per episode
 
-    def order(self, episode: int) -> list[int]:
-        rng = random.Random(f"{self.seed}-episode-{episode}")
-        order = list(range(self.num_prompts))
-        rng.shuffle(order)
-        return order
+    def order(self, episode: int) -> tuple[int, ...]:
+        if self._cached is None or self._cached[0] != episode:
+            rng = random.Random(f"{self.seed}-episode-{episode}")
+            order = list(range(self.num_prompts))
+            rng.shuffle(order)
+            self._cached = (episode, tuple(order))
+        return self._cached[1]
 
     def take(self, k: int) -> list[int]:
         out = []
@@ -62,12 +66,18 @@ class PromptStream:
         return out
 
 
-def arrange_for_ranks(samples: list, batch_size: int, world_size: int, seed: int) -> list:
+def arrange_for_ranks(samples: list, batch_size: int, world_size: int, seed: int, group_size: int = 1) -> list:
     """A seeded permutation of `samples` cut into global steps of `batch_size`, reordered so that
-    contiguous equal shards give rank r its slice of every step, in step order."""
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
-    steps = [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    contiguous equal shards give rank r its slice of every step, in step order.
+
+    With `group_size` n > 1 (a rollout of n samples per prompt, each prompt's samples next to each
+    other) whole groups are permuted when every rank's share of a step holds whole groups: a
+    micro-batch then packs each prompt once for its samples (`experience.collate`)."""
     per_rank = batch_size // world_size
+    n = group_size if group_size > 1 and len(samples) % group_size == 0 and per_rank % group_size == 0 else 1
+    groups = torch.randperm(len(samples) // n, generator=torch.Generator().manual_seed(seed)).tolist()
+    order = [g * n + k for g in groups for k in range(n)]
+    steps = [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
     arranged = [i for r in range(world_size) for step in steps for i in step[r * per_rank : (r + 1) * per_rank]]
     return [samples[i] for i in arranged]
 
@@ -254,15 +264,16 @@ class RLController:
         cfg = self.cfg
         stats: dict[str, float] = {"rollout/kl": self._kl_stats, "rollout/logprob_mismatch": self._mismatch}
         actor_frozen = self.step < cfg.critic.freezing_steps
+        n = cfg.rollout.n_samples_per_prompt
         sums: dict[str, float] = {}
         for epoch in range(cfg.train.max_epochs):
             seed = cfg.train.seed * 1_000_003 + self.step * 101 + epoch
             calls = []
             if not actor_frozen:
-                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed)
+                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed, n)
                 calls.append(self.actor.call_sharded_async("train_epoch", arranged, kl_coef=self.kl.value))
             if self.critic is not None:
-                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.critic.world_size, seed)
+                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.critic.world_size, seed, n)
                 calls.append(self.critic.call_sharded_async("train_epoch", arranged))
             for pending in calls:  # every rank reports the same (all-reduced) numbers: rank 0's
                 for k, v in pending.first().items():

@@ -29,6 +29,20 @@ def test_two_ranks_take_the_slices_of_the_same_global_steps_as_one():
     assert arrange_for_ranks(samples, 8, 1, seed=6) != one
 
 
+def test_a_prompts_samples_stay_together_where_each_rank_takes_whole_groups():
+    samples = list(range(16))  # 4 prompts x 4 samples, each prompt's samples next to each other
+    one = arrange_for_ranks(samples, batch_size=8, world_size=1, seed=5, group_size=4)
+    assert sorted(one) == samples and one != samples
+    assert all(one[i] // 4 == one[i + k] // 4 for i in range(0, 16, 4) for k in range(4))
+    two = arrange_for_ranks(samples, batch_size=8, world_size=2, seed=5, group_size=4)
+    steps_one = [set(s[0]) for s in optimizer_steps(one, 8, 8)]
+    steps_two = [set(a[0]) | set(b[0]) for a, b in zip(optimizer_steps(two[:8], 4, 4), optimizer_steps(two[8:], 4, 4),
+                                                        strict=True)]
+    assert steps_one == steps_two
+    # A rank's share of a step that cannot hold whole groups: samples are permuted one by one.
+    assert arrange_for_ranks(samples, 8, 4, seed=5, group_size=4) == arrange_for_ranks(samples, 8, 4, seed=5)
+
+
 def test_optimizer_steps_cut_whole_steps_into_micro_batches():
     assert optimizer_steps(list(range(8)), 4, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
