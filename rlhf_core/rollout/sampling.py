@@ -14,15 +14,88 @@ logits-processor machinery each step; this loop does the one thing a rollout nee
   top-k/top-p. The log-prob recorded is log softmax(logits / T) of the drawn token, the quantity
   the trainer recomputes (its forward divides the logits by the same T). T = 0 is greedy, with
   log-probs of the untempered softmax.
+- The KV cache is written in place into buffers sized for prompt + `max_new_tokens` (`kv_cache`),
+  and a token is drawn by inverse CDF from one uniform number per row (`inverse_cdf_draw`): the
+  growing cache's per-step concatenation and `torch.multinomial`'s per-entry exponentials were a
+  third of a small model's rollout time.
 - Draws use a `torch.Generator` seeded per call: the same seed gives the same samples, and the
   caller's global random state is left alone.
-- A row stops at its first EOS (kept in the response); finished rows are fed padding until every
-  row is done or `max_new_tokens` is reached.
+- A row stops at its first EOS (kept in the response). Finished rows are fed padding, and once a
+  quarter of the running batch has finished those rows leave it (their cache rows too), so the
+  long tail of a rollout does not pay for the responses that already ended.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A KV-cache layer that writes each step's keys and values into buffers allocated once
+    (`capacity` positions), instead of `DynamicLayer`'s `torch.cat` of the whole cache every step:
+    the cat copied the cache 2 x layers times per token and took a quarter of a sort rollout's
+    CPU time (tiny model, 128 rows, 16 new tokens). Attention reads a view of the filled part."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, dk = key_states.shape
+        self._keys = key_states.new_empty((b, h, self.capacity, dk))
+        self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions overflowed ({end})")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+
+def kv_cache(model, capacity: int):
+    """A cache for `capacity` positions: preallocated for models whose every layer attends to the
+    whole past (Llama and the like), transformers' own `DynamicCache` for any other."""
+    config = model.config
+    cache = DynamicCache(config=config)
+    full = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+    if full and getattr(config, "sliding_window", None) is None and \
+            all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [_PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of `probs (B, V)`: the first index whose cumulative probability reaches a
+    uniform u in (0, 1] (scaled by the row's total, so rounding never runs past the end). Exact
+    sampling from the row's distribution, one uniform number per row: `torch.multinomial` draws an
+    exponential per vocabulary entry, a tenth of a small model's rollout time."""
+    cdf = probs.cumsum(-1)
+    u = 1.0 - torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -41,35 +114,46 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
     attention = attention_mask.clone()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                past_key_values=kv_cache(model, input_ids.shape[1] + max_new_tokens), use_cache=True, logits_to_keep=1)
     cache, logits = out.past_key_values, out.logits[:, -1]
     if repeats > 1:
         cache.batch_repeat_interleave(repeats)
         logits, attention, positions = (t.repeat_interleave(repeats, 0) for t in (logits, attention, positions))
     batch = logits.shape[0]
-    next_position = positions[:, -1] + 1
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    tokens, logprobs = [], []
-    for _ in range(max_new_tokens):
+    rows = torch.arange(batch, device=device)  # which output row each row of the running batch is
+    next_position = positions[:, -1] + 1
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # rows of the running batch that ended
+    steps = 0
+    for step in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
             log_dist = torch.log_softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(log_dist.exp(), 1, generator=generator).squeeze(-1)
+            token = inverse_cdf_draw(log_dist.exp(), generator)
         else:
             log_dist = torch.log_softmax(logits, dim=-1)
             token = log_dist.argmax(-1)
         logprob = log_dist.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        tokens.append(token)
-        logprobs.append(torch.where(done, torch.zeros_like(logprob), logprob))
-        lengths += (~done).long()
-        done = done | torch.isin(token, eos)
-        if bool(done.all()):
+        live = ~done
+        tokens[rows[live], step] = token[live]
+        logprobs[rows[live], step] = logprob[live]
+        lengths[rows[live]] += 1
+        steps = step + 1
+        done = done | (live & torch.isin(token, eos))
+        if bool(done.all()) or steps == max_new_tokens:
             break
+        if int(done.sum()) * 4 >= len(done):  # a quarter of the batch has ended: drop those rows
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, attention, next_position, token, done = rows[keep], attention[keep], next_position[keep], \
+                token[keep], done[keep]
+        token = torch.where(done, torch.full_like(token, pad_id), token)
         attention = torch.cat([attention, (~done).long().unsqueeze(-1)], dim=-1)
         out = model(input_ids=token.unsqueeze(-1), attention_mask=attention, position_ids=next_position.unsqueeze(-1),
                     past_key_values=cache, use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
         next_position = next_position + 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), lengths
+    return tokens[:, :steps], logprobs[:, :steps], lengths

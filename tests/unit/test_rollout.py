@@ -134,7 +134,15 @@ def test_one_prefill_per_prompt_draws_what_repeated_prompts_draw(engine, formatt
     ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
     input_ids, mask = left_pad(ids, engine.pad_id)
     calls = []
-    model = lambda **kw: calls.append(kw["input_ids"].shape) or engine.model(**kw)  # noqa: E731
+
+    class Counting:  # the engine's model, recording the batch of every forward
+        config = engine.model.config
+
+        def __call__(self, **kw):
+            calls.append(kw["input_ids"].shape)
+            return engine.model(**kw)
+
+    model = Counting()
     args = (MAX_NEW, 1.0, engine.eos_ids, engine.pad_id)
     once = sample(model, input_ids, mask, *args, torch.Generator().manual_seed(5), repeats=4)
     assert calls[0][0] == len(ids)  # the prefill ran on each prompt once
@@ -143,3 +151,59 @@ def test_one_prefill_per_prompt_draws_what_repeated_prompts_draw(engine, formatt
     assert torch.equal(once[0], repeated[0]) and torch.equal(once[2], repeated[2])
     assert torch.allclose(once[1], repeated[1], atol=1e-5)
     assert len({tuple(r) for r in once[0].tolist()}) > len(ids)  # the samples of a prompt differ
+
+
+def test_the_preallocated_kv_cache_samples_what_transformers_cache_samples(engine, formatted, monkeypatch):
+    from transformers import DynamicCache
+
+    from rlhf_core.rollout import sampling
+
+    ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
+    input_ids, mask = left_pad(ids, engine.pad_id)
+    args = (MAX_NEW, 1.0, engine.eos_ids, engine.pad_id)
+    ours = sampling.sample(engine.model, input_ids, mask, *args, torch.Generator().manual_seed(3), repeats=3)
+    assert isinstance(sampling.kv_cache(engine.model, 8).layers[0], sampling._PreallocatedLayer)
+    monkeypatch.setattr(sampling, "kv_cache", lambda model, capacity: DynamicCache(config=model.config))
+    theirs = sampling.sample(engine.model, input_ids, mask, *args, torch.Generator().manual_seed(3), repeats=3)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
+    assert torch.allclose(ours[1], theirs[1], atol=1e-5)
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_pick_an_impossible_token():
+    from rlhf_core.rollout.sampling import inverse_cdf_draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20000, 1)
+    draws = inverse_cdf_draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, probs[0], atol=0.015)
+    again = inverse_cdf_draw(probs, torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)
+
+
+def test_rows_that_ended_leave_the_batch_without_changing_what_the_others_generate(engine, formatted):
+    from rlhf_core.rollout.sampling import sample
+
+    ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
+    input_ids, mask = left_pad(ids, engine.pad_id)
+    free, _, _ = sample(engine.model, input_ids, mask, MAX_NEW, 0.0, [-1], engine.pad_id)  # no row ever ends
+    stop = sorted({int(free[0, 1]), int(free[1, 1])})  # rows 0 and 1 end by step 2 at the latest
+    rows_per_forward = []
+
+    class Counting:
+        config = engine.model.config
+
+        def __call__(self, **kw):
+            rows_per_forward.append(kw["input_ids"].shape[0])
+            return engine.model(**kw)
+
+    tokens, logprobs, lengths = sample(Counting(), input_ids, mask, MAX_NEW, 0.0, stop, engine.pad_id)
+    assert min(rows_per_forward) < len(ids) and (lengths == MAX_NEW).any()  # rows left, others went on
+    for i in range(len(ids)):
+        start = int(mask[i].argmax())
+        alone = sample(engine.model, input_ids[i : i + 1, start:], mask[i : i + 1, start:], MAX_NEW, 0.0, stop,
+                       engine.pad_id)
+        n = int(lengths[i])
+        assert n == int(alone[2][0]) and tokens[i, :n].tolist() == alone[0][0, :n].tolist()
+        assert torch.allclose(logprobs[i, :n], alone[1][0, :n], atol=1e-4)
+        assert tokens[i, n:].eq(engine.pad_id).all() and logprobs[i, n:].eq(0).all()
