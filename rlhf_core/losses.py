@@ -79,19 +79,34 @@ def gather_token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     Returns `(batch, seq_len)` float32: `logits[label] − logsumexp(logits)`.
 
     This never builds a full `(batch, seq_len, vocab)` log_softmax: for float32 logits the
-    selected logit minus logsumexp is computed directly; for 16-bit logits one sequence at a time
-    is upcast to float32, so the forward pass holds at most one `(seq_len, vocab)` float32 copy.
+    selected logit minus logsumexp is computed directly; 16-bit logits are upcast to float32 a few
+    sequences at a time (`upcast_chunks`), so the forward pass holds at most about
+    `UPCAST_CHUNK_ELEMENTS` float32 values of them at once.
     """
     index = labels.long().clamp(0, logits.size(-1) - 1).unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
         selected = logits.gather(-1, index).squeeze(-1)
         return selected - torch.logsumexp(logits, dim=-1)
     rows = []
-    for row_logits, row_index in zip(logits, index, strict=True):  # (seq_len, vocab), (seq_len, 1)
-        row_logits = row_logits.float()
-        selected = row_logits.gather(-1, row_index).squeeze(-1)
-        rows.append(selected - torch.logsumexp(row_logits, dim=-1))
-    return torch.stack(rows)
+    for rows_logits, rows_index in zip(upcast_chunks(logits), index.split(_chunk_rows(logits)), strict=True):
+        selected = rows_logits.gather(-1, rows_index).squeeze(-1)
+        rows.append(selected - torch.logsumexp(rows_logits, dim=-1))
+    return torch.cat(rows)
+
+
+# A float32 copy of 16-bit logits is made this many values at a time at most (64 MiB): a few
+# sequences of a small vocabulary at once, one sequence of a large one (still its whole length).
+UPCAST_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunk_rows(logits: Tensor) -> int:
+    per_row = max(1, logits[0].numel()) if len(logits) else 1
+    return max(1, UPCAST_CHUNK_ELEMENTS // per_row)
+
+
+def upcast_chunks(logits: Tensor) -> list[Tensor]:
+    """`logits (batch, ...)` in float32, as consecutive chunks of whole rows of bounded size."""
+    return [chunk.float() for chunk in logits.split(_chunk_rows(logits))]
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -403,13 +418,13 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     logits: `(B, T, vocab)`, any float dtype.
     Returns `(B, T)` float32: −Σ_v p_v·log p_v = logsumexp(z) − Σ_v p_v·z_v, differentiable.
 
-    As in `gather_token_logprobs`, 16-bit logits are upcast one sequence at a time, so at most one
-    `(T, vocab)` float32 copy exists at a time in the forward pass; float32 logits are used as
-    they are. The expected logit is a batched dot product, with no `p·z` product tensor.
+    As in `gather_token_logprobs`, 16-bit logits are upcast a bounded chunk of sequences at a time
+    (`upcast_chunks`); float32 logits are used as they are. The expected logit is a batched dot
+    product, with no `p·z` product tensor.
     """
     if logits.dtype in (torch.float32, torch.float64):
         return _entropy(logits)
-    return torch.stack([_entropy(row.float()) for row in logits])
+    return torch.cat([_entropy(chunk) for chunk in upcast_chunks(logits)])
 
 
 # --- RL: loss aggregation ---------------------------------------------------------------------
