@@ -295,14 +295,15 @@ def child_main(args) -> None:
 # Driver: prepare data once, alternate child runs, print the table.
 
 def take_snapshot(work: Path) -> tuple[Path, str]:
-    """Copy rlhf_core and this script into `work`: every run then trains the same code, even while
+    """Copy rlhf_core and the benchmark scripts into `work`: every run then trains the same code, even while
     the working tree changes under a long benchmark. Returns the folder and a version line."""
     import shutil
 
     repo = Path(__file__).resolve().parents[1]
     snapshot = work / "snapshot"
     shutil.copytree(repo / "rlhf_core", snapshot / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(Path(__file__).resolve(), snapshot / Path(__file__).name)
+    for script in Path(__file__).resolve().parent.glob("*.py"):  # every benchmark (they share this module)
+        shutil.copy2(script, snapshot / script.name)
 
     def git(*argv):
         try:

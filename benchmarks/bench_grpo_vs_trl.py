@@ -1,0 +1,359 @@
+"""GRPO speed, this project's `rlhf train ppo` against TRL's `GRPOTrainer`, on the same model,
+prompts, group size, lengths and precision; samples per second and the time of each phase.
+
+Both sides start from one SFT policy (the `rlhf prep` tiny Llama, fine-tuned for a few hundred
+steps on the RL setting's noisy `sort` demonstrations, so it ends its answers and gets about two
+in three right under sampling), sample `--n` responses for each of `--prompts` prompts per
+rollout at temperature 1 with at most `--max_new_tokens` tokens, score them with the task's
+exact verifier, and train on the rollout in optimizer steps of `--train_batch_size` samples
+(micro batch `--micro_batch_size`): group-normalised advantages, PPO clip 0.2, token-mean loss
+(TRL's `dapo`), a k3 KL term to a frozen reference with coefficient `--kl_coef` (TRL's `beta`),
+AdamW betas (0.9, 0.95), gradient clipping 1.0, one pass over each rollout. A rollout of 128
+samples in optimizer steps of 64 is two steps, so both sides compute the rollout policy's
+log-probs before training (TRL does so when `steps_per_generation > gradient_accumulation_steps`).
+
+Choices, and why:
+- Every run is a fresh subprocess, runs alternate (ours, trl, ours, ...), medians are reported
+  and each round's ratio too: the machine is shared and noisy.
+- Only rollout steps after `--warmup` untimed ones count: a step is the wall time from the end of
+  one rollout step's training to the end of the next (generation, rewards, the rollout policy's
+  and the reference's log-probs, advantages, the optimizer steps, weight sync, bookkeeping).
+- Phases: ours reports its own (`time/generate_s`, ...); TRL's are timed by wrapping its
+  `_generate` (generation), `_calculate_rewards` (rewards) and `_generate_and_score_completions`
+  (the rest of it: log-probs and advantages = experience); training is what remains of the step.
+- Each side generates as its users get it: ours with its sampler (one prefill per prompt shared
+  by the prompt's samples, a KV cache, fp32 on CPU), TRL with `model.generate` under its
+  precision. Training precision is the same on both sides (`--param_dtype`, default `auto`).
+- Nothing is asserted about time: the script prints throughput and ratios (benchmarks/README.md).
+
+Usage: python benchmarks/bench_grpo_vs_trl.py [--steps 8] [--repeats 3] [--n 4] [--prompts 32]
+Needs TRL: pip install -e '.[bench]'; exits 2 without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_trl import clock, take_snapshot, versions_line  # noqa: E402
+
+RESULT_PREFIX = "BENCH_RESULT "
+TASK = "sort"
+SEED = 42
+PHASES = ("generate", "reward", "experience", "train", "sync")
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes: one side, one JSON line on stdout.
+
+def summarize(args, ends: list[tuple[float, float]], phases: list[dict], lengths: list[float], setup: dict) -> dict:
+    """Timed rollout steps: `ends` has one clock reading before the first and after each."""
+    steps = len(ends) - 1
+    elapsed, cpu = ends[-1][0] - ends[0][0], ends[-1][1] - ends[0][1]
+    samples = steps * args.prompts * args.n
+    return {"side": args.side, "steps": steps, "seconds": elapsed, "samples_per_s": samples / elapsed,
+            "s_per_step": elapsed / steps, "cpu_s_per_step": cpu / steps,
+            "step_s": [round(b[0] - a[0], 3) for a, b in itertools.pairwise(ends)],
+            "phases_s": {k: statistics.fmean(p.get(k, 0.0) for p in phases) for k in PHASES},
+            "response_length": statistics.fmean(lengths) if lengths else None,
+            "load_1m": os.getloadavg()[0], "setup": setup}
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    from rlhf_core.launch import prepare_environment
+    from rlhf_core.rl import controller as rl_controller
+    from rlhf_core.rl_config import build_ppo_config
+    from rlhf_core.trainers.ppo import run_ppo
+
+    prepare_environment()
+    torch.set_num_threads(args.threads)
+    cfg = build_ppo_config({
+        "actor": {"model_name_or_path": args.policy, "adam": {"lr": args.lr}},
+        "data": {"prompt_dataset": f"json@{args.prompts_dir}", "apply_chat_template": True},
+        "reward": {"task": TASK},
+        "algo": {"advantage": {"estimator": "group_norm"}, "loss_agg_mode": "token-mean",
+                 "kl": {"use_loss": True, "estimator": "k3", "init_coef": args.kl_coef}},
+        "rollout": {"n_samples_per_prompt": args.n, "batch_size": args.prompts, "max_new_tokens": args.max_new_tokens,
+                    "micro_batch_size": args.micro_batch_size, "temperature": 1.0},
+        "train": {"batch_size": args.train_batch_size, "micro_batch_size": args.micro_batch_size,
+                  "max_steps": args.warmup + args.steps, "seed": SEED},
+        "ds": {"param_dtype": args.precision}, "ckpt": {"output_dir": str(Path(args.out_dir) / "policy")},
+        "use_mlflow": False,
+    }, {})
+    ends, phases, lengths = [], [], []
+    train_step = rl_controller.RLController.train_step
+
+    def timed_step(self):  # instrumentation only: the controller's own step, clocked at its end
+        metrics = train_step(self)
+        if self.step + 1 == args.warmup:
+            ends.append(clock())
+        elif self.step + 1 > args.warmup:
+            ends.append(clock())
+            phases.append({k: metrics[f"time/{k}_s"] for k in PHASES})
+            lengths.append(metrics["rollout/response_length"])
+        return metrics
+
+    rl_controller.RLController.train_step = timed_step
+    run_ppo(cfg, on_ray=False)
+    setup = {"precision": args.precision, "generation": "rlhf_core sampler (fp32 on CPU)"}
+    return summarize(args, ends, phases, lengths, setup)
+
+
+def run_trl(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    try:
+        import trl
+    except ImportError:
+        print("TRL is not installed: pip install -e '.[bench]'  (or pip install 'trl>=1.0')", file=sys.stderr)
+        sys.exit(2)
+    from rlhf_core.data.synthetic import get_task
+    from rlhf_core.models.loading import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    rows = [json.loads(line) for line in (Path(args.prompts_dir) / "train.jsonl").read_text().splitlines() if line]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
+                                 for r in rows])
+    verifier = get_task(TASK)
+    phases: list[dict] = []  # one per rollout, in order
+    lengths: list[float] = []
+
+    def exact_match(prompts, completions, answer, completion_ids=None, **_):
+        if completion_ids is not None:
+            lengths.append(statistics.fmean(len(c) for c in completion_ids))
+        return [verifier.score(c[-1]["content"] if isinstance(c, list) else c, a)
+                for c, a in zip(completions, answer, strict=True)]
+
+    micro, accumulate = args.micro_batch_size, args.train_batch_size // args.micro_batch_size
+    rollout = args.prompts * args.n
+    config = trl.GRPOConfig(
+        output_dir=str(Path(args.out_dir) / "trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulate, steps_per_generation=rollout // micro, num_generations=args.n,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=args.kl_coef,
+        loss_type="dapo", epsilon=0.2, num_iterations=1, scale_rewards="group",
+        max_steps=(args.warmup + args.steps) * (rollout // args.train_batch_size), learning_rate=args.lr,
+        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
+        bf16=args.precision == "bf16", use_cpu=True, gradient_checkpointing=False, report_to="none",
+        logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True, seed=SEED,
+        log_completions=False, dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32)
+    tokenizer = load_tokenizer(args.policy)
+    optimizer_steps_per_rollout = rollout // args.train_batch_size
+    ends: list = []
+
+    class RolloutClock(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step % optimizer_steps_per_rollout == 0 \
+                    and state.global_step // optimizer_steps_per_rollout >= args.warmup:
+                ends.append(clock())  # the end of a rollout's last optimizer step
+
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[RolloutClock()])
+
+    def timed(name, fn, new_rollout=False):
+        def wrapper(*a, **k):
+            if new_rollout:
+                phases.append({})
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[-1][name] = phases[-1].get(name, 0.0) + time.perf_counter() - started
+        return wrapper
+
+    # Instrumentation only: TRL's own methods, clocked. A rollout starts with _generate_and_score_completions.
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("scored", trainer._generate_and_score_completions, True)
+    torch.set_num_threads(args.threads)
+    trainer.train()
+    timed_phases = phases[args.warmup : args.warmup + args.steps]
+    for p, (a, b) in zip(timed_phases, itertools.pairwise(ends), strict=True):
+        scored = p.pop("scored")
+        p["experience"] = scored - p.get("generate", 0.0) - p.get("reward", 0.0)
+        p["train"] = (b[0] - a[0]) - scored
+    setup = {"precision": args.precision, "trl": trl.__version__, "generation": "transformers generate",
+             "accelerate": trainer.accelerator.distributed_type.value}
+    return summarize(args, ends, timed_phases, lengths[args.warmup : args.warmup + args.steps], setup)
+
+
+def child_main(args) -> None:
+    result = run_ours(args) if args.side == "ours" else run_trl(args)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver: prepare the policy once, alternate child runs, print the table.
+
+def child_env(args, work: Path, snapshot: Path) -> dict:
+    env = dict(os.environ, RLHF_NO_PROGRESS="1", OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", RLHF_HOME=str(work / ".rlhf"),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench"
+                                                                                / "torch_extensions")),
+               PYTHONPATH=os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH")) if p))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "RAY_ADDRESS"):
+        env.pop(key, None)
+    return env
+
+
+def prepare_policy(args, work: Path, snapshot: Path) -> Path:
+    """`rlhf prep` (sort, 30% wrong demonstrations) and a short SFT: the policy both sides start from."""
+    root = work / "rl"
+    env = child_env(args, work, snapshot)
+    steps = [[sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(root), "--task", TASK, "--seed", "0",
+              "--model_size", "tiny", "--demo_error_rate", "0.3"],
+             [sys.executable, "-m", "rlhf_core.cli", "train", "sft", "--pretrain", str(root / "base"),
+              "--dataset", f"json@{root / 'data' / 'sft'}", "--apply_chat_template", "--max_len", "64",
+              "--packing_samples", "--train_batch_size", "32", "--micro_train_batch_size", "32",
+              "--learning_rate", "1e-3", "--max_steps", str(args.sft_steps), "--max_epochs", "50",
+              "--param_dtype", args.precision, "--save_path", str(root / "sft"), "--use_mlflow", "false"]]
+    for cmd in steps:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=snapshot)
+        if proc.returncode != 0:
+            raise SystemExit(f"preparing the policy failed: {' '.join(cmd[2:4])}\n{proc.stderr[-3000:]}")
+    return root
+
+
+def run_child(args, side: str, root: Path, out_dir: Path, snapshot: Path, work: Path) -> dict:
+    cmd = [sys.executable, str(snapshot / Path(__file__).name), "--side", side, "--policy", str(root / "sft"),
+           "--prompts_dir", str(root / "data" / "prompts"), "--out_dir", str(out_dir), "--precision", args.precision]
+    for name in ("steps", "warmup", "n", "prompts", "max_new_tokens", "train_batch_size", "micro_batch_size", "lr",
+                 "kl_coef", "threads"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=child_env(args, work, snapshot), capture_output=True, text=True,
+                          timeout=args.timeout, cwd=snapshot)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        print(f"  {side}: FAILED (exit {proc.returncode})\n{tail}", file=sys.stderr, flush=True)
+        return {"failed": True, "exit": proc.returncode}
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result["process_s"] = time.perf_counter() - started
+    return result
+
+
+def report(args, results: dict[str, list[dict]]) -> list[str]:
+    ok = {side: [r for r in results[side] if not r.get("failed")] for side in results}
+
+    def med(side, key):
+        return statistics.median(r[key] for r in ok[side]) if ok[side] else None
+
+    rounds = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results["ours"], results["trl"], strict=False)
+              if not a.get("failed") and not b.get("failed")]
+    lines = [f"### GRPO: {args.steps} timed rollout steps after {args.warmup} warm-up; {args.prompts} prompts x "
+             f"{args.n} samples, at most {args.max_new_tokens} new tokens, temperature 1; optimizer steps of "
+             f"{args.train_batch_size} (micro {args.micro_batch_size}); {args.precision}; medians of {args.repeats} "
+             "alternating runs", "",
+             "| side | runs ok | samples/s | s/step | CPU s/step | " + " | ".join(f"{p} s" for p in PHASES)
+             + " | response tokens | **ours ÷ this** | per round (min–max) | load (1 min) |",
+             "|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|"]
+    for side in ("ours", "trl"):
+        if not ok[side]:
+            lines.append(f"| {side} | 0/{len(results[side])} |" + " |" * (9 + len(PHASES)))
+            continue
+        ratio = spread = "—"
+        if side == "trl" and ok["ours"]:
+            ratio = f"**{med('ours', 'samples_per_s') / med('trl', 'samples_per_s'):.2f}x**"
+            spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else "—"
+        phase = " | ".join(f"{statistics.median(r['phases_s'][p] for r in ok[side]):.3f}" for p in PHASES)
+        length = med(side, "response_length")
+        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {med(side, 'samples_per_s'):.1f} | "
+                     f"{med(side, 's_per_step'):.3f} | {med(side, 'cpu_s_per_step'):.3f} | {phase} | "
+                     f"{length:.1f} | {ratio} | {spread} | {med(side, 'load_1m'):.1f} |")
+    setups = [f"- `{side}`: " + ", ".join(f"{k} {v}" for k, v in ok[side][0]["setup"].items())
+              for side in ("ours", "trl") if ok[side]]
+    return lines + ["", "Setups:"] + setups + [""]
+
+
+def driver_main(args) -> int:
+    if importlib.util.find_spec("trl") is None:
+        print("TRL is not installed, so there is nothing to compare against.\n"
+              "Install the benchmark extra: pip install -e '.[bench]'  (or: pip install 'trl>=1.0')", file=sys.stderr)
+        return 2
+    if (args.prompts * args.n) % args.train_batch_size or args.train_batch_size % args.micro_batch_size:
+        raise SystemExit("--prompts x --n must be a multiple of --train_batch_size, and that of --micro_batch_size")
+    from rlhf_core.precision import resolve_here
+
+    args.precision = resolve_here("auto").value if args.param_dtype == "auto" else args.param_dtype
+    args.repeats_done = 0
+    keep = args.work_dir is not None
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-grpo-")).resolve()
+    snapshot, code = take_snapshot(work)
+    print(f"preparing the SFT policy in {work} ...", file=sys.stderr, flush=True)
+    root = prepare_policy(args, work, snapshot)
+    header = versions_line(args, code)
+    results: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for round_ in range(args.repeats):
+        for side in ("ours", "trl"):
+            result = run_child(args, side, root, work / "runs" / f"{side}-{round_}", snapshot, work)
+            results[side].append(result)
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": header, "results": results},
+                                                          indent=2))
+            if not result.get("failed"):
+                print(f"  round {round_ + 1}/{args.repeats} {side:4s} {result['samples_per_s']:7.1f} samples/s "
+                      f"({result['s_per_step']:.3f} s/step, {result['response_length']:.1f} response tokens)",
+                      file=sys.stderr, flush=True)
+    print("\n".join([header, ""] + report(args, results)))
+    if not keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if any(r.get("failed") for rs in results.values() for r in rs) else 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8, help="timed rollout steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rollout steps before the timed ones")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternated")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (the group)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout step")
+    p.add_argument("--max_new_tokens", type=int, default=16, help="response budget (sort answers: at most 15 "
+                                                                   "letters and EOS)")
+    p.add_argument("--train_batch_size", type=int, default=64, help="samples per optimizer step")
+    p.add_argument("--micro_batch_size", type=int, default=32, help="samples per forward/backward")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--kl_coef", type=float, default=0.01, help="k3 KL loss coefficient (TRL's beta); 0: no reference")
+    p.add_argument("--sft_steps", type=int, default=300, help="SFT steps of the starting policy")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="training precision of both sides: auto = bf16 where this CPU computes it natively, else fp32")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
+    p.add_argument("--work_dir", default=None, help="keep the policy and run folders here (default: a temp dir)")
+    p.add_argument("--json_out", default=None, help="write every run's raw result here (updated after each run)")
+    # Child-only flags (the driver passes them).
+    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--prompts_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.side:
+        child_main(args)
+        return 0
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
