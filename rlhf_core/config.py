@@ -501,6 +501,8 @@ class EvalConfig(RolloutStageConfig):
     order (metrics `eval/<name>/<metric>`; default `policy`, or `policy1..N` for several)."""
 
     stage: Literal["eval"] = "eval"
+    pretrain: str | None = Field(None, description="Policy model(s), comma-separated: local HF directories or "
+                                 "s3:// URIs, evaluated side by side")
     policy_names: str | None = Field(None, description="Comma-separated names of the --pretrain policies, in "
                                      "order (default: policy, or policy1,policy2,... for several)")
     ref_pretrain: str | None = Field(None, description="Reference model (usually the SFT model)")
