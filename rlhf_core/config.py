@@ -495,19 +495,75 @@ class RolloutStageConfig(StrictModel):
 
 
 class EvalConfig(RolloutStageConfig):
-    """`rlhf eval`: a policy against a reference on held-out prompts (reward, exact match, win rate, KL)."""
+    """`rlhf eval`: policies side by side against a reference on held-out prompts.
+
+    `pretrain` may list several policies (comma-separated); `policy_names` names them in the same
+    order (metrics `eval/<name>/<metric>`; default `policy`, or `policy1..N` for several)."""
 
     stage: Literal["eval"] = "eval"
+    pretrain: str | None = Field(None, description="Policy model(s), comma-separated: local HF directories or "
+                                 "s3:// URIs, evaluated side by side")
+    policy_names: str | None = Field(None, description="Comma-separated names of the --pretrain policies, in "
+                                     "order (default: policy, or policy1,policy2,... for several)")
     ref_pretrain: str | None = Field(None, description="Reference model (usually the SFT model)")
     reward_pretrain: str | None = Field(None, description="Reward model (scores, win rate)")
     normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
-    n_kl_samples: int = Field(1, ge=0, description="Samples per prompt at temperature 1 for the KL estimate")
+    n_samples_per_prompt: int = Field(4, ge=1, description="Samples per prompt at --temperature: sampled accuracy, "
+                                      "pass@k, and the KL estimate (drawn at temperature 1)")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of sampled accuracy and pass@k")
+    n_kl_samples: int | None = Field(None, ge=1, description="Deprecated spelling of --n_samples_per_prompt "
+                                     "(the KL estimate uses those samples)")
 
     @model_validator(mode="after")
     def _check_reward(self) -> EvalConfig:
         if self.normalize_reward and not self.reward_pretrain:
             raise ValueError("normalize_reward needs reward_pretrain")
+        if self.n_kl_samples is not None:
+            if "n_samples_per_prompt" in self.model_fields_set and self.n_kl_samples != self.n_samples_per_prompt:
+                raise ValueError(f"n_kl_samples ({self.n_kl_samples}) is the older spelling of n_samples_per_prompt "
+                                 f"({self.n_samples_per_prompt}): give one of them")
+            object.__setattr__(self, "n_samples_per_prompt", self.n_kl_samples)
+            object.__setattr__(self, "n_kl_samples", None)
+        if self.policy_names is not None:
+            _check_policy_names(_split_list(self.policy_names))
+            if self.pretrain:
+                self.policies()
         return self
+
+    def policies(self) -> list[tuple[str, str]]:
+        """`(name, model URI)` of each policy, in `--pretrain` order; ConfigError on a bad name list."""
+        uris = _split_list(self.pretrain or "")
+        if self.policy_names is None:
+            names = ["policy"] if len(uris) == 1 else [f"policy{i + 1}" for i in range(len(uris))]
+        else:
+            names = _split_list(self.policy_names)
+            _check_policy_names(names)
+            if len(names) != len(uris):
+                raise ConfigError(f"--policy_names: {len(names)} names ({', '.join(names)}) for {len(uris)} "
+                                  f"--pretrain models; give one name per policy, in the same order")
+        return list(zip(names, uris, strict=True))
+
+
+REFERENCE_NAME = "reference"  # the name `rlhf eval` reports the reference under (reserved for it)
+
+
+def _split_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _check_policy_names(names: list[str]) -> None:
+    if not names:
+        raise ConfigError("--policy_names: empty; give one name per --pretrain policy")
+    for name in names:
+        if name == REFERENCE_NAME:
+            raise ConfigError(f"--policy_names: {REFERENCE_NAME!r} is reserved for --ref_pretrain; name the "
+                              "policy otherwise")
+        if not (name.isascii() and all(c.isalnum() or c in "_.-" for c in name)):
+            raise ConfigError(f"--policy_names: {name!r} is not a valid name (letters, digits, '_', '-', '.'; "
+                              "it becomes part of the metric keys eval/<name>/...)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"--policy_names: {', '.join(repeated)} given more than once; names must be unique")
 
 
 class PairsConfig(RolloutStageConfig):

@@ -1,42 +1,64 @@
-"""Evaluation: a policy against a reference on held-out prompts (`rlhf eval`), and exact match.
+"""Evaluation: policies side by side against a reference on held-out prompts (`rlhf eval`).
 
-For the policy, and for the reference when one is given, greedy responses are scored by the
-reward model (mean score), checked by the task's exact verifier (exact-match accuracy) and
-measured (mean length in generated tokens, EOS included). Between the two:
-- win rate: how often the reward model scores the policy's response above the reference's on
-  the same prompt, ties counting 1/2 (so a model against itself scores exactly 0.5);
-- KL(policy || reference): the k1 estimator on responses *sampled* from the policy at
-  temperature 1, i.e. the mean over samples of the summed per-token log pi - log pi_ref. The
-  log-probs are exact forward passes of both models over the sampled token ids (not generation
-  scores, which depend on the engine and its batching), not clamped, so the estimate is
-  unbiased; a model against itself gives exactly 0.
+Every model (each policy, and the reference when one is given) answers the same held-out prompts
+twice: greedily, and `K = n_samples_per_prompt` times at `temperature`. Per model, under
+`eval/<name>/<metric>` (the reference as `eval/reference/...`):
+- `greedy_accuracy`: the task's exact verifier on the greedy response;
+- `sampled_accuracy`: the verifier's mean over the K samples of every prompt;
+- `pass_at_<K>`: the share of prompts with at least one correct sample among the K (the unbiased
+  estimator 1 - C(n-c, k) / C(n, k) of Chen et al. (2021) reduces to this when n = k);
+- `reward`: the reward model's mean score of the greedy responses;
+- `response_len`: mean greedy response length in generated tokens, EOS included;
+and for the policies only:
+- `win_rate`: how often the reward model scores the policy's greedy response above the
+  reference's on the same prompt, ties counting 1/2 (a model against itself scores exactly 0.5);
+- `kl`: KL(policy || reference), the k1 estimator on the K samples per prompt drawn from the
+  policy at temperature 1 (the very samples above when `temperature` is 1, else K more): the mean
+  over samples of the summed per-token log pi - log pi_ref. The log-probs are exact forward passes
+  of both models over the sampled ids (not the engine's generation scores), unclamped, so the
+  estimate is unbiased; a model against itself gives exactly 0.
 
-Greedy decoding makes every number but the KL deterministic. Prompts are formatted like the
-training data (chat template by default), read from the `test` split when the dataset has one.
-The report goes to `save_path/eval.json` with a few sample rows, and `format_eval_markdown`
-renders it for people (the orchestration layer publishes it as an artifact). This module imports
-torch only inside the functions that run models, so the orchestration layer can read and render
-reports without it.
+Generation runs one engine at a time (a vLLM engine holds its share of the GPU until closed): the
+policies first, each scoring its own KL samples before it is released, then the reference, which
+scores every policy's KL samples; then the reward model; a model given twice is generated once.
+Greedy decoding makes every number but the sampled ones deterministic, and every model samples
+with the same seed. Prompts are formatted like the training data (chat template by default),
+read from the `test` split when the dataset has one. The report goes to `save_path/eval.json`
+with a few sample rows; `format_eval_markdown` renders it for people, one column per model. This
+module imports torch only inside the functions that run models, so the orchestration layer can
+read and render reports without it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rlhf_core.config import ConfigError, EvalConfig
+from rlhf_core.config import REFERENCE_NAME, ConfigError, EvalConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from rlhf_core.rollout import Completion, PromptSet
+    from rlhf_core.rollout import PromptSet
+    from rlhf_core.rollout.base import Sample
 
 NUM_SAMPLE_ROWS = 5
 REPORT = "eval.json"
 
 
 # --- pure metrics ------------------------------------------------------------------------------
+
+
+def metric_key(name: str, metric: str) -> str:
+    """The flat MLflow key of a model's metric: `eval/<name>/<metric>`."""
+    return f"eval/{name}/{metric}"
+
+
+def pass_at_k_metric(k: int) -> str:
+    """`pass_at_<k>`: MLflow metric keys may not contain '@'."""
+    return f"pass_at_{k}"
 
 
 def win_rate(policy_scores: list[float], reference_scores: list[float]) -> float:
@@ -51,6 +73,33 @@ def win_rate(policy_scores: list[float], reference_scores: list[float]) -> float
 def k1_kl(policy_logps: torch.Tensor, reference_logps: torch.Tensor) -> float:
     """KL(pi || pi_ref) from samples of pi: mean of summed log pi - log pi_ref, `(num_samples,)` each."""
     return (policy_logps.double() - reference_logps.double()).mean().item()
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is
+    correct: 1 - C(n-c, k) / C(n, k), the unbiased pass@k estimator; with n = k, 1 if c > 0 else 0."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    miss = 1.0  # C(n-c, k) / C(n, k) as a product, never forming the binomials
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def mean_pass_at_k(correct: list[list[float]], k: int) -> float:
+    """pass@k averaged over prompts; `correct[prompt]` holds the verifier's 0/1 for each of its n samples."""
+    if not correct:
+        raise ValueError("pass@k needs at least one prompt")
+    return mean([pass_at_k(len(group), round(sum(group)), k) for group in correct])
+
+
+def sampled_accuracy(correct: list[list[float]]) -> float:
+    """The verifier's mean over every prompt's samples, averaged over prompts."""
+    if not correct or any(not group for group in correct):
+        raise ValueError("sampled accuracy needs at least one sample for every prompt")
+    return mean([mean(group) for group in correct])
 
 
 def mean(values: list[float]) -> float:
@@ -87,108 +136,152 @@ def run_eval(cfg: EvalConfig) -> dict:
     from rlhf_core.rollout.stage import publish_stage, stage_run
 
     cfg.check_complete()
+    policies = cfg.policies()
     prompts = load_prompt_set(cfg.dataset, held_out_split(cfg.dataset), cfg.input_key, cfg.label_key,
                               require_answers=cfg.task is not None, max_samples=cfg.max_samples, seed=cfg.seed,
                               chat=cfg.apply_chat_template)
     with stage_run(cfg, prompts.sources) as tracker:
         report = evaluate(cfg, prompts)
         _print_summary(report["metrics"])
-        inputs = {"pretrain": cfg.pretrain, "ref_pretrain": cfg.ref_pretrain, "reward_pretrain": cfg.reward_pretrain,
+        inputs = {"pretrain": cfg.pretrain, "policies": [{"name": n, "uri": u} for n, u in policies],
+                  "ref_pretrain": cfg.ref_pretrain, "reward_pretrain": cfg.reward_pretrain,
                   "datasets": prompts.sources}
         return publish_stage(cfg, tracker, {REPORT: json.dumps(report, indent=2, ensure_ascii=False)},
                              report["metrics"], inputs)
 
 
+@dataclass
+class Generated:
+    """What one model produced on the prompts, and the summed log-probs of its KL samples."""
+
+    greedy: list[Sample]  # one per prompt
+    sampled: list[list[Sample]] | None = None  # [prompt][K] at cfg.temperature (with a task)
+    kl_samples: list[list[Sample]] | None = None  # [prompt][K] at temperature 1 (policies, with a reference)
+    own_logps: torch.Tensor | None = None  # `(prompts * K,)` under the model itself
+    ref_logps: torch.Tensor | None = None  # `(prompts * K,)` under the reference
+    texts: list[str] = field(default_factory=list)  # decoded greedy responses
+
+
 def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
-    """The eval report (metrics and sample rows) for a loaded prompt set."""
+    """The eval report (metrics and sample rows) of every policy and the reference on a prompt set."""
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rewards import RewardModelReward, VerifierReward
-    from rlhf_core.rollout import make_engine, prompt_formatter
+    from rlhf_core.rollout import prompt_formatter
     from rlhf_core.trainers.common import local_model_path
 
-    policy_path = local_model_path(cfg.pretrain)
-    ref_path = local_model_path(cfg.ref_pretrain) if cfg.ref_pretrain else None
-    same_ref = ref_path is not None and cfg.ref_pretrain == cfg.pretrain
-    tokenizer = load_tokenizer(policy_path)
-    if ref_path is not None and not same_ref and load_tokenizer(ref_path).get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"--ref_pretrain {cfg.ref_pretrain}: its tokenizer differs from the policy's; "
-                         "win rate and KL compare models over the same tokens")
+    policies = cfg.policies()
+    paths = {uri: local_model_path(uri) for uri in dict.fromkeys([u for _, u in policies] + [cfg.ref_pretrain])
+             if uri}
+    ref_path = paths[cfg.ref_pretrain] if cfg.ref_pretrain else None
+    policy_paths = {name: paths[uri] for name, uri in policies}
+    tokenizer = load_tokenizer(ref_path or policy_paths[policies[0][0]])
+    vocab = tokenizer.get_vocab()
+    for uri, path in paths.items():
+        if path != (ref_path or policy_paths[policies[0][0]]) and load_tokenizer(path).get_vocab() != vocab:
+            flag = "--ref_pretrain" if uri == cfg.ref_pretrain else "--pretrain"
+            raise ConfigError(f"{flag} {uri}: its tokenizer differs from the others'; the models are compared "
+                              "on the same prompt tokens (and KL over the same response tokens)")
     fmt = prompt_formatter(tokenizer, cfg.apply_chat_template)
-    formatted = [fmt.prompt_text(p) for p in prompts.prompts]
-    generation = {"max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
-    with_kl = ref_path is not None and cfg.n_kl_samples > 0
+    prompt_ids = [tokenizer(fmt.prompt_text(p), add_special_tokens=not cfg.apply_chat_template)["input_ids"]
+                  for p in prompts.prompts]
+    k = cfg.n_samples_per_prompt
 
-    # Generation first, one engine at a time (a vLLM engine holds a share of the GPU until closed).
-    engines = {"policy": make_engine(policy_path, cfg.rollout_backend.value, not cfg.apply_chat_template)}
-    greedy = {"policy": [g[0] for g in engines["policy"].generate(formatted, 1, 0.0, **generation)]}
-    sampled = engines["policy"].generate(formatted, cfg.n_kl_samples, 1.0, **generation) if with_kl else None
-    if same_ref:
-        engines["reference"], greedy["reference"] = engines["policy"], greedy["policy"]
-    elif ref_path is not None:
-        _release(engines["policy"])
-        engines["reference"] = make_engine(ref_path, cfg.rollout_backend.value, not cfg.apply_chat_template)
-        greedy["reference"] = [g[0] for g in engines["reference"].generate(formatted, 1, 0.0, **generation)]
-        _release(engines["reference"])
+    # Generation, one engine at a time: policies, then the reference (which scores their KL samples).
+    order = [p for p in dict.fromkeys(policy_paths.values()) if p != ref_path] + ([ref_path] if ref_path else [])
+    generated: dict[str, Generated] = {}
+    for path in order:
+        generated[path] = _generate(cfg, path, prompt_ids, tokenizer.pad_token_id,
+                                    is_policy=path in policy_paths.values(), ref_path=ref_path, generated=generated)
+    for g in generated.values():
+        g.texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.greedy]
 
-    metrics: dict[str, float] = {}
-    if with_kl:
-        prompt_ids = [tokenizer(t, add_special_tokens=not cfg.apply_chat_template)["input_ids"] for t in formatted]
-        flat_prompts = [prompt_ids[i] for i, group in enumerate(sampled) for _ in group]
-        flat_responses = [list(c.token_ids) for group in sampled for c in group]
-        policy_lm = _causal_lm(engines["policy"], policy_path)
-        policy_logps = response_logprobs(policy_lm, flat_prompts, flat_responses, tokenizer.pad_token_id)
-        ref_lm = policy_lm if same_ref else _causal_lm(engines["reference"], ref_path)
-        ref_logps = policy_logps if same_ref else response_logprobs(ref_lm, flat_prompts, flat_responses,
-                                                                    tokenizer.pad_token_id)
-        metrics["eval/kl"] = k1_kl(policy_logps, ref_logps)
-        del policy_lm, ref_lm
-    for engine in engines.values():
-        engine.close()
-
-    texts = {who: [c.text for c in completions] for who, completions in greedy.items()}
     scores: dict[str, list[float]] = {}
-    correct: dict[str, list[float]] = {}
     if cfg.reward_pretrain:
         rm = RewardModelReward(local_model_path(cfg.reward_pretrain), cfg.apply_chat_template, cfg.normalize_reward)
-        for who in texts:
-            scores[who] = scores["policy"] if who == "reference" and same_ref else rm.score(prompts.prompts,
-                                                                                            texts[who])
+        scores = {path: rm.score(prompts.prompts, g.texts) for path, g in generated.items()}
         del rm
+    correct: dict[str, list[float]] = {}
+    sampled_correct: dict[str, list[list[float]]] = {}
     if cfg.task:
         verifier = VerifierReward(cfg.task)
-        correct = {who: verifier.score(prompts.prompts, texts[who], prompts.answers) for who in texts}
-    for who in texts:
-        if who in scores:
-            metrics[f"eval/{who}_reward"] = mean(scores[who])
-        if who in correct:
-            metrics[f"eval/{who}_exact_match"] = mean(correct[who])
-        metrics[f"eval/{who}_response_len"] = mean([len(c.token_ids) for c in greedy[who]])
-    if "reference" in scores:
-        metrics["eval/win_rate"] = win_rate(scores["policy"], scores["reference"])
+        for path, g in generated.items():
+            correct[path] = verifier.score(prompts.prompts, g.texts, prompts.answers)
+            flat = verifier.score([p for p, group in zip(prompts.prompts, g.sampled, strict=True) for _ in group],
+                                  [tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                                   for group in g.sampled for s in group],
+                                  [a for a, group in zip(prompts.answers, g.sampled, strict=True) for _ in group])
+            sampled_correct[path] = [flat[i * k : (i + 1) * k] for i in range(len(prompt_ids))]
+
+    models = [*((name, policy_paths[name]) for name, _ in policies), *([(REFERENCE_NAME, ref_path)] if ref_path else [])]
+    metrics: dict[str, float] = {}
+    for name, path in models:
+        g = generated[path]
+        if path in correct:
+            metrics[metric_key(name, "greedy_accuracy")] = mean(correct[path])
+            metrics[metric_key(name, "sampled_accuracy")] = sampled_accuracy(sampled_correct[path])
+            metrics[metric_key(name, pass_at_k_metric(k))] = mean_pass_at_k(sampled_correct[path], k)
+        if path in scores:
+            metrics[metric_key(name, "reward")] = mean(scores[path])
+        if name != REFERENCE_NAME and ref_path is not None:
+            if path in scores:
+                metrics[metric_key(name, "win_rate")] = win_rate(scores[path], scores[ref_path])
+            metrics[metric_key(name, "kl")] = k1_kl(g.own_logps, g.ref_logps)
+        metrics[metric_key(name, "response_len")] = mean([len(s.token_ids) for s in g.greedy])
 
     return {
-        "policy": cfg.pretrain, "reference": cfg.ref_pretrain, "reward_model": cfg.reward_pretrain,
+        "policies": [{"name": name, "uri": uri} for name, uri in policies],
+        "reference": cfg.ref_pretrain, "reward_model": cfg.reward_pretrain,
         "task": cfg.task, "dataset": cfg.dataset, "num_prompts": len(prompts),
-        "num_kl_samples": sum(len(g) for g in sampled) if sampled else 0,
+        "n_samples_per_prompt": k, "temperature": cfg.temperature,
+        "num_kl_samples": len(prompt_ids) * k if ref_path else 0,
         "metrics": metrics,
-        "samples": _sample_rows(prompts, greedy, scores, correct),
+        "samples": _sample_rows(prompts, models, generated, scores, correct, sampled_correct),
     }
 
 
-def _release(engine) -> None:
-    """Free a vLLM engine's GPU share before the next model loads; a transformers engine is kept for log-probs."""
-    from rlhf_core.rollout import TransformersEngine
+def _generate(cfg: EvalConfig, path: str, prompt_ids: list[list[int]], pad_id: int, is_policy: bool,
+              ref_path: str | None, generated: dict[str, Generated]) -> Generated:
+    """Greedy and sampled responses of the model at `path`, and the log-probs the KL needs: its own
+    on its KL samples (a policy), the reference's on every earlier policy's (the reference)."""
+    from rlhf_core.rollout import make_engine
 
-    if not isinstance(engine, TransformersEngine):
+    engine = make_engine(path, cfg.rollout_backend.value, not cfg.apply_chat_template)
+    try:
+        budget = {"max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+        out = Generated([group[0] for group in engine.generate_ids(prompt_ids, 1, 0.0, **budget)])
+        if cfg.task:
+            out.sampled = engine.generate_ids(prompt_ids, cfg.n_samples_per_prompt, cfg.temperature, **budget)
+        if is_policy and ref_path is not None:
+            out.kl_samples = out.sampled if out.sampled is not None and cfg.temperature == 1.0 else \
+                engine.generate_ids(prompt_ids, cfg.n_samples_per_prompt, 1.0, **budget)
+        scored = [g for g in generated.values() if g.kl_samples is not None] if path == ref_path else []
+        if out.kl_samples is None and not scored:
+            return out
+        lm = _scoring_model(engine, path)
+
+        def logps(samples: list[list[Sample]]) -> torch.Tensor:
+            return response_logprobs(lm, [prompt_ids[i] for i, group in enumerate(samples) for _ in group],
+                                     [list(s.token_ids) for group in samples for s in group], pad_id)
+
+        if out.kl_samples is not None:
+            out.own_logps = logps(out.kl_samples)
+            if path == ref_path:  # a policy given as its own reference: KL exactly 0
+                out.ref_logps = out.own_logps
+        for g in scored:
+            g.ref_logps = logps(g.kl_samples)
+        return out
+    finally:
         engine.close()
 
 
-def _causal_lm(engine, path: str):
-    """The engine's own model (transformers) or a fresh load (after vLLM) for exact log-probs."""
+def _scoring_model(engine, path: str):
+    """The engine's own model (transformers), or a fresh load once a vLLM engine has given its GPU
+    share back, for exact log-probs."""
     from rlhf_core.rollout import TransformersEngine
 
     if isinstance(engine, TransformersEngine):
         return engine.model
+    engine.close()
     from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.rollout.base import inference_device, inference_dtype
 
@@ -196,17 +289,20 @@ def _causal_lm(engine, path: str):
     return load_causal_lm(path, dtype=inference_dtype(device)).to(device).eval()
 
 
-def _sample_rows(prompts: PromptSet, greedy: dict[str, list[Completion]], scores: dict, correct: dict) -> list[dict]:
+def _sample_rows(prompts: PromptSet, models: list[tuple[str, str]], generated: dict[str, Generated],
+                 scores: dict, correct: dict, sampled_correct: dict) -> list[dict]:
     rows = []
     for i in range(min(NUM_SAMPLE_ROWS, len(prompts))):
-        row = {"prompt": prompts.prompts[i], "answer": prompts.answers[i]}
-        for who in greedy:
-            row[f"{who}_response"] = greedy[who][i].text
-            if who in scores:
-                row[f"{who}_score"] = scores[who][i]
-            if who in correct:
-                row[f"{who}_correct"] = bool(correct[who][i])
-        rows.append(row)
+        responses = {}
+        for name, path in models:
+            response = {"text": generated[path].texts[i]}
+            if path in scores:
+                response["score"] = scores[path][i]
+            if path in correct:
+                response["correct"] = bool(correct[path][i])
+                response["sampled_correct"] = int(round(sum(sampled_correct[path][i])))
+            responses[name] = response
+        rows.append({"prompt": prompts.prompts[i], "answer": prompts.answers[i], "responses": responses})
     return rows
 
 
@@ -225,15 +321,34 @@ def read_eval_report(uri: str) -> dict:
     if not storage.is_remote(uri):
         from pathlib import Path
 
-        return json.loads((Path(storage.normalize_uri(uri)) / REPORT).read_text(encoding="utf-8"))
-    import fsspec
+        report = json.loads((Path(storage.normalize_uri(uri)) / REPORT).read_text(encoding="utf-8"))
+    else:
+        import fsspec
 
-    with fsspec.open(f"{uri.rstrip('/')}/{REPORT}", "r") as f:
-        return json.load(f)
+        with fsspec.open(f"{uri.rstrip('/')}/{REPORT}", "r") as f:
+            report = json.load(f)
+    if "policies" not in report:
+        raise ValueError(f"{uri}/{REPORT} was written by an earlier `rlhf eval` (one policy, metrics "
+                         "eval/policy_*): rerun the evaluation (e.g. `--force_stages eval`) to compare policies")
+    return report
 
 
-ROWS = (("reward-model score", "reward", "{:.4f}"), ("exact match", "exact_match", "{:.1%}"),
-        ("response length (tokens)", "response_len", "{:.1f}"))
+def model_names(report: dict) -> list[str]:
+    """The report's columns: its policies in order, then the reference when there is one."""
+    return [p["name"] for p in report["policies"]] + ([REFERENCE_NAME] if report.get("reference") else [])
+
+
+def metric_rows(report: dict) -> list[tuple[str, str, str]]:
+    """`(label, metric, format)` of the table's rows, in order."""
+    k = report.get("n_samples_per_prompt", 1)
+    temperature = report.get("temperature", 1.0)
+    return [("greedy accuracy (verifier)", "greedy_accuracy", "{:.1%}"),
+            (f"sampled accuracy (mean of {k} at T={temperature:g})", "sampled_accuracy", "{:.1%}"),
+            (f"pass@{k} (T={temperature:g})", pass_at_k_metric(k), "{:.1%}"),
+            ("reward-model score (greedy)", "reward", "{:.4f}"),
+            ("win rate vs reference (reward model, ties 1/2)", "win_rate", "{:.1%}"),
+            ("KL(policy ‖ reference), nats (k1, T=1)", "kl", "{:.4f}"),
+            ("response length (tokens, greedy)", "response_len", "{:.1f}")]
 
 
 def _cell(value, limit: int = 120) -> str:
@@ -243,35 +358,43 @@ def _cell(value, limit: int = 120) -> str:
 
 
 def format_eval_markdown(report: dict) -> str:
-    """A markdown summary of an eval report: policy vs reference table, win rate, KL, samples."""
+    """A markdown summary of an eval report: one table with the models side by side, the samples."""
     m = report["metrics"]
-    has_ref = report.get("reference") is not None
-    lines = [f"## Evaluation of `{report['policy']}`" + (f" against `{report['reference']}`" if has_ref else ""),
-             "", f"{report['num_prompts']} prompts from `{report['dataset']}`"
+    names = model_names(report)
+    policies = ", ".join(f"`{p['name']}`" for p in report["policies"])
+    lines = [f"## Evaluation of {policies}" + (" against the reference" if report.get("reference") else ""), "",
+             f"{report['num_prompts']} held-out prompts from `{report['dataset']}`"
              + (f", task `{report['task']}`" if report.get("task") else "") + ".", ""]
-    lines += ["| metric | policy | reference |", "|---|---|---|"]
-    for label, key, fmt in ROWS:
-        values = [m.get(f"eval/{who}_{key}") for who in ("policy", "reference")]
-        if values[0] is None:
+    lines += ["| metric | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for label, metric, fmt in metric_rows(report):
+        values = [m.get(metric_key(n, metric)) for n in names]
+        if all(v is None for v in values):
             continue
         lines.append(f"| {label} | " + " | ".join("—" if v is None else fmt.format(v) for v in values) + " |")
-    lines.append("")
-    if "eval/win_rate" in m:
-        lines.append(f"- win rate of the policy over the reference (reward model, ties count 1/2): "
-                     f"**{m['eval/win_rate']:.1%}**")
-    if "eval/kl" in m:
-        lines.append(f"- KL(policy ‖ reference), k1 estimate on {report.get('num_kl_samples', '?')} samples at "
-                     f"temperature 1: **{m['eval/kl']:.4f} nats**")
+    lines += ["", "Models:"]
+    lines += [f"- `{p['name']}`: `{p['uri']}`" for p in report["policies"]]
+    if report.get("reference"):
+        lines.append(f"- `{REFERENCE_NAME}`: `{report['reference']}`")
+    if report.get("reward_model"):
+        lines.append(f"- reward model: `{report['reward_model']}`")
+    if report.get("num_kl_samples"):
+        lines.append(f"- KL estimated on {report['num_kl_samples']} samples per policy")
     samples = report.get("samples") or []
     if samples:
-        whos = ["policy", "reference"] if has_ref else ["policy"]
-        lines += ["", "### Sample generations (greedy)", "",
-                  "| prompt | answer | " + " | ".join(whos) + " |", "|---|---|" + "---|" * len(whos)]
+        k = report.get("n_samples_per_prompt", 1)
+        lines += ["", "### Sample generations (greedy; reward-model score, verifier, correct of "
+                  f"{k} samples)", "", "| prompt | answer | " + " | ".join(f"`{n}`" for n in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
         for row in samples:
             cells = [_cell(row["prompt"]), _cell(row.get("answer") or "")]
-            for who in whos:
-                extra = [f"{row[f'{who}_score']:.3f}"] if f"{who}_score" in row else []
-                extra += ["✓" if row[f"{who}_correct"] else "✗"] if f"{who}_correct" in row else []
-                cells.append(_cell(row[f"{who}_response"]) + (f" ({', '.join(extra)})" if extra else ""))
+            for name in names:
+                response = row["responses"].get(name)
+                if response is None:
+                    cells.append("—")
+                    continue
+                extra = [f"{response['score']:.3f}"] if "score" in response else []
+                extra += ["✓" if response["correct"] else "✗"] if "correct" in response else []
+                extra += [f"{response['sampled_correct']}/{k}"] if "sampled_correct" in response else []
+                cells.append(_cell(response["text"]) + (f" ({', '.join(extra)})" if extra else ""))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -75,4 +75,4 @@ def test_eval_cli_on_vllm(prepared, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     metrics = json.loads(captured.out)["metrics"]
-    assert metrics["eval/kl"] == 0.0 and metrics["eval/policy_exact_match"] == 0.0
+    assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/policy/greedy_accuracy"] == 0.0
