@@ -103,3 +103,18 @@ def inline_secrets(values, path: str = "") -> list[str]:
     elif isinstance(values, str) and redact_text(values) != values:
         found.append(path or "<value>")
     return found
+
+
+def refuse_inline_secrets(params: dict, where: str) -> None:
+    """ConfigError naming every parameter of `params` that carries a credential inline.
+
+    For parameters that are stored as given before any of our code runs (a Prefect flow run's),
+    where redaction comes too late.
+    """
+    from rlhf_core.config import ConfigError
+
+    found = inline_secrets(params)
+    if found:
+        raise ConfigError(f"{where}: {', '.join(found)} carries a credential inline, and flow-run parameters are "
+                          "stored as given; put it in an environment variable of the workers (AWS_SECRET_ACCESS_KEY, "
+                          "RLHF_RM_TOKEN, ...) or a Prefect Secret block, and leave it out of the parameters")

@@ -121,3 +121,12 @@ def test_the_tracker_redacts_params_tags_and_text_artifacts(tmp_path, monkeypatc
     stored = (artifacts / "stage.json").read_text()
     assert "ak:sk" not in stored and ENV["RLHF_RM_TOKEN"] not in stored and "s3://***@b/m" in stored
     assert (artifacts / "weights.bin").read_bytes() == b"\x00binary"
+
+
+def test_parameters_with_an_inline_secret_are_refused_with_their_names():
+    from rlhf_core.config import ConfigError
+    from rlhf_core.redaction import refuse_inline_secrets
+
+    with pytest.raises(ConfigError, match=r"flow parameters: sft\.dataset, ppo\.api_key carries a credential inline"):
+        refuse_inline_secrets({"sft": {"dataset": "json@s3://ak:sk@b/d"}, "ppo": {"api_key": "k"}}, "flow parameters")
+    refuse_inline_secrets({"sft": {"dataset": "json@s3://b/d", "input_key": "prompt"}}, "flow parameters")
