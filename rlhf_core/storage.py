@@ -32,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlhf_core.config import ConfigError, state_dir
+from rlhf_core.redaction import redact
 
 MANIFEST = "stage.json"
 WRITING = ".rlhf-writing.json"  # "being written by stage X": a retry of X may replace what is there
@@ -310,6 +311,7 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
     local_dir = Path(local_dir)
     (local_dir / MANIFEST).unlink(missing_ok=True)
     inputs = list(inputs)
+    manifest = redact(manifest)  # stage.json is a record: no credential in a URI, a field or from the env
     if not is_remote(uri):
         return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
     target = normalize_uri(uri)
@@ -362,7 +364,7 @@ def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, fl
 
 def write_manifest(local_dir: str | Path, manifest: dict) -> None:
     """Write `stage.json` into a finished local directory, atomically (the last step of a stage)."""
-    _write_json_atomic(Path(local_dir) / MANIFEST, manifest)
+    _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:

@@ -5,23 +5,20 @@ under the project's state directory. `MLFLOW_TRACKING_URI` points at a server in
 orchestrator hands a pre-created run through `MLFLOW_RUN_ID`; a parent pipeline run through
 `--mlflow_parent_run_id`.
 
-Params are the flattened stage config with anything that looks like a secret redacted, and
-credentials stripped out of URIs, so tokens and passwords never reach the tracking server.
+Everything a Tracker sends (params, tags, text artifacts) passes `rlhf_core.redaction` first, so
+tokens, passwords and the values of credential environment variables never reach the tracking
+server, whichever code path produced them.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from rlhf_core.config import state_dir
+from rlhf_core.redaction import REDACTED, redact, redact_text
 
-SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "auth", "apikey"}
-SECRET_SUFFIXES = ("api_key", "access_key", "secret_key", "private_key", "access_key_id", "session_token")
-SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{8,}|sk-[A-Za-z0-9-]{8,}|gh[pousr]_[A-Za-z0-9]{8,}|AKIA[0-9A-Z]{12,})")
-URI_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
-REDACTED = "***"
+__all__ = ["REDACTED", "redact", "redact_params", "Tracker"]
 
 
 def tracking_uri() -> str:
@@ -56,24 +53,6 @@ def ensure_experiment(name: str) -> str:
         return exp.experiment_id
 
 
-def is_secret_key(key: str) -> bool:
-    lowered = key.lower()
-    return bool(SECRET_WORDS & set(re.split(r"[^a-z0-9]+", lowered))) or lowered.endswith(SECRET_SUFFIXES)
-
-
-def redact(values):
-    """The same nested structure with secret-looking keys and values replaced by '***'."""
-    if isinstance(values, dict):
-        return {k: REDACTED if is_secret_key(str(k)) and v is not None else redact(v) for k, v in values.items()}
-    if isinstance(values, list):
-        return [redact(v) for v in values]
-    if isinstance(values, str):
-        if SECRET_VALUE.match(values):
-            return REDACTED
-        return URI_CREDENTIALS.sub(r"\g<scheme>" + REDACTED + "@", values)
-    return values
-
-
 def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
     """Flatten a nested config into MLflow params (strings), secrets redacted."""
     flat: dict[str, str] = {}
@@ -86,6 +65,7 @@ def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+TEXT_ARTIFACTS = {".json", ".yaml", ".yml", ".md", ".txt", ".log"}
 FLUSH_SECONDS = 10.0  # buffered metrics reach MLflow at least this often while a stage trains
 METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch
 
@@ -158,25 +138,31 @@ class Tracker:
         from mlflow.data.sources import LocalArtifactDatasetSource
 
         for d in described:
-            source = LocalArtifactDatasetSource(d["path"]) if Path(d["path"]).exists() else None
+            spec = redact_text(d["spec"])
+            source = LocalArtifactDatasetSource(redact_text(d["path"])) if Path(d["path"]).exists() else None
             if source is None:
                 from mlflow.data.http_dataset_source import HTTPDatasetSource
 
-                source = HTTPDatasetSource(url=f"https://huggingface.co/datasets/{d['spec']}")
-            ds = MetaDataset(source=source, name=f"{d['spec']}[{d['split']}]", digest=d["digest"][-32:])
+                source = HTTPDatasetSource(url=f"https://huggingface.co/datasets/{spec}")
+            ds = MetaDataset(source=source, name=f"{spec}[{d['split']}]", digest=d["digest"][-32:])
             mlflow.log_input(ds, context=context)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:
             import mlflow
 
-            mlflow.set_tags(tags)
+            mlflow.set_tags({k: redact_text(str(v)) for k, v in tags.items()})
 
     def log_artifact(self, path: str) -> None:
+        """Log a file; a text file (json, yaml, md, txt, log) is logged with its credentials redacted."""
         if self.enabled:
             import mlflow
 
-            mlflow.log_artifact(path)
+            source = Path(path)
+            if source.suffix not in TEXT_ARTIFACTS:
+                mlflow.log_artifact(path)
+                return
+            mlflow.log_text(redact_text(source.read_text(encoding="utf-8")), source.name)
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.enabled:

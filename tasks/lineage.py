@@ -27,7 +27,8 @@ import time
 from mlflow.exceptions import MlflowException
 
 from rlhf_core import storage
-from rlhf_core.tracking import ensure_experiment, tracking_uri
+from rlhf_core.redaction import redact, redact_text
+from rlhf_core.tracking import ensure_experiment, redact_params, tracking_uri
 
 REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": "rlhf-policy"}
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -42,8 +43,8 @@ def client():
 def start_pipeline_run(experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
     experiment_id = ensure_experiment(experiment)
     c = client()
-    run = c.create_run(experiment_id, run_name=name, tags={"rlhf.kind": "pipeline", **tags})
-    items = list(params.items())
+    run = c.create_run(experiment_id, run_name=name, tags=redact({"rlhf.kind": "pipeline", **tags}))
+    items = list(redact_params(params).items())
     for i in range(0, len(items), 100):
         from mlflow.entities import Param
 
@@ -55,7 +56,7 @@ def start_stage_run(parent_run_id: str, stage: str, name: str, tags: dict[str, s
     c = client()
     experiment_id = c.get_run(parent_run_id).info.experiment_id
     run = c.create_run(experiment_id, run_name=name,
-                       tags={"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage, **tags})
+                       tags=redact({"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage, **tags}))
     return run.info.run_id
 
 
@@ -69,7 +70,7 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
 def set_tags(run_id: str, tags: dict[str, str]) -> None:
     c = client()
     for key, value in tags.items():
-        c.set_tag(run_id, key, str(value))
+        c.set_tag(run_id, key, redact_text(str(value)))
 
 
 def log_metrics(run_id: str, metrics: dict[str, float]) -> None:

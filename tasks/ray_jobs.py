@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlhf_core.launch import FORWARDED_ENV
+from rlhf_core.redaction import redact_text
 
 EXIT_CONFIG_ERROR = 2  # rlhf_core.cli: configuration or data error
 TAIL_LINES = 30
@@ -43,9 +44,10 @@ class StageJobError(RuntimeError):
     retryable = True
 
     def __init__(self, submission_id: str, status: str, exit_code: int | None, message: str, tail: list[str]):
+        tail = [redact_text(line) for line in tail]  # the message becomes Prefect state and an MLflow tag
         self.submission_id, self.status, self.exit_code, self.tail = submission_id, status, exit_code, tail
         lines = "\n".join(f"  | {line}" for line in tail)
-        super().__init__(f"Ray job {submission_id} {status} (exit code {exit_code}): {message}\n"
+        super().__init__(f"Ray job {submission_id} {status} (exit code {exit_code}): {redact_text(message)}\n"
                          f"last log lines:\n{lines}")
 
 

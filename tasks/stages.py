@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core import storage
+from rlhf_core.redaction import redact_text
 from rlhf_core.version import code_version
 from tasks import lineage
 from tasks.cache import cache_key, dataset_digest
@@ -162,7 +163,8 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
             args = [config_uri if a == "{config}" else a for a in args]
         runner = RayJobRunner(ctx.ray_address)
         env = job_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_NAME": ctx.experiment})
-        result = runner.run(job.name, args, env, log=logger.info, entrypoint_num_gpus=job.num_gpus or None)
+        result = runner.run(job.name, args, env, log=lambda line: logger.info(redact_text(line)),
+                            entrypoint_num_gpus=job.num_gpus or None)
         manifest = storage.read_manifest(job.output_uri)
         if manifest is None:
             raise RuntimeError(f"{job.name}: the job succeeded but wrote no {storage.MANIFEST} at {job.output_uri}")
