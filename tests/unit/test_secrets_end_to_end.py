@@ -1,6 +1,6 @@
 """Planted secrets reach no record: an RL run whose reward URL carries a token, with credential variables set.
 
-The run talks to a real reward server (bearer token from RLHF_RM_TOKEN) through a URL that also
+The policy is prep's untrained tiny model: what is tested is where text goes, not learning. The run talks to a real reward server (bearer token from RLHF_RM_TOKEN) through a URL that also
 carries a token-like query parameter, tracks to MLflow, and publishes its model. Then every store
 it wrote is searched byte for byte: the MLflow database and artifact folder, the stage output,
 and everything the command printed.
@@ -36,7 +36,7 @@ def stored_files(*roots: Path):
         yield from (p for p in root.rglob("*") if p.is_file())
 
 
-def test_no_planted_secret_reaches_mlflow_outputs_or_logs(rl_setting, tmp_path, monkeypatch, capsys):
+def test_no_planted_secret_reaches_mlflow_outputs_or_logs(prepared, tmp_path, monkeypatch, capsys):
     from rlhf_core.config import state_dir
 
     for name, value in PLANTED.items():
@@ -48,8 +48,8 @@ def test_no_planted_secret_reaches_mlflow_outputs_or_logs(rl_setting, tmp_path, 
     with serve_reward(load_reward_file(str(reward_file)), port=0, token=PLANTED["RLHF_RM_TOKEN"],
                       background=True) as server:
         url = f"{server.url}?api_key={QUERY_TOKEN}"
-        code = main(["train", "ppo", "--actor.model_name_or_path", rl_setting["sft"],
-                     "--data.prompt_dataset", f"json@{rl_setting['prompts']}", "--reward.remote_url", url,
+        code = main(["train", "ppo", "--actor.model_name_or_path", prepared["base"],
+                     "--data.prompt_dataset", f"json@{prepared['prompts']}", "--reward.remote_url", url,
                      "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
                      "--rollout.batch_size", "8", "--train.batch_size", "16", "--train.micro_batch_size", "16",
                      "--train.max_steps", "2", "--ds.param_dtype", "fp32", "--ckpt.output_dir",
