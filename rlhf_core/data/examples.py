@@ -194,8 +194,7 @@ def _split_of(cfg: DataConfig, split: str) -> tuple[str, bool, str]:
     if not cfg.eval_dataset:
         return split, True, "--eval_split"
     sources = [resolve_source(s) for s in cfg.eval_dataset.split(",") if s.strip()]
-    if sources and not any(has_split(s, split) for s in sources) and \
-            all(s.data_files is not None and list(s.data_files) == ["train"] for s in sources):
+    if sources and all(s.single_file for s in sources) and not any(has_split(s, split) for s in sources):
         return "train", False, "--eval_split"
     return split, False, "--eval_split"
 

@@ -34,6 +34,7 @@ class Source:
     spec: str
     builder: str
     data_files: dict[str, str] | None
+    single_file: bool = False  # one file given as the dataset: its rows are its 'train' split
 
     def describe(self, split: str) -> str:
         if self.data_files and split in self.data_files:
@@ -70,7 +71,7 @@ def resolve_source(spec: str) -> Source:
         builder = FILE_FORMATS.get(path.suffix)
         if builder is None:
             raise DataError(f"{spec}: unsupported file type {path.suffix!r} (use .jsonl, .json or .parquet)")
-        return Source(spec, builder, {"train": str(path)})
+        return Source(spec, builder, {"train": str(path)}, single_file=True)
     if path.is_dir():
         for suffix, builder in FILE_FORMATS.items():
             files = {s: str(path / f"{s}{suffix}") for s in ("train", "test") if (path / f"{s}{suffix}").exists()}

@@ -60,9 +60,10 @@ class Ctx:
                 "--use_mlflow", "false", *flags]
 
     def ppo(self, *flags: str, prompts: str | None = None, pretrain: str | None = None,
-            estimator: str = "reinforce") -> list[str]:
+            estimator: str = "reinforce", rollout_batch: int = 2) -> list[str]:
         return ["train", "ppo", "--pretrain", pretrain or self.base, "--prompt_data",
-                prompts or f"json@{self.prepared['prompts']}", "--advantage_estimator", estimator, "--rollout_batch_size", "2", "--train_batch_size", "2",
+                prompts or f"json@{self.prepared['prompts']}", "--advantage_estimator", estimator,
+                "--rollout_batch_size", str(rollout_batch), "--train_batch_size", "2",
                 "--micro_train_batch_size", "2", "--generate_max_len", "2", "--init_kl_coef", "0",
                 "--param_dtype", "fp32", "--max_steps", "1", "--max_samples", "4", "--use_mlflow", "false",
                 "--save_path", self.out, *flags]
@@ -252,6 +253,20 @@ CASES = {
                                          ["/e401", "HTTP 401", "RLHF_RM_TOKEN"]),
 }
 
+# Rejected before training, but with a traceback (ValueError) or exit 1, from code this change may not
+# edit: trainers/__init__.py `check_data` and trainers/ppo.py `run_ppo` raise ValueError where a
+# DataError belongs (NOTES-bad-input.md). Strict: the day they are fixed these rows fail as XPASS,
+# and move up into CASES.
+KNOWN_GAPS = {
+    "sft-fewer-examples-than-a-batch": lambda c: (c.sft("--train_batch_size", "16", dataset=c.file("d.jsonl", [ROW] * 4)),
+                                                  ["--dataset", "fewer than one global batch"]),
+    "ppo-fewer-prompts-than-a-rollout-batch": lambda c: (c.ppo("--task", "addition", rollout_batch=8),
+                                                         ["usable prompts, fewer than one rollout batch"]),
+}
+PARAMS = [pytest.param(case, CASES[case], id=case) for case in CASES] + [
+    pytest.param(case, KNOWN_GAPS[case], id=case, marks=pytest.mark.xfail(
+        strict=True, reason="ValueError from trainers/ (see NOTES-bad-input.md)")) for case in KNOWN_GAPS]
+
 
 def _folder(path: Path, files: dict[str, str] | None = None) -> str:
     path.mkdir()
@@ -302,12 +317,15 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_exits_2_with_one_line_naming_it(case, tmp_path, prepared, reward_server, capsys, monkeypatch):
+@pytest.mark.parametrize("case,build", PARAMS)
+def test_bad_input_exits_2_with_one_line_naming_it(case, build, tmp_path, prepared, reward_server, capsys, monkeypatch):
     monkeypatch.delenv("RLHF_RM_TOKEN", raising=False)
     monkeypatch.delenv("RLHF_RM_TOKEN_FILE", raising=False)
-    argv, fragments = CASES[case](Ctx(tmp_path, prepared, reward_server))
-    code, err = run_cli(argv, capsys)
+    argv, fragments = build(Ctx(tmp_path, prepared, reward_server))
+    try:
+        code, err = run_cli(argv, capsys)
+    except Exception as e:  # a known gap raises (a traceback for the user): a failed row, not an error
+        pytest.fail(f"{case}: raised {type(e).__name__}: {e}")
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2, err[-3000:]
@@ -319,6 +337,25 @@ def test_bad_input_exits_2_with_one_line_naming_it(case, tmp_path, prepared, rew
 
 def test_enough_distinct_cases():
     assert len(CASES) >= 30
+
+
+def test_an_eval_dataset_file_is_its_own_held_out_split(tmp_path, prepared):
+    """`--eval_dataset held_out.jsonl` (one file: a 'train' split only) is evaluated on, as `rlhf eval`
+    reads it, instead of silently giving no evaluation; a folder without the split is an error."""
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.examples import load_sft
+    from rlhf_core.data.loading import DataError
+    from rlhf_core.models.loading import load_tokenizer
+
+    tok = load_tokenizer(prepared["base"])
+    train = write_jsonl(tmp_path / "train.jsonl", [ROW] * 5)
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"prompt": "add 2+2=", "response": "4"}] * 3)
+    examples, described = load_sft(DataConfig(dataset=str(train), eval_dataset=str(held_out)), tok, "test", 0)
+    assert len(examples) == 3 and described[0]["path"] == str(held_out)
+    assert load_sft(DataConfig(dataset=str(train)), tok, "test", 0) == (None, [])  # no held-out data: no eval
+    with pytest.raises(DataError, match="no 'test' split"):
+        load_sft(DataConfig(dataset=str(train), eval_dataset=f"json@{_folder(tmp_path / 'd', {'train.jsonl': ''})}"),
+                 tok, "test", 0)
 
 
 def test_unreachable_reward_server_is_a_retryable_failure(tmp_path, prepared, capsys, monkeypatch):
