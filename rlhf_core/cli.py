@@ -2,9 +2,12 @@
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
-row or key, and exit with status 2 before anything trains; so does `rlhf pairs` when every
+row or key, and exit with status 2 before anything trains (models given as inputs and reward
+files are checked before any data or weights are read); so does `rlhf pairs` when every
 prompt's samples score the same (deterministic for a seed: a retry would only repeat it, the
-message says which flag to change). A failed stage exits 1.
+message says which flag to change), and an RL stage whose reward file or reward server answers
+something unusable (tests/unit/test_bad_input.py holds every case). A failed stage exits 1,
+including a reward server that stayed unreachable (a retry may succeed).
 """
 
 from __future__ import annotations

@@ -660,8 +660,10 @@ def _to_paths(values: dict, where: str) -> dict[str, object]:
                                   f"set --{target} to different values: give one")
             out[target] = (key, value)
     if unknown:
-        raise ConfigError(f"invalid configuration ({where}):" + ("\n" if len(unknown) > 1 else "")
-                          + "\n".join(f"  --{k}: unknown field" for k in unknown))
+        if len(unknown) == 1:
+            raise ConfigError(f"invalid configuration ({where}): --{unknown[0]}: unknown field")
+        raise ConfigError(f"invalid configuration ({where}):\n" + "\n".join(f"  --{k}: unknown field"
+                                                                             for k in unknown))
     return {path: value for path, (_, value) in out.items()}
 
 
