@@ -132,7 +132,7 @@ CASES = {
     "file-unknown-extension": lambda c: (c.sft(dataset=c.file("d.csv", text="prompt,response\na,b\n")),
                                          ["d.csv", "unsupported file type '.csv'"]),
     "file-corrupt-parquet": lambda c: (c.sft(dataset=c.file("d.parquet", text="PAR1 not really")),
-                                       ["d.parquet", "not a parquet file"]),
+                                       ["d.parquet: not a parquet file (ArrowInvalid"]),
     "file-parquet-no-rows": lambda c: (c.sft(dataset=_empty_parquet(c.tmp / "d.parquet")),
                                        ["d.parquet", "no rows (a table of 0 rows)"]),
     "file-json-document-broken": lambda c: (c.sft(dataset=c.file("d.json", text='[{"prompt": "a", "response": "b"},\n'
