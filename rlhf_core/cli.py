@@ -2,9 +2,12 @@
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
-row or key, and exit with status 2 before anything trains; so does `rlhf pairs` when every
+row or key, and exit with status 2 before anything trains (models given as inputs and reward
+files are checked before any data or weights are read); so does `rlhf pairs` when every
 prompt's samples score the same (deterministic for a seed: a retry would only repeat it, the
-message says which flag to change). A failed stage exits 1.
+message says which flag to change), and an RL stage whose reward file or reward server answers
+something unusable (tests/unit/test_bad_input.py holds every case). A failed stage exits 1,
+including a reward server that stayed unreachable (a retry may succeed).
 """
 
 from __future__ import annotations
@@ -79,6 +82,43 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+def _check_models(cfg, flags: dict[str, str]) -> None:
+    """Every model a stage starts from (config attribute -> its flag) must be loadable: checked before
+    any data or weights are read (ConfigError naming the flag). The policy must hold a tokenizer."""
+    from rlhf_core.models.loading import check_pretrained
+
+    checked = set()
+    for attr, flag in flags.items():
+        for location in (getattr(cfg, attr, None) or "").split(","):
+            location = location.strip()
+            if location and location not in checked:
+                check_pretrained(location, flag, tokenizer=attr == "pretrain")
+                checked.add(location)
+
+
+def _check_reward_files(remote_url: str | None) -> None:
+    """Import each reward file now (ConfigError: missing, not importable, no reward_func), before any
+    model loads; the RL stage then gets the same loaded function (`load_reward_file` caches it)."""
+    from rlhf_core.rewards.reward_file import load_reward_file
+
+    for url in (remote_url or "").split(","):
+        if url.strip().endswith(".py"):
+            load_reward_file(url.strip())
+
+
+def _is_bad_input(cause: BaseException) -> bool:
+    """A stage's failure that a retry would only repeat: bad configuration or data, or a reward source
+    that answered something unusable (a reward file that raised, a server's malformed answer or 4xx);
+    a reward server that stayed unreachable is an infrastructure failure (exit 1, retried)."""
+    from rlhf_core.data.loading import DataError
+    from rlhf_core.rewards.base import RewardError
+    from rlhf_core.rewards.remote import RewardUnavailable
+
+    if isinstance(cause, RewardError):
+        return not isinstance(cause, RewardUnavailable)
+    return isinstance(cause, (ConfigError, DataError))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlhf_core.data.loading import DataError
@@ -86,16 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "prep":
-            from rlhf_core.data.synthetic import get_task
-            from rlhf_core.prep import run_prep
+            from rlhf_core.prep import check_prep_params, prep_config, run_prep
 
-            try:
-                get_task(args.task)
-            except ValueError as e:
-                raise ConfigError(f"--task: {e}") from None
             sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate") if getattr(args, k) is not None}
-            if not 0 <= sizes.get("demo_error_rate", 0) < 1:
-                raise ConfigError(f"--demo_error_rate: must be in [0, 1), got {args.demo_error_rate}")
+            check_prep_params(prep_config(task=args.task, seed=args.seed, model_size=args.model_size, **sizes))
             manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)
             print(json.dumps(manifest["outputs"], indent=2))
             return 0
@@ -105,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
             cfg = build_ppo_config(load_yaml(args.config) if getattr(args, "config", None) else None, values)
+            _check_models(cfg, {"pretrain": "--actor.model_name_or_path", "ref_pretrain": "--ref.model_name_or_path",
+                                "critic_pretrain": "--critic.model_name_or_path",
+                                "reward_pretrain": "--reward.model_name_or_path"})
+            _check_reward_files(cfg.reward.remote_url)
             print(json.dumps(run_rl_stage(cfg), indent=2, sort_keys=True))
             return 0
         if args.command == "train":
@@ -113,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                else None, values)
             from rlhf_core.launch import run_stage
 
+            _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain"})
             manifest = run_stage(cfg)
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
@@ -124,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             cfg = build_flat_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
                                     else None, values)
+            _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain",
+                                "reward_pretrain": "--reward_pretrain"})
             try:
                 manifest = (run_eval if args.command == "eval" else run_pairs)(cfg)
             except NoPairsError as e:
@@ -157,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         return _fail(str(e))
     except StageFailed as e:
-        if isinstance(e.cause, (ConfigError, DataError)):
+        if _is_bad_input(e.cause):
             return _fail(str(e.cause))
         return _fail(f"stage failed: {type(e.cause).__name__}: {e.cause}", EXIT_FAILED)
     return _fail(f"unknown command {args.command}")

@@ -9,6 +9,7 @@ Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors eve
 
 from __future__ import annotations
 
+import math
 import os
 from enum import Enum
 from pathlib import Path
@@ -21,6 +22,19 @@ from rlhf_core.precision import Precision
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_input_template(template: str | None, name: str) -> None:
+    """ValueError unless `template` formats one prompt: exactly one `{}` and no other field."""
+    if template is None:
+        return
+    if "{}" not in template:
+        raise ValueError(f"{name} must contain '{{}}' where the prompt goes")
+    try:
+        template.format("prompt")
+    except (IndexError, KeyError, ValueError) as e:
+        raise ValueError(f"{name} {template!r} cannot format a prompt ({type(e).__name__}: {e}); "
+                         "write literal braces as {{ and }}") from None
 
 
 class DataConfig(StrictModel):
@@ -59,10 +73,9 @@ class DataConfig(StrictModel):
                 values = [float(p) for p in probs]
             except ValueError as e:
                 raise ValueError(f"dataset_probs must be numbers: {self.dataset_probs!r}") from e
-            if any(v < 0 for v in values) or sum(values) <= 0:
-                raise ValueError("dataset_probs must be non-negative with a positive sum")
-        if self.input_template is not None and "{}" not in self.input_template:
-            raise ValueError("input_template must contain '{}' where the prompt goes")
+            if not all(math.isfinite(v) for v in values) or any(v < 0 for v in values) or sum(values) <= 0:
+                raise ValueError(f"dataset_probs must be finite, non-negative, with a positive sum: {self.dataset_probs!r}")
+        check_input_template(self.input_template, "input_template")
         return self
 
     @property
@@ -379,6 +392,8 @@ def _format_validation_error(err, source: str, flag_name=_flat_flag_name) -> str
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {name}: {e['msg']} (got {e.get('input')!r})")
+    if len(lines) == 2 and "\n" not in lines[1]:  # one problem: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 
@@ -397,7 +412,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     except FileNotFoundError as e:
         raise ConfigError(f"--config: file not found: {path}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise ConfigError(f"--config {path}: not a YAML text file ({type(e).__name__})") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, got {type(loaded).__name__}")
     return loaded

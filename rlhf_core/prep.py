@@ -124,6 +124,24 @@ def prep_config(**params) -> dict:
     return {k: v for k, v in bound.arguments.items() if k != "out_dir"}
 
 
+def check_prep_params(params: dict) -> None:
+    """ConfigError naming the flag of the first of `prep_config`'s parameters that `prepare` cannot build
+    from: `rlhf prep` checks them before anything is written."""
+    from rlhf_core.config import ConfigError
+
+    try:
+        get_task(params["task"])
+    except ValueError as e:
+        raise ConfigError(f"--task: {e}") from None
+    for name in ("n_train", "n_test"):
+        if isinstance(params[name], bool) or not isinstance(params[name], int) or params[name] < 1:
+            raise ConfigError(f"--{name}: must be a whole number of examples >= 1, got {params[name]!r}")
+    if params["model_size"] not in ("tiny", "small"):
+        raise ConfigError(f"--model_size: must be tiny or small, got {params['model_size']!r}")
+    if not 0 <= params["demo_error_rate"] < 1:
+        raise ConfigError(f"--demo_error_rate: must be in [0, 1), got {params['demo_error_rate']}")
+
+
 def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     """`rlhf prep`: `prepare`, then write `stage.json` last, and log to the orchestrator's MLflow run.
 

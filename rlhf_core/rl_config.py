@@ -28,6 +28,7 @@ from rlhf_core.config import (
     StrictModel,
     _format_validation_error,
     _parse_bool,
+    check_input_template,
     flag_kwargs,
 )
 from rlhf_core.precision import Precision
@@ -357,8 +358,10 @@ class PPOConfig(StrictModel):
             else:
                 problems.append(f"--data.max_len ({self.data.max_len}) leaves no room to generate after "
                                 f"--data.prompt_max_len ({self.data.prompt_max_len}): give --rollout.max_new_tokens")
-        if self.data.input_template is not None and "{}" not in self.data.input_template:
-            problems.append("--data.input_template must contain '{}' where the prompt goes")
+        try:
+            check_input_template(self.data.input_template, "--data.input_template")
+        except ValueError as e:
+            problems.append(str(e))
         if self.data.max_len is None and rollout.max_new_tokens is not None:
             set_(self.data, "max_len", self.data.prompt_max_len + rollout.max_new_tokens)
 
@@ -657,6 +660,8 @@ def _to_paths(values: dict, where: str) -> dict[str, object]:
                                   f"set --{target} to different values: give one")
             out[target] = (key, value)
     if unknown:
+        if len(unknown) == 1:
+            raise ConfigError(f"invalid configuration ({where}): --{unknown[0]}: unknown field")
         raise ConfigError(f"invalid configuration ({where}):\n" + "\n".join(f"  --{k}: unknown field"
                                                                              for k in unknown))
     return {path: value for path, (_, value) in out.items()}

@@ -59,17 +59,30 @@ class PromptFormatter:
             raise DataError("--apply_chat_template: the tokenizer has no chat template (give --tokenizer_chat_template)")
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token: completions could never end")
+        if cfg.tokenizer_chat_template or cfg.apply_chat_template:  # a broken template fails here, not mid-data
+            self._render([{"role": "user", "content": "1+1="}],
+                         "--tokenizer_chat_template" if cfg.tokenizer_chat_template else "the tokenizer's chat template")
 
-    def prompt_text(self, prompt) -> str:
+    def _render(self, messages: list, what: str) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            line = f" (template line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise DataError(f"{what}: cannot be rendered{line}: {type(e).__name__}: {e}") from None
+
+    def prompt_text(self, prompt, where: str | None = None, row: int | None = None) -> str:
+        at = f"{where}: row {row}: " if where is not None else ""
         if self.cfg.apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._render(messages, f"{at}the chat template")
         if isinstance(prompt, list):
-            raise DataError("chat-format prompts need --apply_chat_template")
+            raise DataError(f"{at}chat-format prompts need --apply_chat_template")
         return self.cfg.input_template.format(prompt) if self.cfg.input_template else prompt
 
-    def prompt_ids(self, prompt) -> list[int]:
-        text = self.prompt_text(prompt)
+    def prompt_ids(self, prompt, where: str | None = None, row: int | None = None) -> list[int]:
+        text = self.prompt_text(prompt, where, row)
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
         return self.tok(text, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"]
 
@@ -113,7 +126,7 @@ def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: b
             ids = tokenizer(row[cfg.input_key], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
             examples.append(SFTExample(fmt.join(ids[:1], ids[1:], where, i, loss_on_prompt=True)))
         else:
-            p = fmt.prompt_ids(row[cfg.input_key])
+            p = fmt.prompt_ids(row[cfg.input_key], where, i)
             examples.append(SFTExample(fmt.join(p, fmt.completion_ids(row[cfg.output_key]), where, i)))
     return examples, described
 
@@ -129,7 +142,7 @@ def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int):
     fmt = PromptFormatter(tokenizer, cfg)
     examples = []
     for row, where, i in _rows_with_origin(ds, described):
-        p = fmt.prompt_ids(row[cfg.prompt_key])
+        p = fmt.prompt_ids(row[cfg.prompt_key], where, i)
         examples.append(PairExample(
             fmt.join(p, fmt.completion_ids(row[cfg.chosen_key]), where, i),
             fmt.join(p, fmt.completion_ids(row[cfg.rejected_key]), where, i),
@@ -161,7 +174,7 @@ def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
     fmt = PromptFormatter(tokenizer, cfg)
     out = []
     for row, where, i in _rows_with_origin(ds, described):
-        p = fmt.prompt_ids(row[cfg.input_key])
+        p = fmt.prompt_ids(row[cfg.input_key], where, i)
         c = fmt.completion_ids(row[cfg.output_key])
         out.append(UnpairedExample(fmt.join(p, c, where, i), bool(row[cfg.label_key])))
     return out, described
@@ -172,14 +185,36 @@ def _specs(cfg: DataConfig, split: str) -> tuple[str, bool]:
     return (cfg.eval_dataset if (is_eval and cfg.eval_dataset) else cfg.dataset), is_eval
 
 
+def _split_of(cfg: DataConfig, split: str) -> tuple[str, bool, str]:
+    """(split to read, whether it may be absent, its flag). The training split must exist; so must
+    the held-out one of an explicit --eval_dataset, where a single file is its own split (as
+    `rlhf eval` reads it); the default held-out split of --dataset is used when it is there."""
+    if split == cfg.dataset_split:
+        return split, False, "--dataset_split"
+    if not cfg.eval_dataset:
+        return split, True, "--eval_split"
+    sources = [resolve_source(s) for s in cfg.eval_dataset.split(",") if s.strip()]
+    if sources and all(s.single_file for s in sources) and not any(has_split(s, split) for s in sources):
+        return "train", False, "--eval_split"
+    return split, False, "--eval_split"
+
+
 def _load(cfg: DataConfig, split: str, seed: int, keys: list[str], check):
     specs, is_eval = _specs(cfg, split)
+    split, optional, flag = _split_of(cfg, split)
     return load_mixture(specs, split, None if is_eval else cfg.probs,
-                        cfg.max_eval_samples if is_eval else cfg.max_samples, seed, keys, check)
+                        cfg.max_eval_samples if is_eval else cfg.max_samples, seed, keys, check,
+                        optional=optional, split_flag=flag)
 
 
 def _first_source_columns(cfg: DataConfig, split: str) -> list[str] | None:
-    """Columns of the first source's split (None when it has no such split); decides the KTO format."""
+    """Columns of the first source's split (None when it may be and is absent); decides the KTO format."""
     specs, _ = _specs(cfg, split)
+    split, optional, flag = _split_of(cfg, split)
     source = resolve_source(specs.split(",")[0])
-    return load_split(source, split).column_names if has_split(source, split) else None
+    if not has_split(source, split):
+        if optional:
+            return None
+        raise DataError(f"{source.spec}: no {split!r} split ({flag} {split}; splits there: "
+                        f"{', '.join(sorted(source.data_files))})")
+    return load_split(source, split).column_names

@@ -232,8 +232,13 @@ def build_splits(
     """
     if not 0.0 <= demo_error_rate < 1.0:
         raise ValueError(f"demo_error_rate must be in [0, 1), got {demo_error_rate}")
-    test = _unique_examples(task, random.Random(f"{seed}-test"), n_test, exclude=set())
-    train = _unique_examples(task, random.Random(f"{seed}-train"), n_train, exclude={p for p, _ in test})
+    try:
+        test = _unique_examples(task, random.Random(f"{seed}-test"), n_test, exclude=set())
+        train = _unique_examples(task, random.Random(f"{seed}-train"), n_train, exclude={p for p, _ in test})
+    except ValueError as e:  # more examples asked for than the task has: the sizes are the input at fault
+        from rlhf_core.config import ConfigError
+
+        raise ConfigError(f"--n_train {n_train} / --n_test {n_test}: {e}; ask for fewer") from None
     # Rejected answers come from their own stream, so the examples never depend on them.
     miss_rng = random.Random(f"{seed}-near-miss")
 

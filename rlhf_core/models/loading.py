@@ -32,10 +32,69 @@ def attention_implementation(flash_attn: bool) -> str:
     return register()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def check_pretrained(location: str, flag: str, tokenizer: bool = False) -> None:
+    """ConfigError naming `flag` unless `location` can be loaded as a model (and, with `tokenizer`,
+    holds a tokenizer): run before anything is loaded, so `--pretrain /no/such/dir` or a folder
+    that is not a model fails in a second with one line, not with a traceback from the hub client
+    or the tokenizer converter minutes later. s3:// models are checked when they are downloaded."""
+    from pathlib import Path
+
+    from rlhf_core.config import ConfigError
+    from rlhf_core.storage import is_remote
+
+    if not location or is_remote(location):
+        return
+    path = Path(location.removeprefix("file://")).expanduser()
+    if not path.exists():
+        parts = location.split("/")
+        if location.startswith((".", "/", "~", "file://")) or len(parts) > 2 or not all(parts) or \
+                Path(parts[0]).exists():
+            raise ConfigError(f"{flag} {location}: no such model directory")
+        _check_hub_model(location, flag)
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {location}: not a directory (a model is a folder holding config.json and weights)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag} {location}: no config.json there: not a Hugging Face model folder")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{flag} {location}: config.json does not describe a model ({_first_line(e)})") from None
+    if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{flag} {location}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def _check_hub_model(name: str, flag: str) -> None:
+    from transformers import AutoConfig
+
+    from rlhf_core.config import ConfigError
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag} {name}: not a local folder, and the Hugging Face hub did not provide it "
+                          f"({_first_line(e)})") from None
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    from rlhf_core.config import ConfigError
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # no such folder or hub name, no tokenizer files, or none it can convert
+        raise ConfigError(f"{path}: no tokenizer can be loaded from it ({_first_line(e)})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"

@@ -107,6 +107,11 @@ class _Retryable(Exception):
     pass
 
 
+class RewardUnavailable(RewardError):
+    """The server could not be reached or answered 5xx on every attempt: an infrastructure failure
+    (a retry of the stage may succeed), unlike a malformed answer or a 4xx."""
+
+
 class RemoteReward:
     def __init__(self, url: str | list[str], timeout: float = 180.0, retries: int = 4, backoff: float = 1.0,
                  max_backoff: float = 30.0, chunk_size: int | None = None):
@@ -160,7 +165,7 @@ class RemoteReward:
                 raise RewardError(f"{where}: expected a JSON object with rewards, scores and extra_logs, "
                                   f"got {type(answer).__name__}")
             return as_reward_output(answer, len(queries), where)
-        raise RewardError(f"{where}: failed {self.retries + 1} times; last: {failure}")
+        raise RewardUnavailable(f"{where}: failed {self.retries + 1} times; last: {failure}")
 
     def _request(self, url: str, body: bytes, where: str):
         headers = {"Content-Type": "application/json", "Accept": "application/json"}

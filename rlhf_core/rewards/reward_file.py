@@ -45,6 +45,20 @@ def load_reward_file(path: str | Path) -> RewardFile:
     if not p.is_file():
         raise ConfigError(f"reward file {path}: no such file")
     p = p.resolve()
+    try:
+        digest = hashlib.sha256(p.read_bytes()).hexdigest()
+    except OSError as e:
+        raise ConfigError(f"reward file {path}: cannot be read ({e.strerror})") from None
+    key = (str(p), digest)  # the CLI checks the file before the stage loads it: import it once
+    if key not in _LOADED:
+        _LOADED[key] = _import(path, p)
+    return _LOADED[key]
+
+
+_LOADED: dict[tuple[str, str], RewardFile] = {}
+
+
+def _import(path, p: Path) -> RewardFile:
     # A module name of its own per file, so two reward files (or a reload) never share a module.
     name = f"rlhf_reward_file_{hashlib.sha256(str(p).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(name, p)
@@ -56,7 +70,7 @@ def load_reward_file(path: str | Path) -> RewardFile:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(name, None)
-        raise ConfigError(f"reward file {path}: importing it raised {type(e).__name__}: {e}") from e
+        raise ConfigError(f"reward file {path}: importing it raised {type(e).__name__}: {e}") from None
     func = getattr(module, "reward_func", None)
     if func is None:
         raise ConfigError(f"reward file {path}: defines no reward_func(queries, prompts, labels, **kwargs)")

@@ -80,7 +80,7 @@ def test_missing_file_and_bad_json(tmp_path, tok):
         load_sft(DataConfig(dataset=str(tmp_path / "nope.jsonl")), tok, "train", 0)
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
-    with pytest.raises(DataError, match="broken.jsonl: cannot be read"):
+    with pytest.raises(DataError, match=r"broken.jsonl: line 2: not valid JSON"):
         load_sft(DataConfig(dataset=str(bad)), tok, "train", 0)
 
 
