@@ -140,6 +140,9 @@ class EngineWorker:
         cuda = device.type == "cuda"
         return {"vllm": False, "cuda": cuda, "ranks": 1, "dtype": dtype, "uuids": [device_uuid(device)] if cuda else []}
 
+    def weight_sync_ready(self) -> bool:
+        return True
+
     def weight_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
                          timeout_s: float) -> bool:
         if self.backend == "vllm":

@@ -23,9 +23,11 @@ engines on GPUs of their own, and `object_store` for transformers engines. As in
 `nccl` with engines on the actor's GPUs means CUDA IPC. Floating tensors travel in the engines'
 dtype when they all share one (bf16 vLLM engines get bf16, not the fp32 of a ZeRO-3 gather).
 
-Every sync is bounded (`RLHF_SYNC_TIMEOUT_S`, default 600 s, also the process group's own
-timeout): an engine that raises or dies fails the sync at once with `EngineSyncError` naming it,
-one that does not answer by the deadline is named when the deadline passes; never a hang.
+Every sync is bounded (`RLHF_SYNC_TIMEOUT_S`, default 600 s; the process group's own timeout is 1.5
+times that): an engine that raises or dies fails the sync at once with `EngineSyncError` naming it,
+one that does not answer by the deadline is named when the deadline passes; never a hang. Before
+each broadcast the engines are asked whether they are free, so an engine still stuck in an earlier
+call is named alone, not with every engine it would leave waiting inside the collective.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 DEFAULT_BUCKET_MB = 512
+GROUP_TIMEOUT_FACTOR = 1.5
 SYNC_BACKEND_CHOICES = ("auto", "nccl", "gloo", "ipc", "object_store")
 
 
@@ -206,7 +209,9 @@ class SyncGroup:
         import torch.distributed as dist
 
         self.backend, self.rank, self.world_size = SyncBackend(backend), rank, world_size
-        self.timeout = timedelta(seconds=timeout_s)
+        # Past the driver's deadline: the driver names the late engines before a member's own timeout
+        # fires (a member that times out first would look like the culprit).
+        self.timeout = timedelta(seconds=timeout_s * GROUP_TIMEOUT_FACTOR)
         if self.backend == SyncBackend.NCCL:
             self.device = device or torch.device("cuda", torch.cuda.current_device())
         else:
@@ -372,7 +377,8 @@ class WeightSender:
 
 # -- waiting, with the engines named -------------------------------------------------------------
 
-def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sync") -> list:
+def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sync",
+               limit_s: float | None = None) -> list:
     """Wait for the actor's and the engines' side of one sync step (PendingCalls); the engines'
     results in engine order. An engine that raised or died fails it at once, naming the engine;
     engines without an answer at the deadline are named then. An actor failure is the actor's own
@@ -382,6 +388,7 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
 
     from rlhf_core.distributed.role_group import RoleError, _get_ready
 
+    limit = f"{limit_s if limit_s is not None else timeout_s:g} s"  # the deadline as the user set it
     calls = [c for c in (actor_call, engine_call) if c is not None]
     where = {ref: (c, i) for c in calls for i, ref in enumerate(c)}
     engine_values: list = [None] * len(engine_call)
@@ -400,8 +407,7 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
             except RoleError as e:
                 if call is engine_call:
                     _raise_actor_failure(actor_call)  # an engine whose input (the actor's result) failed
-                    raise EngineSyncError(i, f"{what} failed: {e} (timeout {timeout_s:g} s, RLHF_SYNC_TIMEOUT_S)") \
-                        from e
+                    raise EngineSyncError(i, f"{what} failed: {e} (timeout {limit}, RLHF_SYNC_TIMEOUT_S)") from e
                 if e.cause is None:  # the actor died: not an engine's fault
                     raise
                 actor_error = actor_error or e
@@ -411,7 +417,7 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
     late = [i for i, done in enumerate(engine_done) if not done]
     if late:
         cause = f"; the actor's side: {actor_error}" if actor_error is not None else ""
-        raise EngineSyncError(late[0], f"{what} failed: no answer to {engine_call.method}() within {timeout_s:g} s "
+        raise EngineSyncError(late[0], f"{what} failed: no answer to {engine_call.method}() within {limit} "
                               f"(stuck, or slower than RLHF_SYNC_TIMEOUT_S allows){cause}", engines=late)
     if actor_error is not None:
         raise actor_error
@@ -419,8 +425,8 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
         from rlhf_core.distributed.role_group import RoleTimeoutError
 
         call = actor_call
-        raise RoleTimeoutError(call.role, call.ranks, call.method, f"no answer to {call.method}() within "
-                               f"{timeout_s:g} s during the {what}")
+        raise RoleTimeoutError(call.role, call.ranks, call.method, f"no answer to {call.method}() within {limit} "
+                               f"during the {what}")
     return engine_values
 
 
@@ -477,11 +483,17 @@ class BroadcastSync(WeightSync):
         self.opened = True
 
     def sync(self, actor, engines, timeout_s):
+        deadline = time.monotonic() + timeout_s
         if not self.opened:
             self.open(actor, engines, timeout_s)
+        # An engine still busy (a hung generation) would leave the others blocked in the collective,
+        # all of them late at the deadline: ask first, so the one that does not answer is the one named.
+        what = f"{self.backend.value} weight broadcast"
+        await_sync(None, engines.call_all_async("weight_sync_ready"), max(0.0, deadline - time.monotonic()), what,
+                   limit_s=timeout_s)
         sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype)
         receivers = engines.call_all_async("weight_sync_receive")
-        await_sync(sender, receivers, timeout_s, what=f"{self.backend.value} weight broadcast")
+        await_sync(sender, receivers, max(0.0, deadline - time.monotonic()), what, limit_s=timeout_s)
 
 
 class IPCSync(WeightSync):
@@ -492,6 +504,7 @@ class IPCSync(WeightSync):
 
     def sync(self, actor, engines, timeout_s):
         deadline = time.monotonic() + timeout_s
+        await_sync(None, engines.call_all_async("weight_sync_ready"), timeout_s, what="CUDA IPC weight sync")
         index, count = 0, 1
         try:
             while index < count:
@@ -502,7 +515,8 @@ class IPCSync(WeightSync):
                 handles = {uuid: h for part in parts for uuid, h in part["handles"].items()}
                 loads = engines.call_all_async("weight_sync_receive_ipc", parts[0]["metas"], handles,
                                                index == count - 1)
-                await_sync(None, loads, max(0.0, deadline - time.monotonic()), what="CUDA IPC weight sync")
+                await_sync(None, loads, max(0.0, deadline - time.monotonic()), what="CUDA IPC weight sync",
+                           limit_s=timeout_s)
                 index += 1
         finally:
             actor.call_all_async("weight_sync_release")

@@ -200,3 +200,28 @@ def test_a_receiver_that_never_joins_fails_the_others_within_the_deadline():
         status, error, elapsed, _ = results[who]
         assert status == "error" and "imed out" in error, (who, error)
         assert elapsed < 4 + 10, (who, elapsed)
+
+
+def test_both_flag_eras_set_the_sync_and_a_wrong_value_names_the_flag(capsys):
+    import argparse
+    import shlex
+
+    from rlhf_core.rl_config import add_ppo_flags, build_ppo_config
+
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
+    add_ppo_flags(parser)
+
+    def build(flags: str):
+        values = vars(parser.parse_args(shlex.split("--pretrain m --task addition --prompt_data json@d "
+                                                    "--save_path o --rollout_batch_size 8 --train_batch_size 8 "
+                                                    + flags)))
+        values.pop("config", None)
+        return build_ppo_config(None, values)
+
+    assert build("").vllm.sync_backend == "auto" and build("").vllm.sync_bucket_mb == 512
+    dotted = build("--vllm.sync_backend gloo --vllm.sync_bucket_mb 64")
+    assert dotted.model_dump() == build("--vllm_sync_backend gloo --vllm_sync_bucket_mb 64").model_dump()
+    assert dotted.vllm.sync_backend == "gloo" and dotted.vllm.sync_bucket_mb == 64
+    with pytest.raises(SystemExit) as exit_:
+        build("--vllm.sync_backend mpi")
+    assert exit_.value.code == 2 and "--vllm.sync_backend" in capsys.readouterr().err
