@@ -380,20 +380,20 @@ class WeightSender:
 def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sync",
                limit_s: float | None = None) -> list:
     """Wait for the actor's and the engines' side of one sync step (PendingCalls); the engines'
-    results in engine order. An engine that raised or died fails it at once, naming the engine;
-    engines without an answer at the deadline are named then. An actor failure is the actor's own
-    error (RoleError) unless engines are still missing when it comes (a collective times out on
-    the actor's side because an engine never joined it)."""
+    results in engine order. An engine that raised or died fails it at once, naming the engine
+    (unless its input, the actor's result, failed first); engines without an answer at the
+    deadline are named then, unless every engine and the actor are late (then the actor is stuck,
+    and named). A failure of the actor is the actor's own error (RoleError): its group timeout runs
+    past the driver's deadline, so it cannot be an engine's absence showing."""
     import ray
 
-    from rlhf_core.distributed.role_group import RoleError, _get_ready
+    from rlhf_core.distributed.role_group import RoleError, RoleTimeoutError, _get_ready
 
     limit = f"{limit_s if limit_s is not None else timeout_s:g} s"  # the deadline as the user set it
     calls = [c for c in (actor_call, engine_call) if c is not None]
     where = {ref: (c, i) for c in calls for i, ref in enumerate(c)}
     engine_values: list = [None] * len(engine_call)
     engine_done = [False] * len(engine_call)
-    actor_error: RoleError | None = None
     pending = [ref for c in calls for ref in c]
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -402,31 +402,25 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
             break
         for ref in ready:
             call, i = where[ref]
-            try:
-                value = _get_ready(ref, call.role, call.ranks[i], call.method)
-            except RoleError as e:
-                if call is engine_call:
-                    _raise_actor_failure(actor_call)  # an engine whose input (the actor's result) failed
-                    raise EngineSyncError(i, f"{what} failed: {e} (timeout {limit}, RLHF_SYNC_TIMEOUT_S)") from e
-                if e.cause is None:  # the actor died: not an engine's fault
-                    raise
-                actor_error = actor_error or e
+            if call is not engine_call:
+                _get_ready(ref, call.role, call.ranks[i], call.method)  # the actor's error, as it is
                 continue
-            if call is engine_call:
-                engine_values[i], engine_done[i] = value, True
+            try:
+                engine_values[i], engine_done[i] = _get_ready(ref, call.role, call.ranks[i], call.method), True
+            except RoleError as e:
+                _raise_actor_failure(actor_call)  # an engine whose input (the actor's result) failed
+                raise EngineSyncError(i, f"{what} failed: {e} (timeout {limit}, RLHF_SYNC_TIMEOUT_S)") from e
     late = [i for i, done in enumerate(engine_done) if not done]
+    actor_late = actor_call is not None and any(ref in pending for ref in actor_call)
+    if actor_late and len(late) == len(engine_call):  # every engine waits on the actor: the actor is stuck
+        raise RoleTimeoutError(actor_call.role, actor_call.ranks, actor_call.method, f"no answer to "
+                               f"{actor_call.method}() within {limit} during the {what} (every engine waiting)")
     if late:
-        cause = f"; the actor's side: {actor_error}" if actor_error is not None else ""
         raise EngineSyncError(late[0], f"{what} failed: no answer to {engine_call.method}() within {limit} "
-                              f"(stuck, or slower than RLHF_SYNC_TIMEOUT_S allows){cause}", engines=late)
-    if actor_error is not None:
-        raise actor_error
-    if pending:  # only the actor is late
-        from rlhf_core.distributed.role_group import RoleTimeoutError
-
-        call = actor_call
-        raise RoleTimeoutError(call.role, call.ranks, call.method, f"no answer to {call.method}() within {limit} "
-                               f"during the {what}")
+                              "(stuck, or slower than RLHF_SYNC_TIMEOUT_S allows)", engines=late)
+    if actor_late:
+        raise RoleTimeoutError(actor_call.role, actor_call.ranks, actor_call.method, f"no answer to "
+                               f"{actor_call.method}() within {limit} during the {what}")
     return engine_values
 
 
