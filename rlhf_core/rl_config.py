@@ -128,7 +128,10 @@ class VLLMConfig(StrictModel):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.95, gt=0, le=1)
     enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)")
-    sync_backend: Literal["nccl", "gloo"] = Field("nccl", description="Weight sync backend, trainer -> vLLM")
+    sync_backend: Literal["auto", "nccl", "gloo", "ipc", "object_store"] = Field(
+        "auto", description="Weight sync, actor -> engines: auto (vLLM: CUDA IPC on the actor's GPUs, else NCCL; "
+        "transformers engines: object store), nccl (CUDA IPC when colocated, as in OpenRLHF), gloo, ipc, object_store")
+    sync_bucket_mb: int = Field(512, gt=0, description="Bucket size of the broadcast and IPC weight sync (MiB)")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM")
     enable_prefix_caching: bool = False
 
@@ -484,6 +487,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization",),
     "vllm_enable_sleep": ("vllm.enable_sleep",),
     "vllm_sync_backend": ("vllm.sync_backend",),
+    "vllm_sync_bucket_mb": ("vllm.sync_bucket_mb",),
     "enforce_eager": ("vllm.enforce_eager",),
     "enable_prefix_caching": ("vllm.enable_prefix_caching",),
     # algo

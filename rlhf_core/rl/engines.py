@@ -6,9 +6,11 @@ weights, give memory back between rollouts.
 - `RayEngines`: `--vllm.num_engines` vLLM engines (or one transformers engine when there are none)
   as Ray actors in the rollout pool. Prompts are split over the engines in contiguous parts
   (engine i samples with seed `seed + i * ENGINE_SEED_STRIDE`, so one engine reproduces the local
-  run). After every training step each engine loads the actor's weights from the object store:
-  every actor rank is asked for them (a ZeRO-3 gather is collective), rank 0's dict is put in the
-  object store once and every engine reads it from there, never through the driver.
+  run). After every training step each engine takes the actor's weights by the transport of
+  `rl/weight_sync.py`: Ray's object store (transformers engines by default), an NCCL or gloo
+  broadcast from actor rank 0 over a group of its own, or CUDA IPC for engines on the actor's
+  GPUs (`--vllm.sync_backend`, `auto` by default). The transport is chosen and set up on the first
+  sync, from what the engines and the actor ranks report (vLLM or not, CUDA, which GPU).
 
 Every sync has a deadline (`RLHF_SYNC_TIMEOUT_S`, default 600 s): a stuck or dead engine fails the
 step with `EngineSyncError` naming the engine, never a hang. Generation is bounded by the same
@@ -20,24 +22,25 @@ rollout's generation, and wake up again before the weight sync that precedes the
 
 from __future__ import annotations
 
-import os
+import sys
 
-from rlhf_core.distributed.role_group import RoleError
+from rlhf_core.rl.weight_sync import (  # noqa: F401 (EngineSyncError, sync_timeout_s: part of this module's API)
+    DEFAULT_BUCKET_MB,
+    DEFAULT_SYNC_TIMEOUT_S,
+    EngineSyncError,
+    SyncBackend,
+    SyncGroup,
+    WeightSync,
+    device_uuid,
+    make_weight_sync,
+    open_ipc_handle,
+    receive_broadcast,
+    resolve_sync_backend,
+    sync_timeout_s,
+    unpack,
+)
 
 ENGINE_SEED_STRIDE = 1_000_003
-DEFAULT_SYNC_TIMEOUT_S = 600.0
-
-
-def sync_timeout_s() -> float:
-    return float(os.environ.get("RLHF_SYNC_TIMEOUT_S") or DEFAULT_SYNC_TIMEOUT_S)
-
-
-class EngineSyncError(RuntimeError):
-    """A rollout engine did not take the new weights (it raised, died or did not answer in time)."""
-
-    def __init__(self, engine: int, message: str):
-        self.engine = engine
-        super().__init__(f"rollout engine {engine}: {message}")
 
 
 def prompt_shards(num_prompts: int, num_engines: int) -> list[range]:
@@ -126,13 +129,71 @@ class EngineWorker:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    # the receiving side of the weight sync (rl/weight_sync.py): a vLLM engine passes each call on
+    # to its workers; a transformers engine is one receiver itself, loading all weights at once
+    def weight_sync_info(self) -> dict:
+        """{"vllm", "cuda", "ranks" (members of the sync group), "dtype", "uuids" (GPUs)}."""
+        if self.backend == "vllm":
+            return {"vllm": True, **self.engine.weight_sync_info()}
+        device = self.engine.device
+        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
+        cuda = device.type == "cuda"
+        return {"vllm": False, "cuda": cuda, "ranks": 1, "dtype": dtype, "uuids": [device_uuid(device)] if cuda else []}
+
+    def weight_sync_ready(self) -> bool:
+        return True
+
+    def weight_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
+                         timeout_s: float) -> bool:
+        if self.backend == "vllm":
+            self.engine.weight_sync_open(backend, host, port, rank_offset, world_size, timeout_s)
+        else:
+            self._sync_group = SyncGroup(backend, host, port, rank_offset, world_size, timeout_s,
+                                         device=self.engine.device)
+        return True
+
+    def weight_sync_receive(self) -> int:
+        if self.backend == "vllm":
+            return self.engine.weight_sync_receive()
+        received: dict = {}
+        count = receive_broadcast(self._sync_group, received.update)  # views into buckets this call owns
+        self.engine.update_weights(received)
+        return count
+
+    def weight_sync_receive_ipc(self, metas: list, handles: dict, last: bool) -> int:
+        if self.backend == "vllm":
+            return self.engine.weight_sync_receive_ipc(metas, handles)
+        device = self.engine.device
+        flat = open_ipc_handle(handles[device_uuid(device)], device)
+        self._ipc_received = getattr(self, "_ipc_received", {})
+        self._ipc_received.update((name, t.clone()) for name, t in unpack(flat, metas))  # the actor frees its copy
+        if last:
+            received, self._ipc_received = self._ipc_received, {}
+            self.engine.update_weights(received)
+        return len(metas)
+
+    def weight_sync_close(self) -> None:
+        if self.backend == "vllm":
+            self.engine.weight_sync_close()
+        elif getattr(self, "_sync_group", None) is not None:
+            self._sync_group.close()
+            self._sync_group = None
+
 
 class RayEngines(_Sleeping):
-    def __init__(self, group, enable_sleep: bool = False, timeout_s: float | None = None):
-        self.group = group  # a RoleGroup of EngineWorker
+    """`group`: a RoleGroup of EngineWorker. `sync_backend`: `--vllm.sync_backend` (auto, nccl, gloo,
+    ipc, object_store), resolved on the first sync; `bucket_mb`: the broadcast's bucket size. The
+    object store needs nothing from the workers but `update_weights`, and is what a caller that
+    names no transport gets."""
+
+    def __init__(self, group, enable_sleep: bool = False, timeout_s: float | None = None,
+                 sync_backend: str = "object_store", bucket_mb: int = DEFAULT_BUCKET_MB):
+        self.group = group
         self.num_engines = group.world_size
         self.enable_sleep = enable_sleep
         self.timeout_s = timeout_s if timeout_s is not None else sync_timeout_s()
+        self.requested_sync, self.bucket_mb = sync_backend, bucket_mb
+        self.weight_sync: WeightSync | None = None
 
     def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed):
         shards = prompt_shards(len(prompt_ids), self.num_engines)
@@ -141,20 +202,38 @@ class RayEngines(_Sleeping):
         parts = self.group.call_each_async("generate_ids", calls, ranks=range(len(shards))).per_rank()
         return [group for part in parts for group in part]
 
+    def setup_sync(self, actor) -> WeightSync:
+        """Pick the transport from what the engines and the actor ranks report (`actor`: a RayGroup)."""
+        from rlhf_core.config import ConfigError
+        from rlhf_core.rl.weight_sync import ObjectStoreSync, await_sync
+
+        if self.requested_sync == SyncBackend.OBJECT_STORE.value:
+            self.weight_sync = ObjectStoreSync()
+            return self.weight_sync
+        engines = await_sync(None, self.group.call_all_async("weight_sync_info"), self.timeout_s,
+                             what="weight sync setup")
+        devices = actor.group.call_all("weight_sync_device")
+        actor_gpus = {d["uuid"] for d in devices if d["uuid"]}
+        engine_gpus = [u for info in engines for u in info["uuids"]]
+        backend = resolve_sync_backend(self.requested_sync, vllm=any(info["vllm"] for info in engines),
+                                       colocated=bool(actor_gpus & set(engine_gpus)),
+                                       cuda=all(info["cuda"] for info in engines) and all(d["cuda"] for d in devices))
+        if backend == SyncBackend.IPC and not set(engine_gpus) <= actor_gpus:
+            raise ConfigError("--vllm.sync_backend: some engine workers share the actor's GPUs and some do not; CUDA "
+                              "IPC needs every engine on an actor rank's GPU (--train.colocate_all with actor ranks "
+                              "= --vllm.num_engines x --vllm.tensor_parallel_size)")
+        dtypes = {info["dtype"] for info in engines}
+        wire_dtype = dtypes.pop() if len(dtypes) == 1 and backend != SyncBackend.OBJECT_STORE else None
+        self.weight_sync = make_weight_sync(backend, [info["ranks"] for info in engines], self.bucket_mb, wire_dtype)
+        print(f"rlhf: weight sync to {self.num_engines} rollout engine(s): {backend.value}"
+              + (f" ({wire_dtype} on the wire)" if wire_dtype else ""), file=sys.stderr, flush=True)
+        return self.weight_sync
+
     def sync(self, actor) -> None:
         """Every engine loads the actor's current weights (`actor`: a RayGroup of policy ranks)."""
-        from rlhf_core.distributed.role_group import gather_all
-
         self.wake_up()
-        weights = actor.group.call_all_async("weights")  # rank 0's dict; every rank takes part in a ZeRO-3 gather
-        loads = self.group.call_all_async("update_weights", weights[0])  # an ObjectRef: each engine reads the store
-        try:
-            gather_all([weights, loads], timeout_s=self.timeout_s)
-        except RoleError as e:
-            if e.role != self.group.name:
-                raise
-            raise EngineSyncError(e.rank, f"weight sync failed: {e} (timeout {self.timeout_s:g} s, "
-                                  "RLHF_SYNC_TIMEOUT_S)") from e
+        weight_sync = self.weight_sync or self.setup_sync(actor)
+        weight_sync.sync(actor.group, self.group, self.timeout_s)
 
     def _sleep(self) -> None:
         self.group.call_all("sleep")

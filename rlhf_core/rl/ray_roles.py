@@ -9,6 +9,7 @@ Devices come from the cluster, not the driver; on CPU the whole job shares the c
 `RoleWorker` is one rank of a model role: the Ray actor is created first, and the role's model
 and DeepSpeed engine are built in `setup()`, once every rank of the role exists (their process
 group needs them all). Every rank seeds itself with `--train.seed`, as the in-process run does.
+An actor rank is also the sending side of the weight sync (`rl/weight_sync.WeightSender`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 
 from rlhf_core.distributed.resources import Layout, colocation_groups, plan_layout
+from rlhf_core.rl.weight_sync import WeightSender
 
 ROLE_KINDS = ("actor", "critic", "ref", "reward")
 
@@ -41,7 +43,7 @@ def rl_layout(cfg, reward_paths: list[str], devices) -> Layout:
     return plan_layout(sizes, groups, devices=devices)
 
 
-class RoleWorker:
+class RoleWorker(WeightSender):
     """One rank of an RL model role (`kind`: actor, critic, ref or reward) as a Ray actor."""
 
     def __init__(self, kind: str, cfg, *args):
@@ -89,3 +91,31 @@ class RoleWorker:
 
     def load_checkpoint(self, directory: str) -> None:
         self.role.load_checkpoint(directory)
+
+    # the weight sync's sources (WeightSender): every rank calls them
+    def _sync_state(self):
+        return self.role.weights()
+
+    def _sync_state_local(self):
+        """The full weights on this rank's own device (each rank feeds the engine on its GPU)."""
+        import torch
+
+        from rlhf_core.models.loading import _is_partitioned
+
+        module = self.role.engine.module
+        if not _is_partitioned(module):
+            return {k: v.detach() for k, v in module.state_dict().items()}
+        import deepspeed
+
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            names_of.setdefault(id(tensor), []).append(name)
+        state = {}
+        for _, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                full = param.detach().clone()
+            for name in names_of.get(id(param), []):
+                state[name] = full
+        for name, tensor in module.state_dict().items():  # buffers
+            state.setdefault(name, tensor.detach().to(torch.device("cuda", torch.cuda.current_device())))
+        return state

@@ -13,6 +13,13 @@ weights into the engine's model in place (`LLM.apply_model`, which needs the eng
 process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built); `sleep` /
 `wake_up` are vLLM's own (level 1: weights to host memory, KV cache dropped), enabled with
 `enable_sleep=True`.
+
+The RL weight sync's broadcast and CUDA IPC transports (`rl/weight_sync.py`) reach each of the
+engine's workers (one per tensor-parallel rank) through `LLM.collective_rpc` and the worker
+extension `WeightSyncExtension` (vLLM's `worker_extension_cls`, the hook OpenRLHF uses too): each
+worker joins the sync group as its own rank and loads what it receives with the model's own
+`load_weights` (which shards a full tensor for its rank), bucket by bucket. The receiving code is
+the one the transformers engine runs on CPU over gloo.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ def vllm_available() -> bool:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
-                 dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False):
+                 dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model reaches the model in-process
         from vllm import LLM
 
@@ -43,7 +51,10 @@ class VLLMEngine(RolloutEngine):
         # Leaves room on the GPU for the transformers models evaluation loads next to it.
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                       generation_config="vllm", logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep)
+                       generation_config="vllm", logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep,
+                       tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
+                       worker_extension_cls=f"{__name__}.WeightSyncExtension")
+        self.tensor_parallel_size = tensor_parallel_size
         self.eos_ids = {self.tokenizer.eos_token_id}
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
@@ -74,6 +85,29 @@ class VLLMEngine(RolloutEngine):
         self.llm.apply_model(lambda model: model.load_weights(iter(items)))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
+    # the weight sync's receiving side, run on every worker of the engine (WeightSyncExtension)
+    def weight_sync_info(self) -> dict:
+        dtypes = set(self.llm.collective_rpc("rlhf_sync_dtype"))
+        return {"cuda": True, "ranks": self.tensor_parallel_size, "dtype": dtypes.pop() if len(dtypes) == 1 else None,
+                "uuids": list(self.llm.collective_rpc("rlhf_sync_device_uuid"))}
+
+    def weight_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
+                         timeout_s: float) -> None:
+        self.llm.collective_rpc("rlhf_sync_open", args=(backend, host, port, rank_offset, world_size, timeout_s))
+
+    def weight_sync_receive(self) -> int:
+        counts = self.llm.collective_rpc("rlhf_sync_receive")
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return counts[0]
+
+    def weight_sync_receive_ipc(self, metas: list, handles: dict) -> int:
+        counts = self.llm.collective_rpc("rlhf_sync_receive_ipc", args=(metas, handles))
+        self.llm.reset_prefix_cache()
+        return counts[0]
+
+    def weight_sync_close(self) -> None:
+        self.llm.collective_rpc("rlhf_sync_close")
+
     def sleep(self) -> None:
         self.llm.sleep(level=1)
 
@@ -88,3 +122,45 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         gc.collect()
         torch.cuda.empty_cache()
+
+
+class WeightSyncExtension:
+    """Mixed into each vLLM worker (`worker_extension_cls`): the worker's side of the weight sync.
+    vLLM's worker gives `self.device`, `self.model_config` and `self.model_runner.model`."""
+
+    def rlhf_sync_dtype(self) -> str:
+        return str(self.model_config.dtype).removeprefix("torch.")
+
+    def rlhf_sync_device_uuid(self) -> str:
+        from rlhf_core.rl.weight_sync import device_uuid
+
+        return device_uuid(self.device)
+
+    def rlhf_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
+                       timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        from rlhf_core.rl.weight_sync import SyncGroup
+
+        rank = rank_offset + (dist.get_rank() if dist.is_initialized() else 0)  # this worker's rank in the engine
+        self._rlhf_sync_group = SyncGroup(backend, host, port, rank, world_size, timeout_s, device=self.device)
+
+    def rlhf_sync_receive(self) -> int:
+        from rlhf_core.rl.weight_sync import receive_broadcast
+
+        model = self.model_runner.model
+        return receive_broadcast(self._rlhf_sync_group, lambda items: model.load_weights(weights=items))
+
+    def rlhf_sync_receive_ipc(self, metas: list, handles: dict) -> int:
+        from rlhf_core.rl.weight_sync import device_uuid, open_ipc_handle, unpack
+
+        flat = open_ipc_handle(handles[device_uuid(self.device)], self.device)
+        self.model_runner.model.load_weights(weights=unpack(flat, metas))
+        torch.cuda.synchronize(self.device)  # loaded before the actor frees the bucket
+        return len(metas)
+
+    def rlhf_sync_close(self) -> None:
+        group = getattr(self, "_rlhf_sync_group", None)
+        if group is not None:
+            group.close()
+            self._rlhf_sync_group = None

@@ -33,11 +33,21 @@ def formatted(prepared):
     return [fmt.prompt_text(p) for p in prompts.prompts]
 
 
-def test_auto_picks_vllm_on_a_gpu():
+def test_auto_picks_vllm_on_a_gpu_and_transformers_when_asked(prepared, monkeypatch):
     pytest.importorskip("vllm")
-    from rlhf_core.rollout import vllm_available
+    import rlhf_core.rollout.vllm_engine as vllm_engine
+    from rlhf_core.rollout import TransformersEngine, make_engine
 
-    assert vllm_available()
+    built = []
+
+    class Recorded(vllm_engine.VLLMEngine):  # records the choice without a second engine on the GPU
+        def __init__(self, model_path, **kwargs):
+            built.append((model_path, kwargs))
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", Recorded)
+    engine = make_engine(prepared["base"], "auto", add_special_tokens=True)
+    assert isinstance(engine, Recorded) and built == [(prepared["base"], {"add_special_tokens": True})]
+    assert isinstance(make_engine(prepared["base"], "transformers"), TransformersEngine) and len(built) == 1
 
 
 def test_greedy_agrees_with_transformers(prepared, vllm_engine, formatted):
