@@ -12,6 +12,7 @@ at servers instead. `--config FILE.yaml` has one section per flow parameter:
     ppo: {train.max_steps: 40, algo.advantage.estimator: group_norm}   # any `rlhf train ppo` spelling
     evaluation: {max_samples: 100, promote_metric: sampled_accuracy}
     iterative: {rounds: 2}
+    online: {start_from: champion}
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import shlex
 
 from rlhf_core.config import ConfigError, build_config, load_yaml
 
-SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "evaluation", "iterative")
+SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "evaluation", "iterative", "online")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,14 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
     """Validated flow parameters from a YAML mapping plus command-line overrides (ConfigError if bad)."""
     from pydantic import ValidationError
 
-    from flows.params import STAGE_PARAMS, EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
+    from flows.params import (
+        STAGE_PARAMS,
+        EvalParams,
+        IterativeDPOParams,
+        OnlineRLParams,
+        PipelineSettings,
+        PrepParams,
+    )
 
     unknown = set(config) - set(SECTIONS)
     if unknown:
@@ -55,7 +63,7 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
             settings["force"] = True
     params = {}
     for name, cls in (("settings", PipelineSettings), ("prep", PrepParams), ("evaluation", EvalParams),
-                      ("iterative", IterativeDPOParams)):
+                      ("iterative", IterativeDPOParams), ("online", OnlineRLParams)):
         values = settings if name == "settings" else (config.get(name) or {})
         try:
             params[name] = cls.model_validate(values)

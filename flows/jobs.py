@@ -213,9 +213,9 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
         # checkpoint; `tasks.stages` refuses a folder written under another cache key.
         values["ckpt"].update(path=ctx.output(f"checkpoints/{name}"), save_steps=settings.checkpoint_steps,
                               load_enable=True)
-    for path in ("critic.model_name_or_path", "ref.model_name_or_path", "rollout.max_new_tokens", "data.max_len"):
-        section, leaf = path.split(".")
-        if getattr(getattr(cfg, section), leaf) is None:
+    for section, leaf in (p.split(".") for p in ("critic.model_name_or_path", "ref.model_name_or_path",
+                                                 "rollout.max_new_tokens", "data.max_len")):
+        if values[section].get(leaf) is None:
             values[section].pop(leaf, None)  # derived again from the filled inputs
 
     filled = PPOConfig.model_validate(values)

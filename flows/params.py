@@ -152,6 +152,7 @@ class Stage(str, Enum):
     PPO = "ppo"
     EVAL = "eval"
     ITERATIVE_DPO = "iterative_dpo"
+    ONLINE_RL = "online_rl"
 
 
 # The lifecycle the product card names: SFT -> reward model -> PPO. DPO is one `settings.stages`
@@ -229,6 +230,15 @@ class IterativeDPOParams(StrictModel):
                             description="Start from the registered champion policy (falls back to SFT) or SFT")
     seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run, so every "
                              "scheduled run samples fresh pairs)")
+
+
+class OnlineRLParams(StrictModel):
+    """Online RL (stage `online_rl`): PPO (the `ppo` section) continued from the champion on fresh prompts."""
+
+    start_from: str = Field("champion", pattern="^(champion|sft)$",
+                            description="Continue from the registered champion policy (falls back to SFT) or SFT")
+    seed: int | None = Field(None, description="Training seed: prompt order and sampling (default: drawn per "
+                             "pipeline run, so every scheduled run sees fresh prompts first)")
 
 
 class PipelineSettings(StrictModel):

@@ -33,6 +33,7 @@ from flows.params import (
     POLICY_STAGES,
     EvalParams,
     IterativeDPOParams,
+    OnlineRLParams,
     PipelineDPOConfig,
     PipelinePPOConfig,
     PipelineRMConfig,
@@ -48,7 +49,7 @@ from tasks.ray_jobs import ray_cluster
 from tasks.reports import publish_eval_report, summary_table
 from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO]
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
 
 @flow(name="rlhf", log_prints=True, validate_parameters=True)
@@ -56,6 +57,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          sft: PipelineSFTConfig = PipelineSFTConfig(), rm: PipelineRMConfig = PipelineRMConfig(),  # noqa: B008
          dpo: PipelineDPOConfig = PipelineDPOConfig(), ppo: PipelinePPOConfig = PipelinePPOConfig(),  # noqa: B008
          evaluation: EvalParams = EvalParams(), iterative: IterativeDPOParams = IterativeDPOParams(),  # noqa: B008
+         online: OnlineRLParams = OnlineRLParams(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     logger = get_run_logger()
@@ -106,6 +108,10 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
                     summary["iterative"] = run_rounds(ctx, settings, prep, dpo, evaluation, iterative, need, run,
                                                       outcomes)
+                elif stage == Stage.ONLINE_RL:
+                    from flows.online import run_online
+
+                    summary["online"] = run_online(ctx, settings, prep, ppo, evaluation, online, need, run, outcomes)
             if settings.register_models:
                 summary["registry"] = _register(outcomes, evaluation, summary.get("evaluation", {}).get("policies", []))
     except BaseException:
