@@ -238,7 +238,7 @@ def eval_job(ctx: PipelineContext, prep: PrepParams, params: EvalParams, prep_ou
     prompts = prep_paths(prep_outcome)["prompts"]
     args = ["eval", "--pretrain", ",".join(o.output_uri for o in policies.values()),
             "--policy_names", ",".join(policies), "--ref_pretrain", reference.output_uri, "--dataset", prompts,
-            "--task", prep.task, "--max_samples", str(params.max_samples), "--n_kl_samples", str(params.n_kl_samples),
+            "--task", prep.task, "--max_samples", str(params.max_samples),
             "--n_samples_per_prompt", str(params.n_samples_per_prompt),
             "--save_path", out, "--mlflow_experiment", ctx.experiment, "--mlflow_run_name", name]
     upstream = {f"policy-{n}": o for n, o in policies.items()}

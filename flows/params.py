@@ -204,13 +204,25 @@ class EvalParams(StrictModel):
     """`rlhf eval` on held-out prompts: every policy stage of the run against its reference (SFT)."""
 
     max_samples: int = Field(200, gt=0)
-    n_kl_samples: int = Field(1, gt=0)
     n_samples_per_prompt: int = Field(4, ge=1, description="Samples per prompt at temperature 1: sampled "
-                                      "accuracy (their mean) and pass@k")
+                                      "accuracy (their mean), pass@k and the KL estimate")
     promote_metric: str = Field("sampled_accuracy", examples=["greedy_accuracy", "pass_at_4", "reward"],
                                 description="Metric that decides whether a policy becomes the champion (higher "
                                 "wins): greedy_accuracy, sampled_accuracy, pass_at_<k>, reward, win_rate, kl, "
                                 "response_len (older names such as eval/policy_exact_match are mapped)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, values):
+        """`n_kl_samples` (pipeline YAMLs before policies were compared) is `n_samples_per_prompt`."""
+        if isinstance(values, dict) and "n_kl_samples" in values:
+            values = dict(values)
+            older = values.pop("n_kl_samples")
+            if "n_samples_per_prompt" in values and values["n_samples_per_prompt"] != older:
+                raise ValueError(f"n_kl_samples ({older}) is the older spelling of n_samples_per_prompt "
+                                 f"({values['n_samples_per_prompt']}): give one of them")
+            values["n_samples_per_prompt"] = older
+        return values
 
     @model_validator(mode="after")
     def _metric_name(self) -> EvalParams:

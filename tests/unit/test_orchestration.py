@@ -601,6 +601,9 @@ def test_old_promote_metrics_are_mapped_or_refused_with_what_to_write():
 
     from flows.params import EvalParams
 
+    assert EvalParams(n_kl_samples=2).n_samples_per_prompt == 2  # its older spelling
+    with pytest.raises(ValidationError, match="older spelling"):
+        EvalParams(n_kl_samples=2, n_samples_per_prompt=4)
     for old, new in (("eval/policy_exact_match", "greedy_accuracy"), ("eval/policy_reward", "reward"),
                      ("eval/win_rate", "win_rate"), ("eval/kl", "kl"), ("pass_at_4", "pass_at_4")):
         assert EvalParams(promote_metric=old).promote_metric == new
