@@ -121,7 +121,13 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
     upstream = _upstream_tags(tags) or _upstream_tags(stags)
     if not upstream:
         upstream = _upstream_from_manifest(node.output_uri)
+    # One model in several roles (PPO's SFT as actor and reference, its reward model as reward and
+    # critic start) is one parent whose role lists them all.
+    roles: dict[str, list[str]] = {}
     for up_role, run_id in sorted(upstream.items()):
+        roles.setdefault(run_id, []).append(up_role)
+    for run_id, names in sorted(roles.items(), key=lambda item: item[1]):
+        up_role = ", ".join(names)
         if run_id in seen:
             node.parents.append(Node(up_role, run_id, "(shown above)", "", None, None, None, "", None, [], {}))
             continue
