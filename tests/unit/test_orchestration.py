@@ -761,3 +761,15 @@ def test_every_deployment_validates_and_the_schedules_are_there():
     assert deployments["online-rl"]["parameters"]["settings"] == {"stages": ["online_rl"], "from_run": "champion"}
     assert deployments["iterative-dpo"]["schedules"][0]["cron"] == "0 3 * * *"
     assert deployments["online-rl"]["schedules"][0]["active"]
+
+
+def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
+    from flows.params import PipelinePPOConfig
+    from rlhf_core.lineage import params_off_default
+    from rlhf_core.tracking import redact_params
+
+    cfg = PipelinePPOConfig.model_validate({"pretrain": "/m/sft", "reward_pretrain": "/m/rm", "save_path": "/o",
+                                            "prompt_data": "json@/d", "ckpt.path": "/c", "max_steps": 7})
+    shown = params_off_default("ppo", redact_params(cfg.model_dump(mode="json")))
+    assert shown["train.max_steps"] == "7" and shown["algo.advantage.lambd"] == "0.95"  # tuned, off the CLI default
+    assert not [k for k in shown if k.endswith(("model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"))]
