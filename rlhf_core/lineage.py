@@ -128,7 +128,8 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
     roles: dict[str, list[str]] = {}
     for up_role, run_id in sorted(upstream.items()):
         roles.setdefault(run_id, []).append(up_role)
-    for run_id, names in sorted(roles.items(), key=lambda item: item[1]):
+    # The model a stage started from first, so its branch holds the shared ancestors.
+    for run_id, names in sorted(roles.items(), key=lambda item: ("model" not in item[1], item[1])):
         up_role = ", ".join(names)
         if run_id in seen:
             node.parents.append(Node(up_role, run_id, "(shown above)", "", None, None, None, "", None, [], {}))
