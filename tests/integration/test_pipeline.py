@@ -243,9 +243,11 @@ def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
     assert len(failed) == 1, "configuration errors are not retried"
 
 
-def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list, errors: list) -> None:
-    """SIGKILL the driver of the flow's SFT job once it logs a step, on the cluster the flow
-    started (its Jobs API address arrives in `addresses`). Errors end the watch and are kept."""
+def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list, errors: list,
+                            prefix: str = "rlhf-sft", ready=lambda log: "[step" in log) -> None:
+    """SIGKILL the driver of the flow's first job named `prefix...` once `ready(its log)`, on the
+    cluster the flow started (its Jobs API address arrives in `addresses`). Errors end the watch
+    and are kept."""
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -253,9 +255,9 @@ def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list
             if addresses:
                 client = JobSubmissionClient(addresses[0])
                 for job in client.list_jobs():  # also lists drivers without a submission id (ray.init)
-                    if not (job.submission_id or "").startswith("rlhf-sft") or job.status.value != "RUNNING":
+                    if not (job.submission_id or "").startswith(prefix) or job.status.value != "RUNNING":
                         continue
-                    if "[step" in client.get_job_logs(job.submission_id) and job.driver_info:
+                    if ready(client.get_job_logs(job.submission_id)) and job.driver_info:
                         os.kill(int(job.driver_info.pid), signal.SIGKILL)
                         killed.append(job.submission_id)
                         return
@@ -297,6 +299,44 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
     assert statuses == ["FAILED", "FINISHED"]
     error = next(r for r in runs if r.info.status == "FAILED").data.tags["rlhf.error"]
     assert killed[0] in error and "last log lines" in error and "[step" in error
+
+
+def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
+    """Retries resume: the RL stage checkpoints every step in the run's output area; the attempt
+    killed after its first checkpoint is retried, and the retry resumes there, not at step 0."""
+    import contextlib
+
+    import flows.pipeline
+    from flows.pipeline import rlhf
+
+    stop, addresses, killed, errors = threading.Event(), [], [], []
+    real_cluster = flows.pipeline.ray_cluster
+
+    @contextlib.contextmanager
+    def recorded_cluster():
+        with real_cluster() as address:
+            addresses.append(address)
+            yield address
+
+    monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, "rlhf-ppo",
+                                                                     lambda log: "[rl step 2" in log), daemon=True)
+    watcher.start()
+    try:
+        result = rlhf(**params(settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"], "retries": 1,
+                                         "retry_delay_seconds": 0, "force_stages": ["ppo"], "checkpoint_steps": 1},
+                               ppo={"train.max_steps": 4}))
+    finally:
+        stop.set()
+    assert not errors and killed, f"the watcher never saw the PPO job at step 2: {errors}"
+    c = mlflow_client()
+    runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
+                         f"tags.`mlflow.parentRunId` = '{result['pipeline_run_id']}' and tags.`rlhf.stage` = 'ppo'")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+    retry = next(r for r in runs if r.info.status == "FINISHED")
+    folder = retry.data.tags["rlhf.checkpoint_uri"]
+    assert retry.data.tags["rlhf.resumed_from_checkpoints"] == folder
+    assert (Path(folder) / "latest").read_text().strip() == "global_step4"
 
 
 def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
