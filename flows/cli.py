@@ -9,8 +9,10 @@ at servers instead. `--config FILE.yaml` has one section per flow parameter:
     sft: {max_epochs: 1, learning_rate: 5e-4}
     rm: {...}
     dpo: {beta: 0.2}
-    evaluation: {max_samples: 100}
+    ppo: {train.max_steps: 40, algo.advantage.estimator: group_norm}   # any `rlhf train ppo` spelling
+    evaluation: {max_samples: 100, promote_metric: sampled_accuracy}
     iterative: {rounds: 2}
+    online: {start_from: champion}
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import shlex
 
 from rlhf_core.config import ConfigError, build_config, load_yaml
 
-SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "evaluation", "iterative")
+SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "evaluation", "iterative", "online")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["run"])
     parser.add_argument("--config", default=None, help="YAML with sections " + ", ".join(SECTIONS))
-    parser.add_argument("--stages", default=None, help="Comma-separated stages (default: prep,sft,rm,dpo,eval)")
+    parser.add_argument("--stages", default=None, help="Comma-separated stages (default: prep,sft,rm,ppo,eval; "
+                        "DPO: prep,sft,rm,dpo,eval; both side by side: prep,sft,rm,dpo,ppo,eval)")
     parser.add_argument("--from_run", default=None, help="Earlier pipeline run to take upstream outputs from")
     parser.add_argument("--output_root", default=None, help="Local directory or s3:// URI for stage outputs")
     parser.add_argument("--force", action="store_true", help="Rerun every stage, ignoring cached outputs")
@@ -37,7 +40,14 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
     """Validated flow parameters from a YAML mapping plus command-line overrides (ConfigError if bad)."""
     from pydantic import ValidationError
 
-    from flows.params import STAGE_PARAMS, EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
+    from flows.params import (
+        STAGE_PARAMS,
+        EvalParams,
+        IterativeDPOParams,
+        OnlineRLParams,
+        PipelineSettings,
+        PrepParams,
+    )
 
     unknown = set(config) - set(SECTIONS)
     if unknown:
@@ -53,7 +63,7 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
             settings["force"] = True
     params = {}
     for name, cls in (("settings", PipelineSettings), ("prep", PrepParams), ("evaluation", EvalParams),
-                      ("iterative", IterativeDPOParams)):
+                      ("iterative", IterativeDPOParams), ("online", OnlineRLParams)):
         values = settings if name == "settings" else (config.get(name) or {})
         try:
             params[name] = cls.model_validate(values)
@@ -65,7 +75,23 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
             params[name] = build_config(cls, None, config.get(name) or {}, complete=False)
         except ConfigError as e:
             raise ConfigError(f"--config section {name}: {e}") from None
+    params["ppo"] = ppo_parameters(config.get("ppo") or {})
     return params
+
+
+def ppo_parameters(values: dict):
+    """The `ppo` section as `rlhf train ppo` reads its YAML (nested, dotted or flat keys), inputs open."""
+    from pydantic import ValidationError
+
+    from flows.params import PipelinePPOConfig
+    from rlhf_core.config import _format_validation_error
+    from rlhf_core.rl_config import _flag_name
+
+    try:
+        return PipelinePPOConfig.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(f"--config section ppo: {_format_validation_error(e, 'the ppo section', _flag_name)}") \
+            from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,12 +117,18 @@ def print_summary(summary: dict) -> None:
     print("\noutputs:")
     for name, uri in summary["outputs"].items():
         print(f"  {name:<16}{uri}")
-    champion = summary.get("registry", {}).get("dpo", {})
+    registry = summary.get("registry", {})
+    for name, entry in registry.get("policies", {}).items():
+        value = f", {registry['policy']['metric']} = {entry['value']}" if "value" in entry else ""
+        print(f"\n{name}: registered {entry['model']} v{entry['version']}{value}", end="")
+    champion = registry.get("policy")
     if champion:
         state = "is the new champion" if champion.get("champion") else "did not beat the champion"
-        print(f"\npolicy {champion['model']} v{champion['version']} {state} "
+        print(f"\nbest policy: {champion['best']} ({champion['model']} v{champion['version']}) {state} "
               f"({champion.get('metric')} = {champion.get('value')}, previous {champion.get('previous_champion_value')})")
         print(f"champion: models:/{champion['model']}@champion -> {champion.get('champion_uri')}")
+    elif registry.get("policies"):
+        print()
     print(f"\nsummary:    {summary['summary_uri']}")
     print("lineage:    rlhf lineage models:/rlhf-policy@champion")
     print(f"MLflow UI:  mlflow ui --backend-store-uri {tracking_uri()}")

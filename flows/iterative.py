@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import zlib
 
+from flows.jobs import eval_job, policy_metric, prep_paths, train_job
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
 from rlhf_core.config import DPOConfig, with_updates
 from rlhf_core.version import params_hash
@@ -37,7 +38,7 @@ def pairs_settings_hash(prep: PrepParams, iterative: IterativeDPOParams, round_s
 
 def starting_policy(iterative: IterativeDPOParams, sft: StageOutcome) -> StageOutcome:
     if iterative.start_from == "champion":
-        version = lineage.alias_version(lineage.REGISTERED_NAMES["dpo"], lineage.CHAMPION)
+        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
         if version is not None:
             outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
             if outcome is not None:
@@ -47,8 +48,6 @@ def starting_policy(iterative: IterativeDPOParams, sft: StageOutcome) -> StageOu
 
 def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, dpo: DPOConfig,
                evaluation: EvalParams, iterative: IterativeDPOParams, need, run, outcomes: dict) -> dict:
-    from flows.pipeline import _eval_job, _train_job, prep_paths
-
     prep_outcome, sft = need("prep"), need("sft")
     reward = need("rm") if iterative.reward == "reward_model" else None
     policy = starting_policy(iterative, sft)
@@ -72,19 +71,16 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
 
         # Sampled responses may stop at max_new_tokens without EOS, a few tokens past the
         # prep data's lengths: truncate rather than fail a scheduled round on one long sample.
-        trained = outcomes[f"dpo-round{r}"] = run(_train_job(
+        trained = outcomes[f"dpo-round{r}"] = run(train_job(
             ctx, settings, with_updates(dpo, truncate=True), need, name=f"dpo-round{r}", model_from=policy,
             data_from=(pairs, f"json@{pairs.output_uri}"), eval_dataset=paths["preference"]))
-        evaluated = outcomes[f"eval-round{r}"] = run(_eval_job(ctx, prep, evaluation, prep_outcome, trained, sft,
-                                                               reward, name=f"eval-round{r}"))
+        evaluated = outcomes[f"eval-round{r}"] = run(eval_job(ctx, prep, evaluation, prep_outcome, {"dpo": trained},
+                                                              sft, reward, name=f"eval-round{r}"))
         report = publish_eval_report(evaluated, evaluation.promote_metric)
-        value = evaluated.metrics.get(evaluation.promote_metric)
-        if value is None:
-            raise ValueError(f"evaluation.promote_metric {evaluation.promote_metric!r} is not among the evaluation "
-                             f"metrics {sorted(evaluated.metrics)}")
+        value = policy_metric(evaluated.metrics, "dpo", evaluation.promote_metric)
         version = lineage.register_once("dpo", trained.output_uri, trained.manifest.get("mlflow_run_id")
                                         or trained.run_id)
-        promoted, previous = lineage.promote(version.name, version.version, evaluation.promote_metric, float(value))
+        promoted, previous = lineage.promote(version.name, version.version, evaluation.promote_metric, value)
         rounds.append({"round": r, "policy_in": policy.output_uri, "policy_out": trained.output_uri,
                        "pairs": pairs.metrics, "metric": evaluation.promote_metric, "value": value,
                        "previous_champion_value": previous, "promoted": promoted, "version": version.version,

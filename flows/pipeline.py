@@ -1,8 +1,8 @@
-"""The `rlhf` flow: prep -> SFT -> reward model -> DPO -> evaluation (and iterative DPO rounds).
+"""The `rlhf` flow: prep -> SFT -> reward model -> PPO and/or DPO -> evaluation (and iterative DPO rounds).
 
 Orchestration only: each stage is a task that submits the `rlhf` CLI as a Ray job (see
-`tasks/stages.py`); this module decides what runs, in which order, on whose outputs, and records
-the pipeline run in MLflow. Choices:
+`tasks/stages.py`; the jobs themselves are built in `flows/jobs.py`); this module decides what
+runs, in which order, on whose outputs, and records the pipeline run in MLflow. Choices:
 
 - `settings.stages` picks the stages; they always run in lifecycle order. A stage that is not
   run but is needed downstream comes from `settings.from_run` (an earlier pipeline run, by MLflow
@@ -12,6 +12,10 @@ the pipeline run in MLflow. Choices:
   id>/<stage>` (local or s3://; jobs read s3:// data through a local cache).
 - Embedded default: a local Ray with its dashboard is started for the flow run and stopped at
   the end; with `RAY_ADDRESS` the jobs go to that cluster.
+- Every policy stage of the run (DPO, PPO) trains from the same SFT model and reward model; one
+  `rlhf eval` job compares them all with the reference (SFT) on the same held-out prompts. Each
+  registers a version of `rlhf-policy` (`candidate`: the run's best); `champion` moves to the
+  best of them and the current champion by `evaluation.promote_metric`.
 - The return value and the parent run hold, per stage, the task's wall time and the Ray job's own
   run time; their difference is the orchestration overhead.
 """
@@ -24,35 +28,36 @@ import time
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
 from flows.params import (
+    POLICY_STAGES,
     EvalParams,
     IterativeDPOParams,
+    OnlineRLParams,
     PipelineDPOConfig,
+    PipelinePPOConfig,
     PipelineRMConfig,
     PipelineSettings,
     PipelineSFTConfig,
     PrepParams,
     Stage,
 )
-from rlhf_core.config import TrainConfig, state_dir, with_updates
-from rlhf_core.version import code_version, config_hash, params_hash
+from rlhf_core.config import state_dir
+from rlhf_core.version import code_version
 from tasks import lineage
 from tasks.ray_jobs import ray_cluster
 from tasks.reports import publish_eval_report, summary_table
 from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.EVAL, Stage.ITERATIVE_DPO]
-
-
-class PipelineError(ValueError):
-    """A pipeline-level configuration problem (missing upstream, bad from_run)."""
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
 
 @flow(name="rlhf", log_prints=True, validate_parameters=True)
 def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = PrepParams(),  # noqa: B008
          sft: PipelineSFTConfig = PipelineSFTConfig(), rm: PipelineRMConfig = PipelineRMConfig(),  # noqa: B008
-         dpo: PipelineDPOConfig = PipelineDPOConfig(),  # noqa: B008
+         dpo: PipelineDPOConfig = PipelineDPOConfig(), ppo: PipelinePPOConfig = PipelinePPOConfig(),  # noqa: B008
          evaluation: EvalParams = EvalParams(), iterative: IterativeDPOParams = IterativeDPOParams(),  # noqa: B008
+         online: OnlineRLParams = OnlineRLParams(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     logger = get_run_logger()
@@ -86,21 +91,29 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
             for stage in stages:
                 if stage == Stage.PREP:
-                    outcomes["prep"] = run(_prep_job(ctx, prep))
+                    outcomes["prep"] = run(prep_job(ctx, prep))
                 elif stage in (Stage.SFT, Stage.RM, Stage.DPO):
                     cfg = {"sft": sft, "rm": rm, "dpo": dpo}[stage.value]
-                    outcomes[stage.value] = run(_train_job(ctx, settings, cfg, need))
+                    outcomes[stage.value] = run(train_job(ctx, settings, cfg, need))
+                elif stage == Stage.PPO:
+                    outcomes["ppo"] = run(ppo_job(ctx, settings, prep, ppo, need))
                 elif stage == Stage.EVAL:
-                    outcomes["eval"] = run(_eval_job(ctx, prep, evaluation, need("prep"), need("dpo"), need("sft"),
-                                                     need("rm"), name="eval"))
+                    policies = evaluated_policies(stages, outcomes, earlier, need, settings)
+                    outcomes["eval"] = run(eval_job(ctx, prep, evaluation, need("prep"), policies, need("sft"),
+                                                    need("rm"), name="eval"))
                     summary["evaluation"] = publish_eval_report(outcomes["eval"], evaluation.promote_metric)
+                    summary["evaluation"]["policies"] = list(policies)
                 elif stage == Stage.ITERATIVE_DPO:
                     from flows.iterative import run_rounds
 
                     summary["iterative"] = run_rounds(ctx, settings, prep, dpo, evaluation, iterative, need, run,
                                                       outcomes)
+                elif stage == Stage.ONLINE_RL:
+                    from flows.online import run_online
+
+                    summary["online"] = run_online(ctx, settings, prep, ppo, evaluation, online, need, run, outcomes)
             if settings.register_models:
-                summary["registry"] = _register(outcomes, evaluation)
+                summary["registry"] = _register(outcomes, evaluation, summary.get("evaluation", {}).get("policies", []))
     except BaseException:
         lineage.end_run(parent, "FAILED")
         raise
@@ -157,7 +170,7 @@ def _earlier_outcomes(settings: PipelineSettings) -> dict[str, StageOutcome]:
     (the pipeline run that trained the current champion policy)."""
     ref = settings.from_run
     if ref == "champion":
-        version = lineage.alias_version(lineage.REGISTERED_NAMES["dpo"], lineage.CHAMPION)
+        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
         if version is None:
             raise PipelineError("from_run 'champion': no rlhf-policy version has the champion alias yet; run the "
                                 "full pipeline first")
@@ -174,118 +187,60 @@ def _earlier_outcomes(settings: PipelineSettings) -> dict[str, StageOutcome]:
     return outcomes
 
 
-def _prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
-    out = ctx.output("prep")
-    args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
-            "--n_train", str(prep.n_train), "--n_test", str(prep.n_test)]
-    return StageJob("prep", "prep", args, out, params_hash(prep))
+def evaluated_policies(stages: list[Stage], outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome],
+                       need, settings: PipelineSettings) -> dict[str, StageOutcome]:
+    """The policies one eval job compares: the policy stages this run trained, else (an eval-only
+    rerun) those of `from_run`. Names are the stage names (`dpo`, `ppo`)."""
+    ran = [s.value for s in stages if s in POLICY_STAGES]
+    names = ran or [s.value for s in POLICY_STAGES if s.value in earlier]
+    if not names:
+        raise PipelineError("stage 'eval' needs a policy: add dpo or ppo to settings.stages, or pass a from_run "
+                            f"that trained one ({settings.from_run!r} has none)")
+    return {name: outcomes[name] if name in outcomes else need(name) for name in names}
 
 
-def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
-    root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
-    return {"base": f"{root}/base", "sft": f"json@{root}/data/sft", "preference": f"json@{root}/data/preference",
-            "prompts": f"json@{root}/data/prompts"}
+def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams, policies: list[str]) -> dict:
+    """Register this run's final models (once per trained output); promote the best evaluated policy.
 
-
-UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference")}
-
-
-def _train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig, need,
-               name: str | None = None, model_from: StageOutcome | None = None,
-               data_from: tuple[StageOutcome, str] | None = None, eval_dataset: str | None = None) -> StageJob:
-    """A training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
-    import yaml
-
-    stage = cfg.stage
-    name = name or stage
-    model_role, data_kind = UPSTREAM[stage]
-    upstream: dict[str, StageOutcome] = {}
-    external: dict[str, str] = {}
-    updates: dict = {"mlflow_experiment": ctx.experiment, "mlflow_parent_run_id": ctx.parent_run_id,
-                     "mlflow_run_name": name}
-    if cfg.pretrain is None:
-        source = model_from or need(model_role)
-        upstream["model"] = source
-        updates["pretrain"] = prep_paths(source)["base"] if source.stage == "prep" else source.output_uri
-    else:
-        external["model"] = cfg.pretrain
-    reference = given_reference(cfg)
-    if reference is not None:
-        external["reference"] = reference
-    if data_from is not None:
-        upstream["data"], updates["dataset"] = data_from
-    elif cfg.data.dataset is None:
-        prep_outcome = need("prep")
-        upstream.setdefault("data", prep_outcome)
-        updates["dataset"] = prep_paths(prep_outcome)[data_kind]
-    if eval_dataset is not None:
-        updates["eval_dataset"] = eval_dataset
-    if cfg.save_path is None:
-        updates["save_path"] = ctx.output(name)
-    filled = with_updates(cfg, **updates)
-    filled.check_complete()
-    datasets = ",".join(d for d in (filled.data.dataset, filled.data.eval_dataset) if d)
-    # The key holds the precision the ranks will train in, never `auto`; the job gets the config as asked.
-    hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
-    return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
-                    yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external)
-
-
-def given_reference(cfg: TrainConfig) -> str | None:
-    """The reference model a DPO/KTO config names apart from its start model; None when derived.
-
-    Their validators fill `ref_pretrain` from `pretrain`, and `with_updates` (or any dump and
-    validate) turns that derived value into a set field, so the field alone cannot say who chose
-    it. A reference equal to `pretrain` is already in the cache key as the model; a missing one is
-    filled from the upstream model, also in the key. Only a different one is a further input.
+    Every evaluated policy stage registers a version of `rlhf-policy`; `candidate` points at the
+    run's best, and `champion` moves to it when it beats the current champion on the metric.
     """
-    reference = getattr(cfg, "ref_pretrain", None)
-    return reference if reference is not None and reference != cfg.pretrain else None
-
-
-def _eval_job(ctx: PipelineContext, prep: PrepParams, params: EvalParams, prep_outcome: StageOutcome,
-              policy: StageOutcome, reference: StageOutcome, reward: StageOutcome | None, name: str) -> StageJob:
-    """`rlhf eval` of `policy` against `reference` on prep's held-out prompts."""
-    out = ctx.output(name)
-    prompts = prep_paths(prep_outcome)["prompts"]
-    args = ["eval", "--pretrain", policy.output_uri, "--ref_pretrain", reference.output_uri, "--dataset", prompts,
-            "--task", prep.task, "--max_samples", str(params.max_samples), "--n_kl_samples", str(params.n_kl_samples),
-            "--save_path", out, "--mlflow_experiment", ctx.experiment, "--mlflow_run_name", name]
-    upstream = {"policy": policy, "reference": reference, "data": prep_outcome}
-    if reward is not None:
-        args += ["--reward_pretrain", reward.output_uri]
-        upstream["reward"] = reward
-    return StageJob("eval", name, args, out, eval_settings_hash(prep, params), None, prompts, upstream,
-                    num_gpus=ctx.rollout_gpus)
-
-
-# EvalParams fields that never reach the eval job: `promote_metric` only decides, after the job,
-# what its metrics promote. Every other field, present or future, is in the eval cache key.
-EVAL_NOT_IN_KEY = frozenset({"promote_metric"})
-
-
-def eval_settings_hash(prep: PrepParams, params: EvalParams) -> str:
-    """The settings part of an eval stage's cache key (models and prompts enter as upstream keys)."""
-    return params_hash(params, exclude=EVAL_NOT_IN_KEY, task=prep.task)
-
-
-def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams) -> dict:
-    """Register this run's final models (once per trained output); promote the policy on its evaluation."""
-    registered = {}
-    for stage in ("sft", "rm", "dpo"):
+    registered: dict = {}
+    for stage in ("sft", "rm"):
         if stage in outcomes:
             o = outcomes[stage]
             version = lineage.register_once(stage, o.output_uri, o.manifest.get("mlflow_run_id") or o.run_id)
             registered[stage] = {"model": version.name, "version": version.version}
-    if "dpo" in registered and "eval" in outcomes:
-        value = outcomes["eval"].metrics.get(evaluation.promote_metric)
-        if value is None:
-            raise PipelineError(f"evaluation.promote_metric {evaluation.promote_metric!r} is not among the "
-                                f"evaluation metrics {sorted(outcomes['eval'].metrics)}")
-        promoted, previous = lineage.promote(registered["dpo"]["model"], registered["dpo"]["version"],
-                                             evaluation.promote_metric, float(value))
-        champion = lineage.alias_version(registered["dpo"]["model"], lineage.CHAMPION)
-        registered["dpo"].update({"champion": promoted, "metric": evaluation.promote_metric, "value": value,
-                                  "previous_champion_value": previous,
-                                  "champion_uri": champion.tags.get("rlhf.output_uri") if champion else None})
+    trained = [name for name in ("dpo", "ppo") if name in outcomes]
+    if not trained:
+        return registered
+    registered["policies"] = {}
+    for name in trained:
+        o = outcomes[name]
+        version = lineage.register_once(name, o.output_uri, o.manifest.get("mlflow_run_id") or o.run_id)
+        registered["policies"][name] = {"model": version.name, "version": version.version, "uri": o.output_uri}
+    evaluated = [name for name in trained if name in policies and "eval" in outcomes]
+    if not evaluated:
+        return registered
+    metric = evaluation.promote_metric
+    for name in evaluated:
+        registered["policies"][name]["value"] = policy_metric(outcomes["eval"].metrics, name, metric)
+    # Ascending, so the champion ends on the best of the run and the champion it had.
+    ordered = sorted(evaluated, key=lambda n: registered["policies"][n]["value"])
+    previous_value = None
+    for i, name in enumerate(ordered):
+        entry = registered["policies"][name]
+        promoted, previous = lineage.promote(lineage.POLICY_MODEL, entry["version"], metric, entry["value"])
+        entry["champion"] = promoted
+        if i == 0:
+            previous_value = previous
+    best = registered["policies"][ordered[-1]]
+    lineage.set_alias(lineage.POLICY_MODEL, lineage.CANDIDATE, best["version"])
+    champion = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
+    registered["policy"] = {"model": lineage.POLICY_MODEL, "best": ordered[-1], "version": best["version"],
+                            "metric": metric, "value": best["value"],
+                            "champion": champion is not None and champion.version == best["version"],
+                            "previous_champion_value": previous_value,
+                            "champion_version": champion.version if champion else None,
+                            "champion_uri": champion.tags.get("rlhf.output_uri") if champion else None}
     return registered

@@ -21,7 +21,9 @@ from rlhf_core.tracking import tracking_uri
 
 # Params the tree shows in other forms (parents, output, datasets) or that say nothing about the model.
 HIDDEN_PARAMS = {"pretrain", "ref_pretrain", "reward_pretrain", "save_path", "ckpt_path", "dataset", "eval_dataset",
-                 "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow"}
+                 "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow",
+                 # `rlhf train ppo`'s sectioned names of the same things (`actor.model_name_or_path`, ...)
+                 "model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"}
 
 
 class LineageError(ValueError):
@@ -121,7 +123,14 @@ def _node(run, role: str, depth: int, seen: set[str]) -> Node:
     upstream = _upstream_tags(tags) or _upstream_tags(stags)
     if not upstream:
         upstream = _upstream_from_manifest(node.output_uri)
+    # One model in several roles (PPO's SFT as actor and reference, its reward model as reward and
+    # critic start) is one parent whose role lists them all.
+    roles: dict[str, list[str]] = {}
     for up_role, run_id in sorted(upstream.items()):
+        roles.setdefault(run_id, []).append(up_role)
+    # The model a stage started from first, so its branch holds the shared ancestors.
+    for run_id, names in sorted(roles.items(), key=lambda item: ("model" not in item[1], item[1])):
+        up_role = ", ".join(names)
         if run_id in seen:
             node.parents.append(Node(up_role, run_id, "(shown above)", "", None, None, None, "", None, [], {}))
             continue
@@ -142,12 +151,13 @@ def params_off_default(stage: str, params: dict[str, str]) -> dict[str, str]:
     Stages without a config class (prep) show every param. Params of another code version that
     the config no longer has are shown too: they differ from what a default run would log."""
     from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, STAGE_CONFIGS
+    from rlhf_core.rl_config import PPOConfig
     from rlhf_core.tracking import redact_params
 
-    config_cls = STAGE_CONFIGS.get(stage) or ROLLOUT_STAGE_CONFIGS.get(stage)
+    config_cls = STAGE_CONFIGS.get(stage) or ROLLOUT_STAGE_CONFIGS.get(stage) or {"ppo": PPOConfig}.get(stage)
     defaults = redact_params(config_cls.model_construct().model_dump(mode="json")) if config_cls else {}
     return {k: v for k, v in params.items()
-            if k.split(".")[-1] not in HIDDEN_PARAMS and defaults.get(k) != v}
+            if k.split(".")[-1] not in HIDDEN_PARAMS and k not in HIDDEN_PARAMS and defaults.get(k) != v}
 
 
 def _upstream_tags(tags: dict) -> dict[str, str]:

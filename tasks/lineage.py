@@ -12,9 +12,10 @@ datasets into a run that already carries its lineage tags:
 Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so
 several stage tasks can talk to MLflow from one process without stepping on each other.
 
-Registry: final models are registered as `rlhf-sft`, `rlhf-reward`, `rlhf-policy`; the newest
-version gets alias `candidate`; `promote` moves `champion` only when the evaluation metric beats
-the current champion's. A model version's `source` is the stage output URI when it is remote
+Registry: final models are registered as `rlhf-sft`, `rlhf-reward`, `rlhf-policy` (DPO and PPO
+policies alike; the version tag `rlhf.stage` tells them apart); the newest version gets alias
+`candidate`; `promote` moves `champion` only when the evaluation metric beats the current
+champion's. A model version's `source` is the stage output URI when it is remote
 (s3://); a tracking *server* refuses local paths outside a run's artifact folder, so a local
 output is registered as the run's `stage.json` artifact and its folder kept in the version tag
 `rlhf.output_uri`, which is what consumers read.
@@ -30,7 +31,8 @@ from rlhf_core import storage
 from rlhf_core.redaction import redact, redact_text
 from rlhf_core.tracking import ensure_experiment, redact_params, tracking_uri
 
-REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": "rlhf-policy"}
+POLICY_MODEL = "rlhf-policy"  # every policy stage (DPO, PPO, iterative rounds) registers here
+REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL}
 CANDIDATE, CHAMPION = "candidate", "champion"
 
 
@@ -172,19 +174,34 @@ def alias_version(name: str, alias: str):
     return None if version is None else c.get_model_version(name, version)
 
 
+# What a champion registered before policies were compared side by side recorded for each metric.
+OLD_METRIC_TAGS = {"greedy_accuracy": "eval/policy_exact_match", "reward": "eval/policy_reward",
+                   "response_len": "eval/policy_response_len", "win_rate": "eval/win_rate", "kl": "eval/kl"}
+
+
+def recorded_value(version, metric: str) -> float | None:
+    """A version's recorded `metric`, also under the name it had before (`eval/policy_exact_match`)."""
+    raw = version.tags.get(f"rlhf.eval.{metric}")
+    if raw is None and metric in OLD_METRIC_TAGS:
+        raw = version.tags.get(f"rlhf.eval.{OLD_METRIC_TAGS[metric]}")
+    return float(raw) if raw is not None else None
+
+
 def promote(name: str, version: str, metric: str, value: float) -> tuple[bool, float | None]:
-    """Make `version` the champion when `value` beats the champion's `metric` (or there is none).
+    """Make `version` the champion when `value` beats the champion's `metric` (or there is none, or
+    the champion never recorded that metric: a champion of an older metric gives way).
 
     Returns (promoted, previous champion's value).
     """
     c = client()
     c.set_model_version_tag(name, version, f"rlhf.eval.{metric}", str(value))
     champion = alias_version(name, CHAMPION)
-    previous = None
-    if champion is not None:
-        raw = champion.tags.get(f"rlhf.eval.{metric}")
-        previous = float(raw) if raw is not None else None
+    previous = recorded_value(champion, metric) if champion is not None else None
     if champion is None or previous is None or value > previous:
         c.set_registered_model_alias(name, CHAMPION, version)
         return True, previous
     return False, previous
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    client().set_registered_model_alias(name, alias, version)

@@ -90,7 +90,7 @@ class StageOutcome:
 class StageJob:
     """One stage to run: the CLI arguments, what its output depends on, where it goes."""
 
-    stage: str  # prep | sft | rm | dpo | eval | pairs
+    stage: str  # prep | sft | rm | dpo | ppo | eval | pairs
     name: str  # unique within the pipeline run (e.g. "dpo" or "dpo-round2")
     args: list[str]  # `rlhf <args>`; "{config}" is replaced by the written config's path
     output_uri: str
@@ -100,6 +100,7 @@ class StageJob:
     upstream: dict[str, StageOutcome] = field(default_factory=dict)  # role -> outcome
     external_inputs: dict[str, str] = field(default_factory=dict)  # role -> model/hub URI not made here
     num_gpus: float = 0  # for the job's driver (eval and pairs generate in-process)
+    checkpoint_uri: str | None = None  # a checkpoint folder the job resumes from (see tasks/resume.py)
 
 
 def _tags(ctx: PipelineContext, job: StageJob, key: str) -> dict[str, str]:
@@ -154,7 +155,16 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
             return StageOutcome(job.stage, job.name, uri, run_id, key, True, manifest.get("metrics", {}), manifest,
                                 0.0, time.perf_counter() - started)
 
+    resuming = False
+    if job.checkpoint_uri is not None:
+        from tasks.resume import claim
+
+        resuming = claim(job.checkpoint_uri, key, job.name)  # CheckpointMismatch: not retried
+        tags["rlhf.checkpoint_uri"] = job.checkpoint_uri
     run_id = lineage.start_stage_run(ctx.parent_run_id, job.stage, job.name, tags)
+    if resuming:
+        lineage.set_tags(run_id, {"rlhf.resumed_from_checkpoints": job.checkpoint_uri})
+        logger.info(f"{job.name}: an earlier attempt left checkpoints in {job.checkpoint_uri}; resuming there")
     try:
         args = list(job.args)
         if job.config_yaml is not None:

@@ -1,9 +1,14 @@
 """The `rlhf` flow on the embedded default: Prefect in-process, a local Ray with the Jobs API, SQLite MLflow.
 
-One full tiny pipeline is run once per module; the other tests build on it: a cached rerun, a
-single-stage rerun from it, a configuration error, a Ray job killed mid-stage, S3 outputs, and
-two iterative-DPO rounds. Models are tiny and steps few: these tests prove the orchestration
-(jobs, retries, caching, lineage, registry), the unit and trainer tests prove the learning.
+One full tiny pipeline (the default stages: prep -> SFT -> reward model -> PPO -> eval) is run
+once per module; the other tests build on it: a cached rerun, single-stage reruns (DPO, PPO) from
+it, DPO and PPO evaluated side by side, a configuration error, a Ray job killed mid-stage, S3
+outputs, and two iterative-DPO rounds. Models are tiny and steps few: these tests prove the
+orchestration (jobs, retries, caching, lineage, registry), the unit and trainer tests prove the
+learning.
+
+The evaluation stage calls `rlhf eval --pretrain A,B --policy_names dpo,ppo` and reads
+`eval/<name>/<metric>`: every test here that uses `first_run` depends on that `rlhf eval`.
 """
 
 from __future__ import annotations
@@ -20,14 +25,20 @@ import pytest
 pytestmark = pytest.mark.integration
 
 STEPS = {"max_steps": 4, "train_batch_size": 16, "micro_train_batch_size": 16}
+# Two RL steps of 8 prompts x 4 samples, a checkpoint after each (the folder a retry resumes from).
+PPO_STEPS = {"train.max_steps": 2, "rollout.batch_size": 8, "rollout.n_samples_per_prompt": 4,
+             "train.batch_size": 32, "train.micro_batch_size": 16, "rollout.micro_batch_size": 32,
+             "critic.freezing_steps": 0, "eval.n_samples_per_prompt": 1}
 TINY = {
-    "settings": {"retries": 0},
+    "settings": {"retries": 0, "checkpoint_steps": 1},
     "prep": {"n_train": 256, "n_test": 32},
     "sft": STEPS,
     "rm": STEPS,
     "dpo": STEPS,
-    "evaluation": {"max_samples": 16},
+    "ppo": PPO_STEPS,
+    "evaluation": {"max_samples": 16, "n_samples_per_prompt": 2},
 }
+DEFAULT_STAGES = {"prep", "sft", "rm", "ppo", "eval"}
 
 
 def params(**sections) -> dict:
@@ -93,10 +104,11 @@ def tree_digest(path: str) -> str:
 
 
 def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
+    """The default pipeline runs SFT -> RM -> PPO -> eval, registers the PPO policy and promotes it."""
     from rlhf_core import storage
     from rlhf_core.lineage import build, render
 
-    assert set(first_run["stages"]) == {"prep", "sft", "rm", "dpo", "eval"}
+    assert set(first_run["stages"]) == DEFAULT_STAGES
     assert not any(t["cached"] for t in first_run["stages"].values())
     for name, uri in first_run["outputs"].items():
         assert storage.read_manifest(uri) is not None, name
@@ -104,37 +116,45 @@ def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
     parent = mlflow_client().get_run(first_run["pipeline_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.kind"] == "pipeline"
     runs = child_runs(first_run["pipeline_run_id"])
-    assert set(runs) == {"prep", "sft", "rm", "dpo", "eval"}
-    dpo_tags = runs["dpo"].data.tags
-    assert dpo_tags["rlhf.upstream.model.run_id"] == runs["sft"].info.run_id
-    assert dpo_tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
-    assert dpo_tags["rlhf.upstream.data.run_id"] == runs["prep"].info.run_id
-    assert dpo_tags["rlhf.prefect_flow_run_id"] == first_run["prefect_flow_run_id"]
-    assert dpo_tags["rlhf.code_version"] and dpo_tags["rlhf.cache_key"].startswith("sha256:")
+    assert set(runs) == DEFAULT_STAGES
+    ppo_tags = runs["ppo"].data.tags
+    for role, stage in (("model", "sft"), ("reference", "sft"), ("reward", "rm"), ("critic", "rm"), ("data", "prep")):
+        assert ppo_tags[f"rlhf.upstream.{role}.run_id"] == runs[stage].info.run_id, role
+    assert ppo_tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
+    assert ppo_tags["rlhf.upstream.critic.model_uri"] == first_run["outputs"]["rm"]
+    assert ppo_tags["rlhf.prefect_flow_run_id"] == first_run["prefect_flow_run_id"]
+    assert ppo_tags["rlhf.code_version"] and ppo_tags["rlhf.cache_key"].startswith("sha256:")
     assert runs["sft"].inputs.dataset_inputs, "datasets logged as MLflow inputs"
     assert runs["sft"].data.metrics["eval/loss"] < runs["sft"].data.metrics["eval_initial/loss"]
+    ppo_manifest = storage.read_manifest(first_run["outputs"]["ppo"])
+    assert ppo_manifest["stage"] == "ppo" and "eval/sampled_accuracy" in ppo_manifest["metrics"]
+    # The RL state was checkpointed in the run's output area, claimed by the stage's cache key.
+    checkpoints = Path(ppo_tags["rlhf.checkpoint_uri"])
+    assert checkpoints.parent.name == "checkpoints" and (checkpoints / "latest").is_file()
+    assert ppo_tags["rlhf.cache_key"] in (checkpoints / "rlhf-stage-key.json").read_text()
 
     evaluation = first_run["evaluation"]["metrics"]
-    for key in ("eval/win_rate", "eval/kl", "eval/policy_exact_match", "eval/reference_exact_match",
-                "eval/policy_reward", "eval/policy_response_len"):
+    assert first_run["evaluation"]["policies"] == ["ppo"]
+    for key in ("eval/ppo/sampled_accuracy", "eval/ppo/greedy_accuracy", "eval/ppo/win_rate", "eval/ppo/kl",
+                "eval/ppo/reward", "eval/ppo/response_len", "eval/ppo/pass_at_2", "eval/reference/sampled_accuracy"):
         assert key in evaluation, key
-    assert "| " in first_run["evaluation"]["markdown"]
 
     c = mlflow_client()
     for name in ("rlhf-sft", "rlhf-reward", "rlhf-policy"):
         assert c.get_model_version_by_alias(name, "candidate").tags["rlhf.output_uri"]
     champion = c.get_model_version_by_alias("rlhf-policy", "champion")
-    assert champion.tags["rlhf.output_uri"] == first_run["outputs"]["dpo"]
+    assert champion.tags["rlhf.output_uri"] == first_run["outputs"]["ppo"] and champion.tags["rlhf.stage"] == "ppo"
+    assert float(champion.tags["rlhf.eval.sampled_accuracy"]) == evaluation["eval/ppo/sampled_accuracy"]
 
-    text = render(build("models:/rlhf-policy@candidate"))
-    assert "dpo [model]" in text and "sft [model]" in text and "prep [data]" in text
+    text = render(build("models:/rlhf-policy@champion"))
+    for expected in ("ppo [model]", "sft [model, reference]", "rm [critic, reward]", "prep [data"):
+        assert expected in text, (expected, text)
 
     for stage, timing in first_run["stages"].items():
         assert timing["job_seconds"] > 0 and timing["overhead_seconds"] >= 0, stage
     printed = first_run["printed"]
-    assert "| exact match |" in printed
-    for expected in ("champion: models:/rlhf-policy@champion -> " + first_run["outputs"]["dpo"], "MLflow UI:",
-                     "Prefect UI:", "pairwise accuracy:"):
+    for expected in ("champion: models:/rlhf-policy@champion -> " + first_run["outputs"]["ppo"], "MLflow UI:",
+                     "Prefect UI:", "pairwise accuracy:", "best policy: ppo"):
         assert expected in printed, expected
 
 
@@ -156,14 +176,53 @@ def test_single_stage_rerun_reuses_upstream_and_leaves_it_untouched(first_run):
     before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft")}
     rerun = rlhf(**params(settings={"stages": ["dpo"], "from_run": first_run["pipeline_run_id"],
                                     "force_stages": ["dpo"]}))
-    assert not rerun["stages"]["dpo"]["cached"]
-    assert rerun["outputs"]["dpo"] != first_run["outputs"]["dpo"]
+    assert not rerun["stages"]["dpo"]["cached"] and "dpo" not in first_run["outputs"]  # DPO: one stage away
     assert rerun["outputs"]["sft"] == first_run["outputs"]["sft"]
     manifest = storage.read_manifest(rerun["outputs"]["dpo"])
     assert manifest["inputs"]["pretrain"] == first_run["outputs"]["sft"]
     assert {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft")} == before
     runs = child_runs(rerun["pipeline_run_id"])
     assert runs["sft"].data.tags["rlhf.reused_from_run"] == child_runs(first_run["pipeline_run_id"])["sft"].info.run_id
+
+
+def test_single_stage_ppo_rerun_leaves_upstream_untouched(first_run):
+    from flows.pipeline import rlhf
+
+    before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft", "rm")}
+    rerun = rlhf(**params(settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"],
+                                    "force_stages": ["ppo"]}))
+    assert set(rerun["stages"]) == {"prep", "sft", "rm", "ppo"} and not rerun["stages"]["ppo"]["cached"]
+    assert rerun["outputs"]["ppo"] != first_run["outputs"]["ppo"]
+    assert {s: rerun["outputs"][s] for s in before} == {s: first_run["outputs"][s] for s in before}
+    assert {s: tree_digest(first_run["outputs"][s]) for s in before} == before
+    first, runs = child_runs(first_run["pipeline_run_id"]), child_runs(rerun["pipeline_run_id"])
+    tags = runs["ppo"].data.tags
+    assert tags["rlhf.upstream.reward.model_uri"] == first_run["outputs"]["rm"]
+    assert tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
+    assert runs["rm"].data.tags["rlhf.reused_from_run"] == first["rm"].info.run_id
+    assert "rlhf.resumed_from_checkpoints" not in tags  # a new run's folder: it starts at step 0
+
+
+def test_dpo_and_ppo_from_the_same_sft_and_rm_are_evaluated_side_by_side(first_run):
+    from flows.pipeline import rlhf
+
+    result = rlhf(**params(settings={"stages": ["dpo", "ppo", "eval"], "from_run": first_run["pipeline_run_id"]}))
+    assert result["evaluation"]["policies"] == ["dpo", "ppo"]
+    metrics = result["evaluation"]["metrics"]
+    for name in ("dpo", "ppo"):
+        for metric in ("sampled_accuracy", "greedy_accuracy", "win_rate", "kl"):
+            assert f"eval/{name}/{metric}" in metrics, (name, metric)
+    runs = child_runs(result["pipeline_run_id"])
+    for name in ("dpo", "ppo"):
+        assert runs[name].data.tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
+        assert runs["eval"].data.tags[f"rlhf.upstream.policy-{name}.model_uri"] == result["outputs"][name]
+    registry = result["registry"]
+    assert set(registry["policies"]) == {"dpo", "ppo"}
+    best = registry["policy"]["best"]
+    assert registry["policy"]["metric"] == "sampled_accuracy"
+    assert metrics[f"eval/{best}/sampled_accuracy"] == max(metrics[f"eval/{n}/sampled_accuracy"] for n in ("dpo", "ppo"))
+    candidate = mlflow_client().get_model_version_by_alias("rlhf-policy", "candidate")
+    assert candidate.version == registry["policies"][best]["version"]
 
 
 def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
@@ -183,9 +242,11 @@ def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
     assert len(failed) == 1, "configuration errors are not retried"
 
 
-def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list, errors: list) -> None:
-    """SIGKILL the driver of the flow's SFT job once it logs a step, on the cluster the flow
-    started (its Jobs API address arrives in `addresses`). Errors end the watch and are kept."""
+def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list, errors: list,
+                            prefix: str = "rlhf-sft", ready=lambda log: "[step" in log) -> None:
+    """SIGKILL the driver of the flow's first job named `prefix...` once `ready(its log)`, on the
+    cluster the flow started (its Jobs API address arrives in `addresses`). Errors end the watch
+    and are kept."""
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -193,9 +254,9 @@ def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list
             if addresses:
                 client = JobSubmissionClient(addresses[0])
                 for job in client.list_jobs():  # also lists drivers without a submission id (ray.init)
-                    if not (job.submission_id or "").startswith("rlhf-sft") or job.status.value != "RUNNING":
+                    if not (job.submission_id or "").startswith(prefix) or job.status.value != "RUNNING":
                         continue
-                    if "[step" in client.get_job_logs(job.submission_id) and job.driver_info:
+                    if ready(client.get_job_logs(job.submission_id)) and job.driver_info:
                         os.kill(int(job.driver_info.pid), signal.SIGKILL)
                         killed.append(job.submission_id)
                         return
@@ -237,6 +298,44 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
     assert statuses == ["FAILED", "FINISHED"]
     error = next(r for r in runs if r.info.status == "FAILED").data.tags["rlhf.error"]
     assert killed[0] in error and "last log lines" in error and "[step" in error
+
+
+def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
+    """Retries resume: the RL stage checkpoints every step in the run's output area; the attempt
+    killed after its first checkpoint is retried, and the retry resumes there, not at step 0."""
+    import contextlib
+
+    import flows.pipeline
+    from flows.pipeline import rlhf
+
+    stop, addresses, killed, errors = threading.Event(), [], [], []
+    real_cluster = flows.pipeline.ray_cluster
+
+    @contextlib.contextmanager
+    def recorded_cluster():
+        with real_cluster() as address:
+            addresses.append(address)
+            yield address
+
+    monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, "rlhf-ppo",
+                                                                     lambda log: "[rl step 2" in log), daemon=True)
+    watcher.start()
+    try:
+        result = rlhf(**params(settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"], "retries": 1,
+                                         "retry_delay_seconds": 0, "force_stages": ["ppo"], "checkpoint_steps": 1},
+                               ppo={"train.max_steps": 4}))
+    finally:
+        stop.set()
+    assert not errors and killed, f"the watcher never saw the PPO job at step 2: {errors}"
+    c = mlflow_client()
+    runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
+                         f"tags.`mlflow.parentRunId` = '{result['pipeline_run_id']}' and tags.`rlhf.stage` = 'ppo'")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+    retry = next(r for r in runs if r.info.status == "FINISHED")
+    folder = retry.data.tags["rlhf.checkpoint_uri"]
+    assert retry.data.tags["rlhf.resumed_from_checkpoints"] == folder
+    assert (Path(folder) / "latest").read_text().strip() == "global_step4"
 
 
 def test_prep_data_and_models_on_s3(first_run, s3_endpoint):

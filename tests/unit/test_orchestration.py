@@ -182,7 +182,8 @@ def perturbed(model, name: str):
         candidates = [7, 0.5, "x"]
     elif isinstance(value, str):  # another value a `pattern` allows, else any other string
         patterns = [m.pattern for m in info.metadata if getattr(m, "pattern", None)]
-        candidates = [w for p in patterns for w in re.findall(r"\w+", p)] + [value + "_changed"]
+        candidates = [w for p in patterns for w in re.findall(r"\w+", p)] + list(info.examples or []) + \
+            [value + "_changed"]
     else:
         raise AssertionError(f"perturbed() cannot change {type(model).__name__}.{name} ({value!r}): teach it")
     for candidate in candidates:
@@ -211,8 +212,8 @@ def flow_ctx(tmp_path, native_bf16: bool = False):
 
 
 def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
+    from flows.jobs import train_job as _train_job
     from flows.params import PipelineDPOConfig, PipelineSettings, PipelineSFTConfig
-    from flows.pipeline import _train_job
 
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
 
@@ -251,8 +252,8 @@ def test_perturbed_changes_exactly_one_field():
 
 
 def test_prep_key_moves_with_every_prep_field(tmp_path):
+    from flows.jobs import prep_job as _prep_job
     from flows.params import PrepParams
-    from flows.pipeline import _prep_job
 
     ctx = flow_ctx(tmp_path)
     key = _prep_job(ctx, PrepParams()).config_hash
@@ -268,14 +269,14 @@ def test_prep_key_moves_with_every_prep_field(tmp_path):
 
 
 def test_eval_key_moves_with_every_eval_field_and_the_task(tmp_path):
+    from flows.jobs import EVAL_NOT_IN_KEY, eval_job
     from flows.params import EvalParams, PrepParams
-    from flows.pipeline import EVAL_NOT_IN_KEY, _eval_job
 
     assert EVAL_NOT_IN_KEY == {"promote_metric"}  # widening this needs a reason next to it
 
     def key(prep=PrepParams(), params=EvalParams(), ctx=None):  # noqa: B008
-        ins = [outcome(n, tmp_path) for n in ("prep", "dpo", "sft", "rm")]
-        return _eval_job(ctx or flow_ctx(tmp_path), prep, params, *ins, name="eval").config_hash
+        prep_o, dpo, sft, rm = [outcome(n, tmp_path) for n in ("prep", "dpo", "sft", "rm")]
+        return eval_job(ctx or flow_ctx(tmp_path), prep, params, prep_o, {"dpo": dpo}, sft, rm, name="eval").config_hash
 
     base = key()
     assert key() == base and key(ctx=flow_ctx(tmp_path / "elsewhere")) == base
@@ -304,7 +305,7 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
 
     def run(job):
         jobs.append(job)
-        return outcome(job.name, tmp_path, {"eval/policy_exact_match": 1.0})
+        return outcome(job.name, tmp_path, {"eval/dpo/sampled_accuracy": 1.0})
 
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
     ctx = flow_ctx(tmp_path)
@@ -346,8 +347,8 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
 
 def dpo_job(tmp_path, cfg=None, **values):
     """The pipeline's DPO job (cache key, lineage tags) for `cfg` or `PipelineDPOConfig(**values)`."""
+    from flows.jobs import train_job as _train_job
     from flows.params import PipelineDPOConfig, PipelineSettings
-    from flows.pipeline import _train_job
     from tasks.stages import _tags, stage_cache_key
 
     data = tmp_path / "prep" / "data" / "preference"
@@ -388,7 +389,7 @@ def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path)
 
 
 def test_given_reference_tells_a_named_reference_from_a_derived_one():
-    from flows.pipeline import given_reference
+    from flows.jobs import given_reference
     from rlhf_core.config import DPOConfig, KTOConfig, SFTConfig
 
     for cls in (DPOConfig, KTOConfig):
@@ -476,3 +477,299 @@ def test_code_version_is_the_digest_of_the_running_source_outside_git(tmp_path):
     path = root / "rlhf_core" / "trainers" / "dpo.py"
     path.write_text(path.read_text() + "\n# an uncommitted edit\n")
     assert version_there() != first
+
+
+# ---------------------------------------------------------------------------------------------
+# The PPO stage: inputs from SFT and the reward model, its cache key, resumable checkpoints.
+
+def ppo_job_for(tmp_path, values=None, settings=None, **kw):
+    import yaml
+
+    from flows.jobs import ppo_job
+    from flows.params import PipelinePPOConfig, PipelineSettings, PrepParams
+    from tasks.stages import _tags, stage_cache_key
+
+    prompts = tmp_path / "prep" / "data" / "prompts"
+    prompts.mkdir(parents=True, exist_ok=True)
+    (prompts / "train.jsonl").write_text('{"prompt": "cba", "answer": "abc"}\n')
+    (prompts / "test.jsonl").write_text('{"prompt": "ba", "answer": "ab"}\n')
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
+    ctx = kw.pop("ctx", None) or flow_ctx(tmp_path)
+    job = ppo_job(ctx, settings or PipelineSettings(), PrepParams(), PipelinePPOConfig.model_validate(values or {}),
+                  upstream.__getitem__, **kw)
+    key = stage_cache_key(job)
+    return job, key, _tags(ctx, job, key), yaml.safe_load(job.config_yaml)
+
+
+def test_ppo_takes_actor_and_reference_from_sft_reward_and_critic_from_the_reward_model(tmp_path):
+    from rlhf_core.rl_config import PPOConfig
+
+    job, _, tags, cfg = ppo_job_for(tmp_path)
+    assert job.args == ["train", "ppo", "--config", "{config}"] and job.stage == "ppo"
+    sft, rm, prep = (str(tmp_path / n) for n in ("sft", "rm", "prep"))
+    assert cfg["actor"]["model_name_or_path"] == sft and cfg["ref"]["model_name_or_path"] == sft
+    assert cfg["reward"]["model_name_or_path"] == rm and cfg["reward"]["normalize_enable"]
+    assert cfg["critic"]["model_name_or_path"] == rm  # OpenRLHF's critic init: the reward model
+    assert cfg["data"]["prompt_dataset"] == cfg["eval"]["dataset"] == f"json@{prep}/data/prompts"
+    assert cfg["eval"]["task"] == "sort" and cfg["rollout"]["max_new_tokens"] == 16  # derived from the task
+    assert cfg["ckpt"]["output_dir"] == str(tmp_path / "run" / "ppo")
+    for role, name in (("model", "sft"), ("reference", "sft"), ("reward", "rm"), ("critic", "rm"), ("data", "prep")):
+        assert tags[f"rlhf.upstream.{role}.run_id"] == f"run-{name}", role
+    PPOConfig.model_validate(cfg).check_complete()  # what the job reads is a complete `rlhf train ppo` config
+
+    # The verifier as the reward: no reward model upstream, the critic starts from SFT.
+    _, _, tags, cfg = ppo_job_for(tmp_path, {"reward.task": "sort"})
+    assert cfg["reward"]["model_name_or_path"] is None and cfg["critic"]["model_name_or_path"] == sft
+    assert "rlhf.upstream.reward.run_id" not in tags and tags["rlhf.upstream.critic.run_id"] == "run-sft"
+    # A reward file: an input whose bytes are in the key.
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text("def reward_func(**kw): pass\n")
+    job_a, key_a, tags, cfg = ppo_job_for(tmp_path, {"reward.remote_url": str(reward_file),
+                                                     "algo.advantage.estimator": "group_norm"})
+    assert tags["rlhf.input.reward"] == str(reward_file) and cfg["critic"]["model_name_or_path"] is None
+    reward_file.write_text("def reward_func(**kw): return None\n")
+    assert ppo_job_for(tmp_path, {"reward.remote_url": str(reward_file), "algo.advantage.estimator": "group_norm"}
+                       )[1] != key_a
+
+
+def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_path):
+    from flows.jobs import PPO_NOT_IN_KEY
+    from rlhf_core.rl_config import LEAVES
+
+    assert PPO_NOT_IN_KEY <= set(LEAVES)  # every excluded name is a real field
+    job, key, _, _ = ppo_job_for(tmp_path)
+    assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
+    for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},
+                   {"rollout.n_samples_per_prompt": 2}):
+        assert ppo_job_for(tmp_path, values)[1] != key, values
+    # `auto` enters as what the ranks train in: bf16 on a native-bf16 cluster, fp32 here
+    assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path, native_bf16=True))[1] != key
+    assert ppo_job_for(tmp_path, {"ds.param_dtype": "fp32"})[1] == key
+    for values in ({"logger.logging_steps": 5}, {"ckpt.max_num": 1}):
+        assert ppo_job_for(tmp_path, values)[1] == key, values
+    named, named_key, tags, _ = ppo_job_for(tmp_path, {"pretrain": "org/actor"})
+    assert named_key != key and tags["rlhf.input.model"] == "org/actor" and "rlhf.upstream.model.run_id" not in tags
+
+
+def test_ppo_gets_a_checkpoint_folder_it_resumes_from_only_under_its_own_key(tmp_path):
+    from flows.params import PipelineSettings
+    from tasks.resume import MARKER, CheckpointMismatch, claim
+
+    job, key, _, cfg = ppo_job_for(tmp_path)
+    folder = str(tmp_path / "run" / "checkpoints" / "ppo")
+    assert job.checkpoint_uri == cfg["ckpt"]["path"] == folder
+    assert cfg["ckpt"]["save_steps"] == PipelineSettings().checkpoint_steps and cfg["ckpt"]["load_enable"]
+    assert ppo_job_for(tmp_path, settings=PipelineSettings(checkpoint_steps=0))[0].checkpoint_uri is None
+
+    assert claim(folder, key, "ppo") is False  # the first attempt starts from step 0
+    (tmp_path / "run" / "checkpoints" / "ppo" / "latest").write_text("global_step20")
+    assert claim(folder, key, "ppo") is True  # a retry of the same config resumes
+    other = ppo_job_for(tmp_path, {"train.max_steps": 81})[1]
+    with pytest.raises(CheckpointMismatch, match=r"(?s)another configuration.*Remove the folder"):
+        claim(folder, other, "ppo")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "latest").write_text("global_step5")
+    with pytest.raises(CheckpointMismatch, match=MARKER):
+        claim(str(stray), key, "ppo")
+
+
+def test_pipeline_ppo_section_reads_every_spelling_and_keeps_derived_fields_open(tmp_path):
+    from flows.cli import flow_parameters
+    from flows.params import PipelinePPOConfig
+
+    ppo = flow_parameters({"ppo": {"max_steps": 3, "actor": {"adam": {"lr": 1e-4}}, "rollout.batch_size": 64}})["ppo"]
+    assert (ppo.train.max_steps, ppo.actor.adam.lr, ppo.rollout.batch_size) == (3, 1e-4, 64)
+    assert ppo.algo.advantage.estimator == "gae" and ppo.critic.freezing_steps == 10  # tuned defaults under it
+    # Prefect stores a deployment's parameters as JSON: nothing derived from empty inputs may freeze.
+    again = PipelinePPOConfig.model_validate(ppo.model_dump(mode="json"))
+    assert again.rollout.max_new_tokens is None and again.critic.model_name_or_path is None
+    assert ppo_job_for(tmp_path, again.model_dump(mode="json"))[3]["rollout"]["max_new_tokens"] == 16
+    with pytest.raises(ConfigError, match=r"(?s)section ppo.*--actor.adam.lr"):
+        flow_parameters({"ppo": {"actor.adam.lr": -1}})
+
+
+def test_default_pipeline_is_sft_rm_ppo_eval_on_the_rl_setting():
+    from flows.params import EvalParams, PipelineSettings, PrepParams
+
+    assert [s.value for s in PipelineSettings().stages] == ["prep", "sft", "rm", "ppo", "eval"]
+    assert PrepParams().demo_error_rate == 0.3 and EvalParams().promote_metric == "sampled_accuracy"
+
+
+def test_old_promote_metrics_are_mapped_or_refused_with_what_to_write():
+    from pydantic import ValidationError
+
+    from flows.params import EvalParams
+
+    assert EvalParams(n_kl_samples=2).n_samples_per_prompt == 2  # its older spelling
+    with pytest.raises(ValidationError, match="older spelling"):
+        EvalParams(n_kl_samples=2, n_samples_per_prompt=4)
+    for old, new in (("eval/policy_exact_match", "greedy_accuracy"), ("eval/policy_reward", "reward"),
+                     ("eval/win_rate", "win_rate"), ("eval/kl", "kl"), ("pass_at_4", "pass_at_4")):
+        assert EvalParams(promote_metric=old).promote_metric == new
+    with pytest.raises(ValidationError, match="write the metric name without `eval/<name>/`, e.g. 'sampled_accuracy'"):
+        EvalParams(promote_metric="eval/ppo/sampled_accuracy")
+    with pytest.raises(ValidationError, match="reference's metrics cannot promote"):
+        EvalParams(promote_metric="eval/reference_exact_match")
+    with pytest.raises(ValidationError, match="valid: greedy_accuracy, sampled_accuracy"):
+        EvalParams(promote_metric="accuracy")
+
+
+def test_one_eval_job_compares_every_policy_stage(tmp_path):
+    """The flow side of `rlhf eval`'s multi-policy contract: `--pretrain A,B --policy_names dpo,ppo`."""
+    from flows.jobs import eval_job
+    from flows.params import EvalParams, PrepParams
+
+    prep_o, dpo, ppo, sft, rm = (outcome(n, tmp_path) for n in ("prep", "dpo", "ppo", "sft", "rm"))
+    job = eval_job(flow_ctx(tmp_path), PrepParams(), EvalParams(), prep_o, {"dpo": dpo, "ppo": ppo}, sft, rm, "eval")
+    args = dict(zip(job.args[1::2], job.args[2::2], strict=False))
+    assert job.args[0] == "eval"
+    assert args["--pretrain"] == f"{dpo.output_uri},{ppo.output_uri}" and args["--policy_names"] == "dpo,ppo"
+    assert args["--ref_pretrain"] == sft.output_uri and args["--reward_pretrain"] == rm.output_uri
+    assert args["--n_samples_per_prompt"] == "4" and args["--task"] == "sort"
+    assert {"policy-dpo", "policy-ppo", "reference", "reward", "data"} == set(job.upstream)
+    one = eval_job(flow_ctx(tmp_path), PrepParams(), EvalParams(), prep_o, {"ppo": ppo}, sft, rm, "eval")
+    assert one.config_hash != job.config_hash
+
+
+def test_every_policy_registers_and_champion_moves_to_the_best_of_them_and_the_champion(tmp_path, monkeypatch):
+    from flows import pipeline
+    from flows.params import EvalParams
+    from tasks import lineage
+
+    versions, aliases, tags = {}, {}, {}
+
+    def register_once(stage, uri, run_id):
+        v = versions.setdefault(run_id, SimpleNamespace(name="rlhf-policy" if stage in ("dpo", "ppo") else stage,
+                                                        version=str(len(versions) + 1), tags={"rlhf.output_uri": uri}))
+        return v
+
+    def alias_version(name, alias):
+        number = aliases.get(alias)
+        return next((SimpleNamespace(version=v.version, tags={**v.tags, **tags.get(v.version, {})})
+                     for v in versions.values() if v.version == number), None)
+
+    monkeypatch.setattr(lineage, "register_once", register_once)
+    monkeypatch.setattr(lineage, "alias_version", alias_version)
+    monkeypatch.setattr(lineage, "set_alias", lambda name, alias, version: aliases.__setitem__(alias, version))
+
+    def promote(name, version, metric, value):
+        tags.setdefault(version, {})[f"rlhf.eval.{metric}"] = str(value)
+        champion = alias_version(name, "champion")
+        previous = lineage.recorded_value(champion, metric) if champion else None
+        if champion is None or previous is None or value > previous:
+            aliases["champion"] = version
+            return True, previous
+        return False, previous
+
+    monkeypatch.setattr(lineage, "promote", promote)
+
+    def outcomes(dpo_value, ppo_value, tag):
+        os_ = {n: outcome(n, tmp_path) for n in ("sft", "rm", "dpo", "ppo")}
+        for n in ("dpo", "ppo"):
+            os_[n].manifest = {"mlflow_run_id": f"{tag}-{n}"}
+        os_["eval"] = outcome("eval", tmp_path, {"eval/dpo/sampled_accuracy": dpo_value,
+                                                 "eval/ppo/sampled_accuracy": ppo_value})
+        return os_
+
+    first = pipeline._register(outcomes(0.70, 0.82, "a"), EvalParams(), ["dpo", "ppo"])
+    assert set(first["policies"]) == {"dpo", "ppo"}
+    assert first["policy"]["best"] == "ppo" and first["policy"]["champion"]
+    assert aliases == {"champion": first["policies"]["ppo"]["version"], "candidate": first["policies"]["ppo"]["version"]}
+    # A later run whose best (dpo, 0.80) is below the champion (0.82): candidate moves, champion stays.
+    second = pipeline._register(outcomes(0.80, 0.75, "b"), EvalParams(), ["dpo", "ppo"])
+    assert second["policy"]["best"] == "dpo" and not second["policy"]["champion"]
+    assert aliases["champion"] == first["policies"]["ppo"]["version"]
+    assert aliases["candidate"] == second["policies"]["dpo"]["version"]
+    assert second["policy"]["previous_champion_value"] == 0.82
+    with pytest.raises(ValueError, match="eval/dpo/greedy_accuracy.*not among"):
+        pipeline._register(outcomes(0.8, 0.9, "c"), EvalParams(promote_metric="greedy_accuracy"), ["dpo", "ppo"])
+
+
+def test_a_champion_of_the_old_metric_is_compared_under_its_old_name():
+    from tasks.lineage import recorded_value
+
+    old = SimpleNamespace(tags={"rlhf.eval.eval/policy_exact_match": "0.95"})
+    assert recorded_value(old, "greedy_accuracy") == 0.95 and recorded_value(old, "sampled_accuracy") is None
+
+
+def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_improvement(tmp_path, monkeypatch):
+    import yaml
+
+    from flows import online as online_flow
+    from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
+    from tasks import lineage
+    from tasks.stages import StageOutcome
+
+    prompts = tmp_path / "prep" / "data" / "prompts"
+    prompts.mkdir(parents=True)
+    (prompts / "train.jsonl").write_text('{"prompt": "cba", "answer": "abc"}\n')
+    champion = outcome("champion", tmp_path)
+    monkeypatch.setattr(lineage, "alias_version", lambda *a: SimpleNamespace(run_id="run-champion"))
+    monkeypatch.setattr(lineage, "get_run", lambda run_id: run_id)
+    monkeypatch.setattr(StageOutcome, "from_run", classmethod(lambda cls, run, name=None: champion))
+    monkeypatch.setattr(lineage, "register_once", lambda *a: SimpleNamespace(name="rlhf-policy", version="7"))
+    promoted = []
+    monkeypatch.setattr(lineage, "promote", lambda name, version, metric, value: (promoted.append(value) or
+                                                                               (value > 0.8, 0.8)))
+    monkeypatch.setattr(online_flow, "publish_eval_report", lambda *a: {"markdown": ""})
+
+    def go(value, start_from="champion", parent="parent-run"):
+        jobs = []
+
+        def run(job):
+            jobs.append(job)
+            return outcome(job.name, tmp_path, {"eval/ppo/sampled_accuracy": value})
+
+        upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
+        ctx = flow_ctx(tmp_path)
+        ctx.parent_run_id = parent
+        result = online_flow.run_online(ctx, PipelineSettings(), PrepParams(), PipelinePPOConfig(), EvalParams(),
+                                        OnlineRLParams(start_from=start_from), upstream.__getitem__, run, {})
+        return result, jobs
+
+    result, (ppo, evaluation) = go(0.9)
+    cfg = yaml.safe_load(ppo.config_yaml)
+    assert cfg["actor"]["model_name_or_path"] == champion.output_uri == result["policy_in"]
+    assert cfg["ref"]["model_name_or_path"] == str(tmp_path / "sft")  # KL to SFT, however many runs continued
+    assert ppo.upstream["model"] is champion and ppo.upstream["reference"].name == "sft"
+    assert evaluation.args[evaluation.args.index("--policy_names") + 1] == "ppo" and result["promoted"]
+    assert not go(0.7)[0]["promoted"] and promoted == [0.9, 0.7]  # a regression stays a candidate
+    other_run = go(0.9, parent="next-scheduled-run")[1][0]
+    assert yaml.safe_load(other_run.config_yaml)["train"]["seed"] != cfg["train"]["seed"]  # fresh prompts
+    assert other_run.config_hash != ppo.config_hash
+    assert go(0.9, start_from="sft")[0]["policy_in"] == str(tmp_path / "sft")
+
+
+def test_every_deployment_validates_and_the_schedules_are_there():
+    from pathlib import Path
+
+    import yaml
+
+    from flows.cli import flow_parameters
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert {"full-pipeline", "sft", "reward-model", "dpo", "ppo", "eval", "iterative-dpo", "online-rl"} <= \
+        set(deployments)
+    for name, d in deployments.items():
+        params = flow_parameters(d.get("parameters") or {})
+        assert d["entrypoint"] == "flows/pipeline.py:rlhf", name
+        if name == "full-pipeline":
+            assert [s.value for s in params["settings"].stages] == ["prep", "sft", "rm", "ppo", "eval"]
+    assert deployments["ppo"]["parameters"]["settings"]["stages"] == ["ppo"]
+    assert deployments["online-rl"]["parameters"]["settings"] == {"stages": ["online_rl"], "from_run": "champion"}
+    assert deployments["iterative-dpo"]["schedules"][0]["cron"] == "0 3 * * *"
+    assert deployments["online-rl"]["schedules"][0]["active"]
+
+
+def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
+    from flows.params import PipelinePPOConfig
+    from rlhf_core.lineage import params_off_default
+    from rlhf_core.tracking import redact_params
+
+    cfg = PipelinePPOConfig.model_validate({"pretrain": "/m/sft", "reward_pretrain": "/m/rm", "save_path": "/o",
+                                            "prompt_data": "json@/d", "ckpt.path": "/c", "max_steps": 7})
+    shown = params_off_default("ppo", redact_params(cfg.model_dump(mode="json")))
+    assert shown["train.max_steps"] == "7" and shown["algo.advantage.lambd"] == "0.95"  # tuned, off the CLI default
+    assert not [k for k in shown if k.endswith(("model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"))]

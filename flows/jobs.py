@@ -1,0 +1,269 @@
+"""Stage jobs of the `rlhf` flow: what each stage runs, on whose outputs, under which cache key.
+
+Pure builders: each turns a stage's parameters and its upstream `StageOutcome`s into a `StageJob`
+(the `rlhf` CLI arguments, the config written next to the output, the settings hash, the
+upstream roles that become lineage tags and cache-key inputs). Nothing here submits or waits;
+`flows/pipeline.py` and `flows/iterative.py` both build their jobs here and run them through
+`tasks.stages.run_job_stage`.
+
+Inputs a config names itself (a `pretrain`, a reference, a reward model or file) win over the
+upstream stage and enter the cache key by URI; inputs left empty are filled from upstream and
+enter it by the upstream's own cache key, so an unchanged upstream keeps the cache valid.
+"""
+
+from __future__ import annotations
+
+from flows.params import EvalParams, PipelineSettings, PrepParams
+from rlhf_core.config import TrainConfig, with_updates
+from rlhf_core.rl_config import PPOConfig
+from rlhf_core.version import config_hash, params_hash, values_hash
+from tasks.stages import PipelineContext, StageJob, StageOutcome
+
+
+class PipelineError(ValueError):
+    """A pipeline-level configuration problem (missing upstream, bad from_run, a metric not there)."""
+
+
+def prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
+    out = ctx.output("prep")
+    args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
+            "--n_train", str(prep.n_train), "--n_test", str(prep.n_test),
+            "--demo_error_rate", str(prep.demo_error_rate)]
+    return StageJob("prep", "prep", args, out, params_hash(prep))
+
+
+def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
+    root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
+    return {"base": f"{root}/base", "sft": f"json@{root}/data/sft", "preference": f"json@{root}/data/preference",
+            "prompts": f"json@{root}/data/prompts"}
+
+
+UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference")}
+
+
+def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig, need,
+              name: str | None = None, model_from: StageOutcome | None = None,
+              data_from: tuple[StageOutcome, str] | None = None, eval_dataset: str | None = None) -> StageJob:
+    """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
+    import yaml
+
+    stage = cfg.stage
+    name = name or stage
+    model_role, data_kind = UPSTREAM[stage]
+    upstream: dict[str, StageOutcome] = {}
+    external: dict[str, str] = {}
+    updates: dict = {"mlflow_experiment": ctx.experiment, "mlflow_parent_run_id": ctx.parent_run_id,
+                     "mlflow_run_name": name}
+    if cfg.pretrain is None:
+        source = model_from or need(model_role)
+        upstream["model"] = source
+        updates["pretrain"] = prep_paths(source)["base"] if source.stage == "prep" else source.output_uri
+    else:
+        external["model"] = cfg.pretrain
+    reference = given_reference(cfg)
+    if reference is not None:
+        external["reference"] = reference
+    if data_from is not None:
+        upstream["data"], updates["dataset"] = data_from
+    elif cfg.data.dataset is None:
+        prep_outcome = need("prep")
+        upstream.setdefault("data", prep_outcome)
+        updates["dataset"] = prep_paths(prep_outcome)[data_kind]
+    if eval_dataset is not None:
+        updates["eval_dataset"] = eval_dataset
+    if cfg.save_path is None:
+        updates["save_path"] = ctx.output(name)
+    filled = with_updates(cfg, **updates)
+    filled.check_complete()
+    datasets = ",".join(d for d in (filled.data.dataset, filled.data.eval_dataset) if d)
+    # The key holds the precision the ranks will train in, never `auto`; the job gets the config as asked.
+    hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
+    return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
+                    yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external)
+
+
+def given_reference(cfg: TrainConfig) -> str | None:
+    """The reference model a DPO/KTO config names apart from its start model; None when derived.
+
+    Their validators fill `ref_pretrain` from `pretrain`, and `with_updates` (or any dump and
+    validate) turns that derived value into a set field, so the field alone cannot say who chose
+    it. A reference equal to `pretrain` is already in the cache key as the model; a missing one is
+    filled from the upstream model, also in the key. Only a different one is a further input.
+    """
+    reference = getattr(cfg, "ref_pretrain", None)
+    return reference if reference is not None and reference != cfg.pretrain else None
+
+
+# PPO fields that say where inputs and outputs are or how the run is watched and checkpointed,
+# not what is trained: the models and datasets enter the cache key as upstream keys, URIs or
+# digests instead. Every other field, present or future, is in the key.
+PPO_NOT_IN_KEY = frozenset({
+    "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
+    "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
+    "ckpt.max_num", "ckpt.load_enable", "logger.logging_steps", "mlflow_experiment", "mlflow_run_name",
+    "mlflow_parent_run_id", "use_mlflow"})
+
+
+def ppo_config_hash(cfg: PPOConfig, precision: str, reward_file_digest: str | None = None) -> str:
+    """The settings part of a PPO stage's cache key: every semantic field, the precision the ranks
+    train in (never `auto`), and the content of a local reward file."""
+    values = cfg.model_dump(mode="json")
+    for path in PPO_NOT_IN_KEY:
+        *sections, leaf = path.split(".")
+        node = values
+        for section in sections:
+            node = node[section]
+        node.pop(leaf, None)
+    values["ds"]["param_dtype"] = precision
+    return values_hash({"ppo": values, "reward_file": reward_file_digest})
+
+
+def _file_digest(path: str) -> str:
+    import hashlib
+
+    from rlhf_core import storage
+
+    if storage.is_remote(path):
+        import fsspec
+
+        with fsspec.open(path, "rb") as f:
+            data = f.read()
+    else:
+        from pathlib import Path
+
+        data = Path(path).read_bytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, cfg: PPOConfig, need,
+            name: str = "ppo", actor_from: StageOutcome | None = None, prompts_from: StageOutcome | None = None,
+            prompt_dataset: str | None = None, reference_from: StageOutcome | None = None) -> StageJob:
+    """`rlhf train ppo`: actor and reference from SFT (or `actor_from`), the reward from the run's
+    reward model unless the config names a verifier task, a reward file or another model, the
+    critic from the reward model (else the actor), prompts and held-out prompts from prep.
+
+    Upstream roles (lineage tags and cache-key inputs): `model` (the actor), `reference`,
+    `reward`, `critic` (its initialisation) and `data` (prep). A model the config names is an
+    input by URI (`rlhf.input.<role>`) instead.
+    """
+    import yaml
+
+    from rlhf_core import storage
+
+    values = cfg.model_dump(mode="json")
+    upstream: dict[str, StageOutcome] = {}
+    external: dict[str, str] = {}
+    values.update(mlflow_experiment=ctx.experiment, mlflow_parent_run_id=ctx.parent_run_id, mlflow_run_name=name)
+
+    actor = cfg.actor.model_name_or_path
+    if actor is None:
+        source = actor_from or need("sft")
+        upstream["model"] = source
+        actor = values["actor"]["model_name_or_path"] = source.output_uri
+    else:
+        external["model"] = actor
+    if cfg.uses_ref:
+        if cfg.ref.model_name_or_path is None:
+            reference = reference_from or upstream.get("model")
+            if reference is not None:
+                upstream["reference"] = reference
+                values["ref"]["model_name_or_path"] = reference.output_uri
+        elif cfg.ref.model_name_or_path != actor:
+            external["reference"] = cfg.ref.model_name_or_path
+
+    reward_outcome = None
+    reward_file_digest = None
+    if not cfg.reward.sources:  # nothing named: the run's reward model, normalised by its stored mean/std
+        reward_outcome = need("rm")
+        upstream["reward"] = reward_outcome
+        values["reward"]["model_name_or_path"] = reward_outcome.output_uri
+        values["reward"]["normalize_enable"] = True
+    elif cfg.reward.model_name_or_path:
+        external["reward"] = cfg.reward.model_name_or_path
+    elif cfg.reward.remote_url:
+        external["reward"] = cfg.reward.remote_url
+        if cfg.reward.remote_url.endswith(".py"):
+            reward_file_digest = _file_digest(cfg.reward.remote_url)
+
+    if cfg.uses_critic:
+        if cfg.critic.model_name_or_path is None:
+            critic = reward_outcome or (upstream.get("model") if "reward" not in external else None)
+            if critic is not None:  # else the validator derives it from the named reward model or actor
+                upstream["critic"] = critic
+                values["critic"]["model_name_or_path"] = critic.output_uri
+        elif cfg.critic.model_name_or_path != actor:
+            external["critic"] = cfg.critic.model_name_or_path
+
+    if cfg.data.prompt_dataset is None or cfg.eval.dataset is None:
+        prep_outcome = prompts_from or need("prep")
+        upstream["data"] = prep_outcome
+        prompts = prep_paths(prep_outcome)["prompts"]
+        if cfg.data.prompt_dataset is None:
+            values["data"]["prompt_dataset"] = prompt_dataset or prompts
+        if cfg.eval.dataset is None:
+            values["eval"]["dataset"] = prompts
+    elif prompt_dataset is not None:
+        values["data"]["prompt_dataset"] = prompt_dataset
+    if cfg.eval.task is None and cfg.reward.task is None:
+        values["eval"]["task"] = prep.task  # held-out accuracy by the prep task's verifier
+    if cfg.ckpt.output_dir is None:
+        values["ckpt"]["output_dir"] = ctx.output(name)
+    if cfg.ckpt.path is None and settings.checkpoint_steps and not storage.is_remote(ctx.run_root):
+        # A retried attempt of this stage (same flow run, same folder) resumes from its newest
+        # checkpoint; `tasks.stages` refuses a folder written under another cache key.
+        values["ckpt"].update(path=ctx.output(f"checkpoints/{name}"), save_steps=settings.checkpoint_steps,
+                              load_enable=True)
+    for section, leaf in (p.split(".") for p in ("critic.model_name_or_path", "ref.model_name_or_path",
+                                                 "rollout.max_new_tokens", "data.max_len")):
+        if values[section].get(leaf) is None:
+            values[section].pop(leaf, None)  # derived again from the filled inputs
+
+    filled = PPOConfig.model_validate(values)
+    filled.check_complete()
+    datasets = ",".join(dict.fromkeys(d for d in (filled.data.prompt_dataset, filled.eval.dataset) if d))
+    key = ppo_config_hash(filled, ctx.precision(filled.param_dtype), reward_file_digest)
+    return StageJob("ppo", name, ["train", "ppo", "--config", "{config}"], filled.ckpt.output_dir, key,
+                    yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external,
+                    checkpoint_uri=filled.ckpt.path if filled.ckpt.load_enable else None)
+
+
+def eval_job(ctx: PipelineContext, prep: PrepParams, params: EvalParams, prep_outcome: StageOutcome,
+             policies: dict[str, StageOutcome], reference: StageOutcome, reward: StageOutcome | None,
+             name: str) -> StageJob:
+    """One `rlhf eval` of every policy in `policies` (name -> outcome) against `reference`, on
+    prep's held-out prompts: metrics `eval/<name>/<metric>` and `eval/reference/<metric>`."""
+    if not policies:
+        raise ValueError("eval_job needs at least one policy")
+    out = ctx.output(name)
+    prompts = prep_paths(prep_outcome)["prompts"]
+    args = ["eval", "--pretrain", ",".join(o.output_uri for o in policies.values()),
+            "--policy_names", ",".join(policies), "--ref_pretrain", reference.output_uri, "--dataset", prompts,
+            "--task", prep.task, "--max_samples", str(params.max_samples),
+            "--n_samples_per_prompt", str(params.n_samples_per_prompt),
+            "--save_path", out, "--mlflow_experiment", ctx.experiment, "--mlflow_run_name", name]
+    upstream = {f"policy-{n}": o for n, o in policies.items()}
+    upstream.update({"reference": reference, "data": prep_outcome})
+    if reward is not None:
+        args += ["--reward_pretrain", reward.output_uri]
+        upstream["reward"] = reward
+    settings = values_hash({"settings": eval_settings_hash(prep, params), "policy_names": list(policies)})
+    return StageJob("eval", name, args, out, settings, None, prompts, upstream, num_gpus=ctx.rollout_gpus)
+
+
+# EvalParams fields that never reach the eval job: `promote_metric` only decides, after the job,
+# what its metrics promote. Every other field, present or future, is in the eval cache key.
+EVAL_NOT_IN_KEY = frozenset({"promote_metric"})
+
+
+def eval_settings_hash(prep: PrepParams, params: EvalParams) -> str:
+    """The settings part of an eval stage's cache key (models and prompts enter as upstream keys)."""
+    return params_hash(params, exclude=EVAL_NOT_IN_KEY, task=prep.task)
+
+
+def policy_metric(metrics: dict, policy: str, metric: str) -> float:
+    """`eval/<policy>/<metric>` from an eval job's metrics, or a PipelineError naming what there is."""
+    key = f"eval/{policy}/{metric}"
+    if key not in metrics:
+        raise PipelineError(f"evaluation.promote_metric {metric!r}: {key!r} is not among the evaluation metrics "
+                            f"{sorted(k for k in metrics if k.startswith(f'eval/{policy}/'))}")
+    return float(metrics[key])

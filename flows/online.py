@@ -1,0 +1,58 @@
+"""Online RL inside the `rlhf` flow: continue PPO from the champion policy on fresh prompts.
+
+One run of stage `online_rl`: `rlhf train ppo` with the registered `champion` as the actor (the
+SFT model when there is none, or with `start_from: sft`), the SFT model as the reference (the KL
+penalty keeps the policy near SFT however many runs have continued it), the run's reward model
+as the reward and the critic's start -> `rlhf eval` of the new policy against SFT -> registered as
+a new `rlhf-policy` version and promoted to `champion` only when `evaluation.promote_metric`
+beats the champion's. Nothing is promoted on a regression, so the schedule can run unattended.
+
+Fresh prompts: the training seed (prompt order and sampling) is drawn per pipeline run unless
+`online.seed` pins it, so each scheduled run trains on other prompts first and never hits the
+cache of the previous one; `train.max_steps` bounds how many it sees.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from flows.jobs import eval_job, policy_metric, ppo_job
+from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
+from tasks import lineage
+from tasks.reports import publish_eval_report
+from tasks.stages import PipelineContext, StageOutcome
+
+
+def starting_policy(online: OnlineRLParams, sft: StageOutcome) -> StageOutcome:
+    if online.start_from == "champion":
+        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
+        if version is not None:
+            outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
+            if outcome is not None:
+                return outcome
+    return sft
+
+
+def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, ppo: PipelinePPOConfig,
+               evaluation: EvalParams, online: OnlineRLParams, need, run, outcomes: dict) -> dict:
+    prep_outcome, sft = need("prep"), need("sft")
+    policy = starting_policy(online, sft)
+    seed = online.seed if online.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
+    cfg = PipelinePPOConfig.model_validate(_with_seed(ppo, seed))
+    trained = outcomes["ppo-online"] = run(ppo_job(ctx, settings, prep, cfg, need, name="ppo-online",
+                                                   actor_from=policy, reference_from=sft))
+    evaluated = outcomes["eval-online"] = run(eval_job(ctx, prep, evaluation, prep_outcome, {"ppo": trained}, sft,
+                                                       need("rm"), name="eval-online"))
+    report = publish_eval_report(evaluated, evaluation.promote_metric)
+    value = policy_metric(evaluated.metrics, "ppo", evaluation.promote_metric)
+    version = lineage.register_once("ppo", trained.output_uri, trained.manifest.get("mlflow_run_id") or trained.run_id)
+    promoted, previous = lineage.promote(version.name, version.version, evaluation.promote_metric, value)
+    return {"policy_in": policy.output_uri, "policy_out": trained.output_uri, "seed": seed,
+            "metric": evaluation.promote_metric, "value": value, "previous_champion_value": previous,
+            "promoted": promoted, "version": version.version, "markdown": report["markdown"]}
+
+
+def _with_seed(ppo: PipelinePPOConfig, seed: int) -> dict:
+    values = ppo.model_dump(mode="json")
+    values["train"]["seed"] = seed
+    return values
