@@ -22,6 +22,7 @@ import os
 import shlex
 
 from rlhf_core.config import ConfigError, build_config, load_yaml
+from rlhf_core.redaction import refuse_inline_secrets
 
 SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "evaluation", "iterative", "online")
 
@@ -76,6 +77,7 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
         except ConfigError as e:
             raise ConfigError(f"--config section {name}: {e}") from None
     params["ppo"] = ppo_parameters(config.get("ppo") or {})
+    refuse_inline_secrets({name: p.model_dump(mode="json") for name, p in params.items()}, "--config")
     return params
 
 
@@ -130,9 +132,19 @@ def print_summary(summary: dict) -> None:
     elif registry.get("policies"):
         print()
     print(f"\nsummary:    {summary['summary_uri']}")
+    if "report" in summary:
+        print(f"report:     {report_uri(summary['pipeline_run_id'])} (also the Prefect artifact rlhf-pipeline-report)")
     print("lineage:    rlhf lineage models:/rlhf-policy@champion")
     print(f"MLflow UI:  mlflow ui --backend-store-uri {tracking_uri()}")
     print(f"Prefect UI: {prefect_ui_hint()}")
+
+
+def report_uri(parent_run_id: str) -> str:
+    """Where the pipeline report landed among the parent run's MLflow artifacts."""
+    from tasks.lineage import client
+    from tasks.reports import REPORT_ARTIFACT_PATH, REPORT_FILE
+
+    return f"{client().get_run(parent_run_id).info.artifact_uri}/{REPORT_ARTIFACT_PATH}/{REPORT_FILE}"
 
 
 def prefect_ui_hint() -> str:

@@ -43,10 +43,11 @@ from flows.params import (
     Stage,
 )
 from rlhf_core.config import state_dir
+from rlhf_core.redaction import refuse_inline_secrets
 from rlhf_core.version import code_version
 from tasks import lineage
 from tasks.ray_jobs import ray_cluster
-from tasks.reports import publish_eval_report, summary_table
+from tasks.reports import publish_eval_report, publish_pipeline_report, summary_table
 from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
 
 ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
@@ -60,6 +61,12 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          online: OnlineRLParams = OnlineRLParams(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
+    refuse_inline_secrets({"settings": settings.model_dump(mode="json"), "prep": prep.model_dump(mode="json"),
+                           "sft": sft.model_dump(mode="json"), "rm": rm.model_dump(mode="json"),
+                           "dpo": dpo.model_dump(mode="json"), "ppo": ppo.model_dump(mode="json"),
+                           "evaluation": evaluation.model_dump(mode="json"),
+                           "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json")},
+                          "flow parameters")
     logger = get_run_logger()
     started = time.perf_counter()
     stages = [s for s in ORDER if s in set(settings.stages)]
@@ -114,6 +121,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                     summary["online"] = run_online(ctx, settings, prep, ppo, evaluation, online, need, run, outcomes)
             if settings.register_models:
                 summary["registry"] = _register(outcomes, evaluation, summary.get("evaluation", {}).get("policies", []))
+            summary["report"] = publish_pipeline_report(parent, outcomes, outcomes.get("eval"),
+                                                        evaluation.promote_metric)
     except BaseException:
         lineage.end_run(parent, "FAILED")
         raise

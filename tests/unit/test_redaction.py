@@ -130,3 +130,30 @@ def test_parameters_with_an_inline_secret_are_refused_with_their_names():
     with pytest.raises(ConfigError, match=r"flow parameters: sft\.dataset, ppo\.api_key carries a credential inline"):
         refuse_inline_secrets({"sft": {"dataset": "json@s3://ak:sk@b/d"}, "ppo": {"api_key": "k"}}, "flow parameters")
     refuse_inline_secrets({"sft": {"dataset": "json@s3://b/d", "input_key": "prompt"}}, "flow parameters")
+
+
+def test_a_pipeline_config_with_an_inline_secret_is_refused_before_prefect_stores_it():
+    from flows.cli import flow_parameters
+    from rlhf_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--config: sft\.data\.dataset carries a credential inline.*Prefect Secret"):
+        flow_parameters({"sft": {"dataset": "json@s3://ak:sk@bucket/d"}})
+    with pytest.raises(ConfigError, match=r"ppo\.reward\.remote_url carries"):
+        flow_parameters({"ppo": {"reward": {"remote_url": "http://127.0.0.1:5000/get_reward?token=abc"}}})
+    flow_parameters({"sft": {"dataset": "json@s3://bucket/d"}})  # a plain URI is fine
+
+
+def test_the_flow_refuses_inline_secrets_itself(monkeypatch):
+    """A deployment run's parameters never pass through `rlhf pipeline run`: the flow checks them first."""
+    from flows.cli import flow_parameters
+    from flows.pipeline import rlhf
+    from rlhf_core.config import ConfigError
+    from tasks import lineage
+
+    started = []
+    monkeypatch.setattr(lineage, "start_pipeline_run", lambda *a, **k: started.append(a))
+    params = flow_parameters({})
+    params["settings"] = params["settings"].model_copy(update={"output_root": "s3://ak:sk@bucket/rlhf"})
+    with pytest.raises(ConfigError, match=r"flow parameters: settings\.output_root carries a credential inline"):
+        rlhf.fn(**params)
+    assert started == []
