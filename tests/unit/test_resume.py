@@ -97,12 +97,17 @@ def assert_same_state(a, b, where: str) -> None:
             assert a == b, (where, a, b)
 
 
-def assert_same_checkpoint(a: Path, b: Path) -> None:
-    files = sorted(p.name for p in a.iterdir())
-    assert files == sorted(p.name for p in b.iterdir())
-    assert any("optim" in f or "model_states" in f for f in files) and any(f.startswith("rng_") for f in files)
+def assert_same_checkpoint(a: Path, b: Path) -> list[str]:
+    """Every file of checkpoint folder `a` equals `b`'s: `.pt` contents exactly, others byte for byte."""
+    files = sorted(p.name for p in a.iterdir() if p.is_file())
+    assert files and files == sorted(p.name for p in b.iterdir() if p.is_file()), (a, b)
     for name in files:
-        assert_same_state(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+        if name.endswith(".pt"):
+            assert_same_state(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False),
+                              f"{a.name}/{name}")
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name}/{name}"
+    return files
 
 
 def optimizer_state(tag: Path) -> dict:
@@ -145,7 +150,8 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
     assert m["train/steps"] == STEPS
 
     final = f"global_step{STEPS}"
-    assert_same_checkpoint(tmp_path / "full_ckpt" / final, ckpt / final)  # weights, Adam, scheduler, RNG
+    files = assert_same_checkpoint(tmp_path / "full_ckpt" / final, ckpt / final)  # weights, Adam, scheduler, RNG
+    assert "mp_rank_00_model_states.pt" in files and "rng_state_rank0.pt" in files
     moments = optimizer_state(ckpt / final)["state"]
     assert moments and all(torch.count_nonzero(s["exp_avg_sq"]) for s in moments.values())
     wa, wb = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
@@ -153,3 +159,78 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     w0 = load_file(str(Path(dropout_base) / "model.safetensors"))
     assert any(not torch.equal(w0[k], wa[k]) for k in w0 if k in wa)  # it trained at all
+
+
+# -- PPO: the RL stage's own loop and checkpoint (actor, critic, both optimizers, KL, prompts, RNG) --
+
+REWARD_FILE = '''
+import os, signal
+from pathlib import Path
+import torch
+
+COUNTER = Path(__file__).with_suffix(".calls")
+
+def reward_func(queries, prompts, labels, **kwargs):
+    calls = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
+    COUNTER.write_text(str(calls))
+    if calls == int(os.environ.get("TEST_KILL_AT_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)  # in the middle of a rollout step, after its generation
+    return torch.tensor([float(len(q) % 3) for q in queries])
+'''
+
+PPO_STEPS, PPO_SAVE = 4, 2  # 12 prompts / 4 per step = 3 steps per episode: the resume crosses into episode 2
+
+
+def ppo_args(prepared, base, tmp_path: Path, name: str, *extra) -> list[str]:
+    reward = tmp_path / f"{name}_reward.py"
+    if not reward.exists():
+        reward.write_text(REWARD_FILE)
+    return ["train", "ppo", "--pretrain", base, "--prompt_data", f"json@{prepared['prompts']}", "--max_samples",
+            "12", "--remote_rm_url", str(reward), "--advantage_estimator", "gae", "--init_kl_coef", "0.05",
+            "--kl_target", "0.1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "8",
+            "--max_epochs", "2", "--num_episodes", "2", "--generate_max_len", "5", "--actor_learning_rate", "1e-3",
+            "--critic_learning_rate", "1e-3", "--lr_warmup_ratio", "0.25", "--param_dtype", "fp32",
+            "--use_mlflow", "false", "--seed", "3", "--max_steps", str(PPO_STEPS), "--save_steps", str(PPO_SAVE),
+            "--ckpt_path", str(tmp_path / f"{name}_ckpt"), "--max_ckpt_num", "10", "--save_path",
+            str(tmp_path / f"{name}_out"), "--load_checkpoint", *extra]
+
+
+def test_killed_ppo_run_resumes_bit_identical(prepared, dropout_base, tmp_path, capfd, one_torch_thread,
+                                              monkeypatch):
+    from rlhf_core.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # every role in this process
+    assert main(ppo_args(prepared, dropout_base, tmp_path, "whole")) == 0
+    assert "no checkpoint in" in capfd.readouterr().err
+    whole = json.loads((tmp_path / "whole_out" / "stage.json").read_text())
+    assert whole["resume"] == {"requested": True, "checkpoint": None, "start_step": 0}
+
+    env = {**os.environ, "TEST_KILL_AT_CALL": str(PPO_SAVE + 1), "OMP_NUM_THREADS": "1", "RLHF_NO_PROGRESS": "1"}
+    killed = subprocess.run([sys.executable, "-m", "rlhf_core.cli", *ppo_args(prepared, dropout_base, tmp_path,
+                                                                                "split")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpt = tmp_path / "split_ckpt"
+    assert (ckpt / "latest").read_text().strip() == f"global_step{PPO_SAVE}"
+    assert not (tmp_path / "split_out" / "stage.json").exists()
+
+    assert main(ppo_args(prepared, dropout_base, tmp_path, "split")) == 0
+    assert f"resumed from {ckpt / f'global_step{PPO_SAVE}'} at step {PPO_SAVE}" in capfd.readouterr().err
+    resumed = json.loads((tmp_path / "split_out" / "stage.json").read_text())
+    assert resumed["resume"] == {"requested": True, "checkpoint": str(ckpt / f"global_step{PPO_SAVE}"),
+                                 "start_step": PPO_SAVE}
+    m = resumed["metrics"]
+    assert m["train/start_step"] == PPO_SAVE and m["train/steps_run"] == PPO_STEPS - PPO_SAVE, m
+    # The reward file saw the killed run's 3 calls and the resumed run's 2: not a restart's 4.
+    assert (tmp_path / "split_reward.calls").read_text() == str(PPO_SAVE + 1 + PPO_STEPS - PPO_SAVE)
+
+    final = f"global_step{PPO_STEPS}"
+    top = assert_same_checkpoint(tmp_path / "whole_ckpt" / final, ckpt / final)  # controller: KL, prompts, RNG
+    assert "controller.pt" in top and "rng_actor_rank0.pt" in top and "rng_critic_rank0.pt" in top
+    for role in ("actor", "critic"):  # weights, Adam moments, scheduler of each
+        assert "mp_rank_00_model_states.pt" in assert_same_checkpoint(tmp_path / "whole_ckpt" / final / role,
+                                                                      ckpt / final / role)
+    wa, wb = load_file(str(tmp_path / "whole_out" / "model.safetensors")), load_file(str(tmp_path / "split_out" /
+                                                                                         "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
