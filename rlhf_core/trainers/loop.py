@@ -41,6 +41,10 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 
 
 class Recipe(Protocol):
+    """May also define `prepare_step(model, micro_batches)`: called on every rank before an optimizer
+    step (train mode) and before an evaluation (eval mode) with all of this rank's micro-batches,
+    for a quantity of the whole step (KTO's KL reference point)."""
+
     def count(self, examples: list) -> int: ...
 
     def micro_step(self, model, examples: list) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -105,6 +109,11 @@ class TrainLoop:
     def train_step(self) -> tuple[dict[str, float], int]:
         epoch, index = divmod(self.step, self.plan.steps_per_epoch)
         micro = [[self.train_examples[i] for i in mb] for mb in self.plan.micro_batches(epoch, index)]
+        prepare = getattr(self.recipe, "prepare_step", None)
+        if prepare is not None:
+            self.engine.train()
+            with autocast(precision_of(self.cfg)):
+                prepare(self.engine, micro)
         micro_step = self.recipe.micro_step
         if kill_requested(self.step + 1, self.rank):
             micro_step = killing_on_last(micro_step, len(micro))
@@ -116,13 +125,20 @@ class TrainLoop:
     @torch.no_grad()
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
         """Held-out metrics, averaged over the recipe's units across all ranks."""
-        usable = len(self.eval_examples) - len(self.eval_examples) % self.world_size
-        mine = self.eval_examples[self.rank : usable : self.world_size]  # equal shards: ZeRO-3 needs lockstep
+        # Equal contiguous shards (ZeRO-3 needs lockstep): with a shard a multiple of the micro-batch,
+        # the micro-batches are those of one rank, so metrics of a micro-batch agree with 1 rank's.
+        per_rank = len(self.eval_examples) // self.world_size
+        mine = self.eval_examples[self.rank * per_rank : (self.rank + 1) * per_rank]
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()
-        for i in range(0, len(mine), self.cfg.micro_train_batch_size):
-            examples = mine[i : i + self.cfg.micro_train_batch_size]
+        micro = [mine[i : i + self.cfg.micro_train_batch_size]
+                 for i in range(0, len(mine), self.cfg.micro_train_batch_size)]
+        prepare = getattr(self.recipe, "prepare_step", None)
+        if prepare is not None:
+            with autocast(precision_of(self.cfg)):
+                prepare(self.engine, micro)
+        for examples in micro:
             with autocast(precision_of(self.cfg)):
                 _, stats, _ = self.recipe.micro_step(self.engine, examples)
             for k, v in stats.items():

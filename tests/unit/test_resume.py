@@ -93,6 +93,9 @@ def assert_same_state(a, b, where: str) -> None:
 
         if isinstance(a, np.ndarray):
             assert np.array_equal(a, b), where
+        elif type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler
+            assert type(a) is type(b), where
+            assert_same_state(vars(a), vars(b), f"{where}:{type(a).__name__}")
         else:
             assert a == b, (where, a, b)
 
