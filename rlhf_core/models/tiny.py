@@ -102,9 +102,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
 
 
 def build_tiny_llama(
-    tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0
+    tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0, dropout: float = 0.0
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama sized by ``MODEL_SIZES[size]``, matched to ``tokenizer``."""
+    """A randomly initialised Llama sized by ``MODEL_SIZES[size]``, matched to ``tokenizer``.
+
+    ``dropout``: Llama's attention dropout (its only dropout), active in training mode. It draws
+    from torch's global RNG at every training forward, so a resumed run equals an uninterrupted
+    one only if every rank's RNG state is restored (the resume tests train with it on).
+    """
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")
     dims = MODEL_SIZES[size]
@@ -116,6 +123,7 @@ def build_tiny_llama(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        attention_dropout=dropout,
         **dims,
     )
     with torch.random.fork_rng(devices=[]):

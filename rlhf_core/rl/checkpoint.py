@@ -76,8 +76,8 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     ckpt = Path(ckpt)
     tag = latest_tag(ckpt)
     if tag is None:
-        print(f"rlhf: --ckpt.load_enable: no checkpoint in {ckpt} yet; starting from step 0", file=sys.stderr,
-              flush=True)
+        print(f"rlhf: --ckpt.load_enable: no checkpoint in {ckpt} yet; starting from step 0 "
+              "(stage.json records resume.checkpoint null)", file=sys.stderr, flush=True)
         return None
     directory = ckpt / tag
     roles = [g for g in (controller.actor, controller.critic) if g is not None]
@@ -91,4 +91,5 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     run_id = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
     checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
     print(f"resumed from {directory} at step {controller.step}", file=sys.stderr, flush=True)
+    controller.resume["checkpoint"] = str(directory)
     return run_id

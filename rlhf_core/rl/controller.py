@@ -107,19 +107,26 @@ class RLController:
         self.prompts = PromptStream(len(prompt_ids), cfg.train.seed)
         self.rollout_steps = rollout_steps
         self.step = 0
+        self.steps_run = 0  # rollout steps this process executed (a resume runs total - start)
+        # Where training started, recorded in stage.json: a --load_checkpoint that found nothing says so.
+        self.resume = {"requested": bool(cfg.ckpt.load_enable), "checkpoint": None, "start_step": 0}
         self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
         self.history: list[dict] = []
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
         cfg = self.cfg
-        if cfg.ckpt.load_enable and checkpoint.load(self, cfg.ckpt.path) is not None:
-            self.sync_weights(force=True)
+        if cfg.ckpt.load_enable:
+            self.checkpoint_run = checkpoint.load(self, cfg.ckpt.path)  # the resumed run's tags keep rotating
+            if self.checkpoint_run is not None:
+                self.sync_weights(force=True)
+        self.resume["start_step"] = start = self.step
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
         while self.step < self.rollout_steps:
             metrics = self.train_step()
             self.step += 1
+            self.steps_run += 1
             self._log(metrics)
             if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
@@ -128,7 +135,8 @@ class RLController:
                 self._log(self.evaluate())
         final = self.evaluate()
         self._log(final)
-        summary = {**initial, **final, "train/steps": self.step}
+        summary = {**initial, **final, "train/steps": self.step, "train/start_step": start,
+                   "train/steps_run": self.steps_run}
         trained = [m for m in self.history if "rollout/reward_mean" in m]
         if trained:  # the last step's rollout and training numbers
             summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})

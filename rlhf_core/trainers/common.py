@@ -31,6 +31,7 @@ class StageContext:
     world_size: int
     device: torch.device
     tracker: Tracker
+    resume: dict | None = None  # where training started (`TrainLoop.resume`), into stage.json
 
     @property
     def is_main(self) -> bool:
@@ -90,7 +91,9 @@ def run_training(recipe) -> dict:
 
     loop = TrainLoop(recipe.cfg, recipe.engine, recipe, recipe.data.train, recipe.data.eval, recipe.ctx.tracker,
                      recipe.ctx.rank, recipe.ctx.world_size)
-    return loop.run()
+    summary = loop.run()
+    recipe.ctx.resume = loop.resume
+    return summary
 
 
 def seed_everything(seed: int) -> None:
@@ -170,6 +173,8 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
             setattr(model.config, key, value)
         cfg = ctx.cfg
         manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id, precision=precision_of(cfg).value)
+        if ctx.resume is not None:
+            manifest["resume"] = ctx.resume
         publish_model(cfg, model, tokenizer, manifest, ctx.tracker)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -1,8 +1,12 @@
 """KTO: learning from unpaired desirable/undesirable completions.
 
 The reference point z_ref is a KL estimate between policy and reference on mismatched pairs
-(prompt i with the completion of example i+1 in the micro-batch), averaged over all ranks and
-not back-propagated, as in the KTO paper. Paired preference data is accepted and unpaired.
+(prompt i with the completion of example i+1 in the micro-batch), not back-propagated, as in the
+KTO paper. It is estimated once per optimizer step, over the mismatched pairs of every micro-batch
+of every rank (`prepare_step`, before the step's first micro-batch), so the updates do not depend
+on how the step is split: 2 ranks make the updates of 1 (tests/integration/test_resume_ray.py).
+Evaluation estimates it once over the whole held-out set. Paired preference data is accepted and
+unpaired.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import torch
 
 from rlhf_core.config import KTOConfig
 from rlhf_core.data.examples import Sequence, load_unpaired
-from rlhf_core.distributed.engine import all_reduce_mean, initialize, initialize_frozen
+from rlhf_core.distributed.engine import all_reduce_sum, initialize, initialize_frozen
 from rlhf_core.losses import kto_kl_estimate, kto_loss
 from rlhf_core.models.forward import sequence_logprobs
 from rlhf_core.models.loading import load_causal_lm
@@ -55,6 +59,19 @@ class KTORecipe:
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, cfg, total_steps(cfg, len(self.data.train)))
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
+        self.kl: torch.Tensor | None = None  # the current step's KL estimate (`prepare_step`)
+
+    @torch.no_grad()
+    def prepare_step(self, model, micro_batches: list) -> None:
+        """KL̂ of this optimizer step (or evaluation): the mean of logπ − logπ_ref over the mismatched
+        pairs of all `micro_batches` of all ranks (every rank calls this in lockstep)."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for examples in micro_batches:
+            kl_batch = self.to_batch(mismatched([e.seq for e in examples], self.cfg.data.max_len))
+            mean = kto_kl_estimate(sequence_logprobs(model, kl_batch), sequence_logprobs(self.reference, kl_batch))
+            total += torch.tensor([mean.double().item() * len(examples), float(len(examples))], dtype=torch.float64)
+        kl_sum, n = all_reduce_sum(total).tolist()
+        self.kl = torch.tensor(kl_sum / max(n, 1.0), dtype=torch.float32)
 
     def count(self, examples) -> int:
         return len(examples)
@@ -63,11 +80,11 @@ class KTORecipe:
         seqs = [e.seq for e in examples]
         batch = self.to_batch(seqs)
         logps = sequence_logprobs(model, batch)
-        kl_batch = self.to_batch(mismatched(seqs, self.cfg.data.max_len))
+        if self.kl is None:
+            raise RuntimeError("KTO: micro_step before prepare_step (the step's KL reference point)")
         with torch.no_grad():
             ref_logps = sequence_logprobs(self.reference, batch)
-            kl = kto_kl_estimate(sequence_logprobs(model, kl_batch), sequence_logprobs(self.reference, kl_batch))
-            kl = all_reduce_mean(kl.float().cpu()).to(logps.device) if model.training else kl
+        kl = self.kl.to(logps.device)
         desirable = torch.tensor([e.desirable for e in examples], device=logps.device)
         losses, rewards, z_ref = kto_loss(logps, ref_logps, desirable, kl, self.cfg.beta,
                                           self.cfg.desirable_loss_weight, self.cfg.undesirable_loss_weight)

@@ -11,13 +11,22 @@ Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's ow
 step (which fixes the data position, see `BatchPlan`) and every rank's RNG states, so a resumed
 run ends with the same weights as an uninterrupted one. `--max_ckpt_num` rotates only the tags
 this run (resumes included) wrote, as `checkpoints.py` records them.
+
+A run says where it started: `resume` (`{"requested", "checkpoint", "start_step"}`, written into
+`stage.json`) and the summary's `train/start_step` and `train/steps_run` (the optimizer steps this
+process executed), so a `--load_checkpoint` that found nothing, or loaded nothing, shows. With no
+checkpoint yet it starts at step 0, as OpenRLHF does, and says so in the log and in `stage.json`.
+
+`RLHF_TEST_KILL_AT_STEP=N[:RANK]` (fault-injection hook for tests, unset in normal use) makes the
+rank (default every rank) SIGKILL itself in the middle of optimizer step N: after the forward of the
+step's last micro-batch, with the earlier micro-batches' gradients accumulated and no update made.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import random
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -30,10 +39,12 @@ import torch
 from rlhf_core.data.batching import BatchPlan
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 
-log = logging.getLogger(__name__)
-
 
 class Recipe(Protocol):
+    """May also define `prepare_step(model, micro_batches)`: called on every rank before an optimizer
+    step (train mode) and before an evaluation (eval mode) with all of this rank's micro-batches,
+    for a quantity of the whole step (KTO's KL reference point)."""
+
     def count(self, examples: list) -> int: ...
 
     def micro_step(self, model, examples: list) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -53,12 +64,15 @@ class TrainLoop:
                              f"(train_batch_size {cfg.train_batch_size})")
         self.total_steps = total_steps(cfg, len(train_examples))
         self.step = 0
+        self.steps_run = 0  # optimizer steps this process executed (a resume runs total - start)
+        self.resume = {"requested": bool(cfg.load_checkpoint), "checkpoint": None, "start_step": 0}
         self.history: list[dict] = []
 
     # -- training --------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
         if self.cfg.load_checkpoint:
             self.step = self.load_checkpoint()
+        self.resume["start_step"] = start = self.step
         initial = self.evaluate(prefix="eval_initial/") if self.step == 0 and self.eval_examples else {}
         self._log(initial)
         bar = self._progress_bar()
@@ -66,6 +80,7 @@ class TrainLoop:
             t0 = time.perf_counter()
             metrics, tokens = self.train_step()
             self.step += 1
+            self.steps_run += 1
             elapsed = time.perf_counter() - t0
             metrics.update({"train/lr": self.engine.get_lr()[0], "train/tokens_per_s": tokens / elapsed,
                             "train/samples_per_s": self.cfg.train_batch_size / elapsed, "train/epoch":
@@ -86,7 +101,7 @@ class TrainLoop:
         final = self.evaluate() if self.eval_examples else {}
         self._log(final)
         summary = {**initial, **final}
-        summary["train/steps"] = self.step
+        summary.update({"train/steps": self.step, "train/start_step": start, "train/steps_run": self.steps_run})
         if self.history:
             summary["train/final_loss"] = self.history[-1].get("train/loss", float("nan"))
         return summary
@@ -94,7 +109,15 @@ class TrainLoop:
     def train_step(self) -> tuple[dict[str, float], int]:
         epoch, index = divmod(self.step, self.plan.steps_per_epoch)
         micro = [[self.train_examples[i] for i in mb] for mb in self.plan.micro_batches(epoch, index)]
-        sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, self.recipe.micro_step,
+        prepare = getattr(self.recipe, "prepare_step", None)
+        if prepare is not None:
+            self.engine.train()
+            with autocast(precision_of(self.cfg)):
+                prepare(self.engine, micro)
+        micro_step = self.recipe.micro_step
+        if kill_requested(self.step + 1, self.rank):
+            micro_step = killing_on_last(micro_step, len(micro))
+        sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, micro_step,
                                              self.world_size, precision_of(self.cfg))
         return {f"train/{k}": (v / units).item() for k, v in sums.items()}, tokens
 
@@ -102,13 +125,20 @@ class TrainLoop:
     @torch.no_grad()
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
         """Held-out metrics, averaged over the recipe's units across all ranks."""
-        usable = len(self.eval_examples) - len(self.eval_examples) % self.world_size
-        mine = self.eval_examples[self.rank : usable : self.world_size]  # equal shards: ZeRO-3 needs lockstep
+        # Equal contiguous shards (ZeRO-3 needs lockstep): with a shard a multiple of the micro-batch,
+        # the micro-batches are those of one rank, so metrics of a micro-batch agree with 1 rank's.
+        per_rank = len(self.eval_examples) // self.world_size
+        mine = self.eval_examples[self.rank * per_rank : (self.rank + 1) * per_rank]
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()
-        for i in range(0, len(mine), self.cfg.micro_train_batch_size):
-            examples = mine[i : i + self.cfg.micro_train_batch_size]
+        micro = [mine[i : i + self.cfg.micro_train_batch_size]
+                 for i in range(0, len(mine), self.cfg.micro_train_batch_size)]
+        prepare = getattr(self.recipe, "prepare_step", None)
+        if prepare is not None:
+            with autocast(precision_of(self.cfg)):
+                prepare(self.engine, micro)
+        for examples in micro:
             with autocast(precision_of(self.cfg)):
                 _, stats, _ = self.recipe.micro_step(self.engine, examples)
             for k, v in stats.items():
@@ -146,7 +176,8 @@ class TrainLoop:
         ckpt = Path(self.cfg.ckpt_path)
         if not (ckpt / "latest").exists():
             if self.rank == 0:
-                log.warning("--load_checkpoint: no checkpoint in %s yet; starting from step 0", ckpt)
+                print(f"--load_checkpoint: no checkpoint in {ckpt} yet; starting from step 0 "
+                      "(stage.json records resume.checkpoint null)", file=sys.stderr, flush=True)
             return 0
         tag = (ckpt / "latest").read_text().strip()
         path, client = self.engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
@@ -166,6 +197,7 @@ class TrainLoop:
             self.checkpoint_run = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
             checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, int(client["step"]))
             print(f"resumed from {ckpt / tag} at step {client['step']}", file=sys.stderr, flush=True)
+        self.resume["checkpoint"] = str(ckpt / tag)
         return int(client["step"])
 
     # -- reporting -------------------------------------------------------------------------
@@ -219,6 +251,33 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     keys = sorted(sums)
     totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))]))
     return dict(zip(keys, totals[:-1], strict=True)), units, int(totals[-1].item())
+
+
+KILL_ENV = "RLHF_TEST_KILL_AT_STEP"
+
+
+def kill_requested(step: int, rank: int) -> bool:
+    """Whether `RLHF_TEST_KILL_AT_STEP` (`N` or `N:RANK`) asks this rank to die in step `step` (1-based)."""
+    spec = os.environ.get(KILL_ENV, "").strip()
+    if not spec:
+        return False
+    want_step, _, want_rank = spec.partition(":")
+    return int(want_step) == step and (not want_rank or int(want_rank) == rank)
+
+
+def killing_on_last(micro_step, n_micro: int):
+    """`micro_step` that SIGKILLs this process after the forward of the `n_micro`-th call (a test hook)."""
+    calls = [0]
+
+    def wrapped(model, examples):
+        out = micro_step(model, examples)
+        calls[0] += 1
+        if calls[0] == n_micro:
+            print(f"{KILL_ENV}: SIGKILL mid-step (pid {os.getpid()})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    return wrapped
 
 
 def total_steps(cfg, num_examples: int) -> int:

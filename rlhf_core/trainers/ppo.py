@@ -222,7 +222,8 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
                                   roles.actor, roles.critic, roles.ref, roles.reward_model, reward_fn, tracker,
                                   kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps)
         metrics = controller.run()
-        manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision)
+        manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision,
+                               resume=controller.resume)
     except BaseException:
         tracker.finish("FAILED")
         raise
@@ -237,8 +238,10 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     return manifest
 
 
-def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], tracker, precision: str) -> dict:
-    """The actor as the stage output: HF model + tokenizer + stage.json, published atomically."""
+def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], tracker, precision: str,
+                resume: dict | None = None) -> dict:
+    """The actor as the stage output: HF model + tokenizer + stage.json, published atomically.
+    `resume`: where training started (`RLController.resume`), recorded in stage.json."""
     from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.trainers.common import publish_model
 
@@ -248,5 +251,7 @@ def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], track
     inputs = {"pretrain": cfg.actor.model_name_or_path, "reward_pretrain": cfg.reward.model_name_or_path,
               "datasets": sources}
     manifest = stage_manifest(cfg, inputs, metrics, tracker.run_id, precision=precision)
+    if resume is not None:
+        manifest["resume"] = resume
     publish_model(cfg, model, tokenizer, manifest, tracker)
     return manifest

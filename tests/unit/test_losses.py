@@ -325,8 +325,14 @@ def test_kto_matches_loop_reference_and_z_ref_gets_no_gradient():
     policy = (-torch.rand(10) * 40).requires_grad_()
     ref = -torch.rand(10) * 40
     desirable = torch.rand(10) > 0.5
-    kl = (-torch.rand(10) * 40).requires_grad_()
-    z_ref = max(kto_kl_estimate(kl, ref).item(), 0.0)
+    kl = (-torch.rand(10) * 40).requires_grad_()  # policy log-probs of the mismatched pairs
+    ref_kl = -torch.rand(10) * 40  # the reference's
+    # The reference point written out on its own (not through kto_kl_estimate): mean of the
+    # mismatched pairs' log-ratios, clamped at 0 (positive here: the check below needs z_ref > 0).
+    kl_mean = sum(kl[i].item() - ref_kl[i].item() for i in range(10)) / 10
+    ref_kl = ref_kl - max(0.0, 1.5 - kl_mean)  # shift so the mean log-ratio is at least 1.5
+    z_ref = max(sum(kl[i].item() - ref_kl[i].item() for i in range(10)) / 10, 0.0)
+    assert z_ref >= 1.5 - 1e-4
     beta, wd, wu = 0.3, 1.5, 0.7
     expected = []
     for i in range(10):
@@ -335,7 +341,7 @@ def test_kto_matches_loop_reference_and_z_ref_gets_no_gradient():
             expected.append(wd * (1 - sigmoid(beta * (r - z_ref))))
         else:
             expected.append(wu * (1 - sigmoid(beta * (z_ref - r))))
-    losses, _, _ = kto_loss(policy, ref, desirable, kto_kl_estimate(kl, ref), beta, wd, wu)
+    losses, _, _ = kto_loss(policy, ref, desirable, kto_kl_estimate(kl, ref_kl), beta, wd, wu)
     assert_close(losses, expected, atol=1e-5)
     losses.sum().backward()
     assert kl.grad is None and policy.grad is not None
