@@ -36,11 +36,13 @@ def run_recipe(cfg, data=None) -> dict | None:
 def check_data(cfg):
     """Load and check a stage's data on the driver, so bad input fails before any rank starts.
 
-    Raises DataError (file, row, key) or ValueError (too little data); returns the StageData,
+    Raises DataError (file, row, key; or too little data); returns the StageData,
     which the ranks then train on as it is (tokenized once, here).
     """
+    from rlhf_core.data.loading import DataError
+
     data = importlib.import_module(RECIPES[cfg.stage].split(":")[0]).load_data(cfg)
     if len(data.train) < cfg.train_batch_size:
-        raise ValueError(f"--dataset {cfg.data.dataset}: {len(data.train)} training examples, fewer than one global "
+        raise DataError(f"--dataset {cfg.data.dataset}: {len(data.train)} training examples, fewer than one global "
                          f"batch (--train_batch_size {cfg.train_batch_size})")
     return data

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_core.advantages import kl_controller
+from rlhf_core.config import ConfigError
+from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.groups import LocalGroup
@@ -130,7 +132,7 @@ def engine_options(cfg) -> tuple[str, dict]:
     """The rollout engines' backend and constructor options (`rl/engines.EngineWorker`)."""
     if cfg.vllm.num_engines:
         if cfg.vllm.tensor_parallel_size > 1:
-            raise ValueError("--vllm.tensor_parallel_size > 1 is not supported yet: use more engines of one GPU each")
+            raise ConfigError("--vllm.tensor_parallel_size > 1 is not supported yet: use more engines of one GPU each")
         return "vllm", {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
                         "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
                         "enable_sleep": cfg.vllm.enable_sleep}
@@ -168,7 +170,8 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
     print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
     wrap = lambda kind: RayGroup(made[kind]) if kind in made else None  # noqa: E731
     return Roles(wrap("actor"), wrap("critic"), wrap("ref"), wrap("reward"),
-                 RayEngines(made["rollout"], cfg.vllm.enable_sleep), list(pools.values()))
+                 RayEngines(made["rollout"], cfg.vllm.enable_sleep, sync_backend=cfg.vllm.sync_backend,
+                            bucket_mb=cfg.vllm.sync_bucket_mb), list(pools.values()))
 
 
 def run_ppo(cfg, on_ray: bool | None = None) -> dict:
@@ -187,7 +190,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
         split = cfg.eval.split or held_out_split(cfg.eval.dataset)
         eval_ids, eval_labels, eval_sources, _ = load_prompts(cfg, tokenizer, split, cfg.eval.dataset)
     if len(prompt_ids) < cfg.rollout.batch_size:
-        raise ValueError(f"--data.prompt_dataset: {len(prompt_ids)} usable prompts, fewer than one rollout batch "
+        raise DataError(f"--data.prompt_dataset: {len(prompt_ids)} usable prompts, fewer than one rollout batch "
                          f"(--rollout.batch_size {cfg.rollout.batch_size})")
     steps = rollout_steps(cfg, len(prompt_ids))
     optimizer_steps = total_optimizer_steps(steps, cfg)

@@ -251,21 +251,14 @@ CASES = {
                                          ["/e400", "HTTP 400", "labels missing"]),
     "reward-server-http-401": lambda c: (c.ppo("--remote_rm_url", f"{c.server}/e401"),
                                          ["/e401", "HTTP 401", "RLHF_RM_TOKEN"]),
-}
-
-# Rejected before training, but with a traceback (ValueError) or exit 1, from code this change may not
-# edit: trainers/__init__.py `check_data` and trainers/ppo.py `run_ppo` raise ValueError where a
-# DataError belongs (NOTES-bad-input.md). Strict: the day they are fixed these rows fail as XPASS,
-# and move up into CASES.
-KNOWN_GAPS = {
+    # --- too little data -------------------------------------------------------------------------
     "sft-fewer-examples-than-a-batch": lambda c: (c.sft("--train_batch_size", "16", dataset=c.file("d.jsonl", [ROW] * 4)),
                                                   ["--dataset", "fewer than one global batch"]),
     "ppo-fewer-prompts-than-a-rollout-batch": lambda c: (c.ppo("--task", "addition", rollout_batch=8),
                                                          ["usable prompts, fewer than one rollout batch"]),
 }
-PARAMS = [pytest.param(case, CASES[case], id=case) for case in CASES] + [
-    pytest.param(case, KNOWN_GAPS[case], id=case, marks=pytest.mark.xfail(
-        strict=True, reason="ValueError from trainers/ (see NOTES-bad-input.md)")) for case in KNOWN_GAPS]
+
+PARAMS = [pytest.param(case, CASES[case], id=case) for case in CASES]
 
 
 def _folder(path: Path, files: dict[str, str] | None = None) -> str:
