@@ -214,6 +214,11 @@ def child_env(args, work: Path, snapshot: Path) -> dict:
 def prepare_policy(args, work: Path, snapshot: Path) -> Path:
     """`rlhf prep` (sort, 30% wrong demonstrations) and a short SFT: the policy both sides start from."""
     root = work / "rl"
+    stamp = root / "bench_policy.json"
+    recipe = {"task": TASK, "sft_steps": args.sft_steps, "precision": args.precision}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe and (root / "sft" / "config.json").exists():
+        print(f"reusing the SFT policy in {root} (--work_dir, same recipe)", file=sys.stderr, flush=True)
+        return root
     env = child_env(args, work, snapshot)
     steps = [[sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(root), "--task", TASK, "--seed", "0",
               "--model_size", "tiny", "--demo_error_rate", "0.3"],
@@ -226,6 +231,7 @@ def prepare_policy(args, work: Path, snapshot: Path) -> Path:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=snapshot)
         if proc.returncode != 0:
             raise SystemExit(f"preparing the policy failed: {' '.join(cmd[2:4])}\n{proc.stderr[-3000:]}")
+    stamp.write_text(json.dumps(recipe))
     return root
 
 
@@ -294,6 +300,9 @@ def driver_main(args) -> int:
     args.repeats_done = 0
     keep = args.work_dir is not None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-grpo-")).resolve()
+    import shutil
+
+    shutil.rmtree(work / "snapshot", ignore_errors=True)  # a kept --work_dir: this run's code, not the last one's
     snapshot, code = take_snapshot(work)
     print(f"preparing the SFT policy in {work} ...", file=sys.stderr, flush=True)
     root = prepare_policy(args, work, snapshot)
@@ -312,8 +321,6 @@ def driver_main(args) -> int:
                       file=sys.stderr, flush=True)
     print("\n".join([header, ""] + report(args, results)))
     if not keep:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r.get("failed") for rs in results.values() for r in rs) else 0
 
@@ -336,7 +343,8 @@ def parse_args(argv=None):
     p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="training precision of both sides: auto = bf16 where this CPU computes it natively, else fp32")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
-    p.add_argument("--work_dir", default=None, help="keep the policy and run folders here (default: a temp dir)")
+    p.add_argument("--work_dir", default=None, help="keep the policy and run folders here (default: a temp dir); "
+                                                    "a policy already there from the same recipe is reused")
     p.add_argument("--json_out", default=None, help="write every run's raw result here (updated after each run)")
     # Child-only flags (the driver passes them).
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)

@@ -91,7 +91,10 @@ def lean_model(model) -> LeanLlama | None:
             _LEAN[model] = lean
         except TypeError:
             pass
-    if lean is None or getattr(model, "is_gradient_checkpointing", False):
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if lean is None or checkpointing:
         return None
     return lean
 
@@ -288,8 +291,9 @@ class LeanLlama:
         device = hidden.device
         _, mm = self.dtypes(device)
         with _no_autocast(device):
-            w = self.weights(mm)
-            return F.linear(hidden if hidden.dtype == mm else hidden.to(mm), w.head)
+            reused = self._reused.get(mm) if self._reused is not None and not torch.is_grad_enabled() else None
+            head = reused.head if reused is not None else self.model.lm_head.weight
+            return F.linear(hidden if hidden.dtype == mm else hidden.to(mm), head if head.dtype == mm else head.to(mm))
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
