@@ -184,10 +184,13 @@ class PolicyRole(_Checkpointed, _Role):
                 kl = kl_penalty(logprobs, ref, algo.kl.estimator)
                 loss = loss + kl_coef * kl
                 stats["kl_loss_tokens"] = (kl * mask).sum().detach()
-            entropy = entropy_from_logits(logits)
-            stats["entropy_tokens"] = (entropy.detach() * mask).sum()
             if self.cfg.actor.entropy_coef:
+                entropy = entropy_from_logits(logits)
                 loss = loss - self.cfg.actor.entropy_coef * entropy
+            else:  # a metric only: no autograd graph for it
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits.detach())
+            stats["entropy_tokens"] = (entropy.detach() * mask).sum()
             return aggregate_loss(loss, mask, mode, 1.0, norm_length), stats, int(batch.input_ids.numel())
 
         per_rank = train.batch_size // self.world_size
