@@ -22,8 +22,8 @@ Choices, and why:
   `_generate` (generation), `_calculate_rewards` (rewards) and `_generate_and_score_completions`
   (the rest of it: log-probs and advantages = experience); training is what remains of the step.
 - Each side generates as its users get it: ours with its sampler (one prefill per prompt shared
-  by the prompt's samples, a KV cache, fp32 on CPU), TRL with `model.generate` under its
-  precision. Training precision is the same on both sides (`--param_dtype`, default `auto`).
+  by the prompt's samples, a static KV cache, the lean Llama forward, fp32 weights under the
+  trainer's autocast), TRL with `model.generate` under its precision. Training precision is the same on both sides (`--param_dtype`, default `auto`).
 - Nothing is asserted about time: the script prints throughput and ratios (benchmarks/README.md).
 
 Usage: python benchmarks/bench_grpo_vs_trl.py [--steps 8] [--repeats 3] [--n 4] [--prompts 32]
@@ -107,7 +107,8 @@ def run_ours(args) -> dict:
 
     rl_controller.RLController.train_step = timed_step
     run_ppo(cfg, on_ray=False)
-    setup = {"precision": args.precision, "generation": "rlhf_core sampler (fp32 on CPU)"}
+    setup = {"precision": args.precision, "generation": "rlhf_core sampler, lean Llama forward, fp32 weights"
+             + (" under bf16 autocast (the trainer's math)" if args.precision == "bf16" else "")}
     return summarize(args, ends, phases, lengths, setup)
 
 
