@@ -187,3 +187,16 @@ def test_what_the_lean_forward_does_not_cover_runs_on_transformers(monkeypatch):
     assert lean_model(plain) is not None
     monkeypatch.setenv(lean_module.ENV, "0")
     assert lean_model(plain) is None
+
+
+def test_bf16_weights_without_autocast_are_transformers_bf16_forward():
+    """Weights held in bf16 (DeepSpeed's bf16 mode on a GPU, a bf16 engine): every op in bf16 as
+    transformers runs it, norms computed in fp32 and cast back before the weight."""
+    model = llama().to(torch.bfloat16)
+    batch, index, mask = collate(rollout(), 0, True, row_capacity=64)
+    with torch.no_grad():
+        ours = response_logits(model, batch, index)
+        theirs = transformers_logits(model, batch, index)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    valid = mask.bool()
+    assert torch.allclose(ours[valid].float(), theirs[valid].float(), atol=6e-2, rtol=6e-2)
