@@ -18,6 +18,9 @@ logits-processor machinery each step; this loop does the one thing a rollout nee
   and a token is drawn by inverse CDF from one uniform number per row (`inverse_cdf_draw`): the
   growing cache's per-step concatenation and `torch.multinomial`'s per-entry exponentials were a
   third of a small model's rollout time.
+- A Llama runs its lean forward (`models/lean.py`: transformers' math in fewer ops, a static
+  cache, the weights prepared once per call); any other model runs its own forward with the
+  preallocated cache below. Both draw the same tokens (tests/unit/test_lean_forward.py).
 - Draws use a `torch.Generator` seeded per call: the same seed gives the same samples, and the
   caller's global random state is left alone.
 - A row stops at its first EOS (kept in the response). Finished rows are fed padding, and once a
