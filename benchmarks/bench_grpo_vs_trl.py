@@ -22,8 +22,8 @@ Choices, and why:
   `_generate` (generation), `_calculate_rewards` (rewards) and `_generate_and_score_completions`
   (the rest of it: log-probs and advantages = experience); training is what remains of the step.
 - Each side generates as its users get it: ours with its sampler (one prefill per prompt shared
-  by the prompt's samples, a KV cache, fp32 on CPU), TRL with `model.generate` under its
-  precision. Training precision is the same on both sides (`--param_dtype`, default `auto`).
+  by the prompt's samples, a static KV cache, the lean Llama forward, fp32 weights under the
+  trainer's autocast), TRL with `model.generate` under its precision. Training precision is the same on both sides (`--param_dtype`, default `auto`).
 - Nothing is asserted about time: the script prints throughput and ratios (benchmarks/README.md).
 
 Usage: python benchmarks/bench_grpo_vs_trl.py [--steps 8] [--repeats 3] [--n 4] [--prompts 32]
@@ -107,7 +107,8 @@ def run_ours(args) -> dict:
 
     rl_controller.RLController.train_step = timed_step
     run_ppo(cfg, on_ray=False)
-    setup = {"precision": args.precision, "generation": "rlhf_core sampler (fp32 on CPU)"}
+    setup = {"precision": args.precision, "generation": "rlhf_core sampler, lean Llama forward, fp32 weights"
+             + (" under bf16 autocast (the trainer's math)" if args.precision == "bf16" else "")}
     return summarize(args, ends, phases, lengths, setup)
 
 
@@ -214,6 +215,11 @@ def child_env(args, work: Path, snapshot: Path) -> dict:
 def prepare_policy(args, work: Path, snapshot: Path) -> Path:
     """`rlhf prep` (sort, 30% wrong demonstrations) and a short SFT: the policy both sides start from."""
     root = work / "rl"
+    stamp = root / "bench_policy.json"
+    recipe = {"task": TASK, "sft_steps": args.sft_steps, "precision": args.precision}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe and (root / "sft" / "config.json").exists():
+        print(f"reusing the SFT policy in {root} (--work_dir, same recipe)", file=sys.stderr, flush=True)
+        return root
     env = child_env(args, work, snapshot)
     steps = [[sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(root), "--task", TASK, "--seed", "0",
               "--model_size", "tiny", "--demo_error_rate", "0.3"],
@@ -226,6 +232,7 @@ def prepare_policy(args, work: Path, snapshot: Path) -> Path:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=snapshot)
         if proc.returncode != 0:
             raise SystemExit(f"preparing the policy failed: {' '.join(cmd[2:4])}\n{proc.stderr[-3000:]}")
+    stamp.write_text(json.dumps(recipe))
     return root
 
 
@@ -294,6 +301,9 @@ def driver_main(args) -> int:
     args.repeats_done = 0
     keep = args.work_dir is not None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-grpo-")).resolve()
+    import shutil
+
+    shutil.rmtree(work / "snapshot", ignore_errors=True)  # a kept --work_dir: this run's code, not the last one's
     snapshot, code = take_snapshot(work)
     print(f"preparing the SFT policy in {work} ...", file=sys.stderr, flush=True)
     root = prepare_policy(args, work, snapshot)
@@ -312,8 +322,6 @@ def driver_main(args) -> int:
                       file=sys.stderr, flush=True)
     print("\n".join([header, ""] + report(args, results)))
     if not keep:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r.get("failed") for rs in results.values() for r in rs) else 0
 
@@ -336,7 +344,8 @@ def parse_args(argv=None):
     p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="training precision of both sides: auto = bf16 where this CPU computes it natively, else fp32")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a run is given up")
-    p.add_argument("--work_dir", default=None, help="keep the policy and run folders here (default: a temp dir)")
+    p.add_argument("--work_dir", default=None, help="keep the policy and run folders here (default: a temp dir); "
+                                                    "a policy already there from the same recipe is reused")
     p.add_argument("--json_out", default=None, help="write every run's raw result here (updated after each run)")
     # Child-only flags (the driver passes them).
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)

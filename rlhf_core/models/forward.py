@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rlhf_core.data.batching import Batch
 from rlhf_core.losses import gather_token_logprobs
+from rlhf_core.models.lean import lean_model
 from rlhf_core.models.loading import backbone
 
 
@@ -96,8 +97,14 @@ def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float
     """The logits that predict each response token, divided by `temperature`: `(num_samples, T, vocab)`.
 
     Only the positions that predict response tokens (`predicting_index`) go through the LM head,
-    never the prompts' or the padding's, and no `(rows, T, vocab)` log-softmax is formed.
+    never the prompts' or the padding's, and no `(rows, T, vocab)` log-softmax is formed. Llama
+    models run the lean forward (`models/lean.py`: the same math in fewer ops), others transformers'.
     """
+    lean = lean_model(model)
+    if lean is not None:  # transformers' Llama math in fewer ops (models/lean.py)
+        hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
+        return _tempered(lean.logits(hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]),
+                         temperature)
     hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -106,6 +113,10 @@ def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float
     cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma's, applied in its forward
     if cap:
         logits = torch.tanh(logits / cap) * cap
+    return _tempered(logits, temperature)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature if temperature != 1.0 else logits
 
 

@@ -14,6 +14,7 @@ alike: the policy being optimised is the one that samples.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from rlhf_core.losses import (
     value_loss,
 )
 from rlhf_core.models.forward import response_logits, response_values
+from rlhf_core.models.lean import lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.trainers.loop import optimizer_step
 
@@ -99,6 +101,21 @@ class _Role:
         size = self.cfg.rollout.micro_batch_size  # forward passes without gradients (experience)
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
+    def _logprobs(self, model, samples: list[RolloutSample]) -> list[torch.Tensor]:
+        """Response log-probs of `model` at the rollout temperature, chunk by chunk, without gradients.
+        The weights do not change during the pass: a Llama's lean forward prepares them (projections
+        concatenated, cast to autocast's dtype) once for all chunks instead of at every linear."""
+        lean = lean_model(model)
+        out = []
+        with torch.no_grad(), (lean.reusing_weights() if lean is not None else contextlib.nullcontext()):
+            for chunk in self._chunks(samples):
+                batch, index, mask = self._collate(chunk)
+                with autocast(self.precision):
+                    logits = response_logits(model, batch, index, self.temperature)
+                    lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
+                out += unstack(lp, [s.response_len for s in chunk])
+        return out
+
 
 class _Checkpointed:
     """Save and restore a trainable role's engine (weights, optimizer, scheduler) and this rank's RNG
@@ -142,14 +159,7 @@ class PolicyRole(_Checkpointed, _Role):
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
         self.engine.eval()
-        out = []
-        for chunk in self._chunks(samples):
-            batch, index, mask = self._collate(chunk)
-            with autocast(self.precision):
-                logits = response_logits(self.engine, batch, index, self.temperature)
-                lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
-            out += unstack(lp, [s.response_len for s in chunk])
-        return out
+        return self._logprobs(self.engine, samples)
 
     def train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's share of the rollout (already in step order): a few optimizer steps."""
@@ -174,10 +184,13 @@ class PolicyRole(_Checkpointed, _Role):
                 kl = kl_penalty(logprobs, ref, algo.kl.estimator)
                 loss = loss + kl_coef * kl
                 stats["kl_loss_tokens"] = (kl * mask).sum().detach()
-            entropy = entropy_from_logits(logits)
-            stats["entropy_tokens"] = (entropy.detach() * mask).sum()
             if self.cfg.actor.entropy_coef:
+                entropy = entropy_from_logits(logits)
                 loss = loss - self.cfg.actor.entropy_coef * entropy
+            else:  # a metric only: no autograd graph for it
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits.detach())
+            stats["entropy_tokens"] = (entropy.detach() * mask).sum()
             return aggregate_loss(loss, mask, mode, 1.0, norm_length), stats, int(batch.input_ids.numel())
 
         per_rank = train.batch_size // self.world_size
@@ -278,14 +291,7 @@ class ReferenceRole(_Role):
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
-        out = []
-        for chunk in self._chunks(samples):
-            batch, index, mask = self._collate(chunk)
-            with autocast(self.precision):
-                logits = response_logits(self.model, batch, index, self.temperature)
-                lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
-            out += unstack(lp, [s.response_len for s in chunk])
-        return out
+        return self._logprobs(self.model, samples)
 
 
 class RewardModelRole(_Role):

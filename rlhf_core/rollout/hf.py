@@ -7,6 +7,12 @@ Batch b is sampled with a generator seeded `seed + b`, so a seed gives the same 
 and the caller's random state is left alone. No checkpoint `generation_config` is consulted: hub
 models ship top-k/top-p/penalty defaults there, which must not reshape the policy's distribution.
 
+`autocast_dtype` (the RL stage passes its training precision's half dtype) runs the forward
+under autocast: matmuls in bf16 over the loaded fp32 weights, the rest in fp32, which is what the
+trainer's forward computes, so the sampler's log-probs are the trainer's (the rollout/trainer
+mismatch metric stays at rounding) and its matmuls run at the half-precision speed. A Llama's
+lean forward (`models/lean.py`) casts the weights once per batch of generation, not per token.
+
 On a GPU, `sleep` moves the weights to host memory and `wake_up` brings them back, so a trainer
 colocated with the engine has the device to itself in between; on CPU there is nothing to free.
 """
@@ -33,10 +39,14 @@ def left_pad(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Ten
 class TransformersEngine(RolloutEngine):
     """Generation with a loaded causal LM; `batch_size` counts sequences (prompts x samples)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 64, add_special_tokens: bool = False):
+    def __init__(self, model, tokenizer, batch_size: int = 64, add_special_tokens: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        # Generate under autocast in this dtype (the trainer's half precision; weights stay as loaded):
+        # the sampler then computes what the trainer's forward computes, with the faster matmuls.
+        self.autocast_dtype = autocast_dtype
         # A chat template writes its own special tokens; a raw prompt gets the tokenizer's (as in training).
         self.add_special_tokens = add_special_tokens
         configured = model.generation_config.eos_token_id
@@ -72,8 +82,10 @@ class TransformersEngine(RolloutEngine):
             chunk = prompt_ids[start : start + prompts_per_batch]
             input_ids, attention = left_pad(chunk, self.pad_id)
             generator = torch.Generator(device).manual_seed(seed + b)
-            tokens, logprobs, lengths = sample(self.model, input_ids.to(device), attention.to(device), max_new_tokens,
-                                               temperature, self.eos_ids, self.pad_id, generator, repeats=per_prompt)
+            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                tokens, logprobs, lengths = sample(self.model, input_ids.to(device), attention.to(device),
+                                                   max_new_tokens, temperature, self.eos_ids, self.pad_id, generator,
+                                                   repeats=per_prompt)
             tokens, logprobs, lengths = tokens.tolist(), logprobs.tolist(), lengths.tolist()
             for i in range(len(chunk)):
                 group = []

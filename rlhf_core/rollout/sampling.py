@@ -18,6 +18,9 @@ logits-processor machinery each step; this loop does the one thing a rollout nee
   and a token is drawn by inverse CDF from one uniform number per row (`inverse_cdf_draw`): the
   growing cache's per-step concatenation and `torch.multinomial`'s per-entry exponentials were a
   third of a small model's rollout time.
+- A Llama runs its lean forward (`models/lean.py`: transformers' math in fewer ops, a static
+  cache, the weights prepared once per call); any other model runs its own forward with the
+  preallocated cache below. Both draw the same tokens (tests/unit/test_lean_forward.py).
 - Draws use a `torch.Generator` seeded per call: the same seed gives the same samples, and the
   caller's global random state is left alone.
 - A row stops at its first EOS (kept in the response). Finished rows are fed padding, and once a
@@ -27,9 +30,13 @@ logits-processor machinery each step; this loop does the one thing a rollout nee
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from rlhf_core.models.lean import lean_model
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -98,6 +105,49 @@ def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None) -> 
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+class _TransformersDecoder:
+    """Prefill and decode steps through the model's own forward (any causal LM)."""
+
+    def __init__(self, model, input_ids, attention_mask, positions, capacity):
+        self.model, self.attention = model, attention_mask.clone()
+        out = model(input_ids=input_ids, attention_mask=self.attention, position_ids=positions,
+                    past_key_values=kv_cache(model, capacity), use_cache=True, logits_to_keep=1)
+        self.cache, self.first_logits = out.past_key_values, out.logits[:, -1]
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+        self.attention = self.attention.repeat_interleave(repeats, 0)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attention = self.attention[rows]
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, attends: torch.Tensor) -> torch.Tensor:
+        self.attention = torch.cat([self.attention, attends.long().unsqueeze(-1)], dim=-1)
+        out = self.model(input_ids=token.unsqueeze(-1), attention_mask=self.attention,
+                         position_ids=position.unsqueeze(-1), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+
+class _LeanDecoder:
+    """The same steps through a Llama's lean forward (`models/lean.py`): a static cache, the rotary
+    table looked up, the weights prepared once for the whole generation."""
+
+    def __init__(self, lean, input_ids, attention_mask, positions, capacity):
+        self.lean = lean
+        self.first_logits, self.state = lean.prefill(input_ids, attention_mask, positions, capacity)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.state.repeat_interleave(repeats)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.state.select(rows)
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, attends: torch.Tensor) -> torch.Tensor:
+        return self.lean.decode(token, position, attends, self.state)
+
+
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, temperature: float,
            eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1
@@ -110,16 +160,23 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     row i's response is `tokens[i, :lengths[i]]` (its EOS included when it produced one); entries
     past a row's length are `pad_id` and 0.
     """
+    lean = lean_model(model)
+    with lean.reusing_weights() if lean is not None else contextlib.nullcontext():
+        return _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id,
+                       generator, repeats)
+
+
+def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id, generator, repeats):
     device = input_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
-    attention = attention_mask.clone()
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=kv_cache(model, input_ids.shape[1] + max_new_tokens), use_cache=True, logits_to_keep=1)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    capacity = input_ids.shape[1] + max_new_tokens
+    decoder = (_LeanDecoder(lean, input_ids, attention_mask, positions, capacity) if lean is not None
+               else _TransformersDecoder(model, input_ids, attention_mask, positions, capacity))
+    logits = decoder.first_logits
     if repeats > 1:
-        cache.batch_repeat_interleave(repeats)
-        logits, attention, positions = (t.repeat_interleave(repeats, 0) for t in (logits, attention, positions))
+        decoder.repeat_interleave(repeats)
+        logits, positions = logits.repeat_interleave(repeats, 0), positions.repeat_interleave(repeats, 0)
     batch = logits.shape[0]
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
@@ -147,13 +204,9 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
             break
         if int(done.sum()) * 4 >= len(done):  # a quarter of the batch has ended: drop those rows
             keep = (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            rows, attention, next_position, token, done = rows[keep], attention[keep], next_position[keep], \
-                token[keep], done[keep]
+            decoder.select(keep)
+            rows, next_position, token, done = rows[keep], next_position[keep], token[keep], done[keep]
         token = torch.where(done, torch.full_like(token, pad_id), token)
-        attention = torch.cat([attention, (~done).long().unsqueeze(-1)], dim=-1)
-        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention, position_ids=next_position.unsqueeze(-1),
-                    past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        logits = decoder.step(token, next_position, ~done)
         next_position = next_position + 1
     return tokens[:, :steps], logprobs[:, :steps], lengths

@@ -116,6 +116,7 @@ def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) 
 
 
 def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
+    from rlhf_core.precision import Precision
     from rlhf_core.rl.engines import LocalEngines
     from rlhf_core.rollout.hf import TransformersEngine
 
@@ -123,7 +124,9 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
         init_distributed(0, 1, "127.0.0.1", None)
     classes = {"actor": PolicyRole, "critic": CriticRole, "ref": ReferenceRole, "reward": RewardModelRole}
     made = {kind: LocalGroup(classes[kind](*args)) for kind, args in specs.items()}
-    engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32, batch_size=GENERATION_BATCH)
+    half = precision_of(cfg.ds) == Precision.BF16 and not torch.cuda.is_available()  # sample as the trainer computes
+    engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32, batch_size=GENERATION_BATCH,
+                                                autocast_dtype=torch.bfloat16 if half else None)
     return Roles(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
                  LocalEngines(engine, cfg.vllm.enable_sleep))
 

@@ -156,8 +156,10 @@ def test_one_prefill_per_prompt_draws_what_repeated_prompts_draw(engine, formatt
 def test_the_preallocated_kv_cache_samples_what_transformers_cache_samples(engine, formatted, monkeypatch):
     from transformers import DynamicCache
 
+    from rlhf_core.models.lean import ENV
     from rlhf_core.rollout import sampling
 
+    monkeypatch.setenv(ENV, "0")  # transformers' forward, which the cache serves (Llamas run models/lean.py)
     ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
     input_ids, mask = left_pad(ids, engine.pad_id)
     args = (MAX_NEW, 1.0, engine.eos_ids, engine.pad_id)

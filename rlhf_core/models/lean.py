@@ -1,0 +1,382 @@
+"""A lean forward for Llama-architecture causal LMs: transformers' `LlamaForCausalLM` math on the
+same weights, in a fraction of the operations.
+
+On a CPU and with a small model, the time of a forward pass is the number of operations it
+dispatches, not their arithmetic: transformers' Llama runs about sixty small ops per layer
+(separate q/k/v and gate/up projections, a rotary table recomputed every call, `rotate_half`'s
+slices and cat, the mask built again each forward, autocast casting every weight at every
+linear) plus several layers of Python wrappers. This module computes the same function with:
+
+- fused projections: one matmul for q, k and v and one for gate and up (the weights
+  concatenated: the same dot products, the same results);
+- a rotary table computed once by the model's own rotary module (so its entries are bit for bit
+  the ones transformers computes per call), looked up by position, and the rotation as
+  `x * cos + roll(x) * sin_signed` (`rotate_half(x) * sin` with the sign moved into the table:
+  the same products);
+- the attention mask built once per forward from the batch (the layouts `data/batching.py`
+  makes: padded, packed with restarted positions, shared-prefix masks) as an additive mask, and
+  attention as two matmuls and a softmax (SDPA's CPU kernel was ten times slower for a decoded
+  token and its backward is slow in half precision, see `models/attention.py`);
+- autocast reproduced with explicit casts (linears and attention in autocast's dtype, norms,
+  rotary and the residual stream in fp32), so where the weights do not change (a no-grad pass
+  over a rollout, a generation) they are concatenated and cast once for the whole pass
+  (`LeanLlama.reusing_weights`) instead of at every linear of every forward;
+- for generation, a static KV cache (one buffer per layer for keys and for values, written in
+  place) and a key mask updated by one column per token.
+
+Nothing here changes what is computed, up to rounding: tests compare logits and gradients with
+transformers' forward in fp32 and under bf16 autocast, and sampled tokens with the sampler on
+transformers' forward. Every RL pass of a model (generation aside) runs the same lean forward,
+so a policy and its frozen copy still give exactly equal log-probs. `lean_model(model)` returns
+None, and callers use transformers' forward, for anything else: other architectures, LoRA
+(peft) models, ZeRO-3 partitioned weights, gradient checkpointing, rotary scaling, biases.
+`RLHF_LEAN_FORWARD=0` turns it off (to compare, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.models.attention import NAME as RLHF_SDPA
+
+ENV = "RLHF_LEAN_FORWARD"
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine (or the model itself)."""
+    inner = model.__dict__.get("_modules", {}).get("module")
+    return inner if inner is not None and type(model).__name__ == "DeepSpeedEngine" else model
+
+
+def supported(model) -> str | None:
+    """Why the lean forward does not apply to `model`, or None when it does."""
+    from transformers import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    checks = {
+        "hidden_act is not silu": cfg.hidden_act != "silu",
+        "attention or MLP biases": bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)),
+        "rotary scaling": rope.get("rope_type", "default") != "default",
+        "pretraining_tp > 1": getattr(cfg, "pretraining_tp", 1) != 1,
+        "attention dropout": bool(getattr(cfg, "attention_dropout", 0.0)),
+        "attention implementation": getattr(cfg, "_attn_implementation", None) not in ("sdpa", RLHF_SDPA),
+        "partitioned (ZeRO-3) weights": any(hasattr(p, "ds_id") for p in model.parameters()),
+        "rotary attention scaling": getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0,
+    }
+    reasons = [k for k, bad in checks.items() if bad]
+    return ", ".join(reasons) if reasons else None
+
+
+def lean_model(model) -> LeanLlama | None:
+    """The lean forward of `model` (a Llama causal LM, possibly inside a DeepSpeed engine), or None
+    where it does not apply (the caller then runs transformers' forward)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    model = unwrap(model)
+    try:
+        lean = _LEAN[model]
+    except (KeyError, TypeError):
+        lean = LeanLlama(model) if supported(model) is None else None
+        try:
+            _LEAN[model] = lean
+        except TypeError:
+            pass
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if lean is None or checkpointing:
+        return None
+    return lean
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # (q_heads + 2 kv_heads) * head_dim, hidden
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # 2 * intermediate, hidden
+    down: torch.Tensor
+
+
+@dataclass
+class _Weights:
+    embed: torch.Tensor
+    layers: list[_Layer]
+    norm: torch.Tensor
+    head: torch.Tensor
+    mm: torch.dtype  # the dtype of the matmuls (linears, attention)
+
+
+@dataclass
+class DecodeState:
+    """A generation's KV cache: per layer, keys and values `(B, kv_heads, capacity, head_dim)`
+    filled up to `length`, and the additive mask of the cached positions `(B, 1, 1, capacity)`
+    (0 where a row attends to that position)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_mask: torch.Tensor
+    length: int
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
+        self.key_mask = self.key_mask.repeat_interleave(repeats, 0)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.key_mask = self.key_mask[rows]
+
+
+class LeanLlama:
+    """The lean forward of one `LlamaForCausalLM` (its live parameters: training updates show)."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self._model = weakref.ref(model)
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size, self.eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reused: dict[torch.dtype, _Weights] | None = None
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this lean forward was freed")
+        return model
+
+    # -- weights ----------------------------------------------------------------------------
+    def weights(self, mm: torch.dtype) -> _Weights:
+        """The weights as the forward uses them: projections concatenated, matmul weights in `mm`.
+        Differentiable (built from the parameters at every call) unless `reusing_weights` is on
+        and gradients are off."""
+        if self._reused is not None and not torch.is_grad_enabled():
+            if mm not in self._reused:
+                self._reused[mm] = self._build(mm)
+            return self._reused[mm]
+        return self._build(mm)
+
+    def _build(self, mm: torch.dtype) -> _Weights:
+        body = self.model.model
+
+        def cast(w):
+            return w if w.dtype == mm else w.to(mm)
+
+        layers = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.weight,
+                cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), cast(a.o_proj.weight),
+                layer.post_attention_layernorm.weight,
+                cast(torch.cat([m.gate_proj.weight, m.up_proj.weight])), cast(m.down_proj.weight)))
+        return _Weights(body.embed_tokens.weight, layers, body.norm.weight, cast(self.model.lm_head.weight), mm)
+
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """Inside, no-grad forwards concatenate and cast the weights once, not at every call: for
+        a pass over many batches with weights that do not change (experience, generation)."""
+        outer = self._reused
+        self._reused = {} if outer is None else outer
+        try:
+            yield self
+        finally:
+            self._reused = outer
+
+    # -- pieces -----------------------------------------------------------------------------
+    def dtypes(self, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+        """`(activations, matmuls)`: under autocast (fp32 weights) the residual stream, norms and
+        rotary stay in the weights' dtype and linears and attention run in autocast's dtype."""
+        param = self.model.model.embed_tokens.weight.dtype
+        if torch.is_autocast_enabled(device.type):
+            mm = torch.get_autocast_dtype(device.type)
+            if param == torch.float32:
+                return param, mm
+        return param, param
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin_signed)` for `positions (...)`: `(..., head_dim)` in `dtype`."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < needed:
+            rotary = self.model.model.rotary_emb
+            size = max(needed, getattr(self.model.config, "max_position_embeddings", 0) or 0, 64)
+            probe = torch.zeros((), dtype=torch.float32, device=positions.device)
+            cos, sin = rotary(probe, torch.arange(size, device=positions.device).unsqueeze(0))
+            cos, sin = cos[0], sin[0]
+            half = sin.shape[-1] // 2
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # roll(x) * this = rotate_half(x) * sin
+            table = self._tables[key] = (cos.to(dtype), sin.to(dtype))
+        return table[0][positions], table[1][positions]
+
+    def norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`LlamaRMSNorm`: fp32 statistics, the weight applied in the input's dtype."""
+        if h.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(h, (h.shape[-1],), weight, self.eps)  # the same ops in one call (equal in fp32)
+        x = h.float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
+
+    def attention(self, q, k, v, bias: torch.Tensor) -> torch.Tensor:
+        """Softmax attention `(B, H, Tq, D)` -> `(B, Tq, H * D)` in the dtype of `v` (the matmuls'),
+        with an additive mask `bias` (0 where a query sees a key, the dtype's lowest value
+        elsewhere; every query sees at least itself). Three kernels (two matmuls and a softmax)
+        and two in-place passes: SDPA's CPU kernel took ten times as long for one decoded token
+        and its backward is slow in half precision (`models/attention.py`)."""
+        mm = v.dtype
+        q, k = q.to(mm), k.to(mm)
+        b, _, t, _ = q.shape
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(bias)
+        weights = torch.softmax(scores, dim=-1)  # fp32 arithmetic inside for half inputs, one rounding
+        return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+
+    def layer(self, h, w: _Layer, cos, sin, bias, mm, cache: tuple | None = None):
+        """One decoder layer on `h (B, T, hidden)`; `cache = (keys, values, start)` writes this
+        call's keys and values at `start` and attends to everything cached up to them."""
+        b, t, _ = h.shape
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        x = self.norm(h, w.ln1)
+        qkv = F.linear(x if x.dtype == mm else x.to(mm), w.qkv).view(b, t, heads + 2 * kv, d).transpose(1, 2)
+        qk = qkv[:, : heads + kv]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin  # rotary: (x * cos) + (rotate_half(x) * sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
+        if cache is not None:
+            keys, values, start = cache
+            keys[:, :, start : start + t] = k
+            values[:, :, start : start + t] = v
+            k, v = keys[:, :, : start + t], values[:, :, : start + t]
+        out = self.attention(q, k, v.to(mm), bias)
+        h = h + F.linear(out, w.o)
+        x = self.norm(h, w.ln2)
+        gate, up = F.linear(x if x.dtype == mm else x.to(mm), w.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w.down)
+
+    # -- whole passes -----------------------------------------------------------------------
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The final-normed hidden states `(rows, T, hidden)` of a training batch (`data/batching.Batch`
+        layouts): what `LlamaModel(...).last_hidden_state` returns."""
+        device = input_ids.device
+        act, mm = self.dtypes(device)
+        bias = additive(batch_mask(attention_mask, position_ids), mm)
+        with _no_autocast(device):
+            w = self.weights(mm)
+            cos, sin = self.rotary(position_ids, act)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            h = F.embedding(input_ids, w.embed)
+            for layer in w.layers:
+                h = self.layer(h, layer, cos, sin, bias, mm)
+            return self.norm(h, w.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states, in the matmul dtype (autocast's, where it is on)."""
+        device = hidden.device
+        _, mm = self.dtypes(device)
+        with _no_autocast(device):
+            reused = self._reused.get(mm) if self._reused is not None and not torch.is_grad_enabled() else None
+            head = reused.head if reused is not None else self.model.lm_head.weight
+            return F.linear(hidden if hidden.dtype == mm else hidden.to(mm), head if head.dtype == mm else head.to(mm))
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                capacity: int) -> tuple[torch.Tensor, DecodeState]:
+        """Left-padded prompts `(B, L)` into a new cache of `capacity` positions; returns the last
+        position's logits `(B, vocab)` and the cache."""
+        device = input_ids.device
+        act, mm = self.dtypes(device)
+        b, length = input_ids.shape
+        if length > capacity:
+            raise ValueError(f"prompts of {length} tokens do not fit a cache of {capacity}")
+        real = attention_mask.bool()
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        diagonal = torch.eye(length, dtype=torch.bool, device=device)
+        bias = additive((causal & (real.unsqueeze(1) | diagonal)).unsqueeze(1), mm)  # padding sees itself only
+        with _no_autocast(device):
+            w = self.weights(mm)
+            cos, sin = self.rotary(position_ids, act)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            h = F.embedding(input_ids, w.embed)
+            keys, values = [], []
+            for layer in w.layers:
+                kv_dtype = torch.promote_types(mm, act)  # keys are rotated in the activations' dtype
+                keys.append(torch.empty((b, self.kv_heads, capacity, self.head_dim), dtype=kv_dtype, device=device))
+                values.append(torch.empty((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
+                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys[-1], values[-1], 0))
+            key_mask = torch.full((b, 1, 1, capacity), torch.finfo(mm).min, dtype=mm, device=device)
+            key_mask[:, 0, 0, :length].masked_fill_(real, 0.0)
+            last = self.norm(h[:, -1:], w.norm)
+            return F.linear(last if last.dtype == mm else last.to(mm), w.head)[:, 0], \
+                DecodeState(keys, values, key_mask, length)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attends: torch.Tensor,
+               state: DecodeState) -> torch.Tensor:
+        """One token per row (`tokens`, `positions`: `(B,)`) appended to the cache; `attends (B,)`
+        whether later tokens see it (False for the padding fed to finished rows). Returns the
+        next logits `(B, vocab)`."""
+        device = tokens.device
+        act, mm = self.dtypes(device)
+        start = state.length
+        if start >= state.key_mask.shape[-1]:
+            raise RuntimeError(f"KV cache of {state.key_mask.shape[-1]} positions is full")
+        state.key_mask[:, 0, 0, start] = torch.where(attends, 0.0, torch.finfo(state.key_mask.dtype).min)
+        bias = state.key_mask[..., : start + 1]
+        with _no_autocast(device):
+            w = self.weights(mm)
+            cos, sin = self.rotary(positions, act)
+            cos, sin = cos[:, None, None], sin[:, None, None]
+            h = F.embedding(tokens.unsqueeze(-1), w.embed)
+            for layer, keys, values in zip(w.layers, state.keys, state.values, strict=True):
+                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys, values, start))
+            state.length = start + 1
+            h = self.norm(h, w.norm)
+            return F.linear(h if h.dtype == mm else h.to(mm), w.head)[:, 0]
+
+
+def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+    """The boolean attention mask (True = attend) transformers builds for a batch, `(rows or 1, 1,
+    T, T)`: a 4-D mask is used as it is; a 2-D padding mask becomes causal & key padding; no mask
+    means samples packed one after another, told apart by their restarted position ids
+    (`find_packed_sequence_indices`' rule: a new sample wherever a position is not its
+    predecessor's + 1), or one causal sequence per row."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if attention_mask is not None:
+        return (causal & attention_mask.bool()[:, None, :]).unsqueeze(1)
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return causal[None, None]
+    segment = starts.cumsum(-1)
+    return (causal & (segment.unsqueeze(-1) == segment.unsqueeze(-2))).unsqueeze(1)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as an additive one: 0, or `dtype`'s lowest value."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off inside (the lean forward casts explicitly); a no-op where it is off already."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
