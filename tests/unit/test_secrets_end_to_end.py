@@ -45,6 +45,8 @@ def test_no_planted_secret_reaches_mlflow_outputs_or_logs(prepared, tmp_path, mo
     reward_file.write_text(REWARD_FILE)
     home = tmp_path / "home"
     monkeypatch.setenv("RLHF_HOME", str(home))
+    # MLflow exports the tracking URI an earlier test set (MLFLOW_TRACKING_URI): name this run's store.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home}/mlflow.db")
     with serve_reward(load_reward_file(str(reward_file)), port=0, token=PLANTED["RLHF_RM_TOKEN"],
                       background=True) as server:
         url = f"{server.url}?api_key={QUERY_TOKEN}"

@@ -302,8 +302,8 @@ def test_sft_answers_held_out_prompts(rl_setting, tmp_path):
     base = str(Path(rl_setting["root"]) / "prep" / "base")
     out = tmp_path / "eval"
     assert main(["eval", "--pretrain", rl_setting["sft"], "--ref_pretrain", base, "--dataset",
-                 f"json@{rl_setting['prompts']}", "--task", "sort", "--max_samples", "100", "--n_kl_samples", "0",
+                 f"json@{rl_setting['prompts']}", "--task", "sort", "--max_samples", "100", "--n_samples_per_prompt", "1",
                  "--rollout_backend", "transformers", "--use_mlflow", "false", "--save_path", str(out)]) == 0
     m = json.loads((out / "eval.json").read_text())["metrics"]
-    assert m["eval/reference_exact_match"] == 0.0, m
-    assert m["eval/policy_exact_match"] >= SFT_EXACT_MATCH, m
+    assert m["eval/reference/greedy_accuracy"] == 0.0, m
+    assert m["eval/policy/greedy_accuracy"] >= SFT_EXACT_MATCH, m
