@@ -47,6 +47,8 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
     """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
     import yaml
 
+    from rlhf_core import storage
+
     stage = cfg.stage
     name = name or stage
     model_role, data_kind = UPSTREAM[stage]
@@ -73,13 +75,18 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
         updates["eval_dataset"] = eval_dataset
     if cfg.save_path is None:
         updates["save_path"] = ctx.output(name)
+    if cfg.ckpt_path is None and settings.supervised_checkpoint_steps and not storage.is_remote(ctx.run_root):
+        # As for RL (ppo_job): a retried attempt resumes from its newest checkpoint, under the same key only.
+        updates.update(ckpt_path=ctx.output(f"checkpoints/{name}"), save_steps=settings.supervised_checkpoint_steps,
+                       load_checkpoint=True)
     filled = with_updates(cfg, **updates)
     filled.check_complete()
     datasets = ",".join(d for d in (filled.data.dataset, filled.data.eval_dataset) if d)
     # The key holds the precision the ranks will train in, never `auto`; the job gets the config as asked.
     hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
     return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
-                    yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external)
+                    yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external,
+                    checkpoint_uri=filled.ckpt_path if filled.load_checkpoint else None)
 
 
 def given_reference(cfg: TrainConfig) -> str | None:

@@ -265,11 +265,12 @@ def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list
         errors.append(repr(e))
 
 
-def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run, monkeypatch):
+def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_checkpoint(first_run, monkeypatch):
     import contextlib
 
     import flows.pipeline
     from flows.pipeline import rlhf
+    from rlhf_core import storage
 
     stop, addresses, killed, errors = threading.Event(), [], [], []
     real_cluster = flows.pipeline.ray_cluster
@@ -281,11 +282,18 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
             yield address
 
     monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
-    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors), daemon=True)
+    def past_two_checkpoints(log: str) -> bool:
+        import re
+
+        return any(int(step) >= 60 for step in re.findall(r"\[step (\d+)\]", log))
+
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, "rlhf-sft",
+                                                                     past_two_checkpoints), daemon=True)
     watcher.start()
     try:
         result = rlhf(**params(settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 1,
-                                         "retry_delay_seconds": 0, "force_stages": ["sft"]},
+                                         "retry_delay_seconds": 0, "force_stages": ["sft"],
+                                         "supervised_checkpoint_steps": 25},
                                sft={"max_steps": 300, "max_epochs": 40, "eval_steps": 25}))
     finally:
         stop.set()
@@ -298,6 +306,11 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried(first_run
     assert statuses == ["FAILED", "FINISHED"]
     error = next(r for r in runs if r.info.status == "FAILED").data.tags["rlhf.error"]
     assert killed[0] in error and "last log lines" in error and "[step" in error
+    # The retry resumed from the killed attempt's newest checkpoint and trained only what was left.
+    retry = next(r for r in runs if r.info.status == "FINISHED")
+    assert retry.data.tags["rlhf.resumed_from_checkpoints"] == retry.data.tags["rlhf.checkpoint_uri"]
+    metrics = storage.read_manifest(result["outputs"]["sft"])["metrics"]
+    assert metrics["train/start_step"] >= 50 and metrics["train/steps_run"] == 300 - metrics["train/start_step"]
 
 
 def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
@@ -307,6 +320,7 @@ def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypa
 
     import flows.pipeline
     from flows.pipeline import rlhf
+    from rlhf_core import storage
 
     stop, addresses, killed, errors = threading.Event(), [], [], []
     real_cluster = flows.pipeline.ray_cluster
@@ -336,6 +350,8 @@ def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypa
     folder = retry.data.tags["rlhf.checkpoint_uri"]
     assert retry.data.tags["rlhf.resumed_from_checkpoints"] == folder
     assert (Path(folder) / "latest").read_text().strip() == "global_step4"
+    metrics = storage.read_manifest(result["outputs"]["ppo"])["metrics"]
+    assert metrics["train/start_step"] >= 1 and metrics["train/steps_run"] == 4 - metrics["train/start_step"]
 
 
 def test_prep_data_and_models_on_s3(first_run, s3_endpoint):

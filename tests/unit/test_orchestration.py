@@ -574,6 +574,23 @@ def test_ppo_gets_a_checkpoint_folder_it_resumes_from_only_under_its_own_key(tmp
         claim(str(stray), key, "ppo")
 
 
+def test_supervised_stages_get_a_checkpoint_folder_outside_their_cache_key(tmp_path):
+    import yaml
+
+    from flows.jobs import train_job
+    from flows.params import PipelineRMConfig, PipelineSettings, PipelineSFTConfig
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+    for cfg in (PipelineSFTConfig(), PipelineRMConfig()):
+        job = train_job(flow_ctx(tmp_path), PipelineSettings(), cfg, upstream.__getitem__)
+        written = yaml.safe_load(job.config_yaml)
+        assert job.checkpoint_uri == written["ckpt_path"] == str(tmp_path / "run" / "checkpoints" / cfg.stage)
+        assert written["save_steps"] == PipelineSettings().supervised_checkpoint_steps and written["load_checkpoint"]
+        off = train_job(flow_ctx(tmp_path), PipelineSettings(supervised_checkpoint_steps=0), cfg, upstream.__getitem__)
+        assert off.checkpoint_uri is None and yaml.safe_load(off.config_yaml)["ckpt_path"] is None
+        assert off.config_hash == job.config_hash  # where and how often it saves is not what it trains
+
+
 def test_pipeline_ppo_section_reads_every_spelling_and_keeps_derived_fields_open(tmp_path):
     from flows.cli import flow_parameters
     from flows.params import PipelinePPOConfig
