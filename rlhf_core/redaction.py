@@ -21,7 +21,8 @@ import os
 import re
 
 REDACTED = "***"
-SECRET_WORDS = {"token", "secret", "password", "passwd", "pwd", "credential", "credentials", "apikey", "auth"}
+# Not "pwd" (PWD is the working directory) nor "auth" (a switch or a mode far more often than a secret).
+SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
 SECRET_SUFFIXES = ("api_key", "access_key", "secret_key", "private_key", "access_key_id", "session_token",
                    "auth_token", "secret_access_key")
 # Query parameters that carry a credential whatever their name's last word (AWS/GCS/Azure signed URLs).
@@ -53,9 +54,14 @@ def _secret_query_name(name: str) -> bool:
 
 
 def secret_env_values(environ=None) -> list[str]:
-    """Values of the credential environment variables, longest first (so no value is cut by a shorter one)."""
+    """Values of the credential environment variables, longest first (so no value is cut by a shorter one).
+
+    A value that is an absolute path names where a credential is (GOOGLE_APPLICATION_CREDENTIALS), not
+    the credential: replacing it would rewrite every output path under it in the records.
+    """
     env = os.environ if environ is None else environ
-    values = {v for k, v in env.items() if is_secret_key(k) and len(v) >= MIN_ENV_SECRET_LEN}
+    values = {v for k, v in env.items() if is_secret_key(k) and len(v) >= MIN_ENV_SECRET_LEN
+              and not os.path.isabs(v)}
     return sorted(values, key=len, reverse=True)
 
 

@@ -8,11 +8,12 @@ from rlhf_core.redaction import REDACTED, inline_secrets, is_secret_key, redact,
 
 ENV = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "RLHF_RM_TOKEN": "planted-rm-token-123",
        "MLFLOW_TRACKING_PASSWORD": "pl4nted-pw", "SHORT_TOKEN": "abc", "HOME": "/root/planted-home",
-       "RAY_AUTH_TOKEN_PATH": "/root/.ray/auth_token", "RAY_AUTH_MODE": "token"}
+       "RAY_AUTH_TOKEN_PATH": "/root/.ray/auth_token", "RAY_AUTH_MODE": "token", "PWD": "/work/project",
+       "GOOGLE_APPLICATION_CREDENTIALS": "/etc/gcp/key.json"}
 
 
 @pytest.mark.parametrize("name", ["hf_token", "HF_TOKEN", "api_key", "aws_secret_access_key", "AWS_ACCESS_KEY_ID",
-                                  "password", "wandb.password", "reward.auth_token", "client_secret",
+                                  "password", "wandb.password", "reward.auth_token", "client_secret", "DB_PASSWD",
                                   "MLFLOW_TRACKING_PASSWORD", "credentials", "AWS_SESSION_TOKEN"])
 def test_secret_names(name):
     assert is_secret_key(name)
@@ -20,7 +21,7 @@ def test_secret_names(name):
 
 @pytest.mark.parametrize("name", ["input_key", "chosen_key", "label_key", "max_new_tokens", "pad_token_id",
                                   "tokenizer_chat_template", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "token_file",
-                                  "SSH_AUTH_SOCK", "author", "keyword"])
+                                  "SSH_AUTH_SOCK", "author", "keyword", "PWD", "OLDPWD", "RAY_AUTH"])
 def test_names_that_are_not_secrets(name):
     assert not is_secret_key(name)
 
@@ -47,12 +48,15 @@ def test_redact_text(text, expected):
 
 def test_the_values_of_credential_environment_variables_are_redacted_wherever_they_appear():
     text = ("job env: key=wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY, tok planted-rm-token-123;"
-            " pw=pl4nted-pw; home /root/planted-home; abc stays; path /root/.ray/auth_token; mode token")
+            " pw=pl4nted-pw; home /root/planted-home; abc stays; path /root/.ray/auth_token; "
+            "out /work/project/.rlhf/pipelines/x; key file /etc/gcp/key.json; mode token")
     out = redact_text(text, environ=ENV)
     for secret in ("wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "planted-rm-token-123", "pl4nted-pw"):
         assert secret not in out
     # Non-credential variables (and credential values too short to search for) are left alone.
     assert "/root/planted-home" in out and "abc stays" in out and "/root/.ray/auth_token" in out
+    # The working directory (PWD) and a credential's *location* are paths the records need.
+    assert "out /work/project/.rlhf/pipelines/x" in out and "key file /etc/gcp/key.json" in out
     assert out.endswith("mode token")
 
 
