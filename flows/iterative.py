@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import eval_job, policy_metric, prep_paths, train_job
+from flows.jobs import eval_job, policy_metric, prep_paths, starting_policy, train_job
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
 from rlhf_core.config import DPOConfig, with_updates
 from rlhf_core.version import params_hash
 from tasks import lineage
 from tasks.reports import publish_eval_report
-from tasks.stages import PipelineContext, StageJob, StageOutcome
+from tasks.stages import PipelineContext, StageJob
 
 # IterativeDPOParams fields that do not change a round's pairs: `rounds` (how many rounds follow
 # does not change this one; raising it must not resample round 1), `start_from` (it picks the
@@ -36,21 +36,11 @@ def pairs_settings_hash(prep: PrepParams, iterative: IterativeDPOParams, round_s
     return params_hash(iterative, exclude=PAIRS_NOT_IN_KEY, task=prep.task, seed=round_seed)
 
 
-def starting_policy(iterative: IterativeDPOParams, sft: StageOutcome) -> StageOutcome:
-    if iterative.start_from == "champion":
-        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
-        if version is not None:
-            outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
-            if outcome is not None:
-                return outcome
-    return sft
-
-
 def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, dpo: DPOConfig,
                evaluation: EvalParams, iterative: IterativeDPOParams, need, run, outcomes: dict) -> dict:
     prep_outcome, sft = need("prep"), need("sft")
     reward = need("rm") if iterative.reward == "reward_model" else None
-    policy = starting_policy(iterative, sft)
+    policy = starting_policy(iterative.start_from, sft)
     seed = iterative.seed if iterative.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     paths = prep_paths(prep_outcome)
     rounds = []

@@ -274,3 +274,17 @@ def policy_metric(metrics: dict, policy: str, metric: str) -> float:
         raise PipelineError(f"evaluation.promote_metric {metric!r}: {key!r} is not among the evaluation metrics "
                             f"{sorted(k for k in metrics if k.startswith(f'eval/{policy}/'))}")
     return float(metrics[key])
+
+
+def starting_policy(start_from: str, sft: StageOutcome) -> StageOutcome:
+    """Where a scheduled policy stage starts: the registered champion's run (`start_from: champion`,
+    when there is one whose output still exists), else the SFT model."""
+    from tasks import lineage
+
+    if start_from == "champion":
+        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
+        if version is not None:
+            outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
+            if outcome is not None:
+                return outcome
+    return sft

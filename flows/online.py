@@ -16,27 +16,17 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import eval_job, policy_metric, ppo_job
+from flows.jobs import eval_job, policy_metric, ppo_job, starting_policy
 from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
 from tasks import lineage
 from tasks.reports import publish_eval_report
-from tasks.stages import PipelineContext, StageOutcome
-
-
-def starting_policy(online: OnlineRLParams, sft: StageOutcome) -> StageOutcome:
-    if online.start_from == "champion":
-        version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)
-        if version is not None:
-            outcome = StageOutcome.from_run(lineage.get_run(version.run_id), "champion")
-            if outcome is not None:
-                return outcome
-    return sft
+from tasks.stages import PipelineContext
 
 
 def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, ppo: PipelinePPOConfig,
                evaluation: EvalParams, online: OnlineRLParams, need, run, outcomes: dict) -> dict:
     prep_outcome, sft = need("prep"), need("sft")
-    policy = starting_policy(online, sft)
+    policy = starting_policy(online.start_from, sft)
     seed = online.seed if online.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     cfg = PipelinePPOConfig.model_validate(_with_seed(ppo, seed))
     trained = outcomes["ppo-online"] = run(ppo_job(ctx, settings, prep, cfg, need, name="ppo-online",
