@@ -265,12 +265,13 @@ def _kill_first_running_job(stop: threading.Event, addresses: list, killed: list
         errors.append(repr(e))
 
 
-def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_checkpoint(first_run, monkeypatch):
+def _run_killing_one_job(monkeypatch, prefix: str, ready, **sections) -> tuple[dict, list, list]:
+    """Run the flow with `sections` while a watcher SIGKILLs the first job named `prefix...` once
+    `ready(its log)`; returns the flow's result, the killed submission ids and the watcher's errors."""
     import contextlib
 
     import flows.pipeline
     from flows.pipeline import rlhf
-    from rlhf_core import storage
 
     stop, addresses, killed, errors = threading.Event(), [], [], []
     real_cluster = flows.pipeline.ray_cluster
@@ -282,21 +283,29 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_
             yield address
 
     monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
-    def past_two_checkpoints(log: str) -> bool:
-        import re
-
-        return any(int(step) >= 60 for step in re.findall(r"\[step (\d+)\]", log))
-
-    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, "rlhf-sft",
-                                                                     past_two_checkpoints), daemon=True)
+    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, prefix, ready),
+                               daemon=True)
     watcher.start()
     try:
-        result = rlhf(**params(settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 1,
-                                         "retry_delay_seconds": 0, "force_stages": ["sft"],
-                                         "supervised_checkpoint_steps": 25},
-                               sft={"max_steps": 300, "max_epochs": 40, "eval_steps": 25}))
+        result = rlhf(**params(**sections))
     finally:
         stop.set()
+    return result, killed, errors
+
+
+def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_checkpoint(first_run, monkeypatch):
+    import re
+
+    from rlhf_core import storage
+
+    def past_two_checkpoints(log: str) -> bool:
+        return any(int(step) >= 60 for step in re.findall(r"\[step (\d+)\]", log))
+
+    result, killed, errors = _run_killing_one_job(
+        monkeypatch, "rlhf-sft", past_two_checkpoints,
+        settings={"stages": ["sft"], "from_run": first_run["pipeline_run_id"], "retries": 1, "retry_delay_seconds": 0,
+                  "force_stages": ["sft"], "supervised_checkpoint_steps": 25},
+        sft={"max_steps": 300, "max_epochs": 40, "eval_steps": 25})
     assert not errors and killed, f"the watcher never saw the SFT job running: {errors}"
     assert not result["stages"]["sft"]["cached"]
     c = mlflow_client()
@@ -316,31 +325,13 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_
 def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
     """Retries resume: the RL stage checkpoints every step in the run's output area; the attempt
     killed after its first checkpoint is retried, and the retry resumes there, not at step 0."""
-    import contextlib
-
-    import flows.pipeline
-    from flows.pipeline import rlhf
     from rlhf_core import storage
 
-    stop, addresses, killed, errors = threading.Event(), [], [], []
-    real_cluster = flows.pipeline.ray_cluster
-
-    @contextlib.contextmanager
-    def recorded_cluster():
-        with real_cluster() as address:
-            addresses.append(address)
-            yield address
-
-    monkeypatch.setattr(flows.pipeline, "ray_cluster", recorded_cluster)
-    watcher = threading.Thread(target=_kill_first_running_job, args=(stop, addresses, killed, errors, "rlhf-ppo",
-                                                                     lambda log: "[rl step 2" in log), daemon=True)
-    watcher.start()
-    try:
-        result = rlhf(**params(settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"], "retries": 1,
-                                         "retry_delay_seconds": 0, "force_stages": ["ppo"], "checkpoint_steps": 1},
-                               ppo={"train.max_steps": 4}))
-    finally:
-        stop.set()
+    result, killed, errors = _run_killing_one_job(
+        monkeypatch, "rlhf-ppo", lambda log: "[rl step 2" in log,
+        settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"], "retries": 1, "retry_delay_seconds": 0,
+                  "force_stages": ["ppo"], "checkpoint_steps": 1},
+        ppo={"train.max_steps": 4})
     assert not errors and killed, f"the watcher never saw the PPO job at step 2: {errors}"
     c = mlflow_client()
     runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
