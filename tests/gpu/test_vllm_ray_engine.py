@@ -13,18 +13,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    pytest.importorskip("vllm")
-    import ray
-
-    from rlhf_core.local_ray import init_local
-
-    context = init_local(include_dashboard=False, log_to_driver=False)
-    yield context
-    ray.shutdown()
-
-
 def test_engines_take_new_weights_and_sleep(cluster, prepared):
     from rlhf_core.distributed.resources import create_pools, detect_devices, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup

@@ -42,18 +42,6 @@ class SteeringActor(WeightSender):
     _sync_state_local = _sync_state
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    pytest.importorskip("vllm")
-    import ray
-
-    from rlhf_core.local_ray import init_local
-
-    context = init_local(include_dashboard=False, log_to_driver=False)
-    yield context
-    ray.shutdown()
-
-
 def _run(prepared, colocate: bool, sync_backend: str, enable_sleep: bool = False):
     from rlhf_core.distributed.resources import create_pools, detect_devices, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
