@@ -37,6 +37,7 @@ import os
 import pickle
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -438,13 +439,15 @@ def _raise_actor_failure(actor_call) -> None:
 
 # -- the driver's side -----------------------------------------------------------------------
 
-class WeightSync:
+class WeightSync(ABC):
     """The driver's side of one transport; `actor` and `engines` are `RoleGroup`s."""
 
     backend: SyncBackend
 
+    @abstractmethod
     def sync(self, actor, engines, timeout_s: float) -> None:
-        raise NotImplementedError
+        """Every engine holds the actor's weights when this returns; EngineSyncError naming the
+        engine otherwise, within `timeout_s`."""
 
 
 class ObjectStoreSync(WeightSync):
