@@ -63,9 +63,7 @@ def publish_eval_report(outcome: StageOutcome, promote_metric: str) -> dict:
 # --- the pipeline report -------------------------------------------------------------------------
 
 EVAL_CHART = "eval_comparison.png"
-# The report's file, `report` + ".md" (spelled apart: tests/unit/test_docs.py takes a whole *.md name in the
-# source for a document the code cites).
-REPORT_FILE = "report" + ".md"
+REPORT_FILE = "report.md"
 REPORT_ARTIFACT_PATH = "report"  # where the report and its images go in the parent run's artifacts
 # Stage kinds whose runs have no training curves (data, generation, evaluation).
 NO_CURVES = {"prep", "eval", "pairs"}

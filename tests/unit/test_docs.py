@@ -10,13 +10,16 @@ PACKAGES = ("rlhf_core", "flows", "tasks")
 
 
 def cited_documents() -> dict[str, list[str]]:
-    """`{document: [file:line, ...]}` for every `*.md` named in the packages' source."""
+    """`{document: [file:line, ...]}` for every `*.md` the packages' source cites (in prose or comments)."""
     cited: dict[str, list[str]] = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                for doc in re.findall(r"[\w./-]+\.md\b", line):
-                    cited.setdefault(doc, []).append(f"{path.relative_to(ROOT)}:{n}")
+                for m in re.finditer(r"[\w./-]+\.md\b", line):
+                    before, after = line[m.start() - 1 : m.start()], line[m.end() : m.end() + 1]
+                    if before and before == after and before in "\"'":
+                        continue  # a quoted file name the code writes or reads ("report.md"), not a citation
+                    cited.setdefault(m.group(), []).append(f"{path.relative_to(ROOT)}:{n}")
     return cited
 
 
