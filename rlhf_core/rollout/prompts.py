@@ -46,7 +46,9 @@ def load_prompt_set(dataset: str, split: str, input_key: str = "prompt", label_k
     return PromptSet(list(ds[input_key]), [None if a is None else str(a) for a in answers], described)
 
 
-def prompt_formatter(tokenizer, apply_chat_template: bool, input_template: str | None = None) -> PromptFormatter:
+def prompt_formatter(tokenizer, apply_chat_template: bool, input_template: str | None = None,
+                     tokenizer_chat_template: str | None = None) -> PromptFormatter:
     """The trainers' formatter outside a training data config (only its formatting fields matter)."""
-    cfg = DataConfig.model_construct(apply_chat_template=apply_chat_template, input_template=input_template)
+    cfg = DataConfig.model_construct(apply_chat_template=apply_chat_template, input_template=input_template,
+                                     tokenizer_chat_template=tokenizer_chat_template)
     return PromptFormatter(tokenizer, cfg)

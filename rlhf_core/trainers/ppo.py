@@ -48,7 +48,7 @@ def load_prompts(cfg, tokenizer, split: str, dataset: str | None = None):
     prompt_set = load_prompt_set(dataset or data.prompt_dataset, split, data.input_key, data.label_key,
                                  require_answers=(cfg.eval.task or cfg.reward.task) is not None, max_samples=data.max_samples,
                                  seed=cfg.train.seed, chat=data.apply_chat_template)
-    fmt = prompt_formatter(tokenizer, data.apply_chat_template, data.input_template)
+    fmt = prompt_formatter(tokenizer, data.apply_chat_template, data.input_template, data.tokenizer_chat_template)
     ids, labels, left_out = [], [], 0
     for prompt, label in zip(prompt_set.prompts, prompt_set.answers, strict=True):
         tokens = fmt.prompt_ids(prompt)

@@ -81,3 +81,24 @@ def test_reinforce_plus_plus_with_the_verifier(rl_setting, tmp_path, capsys):
                    "--train.batch_size", "64", "--train.micro_batch_size", "32", "--actor.adam.lr", "1e-4",
                    "--algo.kl.init_coef", "0.01", "--train.max_steps", "60", capsys=capsys)
     assert_learned(manifest)
+
+
+def test_the_tokenizer_chat_template_flag_formats_the_prompts(prepared):
+    """`--data.tokenizer_chat_template` replaces the tokenizer's template for the RL prompts (and the
+    tokenizer saved with the policy): a template that wraps each prompt in brackets shows in the ids."""
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rl_config import build_ppo_config
+    from rlhf_core.trainers.ppo import load_prompts
+
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    flags = {"actor.model_name_or_path": prepared["base"], "data.prompt_dataset": f"json@{prepared['prompts']}",
+             "reward.task": "addition", "ckpt.output_dir": "unused"}
+    cfg = build_ppo_config(None, flags)
+    default_ids = load_prompts(cfg, load_tokenizer(prepared["base"]), "train")[0]
+    cfg = build_ppo_config(None, {**flags, "data.tokenizer_chat_template": template})
+    tokenizer = load_tokenizer(prepared["base"])
+    ids = load_prompts(cfg, tokenizer, "train")[0]
+    assert tokenizer.chat_template == template
+    text = tokenizer.decode(ids[0])
+    assert text.startswith("[") and text.endswith("]"), text
+    assert ids[0] != default_ids[0]
