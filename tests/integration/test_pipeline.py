@@ -39,6 +39,9 @@ TINY = {
     "evaluation": {"max_samples": 16, "n_samples_per_prompt": 2},
 }
 DEFAULT_STAGES = {"prep", "sft", "rm", "ppo", "eval"}
+# Credential variables set while the first run runs; test_planted_secrets_reach_no_store searches for them.
+PLANTED = {"HF_TOKEN": "hf_plantedPipelineToken42", "WANDB_API_KEY": "planted-wandb-key-9f3a",
+           "MLFLOW_TRACKING_TOKEN": "planted-mlflow-token-c0de", "RLHF_RM_TOKEN": "planted-rm-token-5e5e"}
 
 
 def params(**sections) -> dict:
@@ -73,11 +76,27 @@ def first_run(harness, tmp_path_factory):
     config = tmp_path_factory.mktemp("pipeline") / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["pipeline", "run", "--config", str(config)]) == 0
+    saved = {name: os.environ.get(name) for name in PLANTED}
+    os.environ.update(PLANTED)  # credentials in the flow's environment: no record may carry them
+    try:
+        with contextlib.redirect_stdout(printed):
+            assert main(["pipeline", "run", "--config", str(config)]) == 0
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     text = printed.getvalue()
     summary = json.loads(Path(re.search(r"summary:\s+(\S+)", text).group(1)).read_text())
-    return {**summary, "printed": text}
+    return {**summary, "printed": text, "ray_session": ray_session_dir()}
+
+
+def ray_session_dir() -> Path:
+    """The local Ray session the flow ran its jobs in (its logs hold every job's driver log)."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return (Path(get_default_ray_temp_dir()) / "session_latest").resolve()
 
 
 def mlflow_client():
@@ -156,6 +175,27 @@ def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
     for expected in ("champion: models:/rlhf-policy@champion -> " + first_run["outputs"]["ppo"], "MLflow UI:",
                      "Prefect UI:", "pairwise accuracy:", "best policy: ppo"):
         assert expected in printed, expected
+
+
+def test_planted_secrets_reach_no_store(first_run, tmp_path):
+    """Every store the run wrote (Prefect's database, MLflow's database and artifacts, the stage
+    outputs, the Ray jobs' driver logs) and everything it printed is free of the credential values
+    that were in the flow's environment."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    prefect_db = Path(PREFECT_API_DATABASE_CONNECTION_URL.value().split("///", 1)[1])
+    home = Path(os.environ["RLHF_HOME"])
+    job_logs = list((first_run["ray_session"] / "logs").glob("job-driver-rlhf-*"))
+    assert prefect_db.is_file() and (home / "mlflow.db").is_file()
+    assert {p.name.split("-")[3] for p in job_logs} >= {"sft", "rm", "ppo"}, job_logs
+    stores = [prefect_db, *home.rglob("*"), *job_logs]
+    stores = [p for p in stores if p.is_file() and "torch_extensions" not in p.parts]
+    leaks = [(value, str(path)) for path in stores for value in PLANTED.values()
+             if value.encode() in path.read_bytes()]
+    leaks += [(value, "printed") for value in PLANTED.values() if value in first_run["printed"]]
+    assert not leaks, leaks
+    # the search reads real records: the flow's parameters are in Prefect's database
+    assert b"pipeline" in prefect_db.read_bytes()
 
 
 def test_cached_rerun_trains_nothing(first_run):
