@@ -14,14 +14,15 @@ enter it by the upstream's own cache key, so an unchanged upstream keeps the cac
 from __future__ import annotations
 
 from flows.params import EvalParams, PipelineSettings, PrepParams
-from rlhf_core.config import TrainConfig, with_updates
+from rlhf_core.config import ConfigError, TrainConfig, with_updates
 from rlhf_core.rl_config import PPOConfig
 from rlhf_core.version import config_hash, params_hash, values_hash
 from tasks.stages import PipelineContext, StageJob, StageOutcome
 
 
-class PipelineError(ValueError):
-    """A pipeline-level configuration problem (missing upstream, bad from_run, a metric not there)."""
+class PipelineError(ConfigError):
+    """A pipeline-level configuration problem (missing upstream, bad from_run, a metric not there):
+    the CLI exits 2 with its message, and the flow run's log shows it without a traceback."""
 
 
 def prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:

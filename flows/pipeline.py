@@ -28,6 +28,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows import user_errors
 from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
 from flows.params import (
     POLICY_STAGES,
@@ -49,6 +50,8 @@ from tasks import lineage
 from tasks.ray_jobs import ray_cluster
 from tasks.reports import publish_eval_report, publish_pipeline_report, summary_table
 from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
+
+user_errors.install()
 
 ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
@@ -93,8 +96,10 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                 if name in earlier:
                     outcomes[name] = record_reuse(ctx, earlier[name])
                     return outcomes[name]
-                raise PipelineError(f"stage {name!r} is needed but neither run here nor found in from_run "
-                                    f"({settings.from_run!r}); add it to settings.stages or pass from_run")
+                where = (f"nor found in from_run {settings.from_run!r}" if settings.from_run
+                         else "and no from_run names an earlier run that has it")
+                raise PipelineError(f"stage {name!r} is needed but not run here ({', '.join(s.value for s in stages)}) "
+                                    f"{where}; add {name!r} to settings.stages or pass from_run")
 
             for stage in stages:
                 if stage == Stage.PREP:

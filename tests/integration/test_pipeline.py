@@ -265,6 +265,20 @@ def test_dpo_and_ppo_from_the_same_sft_and_rm_are_evaluated_side_by_side(first_r
     assert candidate.version == registry["policies"][best]["version"]
 
 
+def test_a_stage_without_its_upstream_is_a_configuration_error(harness, tmp_path, capsys):
+    """PPO alone, with no SFT model in the run or in a from_run: exit 2 with the stage named, no traceback."""
+    import yaml
+
+    from rlhf_core.cli import main
+
+    config = tmp_path / "ppo_only.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "settings": {**TINY["settings"], "stages": ["ppo"]}}))
+    assert main(["pipeline", "run", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "stage 'sft' is needed but not run here (ppo) and no from_run names an earlier run" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
 def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
     from flows.pipeline import rlhf
     from tasks.ray_jobs import StageConfigError
