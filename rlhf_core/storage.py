@@ -17,6 +17,7 @@ S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_UR
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,7 +315,8 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
     inputs = list(inputs)
     manifest = redact(manifest)  # stage.json is a record: no credential in a URI, a field or from the env
     if not is_remote(uri):
-        return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
+        with saving(flag, uri, f"output of {manifest['stage']}", "the previous output there is as it was"):
+            return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
     target = normalize_uri(uri)
     found = check_destination(target, manifest["stage"], inputs, flag=flag).found
     fs = _fs(target)
@@ -362,15 +365,76 @@ def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, fl
         shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed into place
 
 
-def write_manifest(local_dir: str | Path, manifest: dict) -> None:
+# --- a full disk while saving ---------------------------------------------------------------------
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(ConfigError):
+    """A save ran out of disk space (ENOSPC) or quota (EDQUOT). Exit status 2, not retried: the
+    attempt's partial files are removed, so a retry sees the same free space, trains as long and
+    fails at the same save; freeing space (or another location) is for a person to choose."""
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from, is an OSError for a full disk or quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS or _copy_errors(e):
+            return True
+        seen.add(id(e))
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__  # `cause`: a rank's error (RoleError, StageFailed)
+    return False
+
+
+def _copy_errors(e: BaseException) -> list[tuple]:
+    """`shutil.copytree` gathers the OSErrors of its files into one `shutil.Error` of (src, dst, text):
+    those of a full disk or quota."""
+    if not isinstance(e, shutil.Error) or not e.args or not isinstance(e.args[0], list):
+        return []
+    marks = tuple(f"[Errno {n}]" for n in DISK_FULL_ERRNOS)
+    return [x for x in e.args[0] if isinstance(x, tuple) and len(x) == 3 and str(x[2]).startswith(marks)]
+
+
+def disk_full_error(e: BaseException, flag: str, path, what: str, kept: str) -> DiskFullError:
+    """The error to raise for a full disk `e` while writing `what` at `path` (given as `flag`)."""
+    while not (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS or _copy_errors(e)):
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__  # `is_disk_full(e)`: one is below
+    copied = _copy_errors(e)
+    quota = e.errno == errno.EDQUOT if not copied else f"[Errno {errno.EDQUOT}]" in str(copied[0][2])
+    reason = "the disk quota is exceeded" if quota else "the disk is full"
+    filename = copied[0][1] if copied else e.filename
+    where = f" ({filename})" if filename else ""
+    return DiskFullError(f"{flag} {path}: {reason} (no space left) while writing the {what}{where}; {kept}. Free "
+                         f"space there (see `df -h`) or choose another {flag}, then run the stage again")
+
+
+@contextmanager
+def saving(flag: str, path, what: str, kept: str = "the previous output is as it was"):
+    """Turn a full disk inside the block into a `DiskFullError` naming `flag`, `path` and what is kept."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if is_disk_full(e):
+            raise disk_full_error(e, flag, path, what, kept) from e
+        raise
+
+
+def write_manifest(local_dir: str | Path, manifest: dict, flag: str = "--out") -> None:
     """Write `stage.json` into a finished local directory, atomically (the last step of a stage)."""
-    _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
+    with saving(flag, local_dir, MANIFEST, "the output there is not marked finished"):
+        _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already when it replaced `path`
 
 
 def read_manifest(uri: str) -> dict | None:
