@@ -242,3 +242,49 @@ def test_sft_on_a_full_disk_fails_clearly_and_keeps_output_and_checkpoints(prepa
     manifest = json.loads((out / "stage.json").read_text())
     assert manifest["resume"]["start_step"] == 6 and manifest["metrics"]["train/steps"] == 6
     assert digests(out) != published
+
+
+# --- data too large for Ray's object store ---------------------------------------------------------
+
+
+def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_path, monkeypatch, capsys):
+    """`ray.put` of the checked data raising Ray's ObjectStoreFullError: the worker group is started
+    with no data reference (each rank loads the datasets itself, `run_recipe(cfg, None)`), with a log line."""
+    import ray
+    from ray.exceptions import ObjectStoreFullError
+
+    from rlhf_core import launch
+    from rlhf_core.config import STAGE_CONFIGS, build_config
+    from rlhf_core.distributed import worker_group
+
+    def put(value):
+        raise ObjectStoreFullError("Failed to put object 00ff in object store because it is full.")
+
+    started = []
+
+    class Group:
+        def __init__(self, world_size):
+            started.append(world_size)
+
+        def run_stage(self, config, data):
+            started.append(data)
+            return {"stage": config["stage"]}
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(ray, "put", put)
+    monkeypatch.setattr(launch, "ensure_ray", lambda: False)
+    monkeypatch.setattr(worker_group, "WorkerGroup", Group)
+    values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(tmp_path / "sft"),
+              "apply_chat_template": True, "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 8,
+              "use_mlflow": False, "num_gpus_per_node": 2}
+    assert launch.run_stage(build_config(STAGE_CONFIGS["sft"], None, values)) == {"stage": "sft"}
+    assert started == [2, None]  # the group ran, and its ranks got no object-store copy to read
+    err = capsys.readouterr().err
+    assert "do not fit in Ray's object store (Failed to put object 00ff" in err and "each rank loads them" in err
+
+    monkeypatch.setattr(ray, "put", lambda value: "a reference")  # room in the store: one shared copy
+    started.clear()
+    launch.run_stage(build_config(STAGE_CONFIGS["sft"], None, values))
+    assert started == [2, "a reference"]
