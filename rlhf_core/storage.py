@@ -368,6 +368,14 @@ def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, fl
 # --- a full disk while saving ---------------------------------------------------------------------
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How a full disk reads where no OSError carries its errno: copytree's gathered errors, safetensors'
+# (Rust) IoError, DeepSpeed's re-raised text.
+_FULL_TEXTS = ("[errno 28]", "[errno 122]", "no space left on device", "disk quota exceeded", "os error 28",
+               "os error 122", "storagefull", "quotaexceeded")
+# torch.save's zip writer reports a short write without its errno: a full disk when the filesystem
+# then has (almost) nothing left (measured before the partial files are removed).
+_SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed", "pytorchstreamwriter failed writing")
+NEARLY_FULL_BYTES = 16 << 20
 
 
 class DiskFullError(ConfigError):
@@ -376,48 +384,68 @@ class DiskFullError(ConfigError):
     fails at the same save; freeing space (or another location) is for a person to choose."""
 
 
-def is_disk_full(e: BaseException | None) -> bool:
-    """Whether `e`, or an exception it was raised from, is an OSError for a full disk or quota."""
+def _chain(e: BaseException | None):
+    """`e` and the exceptions below it: `cause` (a rank's error: RoleError, StageFailed), then
+    `__cause__`/`__context__`."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS or _copy_errors(e):
-            return True
+        yield e
         seen.add(id(e))
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__  # `cause`: a rank's error (RoleError, StageFailed)
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+def is_disk_full(e: BaseException | None, path=None) -> bool:
+    """Whether `e` (or an exception below it) says the disk or quota is full; with `path`, also a
+    short write (torch.save's) while the filesystem of `path` has under NEARLY_FULL_BYTES free."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(x).lower()
+        if any(t in text for t in _FULL_TEXTS):
+            return True
+        if path is not None and any(t in text for t in _SHORT_WRITE_TEXTS) and _free_bytes(path) < NEARLY_FULL_BYTES:
+            return True
     return False
 
 
-def _copy_errors(e: BaseException) -> list[tuple]:
-    """`shutil.copytree` gathers the OSErrors of its files into one `shutil.Error` of (src, dst, text):
-    those of a full disk or quota."""
-    if not isinstance(e, shutil.Error) or not e.args or not isinstance(e.args[0], list):
-        return []
-    marks = tuple(f"[Errno {n}]" for n in DISK_FULL_ERRNOS)
-    return [x for x in e.args[0] if isinstance(x, tuple) and len(x) == 3 and str(x[2]).startswith(marks)]
+def _free_bytes(path) -> float:
+    """Free bytes on the filesystem of `path` (its nearest existing folder); inf when unknown."""
+    try:
+        here = Path(path)
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        return shutil.disk_usage(here).free
+    except OSError:
+        return float("inf")
 
 
 def disk_full_error(e: BaseException, flag: str, path, what: str, kept: str) -> DiskFullError:
     """The error to raise for a full disk `e` while writing `what` at `path` (given as `flag`)."""
-    while not (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS or _copy_errors(e)):
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__  # `is_disk_full(e)`: one is below
-    copied = _copy_errors(e)
-    quota = e.errno == errno.EDQUOT if not copied else f"[Errno {errno.EDQUOT}]" in str(copied[0][2])
+    chain = list(_chain(e))
+    quota = any(isinstance(x, OSError) and x.errno == errno.EDQUOT or "quota" in str(x).lower() for x in chain)
     reason = "the disk quota is exceeded" if quota else "the disk is full"
-    filename = copied[0][1] if copied else e.filename
+    filename = next((x.filename for x in chain if isinstance(x, OSError) and x.filename), None)
+    if filename is None:  # copytree: [(src, dst, "[Errno 28] ..."), ...]
+        filename = next((x.args[0][0][1] for x in chain if isinstance(x, shutil.Error) and x.args
+                         and isinstance(x.args[0], list) and x.args[0] and len(x.args[0][0]) == 3), None)
     where = f" ({filename})" if filename else ""
     return DiskFullError(f"{flag} {path}: {reason} (no space left) while writing the {what}{where}; {kept}. Free "
                          f"space there (see `df -h`) or choose another {flag}, then run the stage again")
 
 
 @contextmanager
-def saving(flag: str, path, what: str, kept: str = "the previous output is as it was"):
-    """Turn a full disk inside the block into a `DiskFullError` naming `flag`, `path` and what is kept."""
+def saving(flag: str, path, what: str, kept: str = "the previous output is as it was", cleanup=None):
+    """Turn a full disk inside the block into a `DiskFullError` naming `flag`, `path` and what is kept.
+
+    `cleanup`: called on any failure, after the disk was looked at (the partial files it removes are
+    what filled it)."""
     try:
         yield
-    except DiskFullError:
-        raise
-    except Exception as e:
-        if is_disk_full(e):
+    except BaseException as e:
+        full = not isinstance(e, DiskFullError) and isinstance(e, Exception) and is_disk_full(e, path)
+        if cleanup is not None:
+            cleanup()
+        if full:
             raise disk_full_error(e, flag, path, what, kept) from e
         raise
 

@@ -58,19 +58,15 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
     ckpt = Path(ckpt)
     tag = f"global_step{controller.step}"
     kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
-    with storage.saving("--ckpt.path", ckpt, f"checkpoint {tag}", kept):
-        try:
-            directory = checkpoints.begin(ckpt, tag)
-            roles = [g for g in (controller.actor, controller.critic) if g is not None]
-            for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
-                pending.all()
-            state = {"step": controller.step, "prompt_position": controller.prompts.position,
-                     "kl": controller.kl.state_dict(), "rng": rng_state()}
-            torch.save(state, directory / CONTROLLER)
-            checkpoints.commit(ckpt, tag)
-        except BaseException:
-            checkpoints.abandon(ckpt, tag)
-            raise
+    with storage.saving("--ckpt.path", ckpt, f"checkpoint {tag}", kept, cleanup=lambda: checkpoints.abandon(ckpt, tag)):
+        directory = checkpoints.begin(ckpt, tag)
+        roles = [g for g in (controller.actor, controller.critic) if g is not None]
+        for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
+            pending.all()
+        state = {"step": controller.step, "prompt_position": controller.prompts.position,
+                 "kl": controller.kl.state_dict(), "rng": rng_state()}
+        torch.save(state, directory / CONTROLLER)
+        checkpoints.commit(ckpt, tag)
     with storage.saving("--ckpt.path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and `latest` "
                         "names it; only its entry for rotation is missing"):
         run_id = run_id or checkpoints.new_run_id()

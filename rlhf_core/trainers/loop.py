@@ -163,24 +163,19 @@ class TrainLoop:
         ckpt = Path(self.cfg.ckpt_path)
         tag = f"global_step{self.step}"
         kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
-        with storage.saving("--ckpt_path", ckpt, f"checkpoint {tag}", kept):
-            try:
-                if self.rank == 0:
-                    checkpoints.begin(ckpt, tag)
-                _barrier()
-                partial = checkpoints.partial_tag(tag)
-                rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                       "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-                torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
-                self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
-                                            save_latest=False)
-                _barrier()
-                if self.rank == 0:
-                    checkpoints.commit(ckpt, tag)
-            except BaseException:
-                if self.rank == 0:
-                    checkpoints.abandon(ckpt, tag)
-                raise
+        abandon = (lambda: checkpoints.abandon(ckpt, tag)) if self.rank == 0 else None
+        with storage.saving("--ckpt_path", ckpt, f"checkpoint {tag}", kept, cleanup=abandon):
+            if self.rank == 0:
+                checkpoints.begin(ckpt, tag)
+            _barrier()
+            partial = checkpoints.partial_tag(tag)
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
+            self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step}, save_latest=False)
+            _barrier()
+            if self.rank == 0:
+                checkpoints.commit(ckpt, tag)
         if self.rank == 0:  # rotate this run's own checkpoints only: others may share ckpt_path
             with storage.saving("--ckpt_path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and "
                                 "`latest` names it; only its entry for rotation is missing"):

@@ -108,6 +108,27 @@ def test_a_full_disk_is_recognised_through_a_ranks_error_and_its_causes():
     assert storage.is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
     assert not storage.is_disk_full(OSError(errno.EACCES, "Permission denied"))
     assert not storage.is_disk_full(RuntimeError("no"))
+    # What safetensors (Rust) and torch.save's zip writer raise on a real full disk (measured on a tmpfs):
+    assert storage.is_disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert not storage.is_disk_full(short)  # no errno: a full disk only where the filesystem is (nearly) full
+    assert not storage.is_disk_full(short, "/tmp")
+
+
+def test_a_short_torch_write_is_a_full_disk_when_the_filesystem_is_full(tmp_path, monkeypatch):
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    monkeypatch.setattr(storage, "_free_bytes", lambda path: 4096)
+    assert storage.is_disk_full(short, tmp_path / "ckpt")
+    removed = []
+    with pytest.raises(storage.DiskFullError, match=r"--ckpt_path .*ckpt: the disk is full"):
+        with storage.saving("--ckpt_path", tmp_path / "ckpt", "checkpoint global_step2", "kept",
+                            cleanup=lambda: removed.append(storage._free_bytes(tmp_path))):
+            raise short
+    assert removed == [4096]
+    monkeypatch.setattr(storage, "_free_bytes", lambda path: 10 << 30)  # plenty of room: some other failure
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        with storage.saving("--ckpt_path", tmp_path / "ckpt", "checkpoint global_step2", "kept"):
+            raise short
 
 
 class FakeKL:
@@ -288,3 +309,73 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     started.clear()
     launch.run_stage(build_config(STAGE_CONFIGS["sft"], None, values))
     assert started == [2, "a reference"]
+
+
+# --- a real small filesystem (where this process may mount one) ----------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """`mount(bytes) -> Path`: a tmpfs of that size under tmp_path, unmounted after. Needs root (or
+    CAP_SYS_ADMIN); skipped elsewhere, where the injected-ENOSPC tests above cover the same paths."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: int) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or done.returncode}): needs root "
+                        "or CAP_SYS_ADMIN; ENOSPC is injected in the tests above instead")
+        mounted.append(where)
+        return where
+
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; ENOSPC is injected in the tests above instead")
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def disk_use(root: Path) -> int:
+    """Bytes a tmpfs charges for the files below `root` (whole 4 KiB pages)."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in root.rglob("*") if p.is_file())
+
+
+def test_sft_on_a_real_full_filesystem(prepared, small_fs, tmp_path, monkeypatch, capsys):
+    """A real ENOSPC from a small tmpfs: a checkpoint that does not fit next to the earlier one, and
+    an output that does not fit next to the earlier output, fail with exit 2 and keep what was there."""
+    from rlhf_core.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # Sizes of this model's output and checkpoint, from a run on the ordinary disk.
+    assert main(sft_args(prepared, tmp_path / "sized" / "sft", tmp_path / "sized_ckpt", 2)) == 0
+    model, ckpt_size = disk_use(tmp_path / "sized" / "sft"), disk_use(tmp_path / "sized_ckpt")
+    capsys.readouterr()
+
+    # Checkpoints: room for one and a half (rotation keeps one, but only after the next is whole).
+    ckpt = small_fs(ckpt_size * 3 // 2) / "ckpt"
+    assert main(sft_args(prepared, tmp_path / "out" / "sft", ckpt, 6)) == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt_path {ckpt}: the disk is full (no space left) while writing the checkpoint global_step4" in err
+    assert "Traceback" not in err
+    assert (ckpt / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step2", "latest", storage.CHECKPOINTS]
+    # The kept checkpoint loads: a run with nowhere to checkpoint resumes from it and finishes.
+    assert main(sft_args(prepared, tmp_path / "out" / "sft", ckpt, 6, save_steps="-1")) == 0
+    manifest = json.loads((tmp_path / "out" / "sft" / "stage.json").read_text())
+    assert manifest["resume"]["start_step"] == 2 and manifest["metrics"]["train/steps_run"] == 4
+    capsys.readouterr()
+
+    # The output: room for the earlier output and one and a half more (a publish needs two more).
+    out = small_fs(model * 5 // 2 + 64 * 1024) / "sft"
+    assert main(sft_args(prepared, out, tmp_path / "ckpt2", 2)) == 0
+    published = digests(out)
+    assert main(sft_args(prepared, out, tmp_path / "ckpt3", 2, seed="5")) == 2
+    err = capsys.readouterr().err
+    assert f"--save_path {out}: the disk is full (no space left) while writing the output of sft" in err, err
+    assert "Traceback" not in err
+    assert digests(out) == published and sorted(p.name for p in out.parent.iterdir()) == ["sft"]
