@@ -11,6 +11,13 @@ replaces anything. A location is replaced only when it is an earlier output of t
 kind (its `stage.json`), an unfinished one (its `.rlhf-writing.json` marker, put there before
 anything is written in place and removed after `stage.json`), or an empty folder.
 
+Saving: a full disk (or quota) while a checkpoint or an output is written raises `DiskFullError`
+(exit 2) naming the flag and path; everything is written beside its final place and renamed in
+only when whole, so what was there before stays as it was (`saving`, `trainers/checkpoints.py`).
+
+Reading: remote inputs are downloaded into `$RLHF_HOME/cache/downloads/<key>/` (`local_copy`), a
+cache bounded by `RLHF_CACHE_MAX_GB` and `RLHF_CACHE_MAX_AGE_DAYS` (`cache_bounds`, `evict_cache`).
+
 S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, ...), which s3fs reads itself; they never pass through our configs.
 """

@@ -347,35 +347,35 @@ def disk_use(root: Path) -> int:
 
 def test_sft_on_a_real_full_filesystem(prepared, small_fs, tmp_path, monkeypatch, capsys):
     """A real ENOSPC from a small tmpfs: a checkpoint that does not fit next to the earlier one, and
-    an output that does not fit next to the earlier output, fail with exit 2 and keep what was there."""
+    an output that does not fit next to the earlier output, fail with exit 2 and keep what was there;
+    the kept checkpoint loads and the run resumes from it."""
     from rlhf_core.cli import main
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    # Sizes of this model's output and checkpoint, from a run on the ordinary disk.
-    assert main(sft_args(prepared, tmp_path / "sized" / "sft", tmp_path / "sized_ckpt", 2)) == 0
-    model, ckpt_size = disk_use(tmp_path / "sized" / "sft"), disk_use(tmp_path / "sized_ckpt")
+    # A first run on the ordinary disk: the earlier output and checkpoint, and their sizes.
+    first_out, first_ckpt = tmp_path / "first" / "sft", tmp_path / "first_ckpt"
+    assert main(sft_args(prepared, first_out, first_ckpt, 2)) == 0
     capsys.readouterr()
 
     # Checkpoints: room for one and a half (rotation keeps one, but only after the next is whole).
-    ckpt = small_fs(ckpt_size * 3 // 2) / "ckpt"
-    assert main(sft_args(prepared, tmp_path / "out" / "sft", ckpt, 6)) == 2
+    ckpt = small_fs(disk_use(first_ckpt) * 3 // 2) / "ckpt"
+    shutil.copytree(first_ckpt, ckpt)
+    kept = digests(ckpt)
+    assert main(sft_args(prepared, tmp_path / "unused" / "sft", ckpt, 6)) == 2
     err = capsys.readouterr().err
+    assert "resumed from" in err and "at step 2" in err
     assert f"--ckpt_path {ckpt}: the disk is full (no space left) while writing the checkpoint global_step4" in err
     assert "Traceback" not in err
-    assert (ckpt / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step2", "latest", storage.CHECKPOINTS]
-    # The kept checkpoint loads: a run with nowhere to checkpoint resumes from it and finishes.
-    assert main(sft_args(prepared, tmp_path / "out" / "sft", ckpt, 6, save_steps="-1")) == 0
-    manifest = json.loads((tmp_path / "out" / "sft" / "stage.json").read_text())
-    assert manifest["resume"]["start_step"] == 2 and manifest["metrics"]["train/steps_run"] == 4
-    capsys.readouterr()
+    assert digests(ckpt) == kept and (ckpt / "latest").read_text() == "global_step2"
 
     # The output: room for the earlier output and one and a half more (a publish needs two more).
-    out = small_fs(model * 5 // 2 + 64 * 1024) / "sft"
-    assert main(sft_args(prepared, out, tmp_path / "ckpt2", 2)) == 0
+    out = small_fs(disk_use(first_out) * 5 // 2 + 64 * 1024) / "sft"
+    storage.publish_dir(first_out, str(out), json.loads((first_out / "stage.json").read_text()))
     published = digests(out)
-    assert main(sft_args(prepared, out, tmp_path / "ckpt3", 2, seed="5")) == 2
+    # Resumed from the kept checkpoint, trained to the end (no more checkpoints), then a full disk.
+    assert main(sft_args(prepared, out, ckpt, 6, save_steps="-1")) == 2
     err = capsys.readouterr().err
+    assert f"resumed from {ckpt / 'global_step2'} at step 2" in err
     assert f"--save_path {out}: the disk is full (no space left) while writing the output of sft" in err, err
     assert "Traceback" not in err
     assert digests(out) == published and sorted(p.name for p in out.parent.iterdir()) == ["sft"]
