@@ -163,8 +163,10 @@ class TrainLoop:
         ckpt = Path(self.cfg.ckpt_path)
         tag = f"global_step{self.step}"
         kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
-        abandon = (lambda: checkpoints.abandon(ckpt, tag)) if self.rank == 0 else None
-        with storage.saving("--ckpt_path", ckpt, f"checkpoint {tag}", kept, cleanup=abandon):
+        # Any rank that fails removes the partial folder: the others wait at the barrier (no commit)
+        # until the group stops them, and a full disk gets its space back.
+        with storage.saving("--ckpt_path", ckpt, f"checkpoint {tag}", kept,
+                            cleanup=lambda: checkpoints.abandon(ckpt, tag)):
             if self.rank == 0:
                 checkpoints.begin(ckpt, tag)
             _barrier()

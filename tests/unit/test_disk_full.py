@@ -265,6 +265,24 @@ def test_sft_on_a_full_disk_fails_clearly_and_keeps_output_and_checkpoints(prepa
     assert digests(out) != published
 
 
+def test_prep_on_a_full_disk_exits_2_and_leaves_nothing_that_looks_finished(tmp_path, monkeypatch, capsys):
+    """prep writes in place (marked unfinished first): a full disk says so, exit 2, no stage.json."""
+    import transformers.modeling_utils
+
+    from rlhf_core.cli import main
+
+    def save_file(tensors, filename, *args, **kwargs):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+    out = tmp_path / "prep"
+    assert main(["prep", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"rlhf: error: --out {out}: the disk is full (no space left) while writing the prep output" in err
+    assert "marked unfinished" in err and "Traceback" not in err
+    assert not (out / storage.MANIFEST).exists() and (out / storage.WRITING).exists()
+
+
 # --- data too large for Ray's object store ---------------------------------------------------------
 
 
