@@ -506,6 +506,7 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
     downloads = Path(cache_root) / "downloads"
     listing = remote_listing(fs, root)  # (a fresh listing: also what isfile asks next)
     single = fs.isfile(root)  # one object, not a prefix
+    made_room = False
     for _ in range(DOWNLOAD_ATTEMPTS):
         key = hashlib.sha256(json.dumps({"uri": root, "files": listing}).encode()).hexdigest()[:16]
         dest = downloads / key
@@ -515,10 +516,22 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
         downloads.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=downloads, prefix=f".{key}-"))
         try:
-            if single:
-                fs.get_file(root, str(tmp / listing[0][0]))
-            else:
-                fs.get(root + "/", str(tmp), recursive=True)
+            try:
+                if single:
+                    fs.get_file(root, str(tmp / listing[0][0]))
+                else:
+                    fs.get(root + "/", str(tmp), recursive=True)
+            except Exception as e:
+                if not is_disk_full(e, downloads):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not made_room:  # the cache itself may be what filled the disk: every unused entry goes
+                    made_room = True
+                    if evict_cache(cache_root, everything=True):
+                        continue
+                raise DiskFullError(f"{uri}: the disk is full (no space left) while downloading it into the cache "
+                                    f"{downloads}; no entry of the cache that a running stage uses is left to remove. "
+                                    "Free space there (see `df -h`), or set RLHF_HOME to a larger disk") from e
             after = remote_listing(fs, root)
             if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
                 listing = after
@@ -637,9 +650,10 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
-def evict_cache(cache_root: str | Path, keep: Iterable[Path] = ()) -> list[str]:
+def evict_cache(cache_root: str | Path, keep: Iterable[Path] = (), everything: bool = False) -> list[str]:
     """Remove download-cache entries beyond the bounds (`cache_bounds`), least recently used first,
     never one that a process has pinned (is reading) or one in `keep`; returns the keys removed.
+    `everything`: every entry that may go (a download found the disk full).
 
     An entry is renamed away under an exclusive lock of its marker (so a reader never sees it half
     removed) and deleted after. Temporary folders of crashed downloads go after a day."""
@@ -666,7 +680,7 @@ def evict_cache(cache_root: str | Path, keep: Iterable[Path] = ()) -> list[str]:
     for last_used, size, d in sorted(entries, key=lambda e: e[0]):
         too_old = max_age is not None and now - last_used > max_age
         too_big = max_bytes is not None and total > max_bytes
-        if not (too_old or too_big) or str(d) in keep:
+        if not (too_old or too_big or everything) or str(d) in keep:
             continue
         try:
             fd = os.open(d / COMPLETE, os.O_RDONLY)

@@ -150,3 +150,37 @@ def test_cache_bounds_have_defaults_and_refuse_bad_values(monkeypatch):
         monkeypatch.setenv(storage.CACHE_MAX_AGE_DAYS_ENV, bad)
         with pytest.raises(ConfigError, match=f"{storage.CACHE_MAX_AGE_DAYS_ENV}='{bad}': must be a number >= 0"):
             storage.cache_bounds()
+
+
+def test_a_download_that_fills_the_disk_first_empties_the_unused_cache(remote, tmp_path, monkeypatch):  # noqa: F811
+    import errno
+
+    from tests.unit.test_storage import FakeS3
+
+    fs, _ = remote
+    old = storage.local_copy(folder(fs, "aaaa"), tmp_path)
+    storage.release_cache_pins()  # unused now
+    kept = storage.local_copy(folder(fs, "bbbb"), tmp_path)  # still read by this process
+    real_get_file = FakeS3.get_file
+    failures = []
+
+    def get_file(self, rpath, lpath, *args, **kwargs):
+        if os.path.exists(old) or failures == ["again"]:  # full until the unused entry is gone
+            failures.append("full")
+            raise OSError(errno.ENOSPC, "No space left on device", lpath)
+        return real_get_file(self, rpath, lpath, *args, **kwargs)
+
+    monkeypatch.setattr(FakeS3, "get_file", get_file)
+    uri = f"{PROTOCOL}://bucket/one/train.jsonl"
+    fs.pipe(uri, ROWS)
+    local = storage.local_copy(uri, tmp_path)
+    assert open(local, "rb").read() == ROWS and failures == ["full"]
+    assert not os.path.exists(old) and os.path.exists(kept)
+
+    failures[:] = ["again"]  # full with nothing left to remove (both entries are in use): a clear error
+    fs.pipe(f"{PROTOCOL}://bucket/two/train.jsonl", ROWS)
+    with pytest.raises(storage.DiskFullError, match=r"two/train.jsonl: the disk is full .* into the cache .*"
+                                                    r"set RLHF_HOME to a larger disk"):
+        storage.local_copy(f"{PROTOCOL}://bucket/two/train.jsonl", tmp_path)
+    assert os.path.exists(kept) and os.path.exists(local)
+    assert [p.name for p in (tmp_path / "downloads").iterdir() if p.name.startswith(".")] == []
