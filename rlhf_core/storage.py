@@ -377,8 +377,8 @@ def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, fl
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How a full disk reads where no OSError carries its errno: copytree's gathered errors, safetensors'
 # (Rust) IoError, DeepSpeed's re-raised text.
-_FULL_TEXTS = ("[errno 28]", "[errno 122]", "no space left on device", "disk quota exceeded", "os error 28",
-               "os error 122", "storagefull", "quotaexceeded")
+_FULL_TEXTS = (*(f"[errno {n}]" for n in DISK_FULL_ERRNOS), *(f"(os error {n})" for n in DISK_FULL_ERRNOS),
+               "no space left on device", "disk quota exceeded", "storagefull", "quotaexceeded")
 # torch.save's zip writer reports a short write without its errno: a full disk when the filesystem
 # then has (almost) nothing left (measured before the partial files are removed).
 _SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed", "pytorchstreamwriter failed writing")
