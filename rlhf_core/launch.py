@@ -91,7 +91,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     group = None
     try:
         # The checked data goes to the object store once; the driver keeps only the reference.
-        shared, data = ray.put(data), None
+        shared, data = share_data(data), None
         group = WorkerGroup(cfg.world_size)  # GPUs when the cluster has them, whatever this driver has
         return group.run_stage(cfg.model_dump(mode="json"), shared)
     except RoleError as e:  # a rank raised (its exception), died or hung (the error naming the rank)
@@ -102,6 +102,22 @@ def run_stage(cfg: TrainConfig) -> dict:
         if started:
             ray.shutdown()
         sys.stderr.flush()
+
+
+def share_data(data):
+    """`ray.put(data)`, or None when the object store cannot hold it: then each rank loads and
+    checks the datasets itself (the same deterministic `load_data`), and a log line says so."""
+    import ray
+    from ray.exceptions import ObjectStoreFullError
+
+    try:
+        return ray.put(data)
+    except ObjectStoreFullError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"rlhf: the checked datasets do not fit in Ray's object store ({first}); each rank loads them "
+              "itself instead (more memory and start-up time per rank; a larger object store, e.g. "
+              "`ray start --object-store-memory`, avoids it)", file=sys.stderr, flush=True)
+        return None
 
 
 def run_rl_stage(cfg) -> dict:

@@ -164,10 +164,12 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
             storage.publish_dir(tmp, out, manifest, flag="--out")
     else:  # in place, marked as being written, so a rerun after a crash may take it over
         local = Path(out)
-        storage.mark_writing(out, "prep")
-        (local / storage.MANIFEST).unlink(missing_ok=True)
-        manifest, tracker = _prep_and_record(local, out, params)
-        storage.write_manifest(local, manifest)
+        with storage.saving("--out", out, "prep output", "it stays marked unfinished (no stage.json), and prep "
+                            "run again there takes it over"):
+            storage.mark_writing(out, "prep")
+            (local / storage.MANIFEST).unlink(missing_ok=True)
+            manifest, tracker = _prep_and_record(local, out, params)
+            storage.write_manifest(local, manifest)
         storage.clear_writing(out)
     tracker.finish()
     return manifest

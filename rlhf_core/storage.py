@@ -11,12 +11,20 @@ replaces anything. A location is replaced only when it is an earlier output of t
 kind (its `stage.json`), an unfinished one (its `.rlhf-writing.json` marker, put there before
 anything is written in place and removed after `stage.json`), or an empty folder.
 
+Saving: a full disk (or quota) while a checkpoint or an output is written raises `DiskFullError`
+(exit 2) naming the flag and path; everything is written beside its final place and renamed in
+only when whole, so what was there before stays as it was (`saving`, `trainers/checkpoints.py`).
+
+Reading: remote inputs are downloaded into `$RLHF_HOME/cache/downloads/<key>/` (`local_copy`), a
+cache bounded by `RLHF_CACHE_MAX_GB` and `RLHF_CACHE_MAX_AGE_DAYS` (`cache_bounds`, `evict_cache`).
+
 S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, ...), which s3fs reads itself; they never pass through our configs.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,7 +322,8 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
     inputs = list(inputs)
     manifest = redact(manifest)  # stage.json is a record: no credential in a URI, a field or from the env
     if not is_remote(uri):
-        return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
+        with saving(flag, uri, f"output of {manifest['stage']}", "the previous output there is as it was"):
+            return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
     target = normalize_uri(uri)
     found = check_destination(target, manifest["stage"], inputs, flag=flag).found
     fs = _fs(target)
@@ -362,15 +372,104 @@ def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, fl
         shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed into place
 
 
-def write_manifest(local_dir: str | Path, manifest: dict) -> None:
+# --- a full disk while saving ---------------------------------------------------------------------
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How a full disk reads where no OSError carries its errno: copytree's gathered errors, safetensors'
+# (Rust) IoError, DeepSpeed's re-raised text.
+_FULL_TEXTS = (*(f"[errno {n}]" for n in DISK_FULL_ERRNOS), *(f"(os error {n})" for n in DISK_FULL_ERRNOS),
+               "no space left on device", "disk quota exceeded", "storagefull", "quotaexceeded")
+# torch.save's zip writer reports a short write without its errno: a full disk when the filesystem
+# then has (almost) nothing left (measured before the partial files are removed).
+_SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed", "pytorchstreamwriter failed writing")
+NEARLY_FULL_BYTES = 16 << 20
+
+
+class DiskFullError(ConfigError):
+    """A save ran out of disk space (ENOSPC) or quota (EDQUOT). Exit status 2, not retried: the
+    attempt's partial files are removed, so a retry sees the same free space, trains as long and
+    fails at the same save; freeing space (or another location) is for a person to choose."""
+
+
+def _chain(e: BaseException | None):
+    """`e` and the exceptions below it: `cause` (a rank's error: RoleError, StageFailed), then
+    `__cause__`/`__context__`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        yield e
+        seen.add(id(e))
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+def is_disk_full(e: BaseException | None, path=None) -> bool:
+    """Whether `e` (or an exception below it) says the disk or quota is full; with `path`, also a
+    short write (torch.save's) while the filesystem of `path` has under NEARLY_FULL_BYTES free."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(x).lower()
+        if any(t in text for t in _FULL_TEXTS):
+            return True
+        if path is not None and any(t in text for t in _SHORT_WRITE_TEXTS) and _free_bytes(path) < NEARLY_FULL_BYTES:
+            return True
+    return False
+
+
+def _free_bytes(path) -> float:
+    """Free bytes on the filesystem of `path` (its nearest existing folder); inf when unknown."""
+    try:
+        here = Path(path)
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        return shutil.disk_usage(here).free
+    except OSError:
+        return float("inf")
+
+
+def disk_full_error(e: BaseException, flag: str, path, what: str, kept: str) -> DiskFullError:
+    """The error to raise for a full disk `e` while writing `what` at `path` (given as `flag`)."""
+    chain = list(_chain(e))
+    quota = any(isinstance(x, OSError) and x.errno == errno.EDQUOT or "quota" in str(x).lower() for x in chain)
+    reason = "the disk quota is exceeded" if quota else "the disk is full"
+    filename = next((x.filename for x in chain if isinstance(x, OSError) and x.filename), None)
+    if filename is None:  # copytree: [(src, dst, "[Errno 28] ..."), ...]
+        filename = next((x.args[0][0][1] for x in chain if isinstance(x, shutil.Error) and x.args
+                         and isinstance(x.args[0], list) and x.args[0] and len(x.args[0][0]) == 3), None)
+    where = f" ({filename})" if filename else ""
+    return DiskFullError(f"{flag} {path}: {reason} (no space left) while writing the {what}{where}; {kept}. Free "
+                         f"space there (see `df -h`) or choose another {flag}, then run the stage again")
+
+
+@contextmanager
+def saving(flag: str, path, what: str, kept: str = "the previous output is as it was", cleanup=None):
+    """Turn a full disk inside the block into a `DiskFullError` naming `flag`, `path` and what is kept.
+
+    `cleanup`: called on any failure, after the disk was looked at (the partial files it removes are
+    what filled it)."""
+    try:
+        yield
+    except BaseException as e:
+        full = not isinstance(e, DiskFullError) and isinstance(e, Exception) and is_disk_full(e, path)
+        if cleanup is not None:
+            cleanup()
+        if full:
+            raise disk_full_error(e, flag, path, what, kept) from e
+        raise
+
+
+def write_manifest(local_dir: str | Path, manifest: dict, flag: str = "--out") -> None:
     """Write `stage.json` into a finished local directory, atomically (the last step of a stage)."""
-    _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
+    with saving(flag, local_dir, MANIFEST, "the output there is not marked finished"):
+        _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already when it replaced `path`
 
 
 def read_manifest(uri: str) -> dict | None:
@@ -387,63 +486,233 @@ def read_manifest(uri: str) -> dict | None:
 
 
 def local_copy(uri: str, cache_root: str | Path) -> str:
-    """A local directory with the contents of `uri` (itself when local; else a cached download).
+    """A local path with the contents of `uri` (itself when local; else a cached download): a folder
+    for a prefix, a file (under its own name) for a single object such as `s3://b/data/train.jsonl`.
 
     The cache key is the URI plus the remote listing of everything under it (relative path,
     size, ETag or modification time), so a prefix rewritten in place, e.g. a data folder with
     no `stage.json`, is downloaded again instead of served stale. A download is built under a
     temporary name and renamed into place with a `.complete` marker; when the listing changes
     while files are being fetched (a writer is at work), the mixed copy is dropped and fetched again.
+
+    The cache is bounded (`cache_bounds`): each use marks an entry recently used and pins it for
+    the life of this process (a shared lock on its marker), and after each new download the least
+    recently used entries that no process has pinned go until the cache is within its bounds.
     """
     if not is_remote(uri):
         return str(Path(uri.removeprefix("file://")).expanduser())
     fs = _fs(uri)
     root = uri.rstrip("/")
     downloads = Path(cache_root) / "downloads"
-    listing = remote_listing(fs, root)
+    listing = remote_listing(fs, root)  # (a fresh listing: also what isfile asks next)
+    single = fs.isfile(root)  # one object, not a prefix
+    made_room = False
     for _ in range(DOWNLOAD_ATTEMPTS):
         key = hashlib.sha256(json.dumps({"uri": root, "files": listing}).encode()).hexdigest()[:16]
         dest = downloads / key
-        if (dest / ".complete").exists():
-            return str(dest)
+        found = dest / listing[0][0] if single else dest
+        if _pin(dest):
+            return str(found)
         downloads.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=downloads, prefix=f".{key}-"))
         try:
-            fs.get(root + "/", str(tmp), recursive=True)
+            try:
+                if single:
+                    fs.get_file(root, str(tmp / listing[0][0]))
+                else:
+                    fs.get(root + "/", str(tmp), recursive=True)
+            except Exception as e:
+                if not is_disk_full(e, downloads):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not made_room:  # the cache itself may be what filled the disk: every unused entry goes
+                    made_room = True
+                    if evict_cache(cache_root, everything=True):
+                        continue
+                raise DiskFullError(f"{uri}: the disk is full (no space left) while downloading it into the cache "
+                                    f"{downloads}; no entry of the cache that a running stage uses is left to remove. "
+                                    "Free space there (see `df -h`), or set RLHF_HOME to a larger disk") from e
             after = remote_listing(fs, root)
             if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
                 listing = after
                 continue
-            (tmp / ".complete").touch()
+            (tmp / COMPLETE).touch()
             try:
                 tmp.rename(dest)
             except OSError:  # another rank finished the same download first
                 pass
-            return str(dest)
+            if not _pin(dest):  # evicted in the instant since: fetch it again
+                continue
+            evict_cache(cache_root, keep=(dest,))
+            return str(found)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed into place
     raise RuntimeError(f"{uri} changed during each of {DOWNLOAD_ATTEMPTS} downloads; is a writer still at work?")
 
 
 DOWNLOAD_ATTEMPTS = 3
+COMPLETE = ".complete"
 # Per-file version fields, first one present wins: content ETag (S3), else a modification time.
 _VERSION_FIELDS = ("ETag", "etag", "LastModified", "last_modified", "mtime", "created")
 
 
 def remote_listing(fs, root: str) -> list[list]:
     """`[relative path, size, version]` for every file under `root`, sorted; FileNotFoundError when none.
+    For a single object `root`, one entry named by its base name.
 
     Always a fresh listing (fsspec filesystems may cache directory listings for the life of a process).
     """
     fs.invalidate_cache(root)
     base = fs._strip_protocol(root).rstrip("/")
+    if fs.isfile(root):
+        found = {base: fs.info(root)}
+    else:
+        found = fs.find(root, detail=True)
     entries = []
-    for name, info in fs.find(root, detail=True).items():
+    for name, info in found.items():
         if info.get("type", "file") == "directory":
             continue
         rel = name[len(base):].lstrip("/") if name.startswith(base) else name
         version = next((str(info[k]) for k in _VERSION_FIELDS if info.get(k) is not None), None)
-        entries.append([rel, info.get("size"), version])
+        entries.append([rel or base.rsplit("/", 1)[-1], info.get("size"), version])
     if not entries:
-        raise FileNotFoundError(f"{root}: no such folder, or an empty one")
+        raise FileNotFoundError(f"{root}: no such file or folder, or an empty folder")
     return sorted(entries)
+
+
+# --- the bound on the download cache -------------------------------------------------------------
+
+CACHE_MAX_GB_ENV, CACHE_MAX_AGE_DAYS_ENV = "RLHF_CACHE_MAX_GB", "RLHF_CACHE_MAX_AGE_DAYS"
+DEFAULT_CACHE_MAX_GB, DEFAULT_CACHE_MAX_AGE_DAYS = 50.0, 30.0
+LEFTOVER_AGE_S = 24 * 3600  # a temporary download folder untouched this long was left by a crash
+_PINS: dict[str, int] = {}  # cache entry -> the descriptor of its marker that holds our shared lock
+
+
+def cache_bounds() -> tuple[float | None, float | None]:
+    """(max bytes, max seconds since last use) of the download cache; None: no such bound.
+
+    `RLHF_CACHE_MAX_GB` (default 50) and `RLHF_CACHE_MAX_AGE_DAYS` (default 30); 0 turns a bound off.
+    Read where the download happens (each node bounds its own cache)."""
+    bounds = []
+    for name, default, unit in ((CACHE_MAX_GB_ENV, DEFAULT_CACHE_MAX_GB, 1e9),
+                                (CACHE_MAX_AGE_DAYS_ENV, DEFAULT_CACHE_MAX_AGE_DAYS, 86400.0)):
+        raw = os.environ.get(name, "").strip()
+        try:
+            value = float(raw) if raw else default
+        except ValueError:
+            value = -1.0
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{name}={raw!r}: must be a number >= 0 (0: no bound; default {default:g})")
+        bounds.append(value * unit if value > 0 else None)
+    return bounds[0], bounds[1]
+
+
+def _pin(dest: Path) -> bool:
+    """Mark the complete cache entry `dest` used now and pin it for this process; False when there is
+    none (never downloaded, or evicted)."""
+    import fcntl
+
+    marker = dest / COMPLETE
+    try:
+        fd = os.open(marker, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an eviction of this entry holds it
+        if os.stat(marker).st_ino != os.fstat(fd).st_ino:
+            raise FileNotFoundError(marker)
+        os.utime(marker)  # last used: now
+    except FileNotFoundError:  # evicted meanwhile (and maybe fetched again since): not this one
+        os.close(fd)
+        return False
+    if str(dest) in _PINS:
+        os.close(fd)
+    else:
+        _PINS[str(dest)] = fd
+    return True
+
+
+def release_cache_pins() -> None:
+    """Unpin every cache entry this process used (done at exit anyway: a process that lives on after
+    its stage, such as a long-running worker, may call this so its entries can be evicted)."""
+    while _PINS:
+        os.close(_PINS.popitem()[1])
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def evict_cache(cache_root: str | Path, keep: Iterable[Path] = (), everything: bool = False) -> list[str]:
+    """Remove download-cache entries beyond the bounds (`cache_bounds`), least recently used first,
+    never one that a process has pinned (is reading) or one in `keep`; returns the keys removed.
+    `everything`: every entry that may go (a download found the disk full).
+
+    An entry is renamed away under an exclusive lock of its marker (so a reader never sees it half
+    removed) and deleted after. Temporary folders of crashed downloads go after a day."""
+    import fcntl
+
+    max_bytes, max_age = cache_bounds()
+    downloads = Path(cache_root) / "downloads"
+    if not downloads.is_dir():
+        return []
+    now = time.time()
+    keep = {str(k) for k in keep}
+    entries = []
+    for d in downloads.iterdir():
+        if d.name.startswith("."):
+            if d.is_dir() and now - _newest_mtime(d) > LEFTOVER_AGE_S:
+                shutil.rmtree(d, ignore_errors=True)
+            continue
+        try:
+            entries.append((os.stat(d / COMPLETE).st_mtime, _tree_bytes(d), d))
+        except FileNotFoundError:
+            continue
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for last_used, size, d in sorted(entries, key=lambda e: e[0]):
+        too_old = max_age is not None and now - last_used > max_age
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big or everything) or str(d) in keep:
+            continue
+        try:
+            fd = os.open(d / COMPLETE, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # pinned: a running stage reads it
+                continue
+            trash = downloads / f".evict-{d.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                d.rename(trash)
+            except OSError:  # removed by another process's eviction since we listed it
+                continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(trash, ignore_errors=True)
+        total -= size
+        removed.append(d.name)
+    if max_bytes is not None and total > max_bytes:
+        print(f"rlhf: warning: the download cache {downloads} holds {total / 1e9:.2f} GB, over its bound "
+              f"{CACHE_MAX_GB_ENV}={max_bytes / 1e9:g}; the rest is in use by running stages", file=sys.stderr)
+    return removed
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = os.stat(path).st_mtime
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return newest

@@ -1,8 +1,9 @@
 """Read training data through the `datasets` library and check it row by row.
 
 Sources, comma-separated in `--dataset`: a local `.jsonl`/`.json`/`.parquet` file, `json@DIR`
-(splits from DIR/train.jsonl and DIR/test.jsonl), a local directory holding such files, or a
-hub dataset name (where a network allows). Several sources are mixed with `--dataset_probs`
+(splits from DIR/train.jsonl and DIR/test.jsonl), a local directory holding such files, the same
+on object storage (`s3://bucket/data/train.jsonl`, `json@s3://bucket/data`: downloaded once into
+the bounded cache of `storage.local_copy`), or a hub dataset name (where a network allows). Several sources are mixed with `--dataset_probs`
 through `datasets.interleave_datasets`.
 
 Every row is checked before any training starts: a missing key, a wrong type, an empty text
@@ -43,7 +44,8 @@ class Source:
 
 
 def _local(location: str) -> Path:
-    """A local path for `location`; object-store folders (s3://...) are downloaded once into the cache."""
+    """A local path for `location`; object-store files and folders (s3://...) are downloaded once into
+    the cache (a file under its own name, so its extension still names its format)."""
     if "://" not in location or location.startswith("file://"):
         return Path(location.removeprefix("file://")).expanduser()
     from rlhf_core import storage
@@ -56,7 +58,7 @@ def _local(location: str) -> Path:
 
 
 def resolve_source(spec: str) -> Source:
-    """Local files and folders, `json@DIR`, the same on s3:// (folders), or a hub dataset name."""
+    """Local files and folders, `json@DIR`, the same on s3:// (files and folders), or a hub dataset name."""
     spec = spec.strip()
     if spec.startswith("json@"):
         directory = _local(spec[len("json@") :])

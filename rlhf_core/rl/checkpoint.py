@@ -7,7 +7,8 @@ Layout under `--ckpt.path`:
     global_step<N>/controller.pt     step, prompt position, KL controller, the driver's RNG states
     latest                           the newest complete tag, written last
 
-So `latest` never names a half-written checkpoint. A resumed run restores all of it and pushes the
+A tag is written as `.global_step<N>.partial` and renamed when whole, so `latest` never names a
+half-written checkpoint and a failed save (a full disk) leaves the earlier ones as they were. A resumed run restores all of it and pushes the
 actor's restored weights to the rollout engines before its first rollout: it then makes exactly
 the updates an uninterrupted run makes (`torch.equal` in fp32 on CPU; tests/unit/test_rl_resume.py).
 Rotation (`--ckpt.max_num`) removes only this run's own tags (`trainers/checkpoints.py`).
@@ -46,25 +47,31 @@ def latest_tag(ckpt: str | os.PathLike) -> str | None:
 
 
 def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
-    """Write the checkpoint of `controller`'s current step; returns this run's id (for rotation)."""
+    """Write the checkpoint of `controller`'s current step; returns this run's id (for rotation).
+
+    Whole or not at all: every role writes into `.<tag>.partial`, renamed to the tag when all of it
+    is there; then `latest`, the record, rotation. A full disk removes the partial folder and raises
+    DiskFullError (exit 2), the earlier checkpoints and `latest` as they were."""
+    from rlhf_core import storage
     from rlhf_core.trainers import checkpoints
 
     ckpt = Path(ckpt)
     tag = f"global_step{controller.step}"
-    directory = ckpt / tag
-    directory.mkdir(parents=True, exist_ok=True)
-    roles = [g for g in (controller.actor, controller.critic) if g is not None]
-    for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
-        pending.all()
-    state = {"step": controller.step, "prompt_position": controller.prompts.position,
-             "kl": controller.kl.state_dict(), "rng": rng_state()}
-    torch.save(state, directory / CONTROLLER)
-    tmp = ckpt / f".{LATEST}.{os.getpid()}.tmp"
-    tmp.write_text(tag)
-    os.replace(tmp, ckpt / LATEST)
-    run_id = run_id or checkpoints.new_run_id()
-    checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
-    checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num)
+    kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
+    with storage.saving("--ckpt.path", ckpt, f"checkpoint {tag}", kept, cleanup=lambda: checkpoints.abandon(ckpt, tag)):
+        directory = checkpoints.begin(ckpt, tag)
+        roles = [g for g in (controller.actor, controller.critic) if g is not None]
+        for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
+            pending.all()
+        state = {"step": controller.step, "prompt_position": controller.prompts.position,
+                 "kl": controller.kl.state_dict(), "rng": rng_state()}
+        torch.save(state, directory / CONTROLLER)
+        checkpoints.commit(ckpt, tag)
+    with storage.saving("--ckpt.path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and `latest` "
+                        "names it; only its entry for rotation is missing"):
+        run_id = run_id or checkpoints.new_run_id()
+        checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
+        checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num)
     return run_id
 
 

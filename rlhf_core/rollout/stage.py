@@ -45,7 +45,8 @@ def publish_stage(cfg, tracker: Tracker, files: dict[str, str], metrics: dict, i
     local_parent = None if storage.is_remote(cfg.save_path) else Path(manifest["output_uri"]).parent
     if local_parent is not None:
         local_parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
+    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp, storage.saving(
+            "--save_path", cfg.save_path, f"output of {cfg.stage}", "the previous output there is as it was"):
         out = Path(tmp) / "out"
         out.mkdir()
         for name, text in files.items():

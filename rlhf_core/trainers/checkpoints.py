@@ -6,6 +6,11 @@ new id; a run that resumes (`--load_checkpoint`) continues the id of the tag it 
 record lists, e.g. one written before records existed, is taken over by the run resuming from it),
 so `--max_ckpt_num` counts the checkpoints of the whole run across restarts. Tags of other runs and
 folders the record does not list are never removed. Rank 0 writes the record, atomically.
+
+A checkpoint is written under `.<tag>.partial` and renamed to its tag only when every rank has
+written all of it; `latest` then names it, the record lists it, and rotation runs, in that order.
+So a save that fails (a full disk, a killed rank) leaves the earlier checkpoints and `latest` as
+they were, and a resume never meets a half-written tag.
 """
 
 from __future__ import annotations
@@ -65,8 +70,55 @@ def rotate(ckpt: Path, run: str, keep: int) -> list[str]:
     return removed
 
 
+def partial_tag(tag: str) -> str:
+    """Where `tag` is written until it is whole (the same name on every rank, as DeepSpeed requires)."""
+    return f".{tag}.partial"
+
+
+def begin(ckpt: Path, tag: str) -> Path:
+    """The empty folder to write `tag` into (a leftover of a failed attempt is removed first)."""
+    partial = Path(ckpt) / partial_tag(tag)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def commit(ckpt: Path, tag: str) -> None:
+    """Rename the whole `partial_tag(tag)` folder to `tag`, then point `latest` at it (atomically).
+
+    An earlier `tag` (a fresh run writing a step an older run wrote) is moved aside first and
+    removed only after the new one is in place; `latest` is replaced, never rewritten in place.
+    """
+    ckpt = Path(ckpt)
+    final, old = ckpt / tag, None
+    if final.exists():
+        old = ckpt / f".{tag}.old-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+    (ckpt / partial_tag(tag)).rename(final)
+    write_latest(ckpt, tag)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def abandon(ckpt: Path, tag: str) -> None:
+    """Remove what a failed save of `tag` wrote (its partial folder), freeing the space it took."""
+    shutil.rmtree(Path(ckpt) / partial_tag(tag), ignore_errors=True)
+
+
+def write_latest(ckpt: Path, tag: str) -> None:
+    tmp = Path(ckpt) / f".latest.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(tag)
+        os.replace(tmp, Path(ckpt) / "latest")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _write(ckpt: Path, record: dict) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     tmp = ckpt / f".{CHECKPOINTS}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-    os.replace(tmp, ckpt / CHECKPOINTS)
+    try:
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+        os.replace(tmp, ckpt / CHECKPOINTS)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -189,7 +189,10 @@ def publish_model(cfg, model, tokenizer, manifest: dict, tracker: Tracker) -> No
     local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
     if local_parent is not None:
         local_parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp:
+    # Built in a temporary sibling (same filesystem), then published: a full disk (DiskFullError, exit 2)
+    # removes what was built and leaves an earlier output at save_path as it was.
+    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp, storage.saving(
+            "--save_path", cfg.save_path, f"output of {cfg.stage}", "the previous output there is as it was"):
         out = Path(tmp) / "model"
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)

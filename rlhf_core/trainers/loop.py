@@ -154,23 +154,37 @@ class TrainLoop:
     checkpoint_run: str | None = None  # the id this run's tags are recorded under (checkpoints.py), rank 0
 
     def save_checkpoint(self) -> None:
+        """Write this step's checkpoint whole or not at all (`checkpoints.begin/commit`): every rank
+        writes into the partial folder, rank 0 renames it into place after all have, and only then
+        updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError."""
+        from rlhf_core import storage
+        from rlhf_core.trainers import checkpoints
+
         ckpt = Path(self.cfg.ckpt_path)
         tag = f"global_step{self.step}"
-        # RNG first: DeepSpeed writes `latest` last, so a tag it points to is always complete.
-        (ckpt / tag).mkdir(parents=True, exist_ok=True)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save(rng, ckpt / tag / f"rng_state_rank{self.rank}.pt")
-        self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": self.step})
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
+        # Any rank that fails removes the partial folder: the others wait at the barrier (no commit)
+        # until the group stops them, and a full disk gets its space back.
+        with storage.saving("--ckpt_path", ckpt, f"checkpoint {tag}", kept,
+                            cleanup=lambda: checkpoints.abandon(ckpt, tag)):
+            if self.rank == 0:
+                checkpoints.begin(ckpt, tag)
+            _barrier()
+            partial = checkpoints.partial_tag(tag)
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
+            self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step}, save_latest=False)
+            _barrier()
+            if self.rank == 0:
+                checkpoints.commit(ckpt, tag)
         if self.rank == 0:  # rotate this run's own checkpoints only: others may share ckpt_path
-            from rlhf_core.trainers import checkpoints
-
-            if self.checkpoint_run is None:
-                self.checkpoint_run = checkpoints.new_run_id()
-            checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
-            checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.max_ckpt_num)
+            with storage.saving("--ckpt_path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and "
+                                "`latest` names it; only its entry for rotation is missing"):
+                if self.checkpoint_run is None:
+                    self.checkpoint_run = checkpoints.new_run_id()
+                checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
+                checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.max_ckpt_num)
 
     def load_checkpoint(self) -> int:
         ckpt = Path(self.cfg.ckpt_path)
@@ -283,3 +297,8 @@ def killing_on_last(micro_step, n_micro: int):
 def total_steps(cfg, num_examples: int) -> int:
     steps = (num_examples // cfg.train_batch_size) * cfg.max_epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

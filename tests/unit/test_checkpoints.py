@@ -10,9 +10,10 @@ from rlhf_core.trainers.loop import TrainLoop
 class FakeEngine:
     """DeepSpeed's checkpoint calls, as files: a tag folder, then `latest`."""
 
-    def save_checkpoint(self, path, tag, client_state):
+    def save_checkpoint(self, path, tag, client_state, save_latest=True):
         (Path(path) / tag / "model_states.pt").write_text(str(client_state["step"]))
-        (Path(path) / "latest").write_text(tag)
+        if save_latest:
+            (Path(path) / "latest").write_text(tag)
 
     def load_checkpoint(self, path, tag, **kwargs):
         return str(Path(path) / tag), {"step": int((Path(path) / tag / "model_states.pt").read_text())}
