@@ -276,8 +276,9 @@ class ResourcePool:
 
     def scheduling(self, index: int, capture_child_tasks: bool = False):
         """The scheduling strategy that puts an actor (or task) in bundle `index`; with
-        `capture_child_tasks` the actors and tasks it starts are in this placement group too
-        (where vLLM's Ray executor looks for the bundles of its tensor-parallel workers)."""
+        `capture_child_tasks` the actors and tasks it starts without a placement of their own are
+        in this placement group too (a tensor-parallel vLLM engine's, as OpenRLHF and vLLM's
+        examples place them; its workers name their bundles)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index,
