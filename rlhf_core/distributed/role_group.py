@@ -276,10 +276,11 @@ class RoleGroup:
             self.num_cpus = floor_units(pool.spec.cpus * share)
             self.num_gpus = floor_units(pool.spec.gpus * share)  # of each bundle the role uses
             spanning = bundles_per_rank > 1
-            self.rank_bundles = [[bundle_offset + r] for r in range(world_size)] if not spanning else \
-                rank_bundle_groups(pool.bundle_nodes(), bundle_offset, world_size, bundles_per_rank)
+            self.rank_bundles = [[bundle_offset + r] for r in range(world_size)]
             if spanning:
-                across = groups_across_nodes(self.rank_bundles, pool.bundle_nodes())
+                nodes = pool.bundle_nodes()
+                self.rank_bundles = rank_bundle_groups(nodes, bundle_offset, world_size, bundles_per_rank)
+                across = groups_across_nodes(self.rank_bundles, nodes)
                 if across:
                     print(f"rlhf: role {self.name!r} ranks {across}: their {bundles_per_rank} bundles are on more "
                           "than one node (slow across nodes without a fast interconnect)", file=sys.stderr, flush=True)
