@@ -118,7 +118,11 @@ class EngineWorker:
         if self.backend == "vllm":
             from rlhf_core.rollout.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(self.model_path, **self.options, **engine_bundles(os.environ))
+            bundles = engine_bundles(os.environ)
+            if self.options.get("tensor_parallel_size", 1) > 1 and not bundles:
+                raise ValueError(f"a vLLM engine of tensor_parallel_size {self.options['tensor_parallel_size']} needs "
+                                 "as many placement bundles: place it with RoleGroup(bundles_per_rank=...)")
+            self.engine = VLLMEngine(self.model_path, **self.options, **bundles)
             return "cuda"  # vLLM runs on GPUs (a tensor-parallel engine's own actor holds none)
         import torch
 

@@ -131,6 +131,14 @@ def test_a_rank_learns_its_bundles_from_its_environment():
         "bundle_indices": [4, 5], "gpus_per_worker": 0.3333}
 
 
+def test_a_tp_engine_without_its_bundles_is_refused_before_vllm_starts(monkeypatch):
+    from rlhf_core.rl.engines import EngineWorker
+
+    monkeypatch.delenv("RLHF_RANK_BUNDLES", raising=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs as many placement bundles"):
+        EngineWorker("vllm", "m", {"tensor_parallel_size": 2}).setup()
+
+
 # -- what vLLM is told -------------------------------------------------------------------------
 
 def test_one_gpu_engines_keep_vllms_own_executor():
