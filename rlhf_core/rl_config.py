@@ -125,7 +125,8 @@ class RolloutConfig(StrictModel):
 
 class VLLMConfig(StrictModel):
     num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)")
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs of each vLLM engine (its tensor-parallel workers, "
+                                      "on vLLM's Ray executor)")
     gpu_memory_utilization: float = Field(0.95, gt=0, le=1)
     enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)")
     sync_backend: Literal["auto", "nccl", "gloo", "ipc", "object_store"] = Field(
@@ -393,10 +394,16 @@ class PPOConfig(StrictModel):
                             "--train.colocate_all) needs the same --critic.num_nodes/num_gpus_per_node and "
                             "--reward.num_nodes/num_gpus_per_node")
         vllm = self.vllm
-        if train.colocate_all and vllm.num_engines and \
-                actor.world_size != vllm.num_engines * vllm.tensor_parallel_size:
+        tp = vllm.tensor_parallel_size
+        if tp > 1 and not vllm.num_engines:
+            problems.append(f"--vllm.tensor_parallel_size {tp} needs --vllm.num_engines > 0 (it sets the GPUs of each "
+                            "vLLM engine; the transformers engine has no tensor parallelism)")
+        if train.colocate_all and vllm.num_engines and actor.world_size != vllm.num_engines * tp:
             problems.append(f"--train.colocate_all: actor ranks ({actor.world_size}) must equal --vllm.num_engines x "
-                            f"--vllm.tensor_parallel_size ({vllm.num_engines} x {vllm.tensor_parallel_size})")
+                            f"--vllm.tensor_parallel_size ({vllm.num_engines} x {tp})")
+        elif train.colocate_all and vllm.num_engines and actor.num_gpus_per_node % tp:
+            problems.append(f"--train.colocate_all: --actor.num_gpus_per_node ({actor.num_gpus_per_node}) must be a "
+                            f"multiple of --vllm.tensor_parallel_size ({tp}), so that each engine's GPUs are on one node")
         if rollout.backend == RolloutBackend.VLLM and not vllm.num_engines:
             problems.append("--rollout.backend vllm needs --vllm.num_engines > 0")
         if rollout.backend == RolloutBackend.TRANSFORMERS and vllm.num_engines:

@@ -10,12 +10,16 @@
 - `plan_layout` (pure) turns role world sizes and colocation groups into pools and shares. On CPU
   the whole job fits in the cluster's CPUs: they are divided evenly among all bundles of all pools
   (whole cores when there are enough, else fractions), so an RL job's four roles fit in 2 cores.
+- A rank may span several bundles (`bundles_per_rank`): a tensor-parallel vLLM engine is one rank
+  (a Ray actor) that drives one worker per GPU of its own. `rank_bundle_groups` (pure) gives each
+  such rank its bundles, all on one node when the pool's nodes allow it (Ray does not number a
+  placement group's bundles node by node).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_POOL_TIMEOUT_S = 600.0
@@ -76,7 +80,8 @@ class PoolSpec:
 @dataclass(frozen=True)
 class Placement:
     """Where one role goes: ranks 0..world_size-1 on bundles 0..world_size-1 of `pool`, each rank
-    taking `share` of its bundle (`num_cpus`, `num_gpus`)."""
+    taking `share` of its bundle (`num_cpus`, `num_gpus`). With `bundles_per_rank` k > 1 the role
+    uses bundles 0..k*world_size-1, k per rank, and takes `share` of each of them."""
 
     role: str
     pool: str
@@ -84,6 +89,11 @@ class Placement:
     share: float
     num_cpus: float
     num_gpus: float
+    bundles_per_rank: int = 1
+
+    @property
+    def bundles(self) -> int:
+        return self.world_size * self.bundles_per_rank
 
 
 @dataclass(frozen=True)
@@ -109,12 +119,14 @@ def colocation_groups(roles: Iterable[str], *, colocate_all_models: bool = False
 
 
 def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]] = (), *,
-                devices: ClusterDevices, cpus_per_gpu: float = 1.0) -> Layout:
+                devices: ClusterDevices, cpus_per_gpu: float = 1.0,
+                bundles_per_rank: Mapping[str, int] | None = None) -> Layout:
     """Pure: pools and per-rank shares for roles of the given world sizes.
 
     Each colocation group becomes one pool (named "a+b") of as many bundles as its largest role
-    has ranks; every role not in a group gets a pool of its own. A role in a group of k takes 1/k
-    of each bundle it uses. On GPU a bundle is one GPU and `cpus_per_gpu` CPUs (less when the
+    uses (world size x `bundles_per_rank`, default 1: a tensor-parallel engine of tp GPUs is one
+    rank of tp bundles); every role not in a group gets a pool of its own. A role in a group of k
+    takes 1/k of each bundle it uses. On GPU a bundle is one GPU and `cpus_per_gpu` CPUs (less when the
     cluster has fewer CPUs than that per bundle); on CPU the available CPUs are split evenly over
     all bundles of the job: whole cores when each gets at least one, else equal fractions.
     """
@@ -122,6 +134,14 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
     for role, n in sizes.items():
         if not isinstance(n, int) or n < 1:
             raise PlacementError(f"role {role!r}: world size must be a positive integer, got {n!r}")
+    spans = {role: 1 for role in sizes}
+    for role, k in (bundles_per_rank or {}).items():
+        if role not in sizes:
+            raise PlacementError(f"bundles_per_rank: unknown role {role!r} (roles: {sorted(sizes)})")
+        if not isinstance(k, int) or k < 1:
+            raise PlacementError(f"role {role!r}: bundles per rank must be a positive integer, got {k!r}")
+        spans[role] = k
+    used = {role: sizes[role] * spans[role] for role in sizes}  # bundles each role uses
     groups: list[list[str]] = []
     placed: dict[str, int] = {}
     for group in colocate:
@@ -137,10 +157,10 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
     groups += [[role] for role in sizes if role not in placed]
     groups.sort(key=lambda g: min(list(sizes).index(r) for r in g))  # pools in the order roles were given
 
-    total_bundles = sum(max(sizes[r] for r in g) for g in groups)
+    total_bundles = sum(max(used[r] for r in g) for g in groups)
     if devices.use_gpu:
         if total_bundles > devices.gpus:
-            raise PlacementError(f"the roles need {total_bundles} GPUs ({_describe(groups, sizes)}); "
+            raise PlacementError(f"the roles need {total_bundles} GPUs ({_describe(groups, used)}); "
                                  f"the cluster has {devices.gpus:g}: colocate roles or use fewer ranks")
         cpus, gpus = floor_units(min(cpus_per_gpu, devices.cpus / total_bundles)), 1.0
     else:
@@ -148,20 +168,53 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
         cpus, gpus = (float(math.floor(per_bundle)) if per_bundle >= 1 else floor_units(per_bundle)), 0.0
     if cpus <= 0:
         raise PlacementError(f"the cluster's {devices.cpus:g} available CPUs cannot be split over "
-                             f"{total_bundles} bundles ({_describe(groups, sizes)})")
+                             f"{total_bundles} bundles ({_describe(groups, used)})")
     layout = Layout()
     for group in groups:
-        pool = PoolSpec("+".join(group), max(sizes[r] for r in group), cpus, gpus)
+        pool = PoolSpec("+".join(group), max(used[r] for r in group), cpus, gpus)
         layout.pools[pool.name] = pool
         share = floor_units(1.0 / len(group))
         for role in group:
             layout.roles[role] = Placement(role, pool.name, sizes[role], share, floor_units(cpus * share),
-                                           floor_units(gpus * share))
+                                           floor_units(gpus * share), spans[role])
     return layout
 
 
 def _describe(groups: list[list[str]], sizes: Mapping[str, int]) -> str:
     return ", ".join(f"{'+'.join(g)}: {max(sizes[r] for r in g)}" for g in groups)
+
+
+def rank_bundle_groups(bundle_nodes: Sequence[str], first: int, ranks: int, span: int) -> list[list[int]]:
+    """Pure: the bundles of each of `ranks` ranks that span `span` bundles each, out of bundles
+    first..first+ranks*span-1 of a pool whose bundle i sits on node `bundle_nodes[i]`.
+
+    With span 1 rank r is bundle first+r, as for every other role. Otherwise each node's bundles
+    (in index order, nodes in the order they first appear) are cut into runs of `span`: a rank's
+    bundles are on one node wherever the node holds a multiple of `span` of them; what is left over
+    on the nodes is grouped last, across nodes (vLLM runs such an engine, slowly: `groups_across_nodes`).
+    """
+    if ranks < 1 or span < 1:
+        raise PlacementError(f"ranks and bundles per rank must be positive, got {ranks} and {span}")
+    wanted = range(first, first + ranks * span)
+    if first < 0 or wanted.stop > len(bundle_nodes):
+        raise PlacementError(f"bundles {first}..{wanted.stop - 1} are outside a pool of {len(bundle_nodes)}")
+    if span == 1:
+        return [[i] for i in wanted]
+    by_node: dict[str, list[int]] = {}
+    for i in wanted:
+        by_node.setdefault(bundle_nodes[i], []).append(i)
+    groups, leftover = [], []
+    for bundles in by_node.values():
+        whole = len(bundles) - len(bundles) % span
+        groups += [bundles[j : j + span] for j in range(0, whole, span)]
+        leftover += bundles[whole:]
+    groups += [leftover[j : j + span] for j in range(0, len(leftover), span)]
+    return groups
+
+
+def groups_across_nodes(groups: Sequence[Sequence[int]], bundle_nodes: Sequence[str]) -> list[int]:
+    """Indices of the bundle groups whose bundles sit on more than one node."""
+    return [g for g, bundles in enumerate(groups) if len({bundle_nodes[i] for i in bundles}) > 1]
 
 
 class ResourcePool:
@@ -221,11 +274,22 @@ class ResourcePool:
     def release(self, role: str) -> None:
         self._claims.pop(role, None)
 
-    def scheduling(self, index: int):
-        """The scheduling strategy that puts an actor (or task) in bundle `index`."""
+    def scheduling(self, index: int, capture_child_tasks: bool = False):
+        """The scheduling strategy that puts an actor (or task) in bundle `index`; with
+        `capture_child_tasks` the actors and tasks it starts without a placement of their own are
+        in this placement group too (a tensor-parallel vLLM engine's, as OpenRLHF and vLLM's
+        examples place them; its workers name their bundles)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index,
+                                                placement_group_capture_child_tasks=capture_child_tasks)
+
+    def bundle_nodes(self) -> list[str]:
+        """The id of the node each bundle sits on, by bundle index."""
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        return [str(nodes[i]) for i in range(self.bundles)]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

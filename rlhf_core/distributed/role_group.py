@@ -20,6 +20,7 @@ raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +32,9 @@ from rlhf_core.distributed.resources import (
     ResourcePool,
     detect_devices,
     floor_units,
+    groups_across_nodes,
     plan_layout,
+    rank_bundle_groups,
 )
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -240,13 +243,21 @@ def _get_ready(ref, role: str, rank: int, method: str):
 class RoleGroup:
     """`world_size` Ray actors of `worker_cls`, rank i in bundle `bundle_offset + i` of `pool`,
     each taking `share` of its bundle. Without a pool the group makes (and later removes) one of
-    its own, sized from the cluster's devices (`devices`, default: detected)."""
+    its own, sized from the cluster's devices (`devices`, default: detected).
+
+    `bundles_per_rank` k > 1: each rank drives workers of its own on k bundles (a tensor-parallel
+    vLLM engine: one Ray worker per GPU). The group claims `share` of bundles bundle_offset ..
+    bundle_offset + k*world_size - 1, gives each rank k of them (`rank_bundle_groups`: one node
+    when possible), places the rank's actor in the first with the CPU share and no GPU, and
+    captures what the actor starts in the placement group. The rank's environment names its
+    bundles (`RLHF_RANK_BUNDLES`, "3,4") and the GPU share a worker takes in each
+    (`RLHF_RANK_BUNDLE_GPUS`)."""
 
     def __init__(self, worker_cls: type, world_size: int, pool: ResourcePool | None = None, *,
                  name: str | None = None, share: float = 1.0, bundle_offset: int = 0, args: Sequence = (),
                  kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
-                 devices: ClusterDevices | None = None):
+                 devices: ClusterDevices | None = None, bundles_per_rank: int = 1):
         if timeout_s is None or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.name = name or worker_cls.__name__
@@ -254,26 +265,39 @@ class RoleGroup:
         self.actors: list = []
         self._owns_pool = pool is None
         if pool is None:
-            layout = plan_layout({self.name: world_size}, devices=devices or detect_devices())
+            layout = plan_layout({self.name: world_size}, devices=devices or detect_devices(),
+                                 bundles_per_rank={self.name: bundles_per_rank})
             pool = ResourcePool.from_spec(layout.pools[self.name], timeout_s=timeout_s)
         self.pool = pool
         self._claimed = False
         try:
-            pool.claim(self.name, share, bundle_offset, world_size)
+            pool.claim(self.name, share, bundle_offset, world_size * bundles_per_rank)
             self._claimed = True
             self.num_cpus = floor_units(pool.spec.cpus * share)
-            self.num_gpus = floor_units(pool.spec.gpus * share)
+            self.num_gpus = floor_units(pool.spec.gpus * share)  # of each bundle the role uses
+            spanning = bundles_per_rank > 1
+            self.rank_bundles = [[bundle_offset + r] for r in range(world_size)]
+            if spanning:
+                nodes = pool.bundle_nodes()
+                self.rank_bundles = rank_bundle_groups(nodes, bundle_offset, world_size, bundles_per_rank)
+                across = groups_across_nodes(self.rank_bundles, nodes)
+                if across:
+                    print(f"rlhf: role {self.name!r} ranks {across}: their {bundles_per_rank} bundles are on more "
+                          "than one node (slow across nodes without a fast interconnect)", file=sys.stderr, flush=True)
             cls = actor_class(worker_cls)
-            options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+            # a spanning rank's GPU work runs in the workers it starts in its bundles, not in its own actor
+            options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": 0.0 if spanning else self.num_gpus}
             if env:
                 options["runtime_env"] = {"env_vars": {k: str(v) for k, v in env.items()}}
             threads = num_threads or max(1, int(self.num_cpus))
 
             def start(rank: int, master: dict):
+                own = {"RLHF_RANK_BUNDLES": ",".join(map(str, self.rank_bundles[rank])),
+                       "RLHF_RANK_BUNDLE_GPUS": f"{self.num_gpus:g}"} if spanning else {}
                 setup = {"role": self.name, "rank": rank, "num_threads": threads,
-                         "env": {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", **master}}
-                return cls.options(scheduling_strategy=pool.scheduling(bundle_offset + rank), **options).remote(
-                    setup, *args, **(kwargs or {}))
+                         "env": {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", **own, **master}}
+                strategy = pool.scheduling(self.rank_bundles[rank][0], capture_child_tasks=spanning)
+                return cls.options(scheduling_strategy=strategy, **options).remote(setup, *args, **(kwargs or {}))
 
             self.actors.append(start(0, {}))
             self.master_addr, self.master_port = self.call_rank0("_role_master")

@@ -22,6 +22,7 @@ rollout's generation, and wake up again before the weight sync that precedes the
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rlhf_core.rl.weight_sync import (  # noqa: F401 (EngineSyncError, sync_timeout_s: part of this module's API)
@@ -94,6 +95,17 @@ class LocalEngines(_Sleeping):
         self.engine.close()
 
 
+def engine_bundles(env) -> dict:
+    """The bundles a tensor-parallel engine's workers take, from what its RoleGroup rank was told
+    (`RLHF_RANK_BUNDLES`, `RLHF_RANK_BUNDLE_GPUS`), as VLLMEngine's keyword arguments; {} for an
+    engine of one GPU (its own actor's)."""
+    bundles = env.get("RLHF_RANK_BUNDLES")
+    if not bundles:
+        return {}
+    gpus = env.get("RLHF_RANK_BUNDLE_GPUS")
+    return {"bundle_indices": [int(b) for b in bundles.split(",")], "gpus_per_worker": float(gpus) if gpus else None}
+
+
 class EngineWorker:
     """One rollout engine as a Ray actor: built in `setup()` (vLLM or transformers), then serving
     the `RolloutEngine` calls."""
@@ -103,17 +115,21 @@ class EngineWorker:
         self.engine = None
 
     def setup(self) -> str:
-        import torch
-
         if self.backend == "vllm":
             from rlhf_core.rollout.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(self.model_path, **self.options)
-        else:
-            from rlhf_core.rollout.hf import TransformersEngine
+            bundles = engine_bundles(os.environ)
+            if self.options.get("tensor_parallel_size", 1) > 1 and not bundles:
+                raise ValueError(f"a vLLM engine of tensor_parallel_size {self.options['tensor_parallel_size']} needs "
+                                 "as many placement bundles: place it with RoleGroup(bundles_per_rank=...)")
+            self.engine = VLLMEngine(self.model_path, **self.options, **bundles)
+            return "cuda"  # vLLM runs on GPUs (a tensor-parallel engine's own actor holds none)
+        import torch
 
-            # fp32 on CPU (exact next to the trainer's recomputation), bf16 on GPU
-            self.engine = TransformersEngine.from_pretrained(self.model_path, **self.options)
+        from rlhf_core.rollout.hf import TransformersEngine
+
+        # fp32 on CPU (exact next to the trainer's recomputation), bf16 on GPU
+        self.engine = TransformersEngine.from_pretrained(self.model_path, **self.options)
         return str(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
     def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed):
@@ -180,6 +196,18 @@ class EngineWorker:
             self._sync_group = None
 
 
+def check_engine_workers(infos: list[dict]) -> None:
+    """Every CUDA engine reported one GPU per worker of the sync group (`ranks`: its tensor-parallel
+    workers), all distinct: a worker missing from the group would leave the broadcast waiting,
+    and NCCL cannot join two ranks on one GPU. EngineSyncError naming the engine otherwise."""
+    for e, info in enumerate(infos):
+        if info["ranks"] < 1:
+            raise EngineSyncError(e, f"reports {info['ranks']} weight-sync workers")
+        if info["cuda"] and (len(info["uuids"]) != info["ranks"] or len(set(info["uuids"])) != len(info["uuids"])):
+            raise EngineSyncError(e, f"{info['ranks']} tensor-parallel workers report the GPUs {info['uuids']}: "
+                                  "expected one GPU of its own per worker")
+
+
 class RayEngines(_Sleeping):
     """`group`: a RoleGroup of EngineWorker. `sync_backend`: `--vllm.sync_backend` (auto, nccl, gloo,
     ipc, object_store), resolved on the first sync; `bucket_mb`: the broadcast's bucket size. The
@@ -212,6 +240,7 @@ class RayEngines(_Sleeping):
             return self.weight_sync
         engines = await_sync(None, self.group.call_all_async("weight_sync_info"), self.timeout_s,
                              what="weight sync setup")
+        check_engine_workers(engines)
         devices = actor.group.call_all("weight_sync_device")
         actor_gpus = {d["uuid"] for d in devices if d["uuid"]}
         engine_gpus = [u for info in engines for u in info["uuids"]]

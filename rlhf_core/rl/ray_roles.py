@@ -1,8 +1,8 @@
 """An RL stage's roles as Ray worker groups: where each runs, and one rank of each.
 
 `rl_layout` (pure) turns the config into pools: `--{actor,critic,ref,reward}.num_nodes x
-num_gpus_per_node` ranks per role, `--vllm.num_engines` rollout engines (one transformers engine
-when there are none), and OpenRLHF's colocation flags (`--train.colocate_all` puts every model and
+num_gpus_per_node` ranks per role, `--vllm.num_engines` rollout engines of
+`--vllm.tensor_parallel_size` GPUs each (one transformers engine when there are none), and OpenRLHF's colocation flags (`--train.colocate_all` puts every model and
 the engines on the actor's devices, `--train.colocate_actor_ref`, `--train.colocate_critic_reward`).
 Devices come from the cluster, not the driver; on CPU the whole job shares the cluster's cores.
 
@@ -36,11 +36,14 @@ def role_world_sizes(cfg, reward_paths: list[str]) -> dict[str, int]:
 
 
 def rl_layout(cfg, reward_paths: list[str], devices) -> Layout:
+    """Pools and shares; a vLLM engine of `--vllm.tensor_parallel_size` tp is one rank of tp bundles
+    (GPUs), so `--vllm.num_engines` E takes E x tp of them, colocated or in a pool of its own."""
     sizes = role_world_sizes(cfg, reward_paths)
     groups = colocation_groups(sizes, colocate_all_models=cfg.train.colocate_all,
                                colocate_actor_ref=cfg.train.colocate_actor_ref,
                                colocate_critic_reward=cfg.train.colocate_critic_reward)
-    return plan_layout(sizes, groups, devices=devices)
+    spans = {"rollout": cfg.vllm.tensor_parallel_size} if cfg.vllm.num_engines else {}
+    return plan_layout(sizes, groups, devices=devices, bundles_per_rank=spans)
 
 
 class RoleWorker(WeightSender):

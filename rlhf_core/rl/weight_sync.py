@@ -459,6 +459,19 @@ class ObjectStoreSync(WeightSync):
         await_sync(weights, loads, timeout_s)
 
 
+def sync_group_ranks(ranks_per_engine: list[int]) -> tuple[int, list[int]]:
+    """Pure: the broadcast group's world size and each engine's first rank. Rank 0 is actor rank 0;
+    engine e's workers (one per tensor-parallel rank: each holds a shard and loads it from the
+    full tensors it receives) take the next `ranks_per_engine[e]` ranks."""
+    if not ranks_per_engine or any(not isinstance(n, int) or n < 1 for n in ranks_per_engine):
+        raise ValueError(f"every engine needs at least one receiving worker, got {ranks_per_engine}")
+    offsets, next_rank = [], 1
+    for n in ranks_per_engine:
+        offsets.append(next_rank)
+        next_rank += n
+    return next_rank, offsets
+
+
 class BroadcastSync(WeightSync):
     """NCCL or gloo: the group is opened on the first sync and kept for the run."""
 
@@ -470,8 +483,7 @@ class BroadcastSync(WeightSync):
 
     def open(self, actor, engines, timeout_s) -> None:
         host, port = actor.call_rank0("weight_sync_address")
-        world_size = 1 + sum(self.ranks_per_engine)
-        offsets = [1 + sum(self.ranks_per_engine[:e]) for e in range(len(self.ranks_per_engine))]
+        world_size, offsets = sync_group_ranks(self.ranks_per_engine)
         sender = actor.call_all_async("weight_sync_open", self.backend.value, host, port, world_size, timeout_s)
         receivers = engines.call_each_async("weight_sync_open", [((self.backend.value, host, port, offsets[e],
                                                                    world_size, timeout_s), {})

@@ -14,6 +14,12 @@ process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built); `s
 `wake_up` are vLLM's own (level 1: weights to host memory, KV cache dropped), enabled with
 `enable_sleep=True`.
 
+Tensor parallelism (`tensor_parallel_size` > 1): inside a Ray placement group, as the RL stage runs
+its engines, the engine's actor holds no GPU and vLLM's Ray executor starts one worker per GPU in
+the bundles the actor was given (`VLLM_RAY_BUNDLE_INDICES`), each taking the actor's share of its
+bundle's GPU (`VLLM_RAY_PER_WORKER_GPUS`: a fraction when colocated with the trainers), as OpenRLHF
+runs them (`tensor_parallel_setup`). Outside a placement group vLLM picks its own executor.
+
 The RL weight sync's broadcast and CUDA IPC transports (`rl/weight_sync.py`) reach each of the
 engine's workers (one per tensor-parallel rank) through `LLM.collective_rpc` and the worker
 extension `WeightSyncExtension` (vLLM's `worker_extension_cls`, the hook OpenRLHF uses too): each
@@ -32,15 +38,55 @@ import torch
 
 from rlhf_core.rollout.base import RolloutEngine, Sample, check_request, cut_at_eos
 
+# Set by Ray for an actor; vLLM's Ray executor assigns each of its workers the GPUs itself.
+VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
 
 def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
+def tensor_parallel_setup(tensor_parallel_size: int, bundle_indices: list[int] | None = None,
+                          gpus_per_worker: float | None = None, backend: str | None = None
+                          ) -> tuple[str | None, dict[str, str], tuple[str, ...]]:
+    """Pure: `(distributed_executor_backend, environment to set, environment variables to remove)`
+    for an engine of `tensor_parallel_size` workers.
+
+    One worker, or no bundles (an engine outside a placement group): vLLM's choice (`backend` as
+    given), nothing set. Several workers in bundles of the placement group the engine's actor
+    runs in: vLLM's Ray executor, one worker in each bundle, taking `gpus_per_worker` (default 1)
+    of its GPU; the actor's own visible-devices variables are removed (the engine's process runs
+    no model; the executor sets each worker's)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be positive, got {tensor_parallel_size}")
+    if not bundle_indices or tensor_parallel_size == 1:
+        if bundle_indices and len(bundle_indices) != 1:
+            raise ValueError(f"an engine of one worker was given bundles {bundle_indices}")
+        return backend, {}, ()
+    if len(bundle_indices) != tensor_parallel_size or len(set(bundle_indices)) != len(bundle_indices):
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs as many distinct bundles, got "
+                         f"{bundle_indices}")
+    if backend not in (None, "ray"):
+        raise ValueError(f"distributed_executor_backend {backend!r}: workers in placement-group bundles need 'ray'")
+    gpus = 1.0 if gpus_per_worker is None else float(gpus_per_worker)
+    if not 0 < gpus <= 1:
+        raise ValueError(f"gpus_per_worker must be in (0, 1], got {gpus_per_worker}")
+    env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)), "VLLM_RAY_PER_WORKER_GPUS": f"{gpus:g}"}
+    return "ray", env, VISIBLE_DEVICES_VARS
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
                  dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
-                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None):
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 bundle_indices: list[int] | None = None, gpus_per_worker: float | None = None):
+        """`bundle_indices`: the bundles of the current placement group that the `tensor_parallel_size`
+        workers take (`gpus_per_worker` of each GPU); see `tensor_parallel_setup`."""
+        distributed_executor_backend, env, unset = tensor_parallel_setup(
+            tensor_parallel_size, bundle_indices, gpus_per_worker, distributed_executor_backend)
+        for name in unset:
+            os.environ.pop(name, None)
+        os.environ.update(env)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model reaches the model in-process
         from vllm import LLM
 
@@ -124,6 +170,14 @@ class VLLMEngine(RolloutEngine):
         torch.cuda.empty_cache()
 
 
+def worker_sync_rank(rank_offset: int, worker_rank: int) -> int:
+    """Pure: the weight-sync group rank of an engine's worker `worker_rank` (its tensor-parallel
+    rank, 0..tp-1), the engine's workers taking ranks rank_offset..rank_offset+tp-1."""
+    if rank_offset < 1 or worker_rank < 0:
+        raise ValueError(f"rank_offset {rank_offset} (rank 0 is the actor) and worker rank {worker_rank}")
+    return rank_offset + worker_rank
+
+
 class WeightSyncExtension:
     """Mixed into each vLLM worker (`worker_extension_cls`): the worker's side of the weight sync.
     vLLM's worker gives `self.device`, `self.model_config` and `self.model_runner.model`."""
@@ -142,7 +196,8 @@ class WeightSyncExtension:
 
         from rlhf_core.rl.weight_sync import SyncGroup
 
-        rank = rank_offset + (dist.get_rank() if dist.is_initialized() else 0)  # this worker's rank in the engine
+        # this worker's rank in the sync group: after the engines before it, at its rank in the engine
+        rank = worker_sync_rank(rank_offset, dist.get_rank() if dist.is_initialized() else 0)
         self._rlhf_sync_group = SyncGroup(backend, host, port, rank, world_size, timeout_s, device=self.device)
 
     def rlhf_sync_receive(self) -> int:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_core.advantages import kl_controller
-from rlhf_core.config import ConfigError
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
 from rlhf_core.rl.controller import RLController
@@ -134,11 +133,9 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
 def engine_options(cfg) -> tuple[str, dict]:
     """The rollout engines' backend and constructor options (`rl/engines.EngineWorker`)."""
     if cfg.vllm.num_engines:
-        if cfg.vllm.tensor_parallel_size > 1:
-            raise ConfigError("--vllm.tensor_parallel_size > 1 is not supported yet: use more engines of one GPU each")
         return "vllm", {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
                         "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
-                        "enable_sleep": cfg.vllm.enable_sleep}
+                        "enable_sleep": cfg.vllm.enable_sleep, "tensor_parallel_size": cfg.vllm.tensor_parallel_size}
     return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
 
 
@@ -160,7 +157,8 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
             worker, worker_args = (RoleWorker, (kind, *args)) if args is not None \
                 else (EngineWorker, (backend, actor_path, options))
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
-                                   args=worker_args, timeout_s=stage_timeout_s())
+                                   args=worker_args, timeout_s=stage_timeout_s(),
+                                   bundles_per_rank=place.bundles_per_rank)
         gather_all([group.call_all_async("setup") for group in made.values()])  # models load in parallel
     except BaseException:
         for group in made.values():
@@ -168,7 +166,8 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
         for pool in pools.values():
             pool.remove()
         raise
-    placed = ", ".join(f"{k}: {p.world_size} x (cpu {p.num_cpus:g}, gpu {p.num_gpus:g}) in {p.pool}"
+    placed = ", ".join(f"{k}: {p.world_size} x (cpu {p.num_cpus:g}, gpu {p.num_gpus:g}"
+                       + (f" on each of {p.bundles_per_rank} GPUs" if p.bundles_per_rank > 1 else "") + f") in {p.pool}"
                        for k, p in layout.roles.items())
     print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
     wrap = lambda kind: RayGroup(made[kind]) if kind in made else None  # noqa: E731
