@@ -148,3 +148,55 @@ def check_stage_stores(values: dict, use_mlflow: bool) -> None:
 def check_config_stores(cfg) -> None:
     """`check_stage_stores` for a stage config (pydantic model with `use_mlflow`)."""
     check_stage_stores(cfg.model_dump(mode="json"), bool(getattr(cfg, "use_mlflow", False)))
+
+
+# MLflow's answers (the store is there and said no): never retried.
+ANSWERS = frozenset({"RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_PARAMETER_VALUE", "INVALID_STATE",
+                     "BAD_REQUEST", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                     "ENDPOINT_NOT_FOUND"})
+
+
+def is_store_failure(error: BaseException) -> bool:
+    """A failure to reach or hear the store (retried), not an answer of it or a bug of ours (raised at once)."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        return error.error_code not in ANSWERS
+    return isinstance(error, OSError)  # connection errors, timeouts (requests' exceptions are OSErrors)
+
+
+def retry(call, what: str, store: str, seconds: float, setting: str):
+    """`call()`, retried with backoff while the store fails (`is_store_failure`) for up to `seconds`;
+    then StoreUnavailable naming the store, the bound and the setting."""
+    deadline = time.monotonic() + seconds
+    delay = 0.25
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            if not is_store_failure(e):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailable(f"MLflow at {redact_text(store)} did not {what} within {seconds:g} s ({setting}; "
+                                       f"last error: {type(e).__name__}: {redact_text(str(e))[:300]})") from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+
+class RetryingClient:
+    """An `MlflowClient` whose every call is `retry`-ed for up to RLHF_STORE_WAIT_S (the flow's records)."""
+
+    def __init__(self, client, store: str):
+        self._client, self._store = client, store
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return retry(lambda: attr(*args, **kwargs), f"answer {name}", self._store, store_wait_s(),
+                         "RLHF_STORE_WAIT_S")
+
+        return call

@@ -258,21 +258,9 @@ class Tracker:
 
     def _retry(self, what: str, call, seconds: float | None = None, setting: str = "RLHF_STORE_WAIT_S"):
         """`call()`, retried with backoff for up to `seconds` (RLHF_STORE_WAIT_S), then StoreUnavailable."""
-        from rlhf_core.stores import StoreUnavailable, store_wait_s
+        from rlhf_core.stores import retry, store_wait_s
 
-        seconds = store_wait_s() if seconds is None else seconds
-        deadline = time.monotonic() + seconds
-        delay = 0.25
-        while True:
-            try:
-                return call()
-            except Exception as e:  # noqa: BLE001 - any store failure is retried until the bound
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreUnavailable(f"MLflow at {self.store} did not {what} within {seconds:g} s ({setting}; "
-                                           f"last error: {type(e).__name__}: {redact_text(str(e))[:300]})") from None
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 5.0)
+        return retry(call, what, self.store, store_wait_s() if seconds is None else seconds, setting)
 
     def _record(self, what: str, call) -> None:
         """A call that records the stage's output: on failure a published output is withdrawn first."""

@@ -38,7 +38,8 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 def client():
     """A client for the tracking store, once it answers (a server: within RLHF_STORE_CHECK_S, else
-    `StoreUnavailable`, which the stage task retries); each request bounded (`stores.bound_mlflow_requests`)."""
+    `StoreUnavailable`, which the stage task retries). Each request is bounded (`stores.bound_mlflow_requests`)
+    and each call retried while the store fails, for up to RLHF_STORE_WAIT_S (`stores.RetryingClient`)."""
     from mlflow import MlflowClient
 
     uri = tracking_uri()
@@ -46,7 +47,7 @@ def client():
     if stores.is_server(uri):
         stores.wait_until_reachable("MLflow tracking server", stores.mlflow_health_url(uri), stores.store_check_s(),
                                     "RLHF_STORE_CHECK_S", "when the pipeline had to record in it")
-    return MlflowClient(tracking_uri=uri)
+    return stores.RetryingClient(MlflowClient(tracking_uri=uri), uri)
 
 
 def start_pipeline_run(experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> str:

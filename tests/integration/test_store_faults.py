@@ -261,6 +261,25 @@ def test_a_published_output_whose_run_cannot_finish_is_withdrawn(proxy, mlflow_s
     assert _client(mlflow_server).get_run(tracker.run_id).info.status == "RUNNING"
 
 
+def test_the_flows_records_wait_for_a_store_that_comes_back_and_not_for_its_answers(proxy, mlflow_server):
+    from mlflow.exceptions import MlflowException
+
+    from tasks import lineage
+
+    parent = lineage.start_pipeline_run("faults", "pipeline-blink", {}, {})
+    client = lineage.client()
+    proxy.refuse()
+    threading.Timer(1.0, proxy.up).start()
+    started = time.monotonic()
+    client.set_tag(parent, "rlhf.blink", "survived")  # retried until the store is back
+    assert 1.0 <= time.monotonic() - started < 10.0
+    assert _client(mlflow_server).get_run(parent).data.tags["rlhf.blink"] == "survived"
+    started = time.monotonic()
+    with pytest.raises(MlflowException) as caught:  # an answer ("no such run") is not retried
+        client.get_run("0" * 32)
+    assert caught.value.error_code == "RESOURCE_DOES_NOT_EXIST" and time.monotonic() - started < 2.0
+
+
 # --- a real stage (tiny SFT, one in-process rank) -------------------------------------------------
 
 STEPS, SAVE_STEPS = 6, 2
