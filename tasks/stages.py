@@ -131,7 +131,7 @@ def _retry_infrastructure_only(task_, task_run, state) -> bool:
         return True
     except StoreUnavailable:  # MLflow or S3 did not answer within its bound: infrastructure
         return True
-    except Exception:  # noqa: BLE001 - anything else (our own bugs, MLflow down) is not worth a retry
+    except Exception:  # noqa: BLE001 - anything else (our own bugs, an MLflow answer) is not worth a retry
         return False
     return False
 
