@@ -7,13 +7,16 @@ files are checked before any data or weights are read); so does `rlhf pairs` whe
 prompt's samples score the same (deterministic for a seed: a retry would only repeat it, the
 message says which flag to change), and an RL stage whose reward file or reward server answers
 something unusable (tests/unit/test_bad_input.py holds every case). A failed stage exits 1,
-including a reward server that stayed unreachable (a retry may succeed).
+including a reward server that stayed unreachable (a retry may succeed), and so does a stage whose
+MLflow server or S3 endpoint does not answer in time (`rlhf_core/stores.py`): checked before any
+model or data is read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rlhf_core.config import STAGE_CONFIGS, ConfigError, add_config_flags, build_config, load_yaml
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlhf_core.data.loading import DataError
     from rlhf_core.launch import StageFailed
+    from rlhf_core.stores import StoreUnavailable, check_config_stores, check_stage_stores
 
     try:
         if args.command == "prep":
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
             sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate") if getattr(args, k) is not None}
             check_prep_params(prep_config(task=args.task, seed=args.seed, model_size=args.model_size, **sizes))
+            check_stage_stores({"out": args.out}, use_mlflow=bool(os.environ.get("MLFLOW_RUN_ID")))
             manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)
             print(json.dumps(manifest["outputs"], indent=2))
             return 0
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
             cfg = build_ppo_config(load_yaml(args.config) if getattr(args, "config", None) else None, values)
+            check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--actor.model_name_or_path", "ref_pretrain": "--ref.model_name_or_path",
                                 "critic_pretrain": "--critic.model_name_or_path",
                                 "reward_pretrain": "--reward.model_name_or_path"})
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                else None, values)
             from rlhf_core.launch import run_stage
 
+            check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain"})
             manifest = run_stage(cfg)
             print(json.dumps(manifest, indent=2, sort_keys=True))
@@ -163,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             cfg = build_flat_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
                                     else None, values)
+            check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain",
                                 "reward_pretrain": "--reward_pretrain"})
             try:
@@ -197,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
+    except StoreUnavailable as e:  # MLflow or S3 did not answer in time: infrastructure, retried
+        return _fail(str(e), EXIT_FAILED)
     except StageFailed as e:
         if _is_bad_input(e.cause):
             return _fail(str(e.cause))

@@ -17,6 +17,9 @@ from rlhf_core.config import TrainConfig, state_dir
 FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
                  "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                  "TOKENIZERS_PARALLELISM")
+# The bounds of a stage's waits for MLflow and S3 (rlhf_core/stores.py) reach its job and ranks too.
+FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 
 
 class StageFailed(RuntimeError):

@@ -161,6 +161,7 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     if remote:  # build locally, then upload with the manifest last
         with tempfile.TemporaryDirectory(prefix="rlhf-prep-") as tmp:
             manifest, tracker = _prep_and_record(Path(tmp), out, params)
+            tracker.await_store(f"nothing was published at {out}")
             storage.publish_dir(tmp, out, manifest, flag="--out")
     else:  # in place, marked as being written, so a rerun after a crash may take it over
         local = Path(out)
@@ -169,8 +170,10 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
             storage.mark_writing(out, "prep")
             (local / storage.MANIFEST).unlink(missing_ok=True)
             manifest, tracker = _prep_and_record(local, out, params)
+            tracker.await_store(f"{out} stays marked unfinished")
             storage.write_manifest(local, manifest)
         storage.clear_writing(out)
+    tracker.published(out, "prep")
     tracker.finish()
     return manifest
 

@@ -309,6 +309,19 @@ def clear_writing(uri: str) -> None:
     (Path(normalize_uri(uri)) / WRITING).unlink(missing_ok=True)
 
 
+def withdraw(uri: str, stage: str) -> None:
+    """Make a published output unfinished again (its record failed): the marker first, then `stage.json` goes.
+    Its files stay; a retry of `stage` replaces them (`check_destination`: UNFINISHED)."""
+    mark_writing(uri, stage)
+    if is_remote(uri):
+        try:
+            _fs(uri).rm_file(f"{uri.rstrip('/')}/{MANIFEST}")
+        except FileNotFoundError:
+            pass
+        return
+    (Path(normalize_uri(uri)) / MANIFEST).unlink(missing_ok=True)
+
+
 def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterable[tuple[str, str]] = (),
                 flag: str = "--save_path") -> str:
     """Move/upload a finished local directory to `uri`, then write its manifest (`stage`: whose output) last.
@@ -325,6 +338,11 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
         with saving(flag, uri, f"output of {manifest['stage']}", "the previous output there is as it was"):
             return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
     target = normalize_uri(uri)
+    if target.startswith("s3://"):  # a store that is away gets RLHF_STORE_WAIT_S, not the clients' minutes
+        from rlhf_core.stores import s3_endpoint, store_wait_s, wait_until_reachable
+
+        wait_until_reachable("S3 endpoint", s3_endpoint(), store_wait_s(), "RLHF_STORE_WAIT_S",
+                             f"when the stage had to publish its output to {target}; nothing was published")
     found = check_destination(target, manifest["stage"], inputs, flag=flag).found
     fs = _fs(target)
     mark_writing(target, manifest["stage"])

@@ -13,6 +13,8 @@ server, whichever code path produced them.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 from rlhf_core.config import state_dir
@@ -68,75 +70,279 @@ def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
 TEXT_ARTIFACTS = {".json", ".yaml", ".yml", ".md", ".txt", ".log"}
 FLUSH_SECONDS = 10.0  # buffered metrics reach MLflow at least this often while a stage trains
 METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch
+MAX_BACKOFF_SECONDS = 60.0  # the longest pause between two tries of a store that does not answer
+FAILED_STATUS_WAIT_S = 10.0  # a failing stage tries this long to mark its run FAILED (its own error matters more)
+
+
+class MetricQueue:
+    """Metric values on their way to the store: never raises into the caller.
+
+    `add` only appends (under a lock) and wakes a background thread, which sends in batches every
+    `FLUSH_SECONDS` (one write a step cost a SQLite transaction, about 13 ms, per step: 7 s of a
+    500-step CPU SFT run that trains in 30 s). A failed send keeps the values, warns once per
+    outage and tries again with exponential backoff (up to `MAX_BACKOFF_SECONDS`); when the store
+    answers again the held values go first. At most `capacity` values are held: beyond, the
+    oldest are dropped, counted in `dropped`, with one warning per outage. `drain` sends
+    everything from the caller's thread within a deadline.
+    """
+
+    def __init__(self, send, capacity: int, store: str):
+        import collections
+        import threading
+
+        self._send, self.capacity, self.store = send, capacity, store
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._in_flight = 0
+        self.dropped = 0
+        self.failing: str | None = None  # the last error while the store is away; None when it answers
+        self._warned_full = False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._queue) + self._in_flight
+
+    def add(self, metrics: list) -> None:
+        import threading
+
+        with self._lock:
+            self._queue.extend(metrics)
+            self._trim()
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name="rlhf-metrics", daemon=True)
+                self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _trim(self) -> None:  # under the lock
+        over = len(self._queue) - self.capacity
+        if over <= 0:
+            return
+        for _ in range(over):
+            self._queue.popleft()
+        self.dropped += over
+        if not self._warned_full:
+            self._warned_full = True
+            _warn(f"more than {self.capacity} metric values are waiting for MLflow at {self.store} "
+                  "(RLHF_METRICS_BUFFER): the oldest are dropped; training goes on")
+
+    def _send_batch(self) -> bool | None:
+        """Send the oldest batch; True sent, False failed (kept), None nothing to send."""
+        with self._lock:
+            batch = [self._queue.popleft() for _ in range(min(METRICS_PER_BATCH, len(self._queue)))]
+            self._in_flight += len(batch)
+        if not batch:
+            return None
+        try:
+            self._send(batch)
+        except Exception as e:  # noqa: BLE001 - whatever the store says, training goes on
+            with self._lock:
+                self._in_flight -= len(batch)
+                self._queue.extendleft(reversed(batch))
+                self._trim()
+                held = len(self._queue)
+                first = self.failing is None
+                self.failing = f"{type(e).__name__}: {redact_text(str(e))[:300]}"
+                self._changed.notify_all()
+            if first:
+                _warn(f"MLflow at {self.store} did not take metrics ({self.failing}); training goes on: "
+                      f"{held} values are held (at most {self.capacity}, RLHF_METRICS_BUFFER) and retried with backoff")
+            return False
+        with self._lock:
+            self._in_flight -= len(batch)
+            recovered = self.failing is not None
+            self.failing = None
+            self._warned_full = False
+            self._changed.notify_all()
+        if recovered:
+            print(f"rlhf: MLflow at {self.store} answers again; sending the held metrics"
+                  + (f" ({self.dropped} of the oldest were dropped)" if self.dropped else ""), file=sys.stderr,
+                  flush=True)
+        return True
+
+    def _run(self) -> None:
+        delay = FLUSH_SECONDS
+        while not self._stopped:
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stopped:
+                return
+            while (sent := self._send_batch()) is True:
+                pass
+            delay = FLUSH_SECONDS if sent is None else min(max(1.0, delay * 2), MAX_BACKOFF_SECONDS)
+
+    def drain(self, seconds: float) -> bool:
+        """Send everything held, retrying with backoff for up to `seconds`; True when nothing is left."""
+        deadline = time.monotonic() + seconds
+        delay = 0.25
+        while True:
+            sent = self._send_batch()
+            if sent is True:
+                delay = 0.25
+                continue
+            if sent is None:
+                with self._lock:
+                    while self._in_flight and time.monotonic() < deadline:  # the thread's batch, in flight
+                        self._changed.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                    if not self._queue and not self._in_flight:
+                        return True
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+
+def _warn(message: str) -> None:
+    print(f"rlhf: warning: {message}", file=sys.stderr, flush=True)
 
 
 class Tracker:
-    """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled."""
+    """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled.
+
+    Faults (bounds in `rlhf_core/stores.py`): opening the run waits at most `RLHF_STORE_CHECK_S`
+    for the store; metrics never raise into training (`MetricQueue`); recording the output
+    (`await_store`, `set_tags`, `log_artifact`, `finish`) waits at most `RLHF_STORE_WAIT_S` and
+    then raises `StoreUnavailable`. An output published before its record failed is withdrawn
+    (`storage.withdraw`): a stage whose MLflow run did not finish leaves nothing that looks finished.
+    Every call names its run (`MlflowClient`, no fluent active run), so a background thread can send.
+    """
 
     def __init__(self, enabled: bool, experiment: str, run_name: str | None, parent_run_id: str | None,
                  tags: dict[str, str] | None = None):
-        import time
-
         self.enabled = enabled
         self.run_id: str | None = None
-        self._pending: list = []
-        self._flushed_at = time.monotonic()
+        self._published: tuple[str, str] | None = None  # (uri, stage) published before the run finished
         if not enabled:
             return
-        import mlflow
+        from mlflow import MlflowClient
 
-        experiment_id = ensure_experiment(experiment)
+        from rlhf_core.stores import bound_mlflow_requests, metrics_buffer, store_check_s
+
+        bound_mlflow_requests()
+        uri = tracking_uri()
+        self.store = redact_text(uri)
+        self.client = MlflowClient(tracking_uri=uri)
+        self.metrics = MetricQueue(self._send_metrics, metrics_buffer(), self.store)
         all_tags = dict(tags or {})
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID") or None, experiment_id=experiment_id,
-                               run_name=run_name, tags=all_tags)
-        self.run_id = run.info.run_id
+        all_tags = {k: redact_text(str(v)) for k, v in all_tags.items()}
+        given = os.environ.get("MLFLOW_RUN_ID") or None
+
+        def open_run() -> str:
+            from mlflow.entities import RunTag
+
+            if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
+                self.client.get_run(given)
+                self.client.update_run(given, status="RUNNING")
+                if all_tags:
+                    self.client.log_batch(given, tags=[RunTag(k, v) for k, v in all_tags.items()])
+                return given
+            from mlflow.tracking.context.registry import resolve_tags
+
+            experiment_id = ensure_experiment(experiment)
+            return self.client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags)).info.run_id
+
+        self.run_id = self._retry("open the stage's run", open_run, store_check_s(), "RLHF_STORE_CHECK_S")
+
+    def _retry(self, what: str, call, seconds: float | None = None, setting: str = "RLHF_STORE_WAIT_S"):
+        """`call()`, retried with backoff for up to `seconds` (RLHF_STORE_WAIT_S), then StoreUnavailable."""
+        from rlhf_core.stores import retry, store_wait_s
+
+        return retry(call, what, self.store, store_wait_s() if seconds is None else seconds, setting)
+
+    def _record(self, what: str, call) -> None:
+        """A call that records the stage's output: on failure a published output is withdrawn first."""
+        from rlhf_core.stores import StoreUnavailable
+
+        try:
+            self._retry(what, call)
+        except StoreUnavailable as e:
+            raise StoreUnavailable(f"{e}{self._withdraw()}") from None
+
+    def _withdraw(self) -> str:
+        if self._published is None:
+            return ""
+        from rlhf_core import storage
+
+        uri, stage = self._published
+        self._published = None
+        try:
+            storage.withdraw(uri, stage)
+        except Exception as e:  # noqa: BLE001 - say so; the stage fails either way
+            return (f"; the output at {redact_text(uri)} was published but could not be withdrawn ({type(e).__name__}: "
+                    f"{e}): its stage.json names a run that did not finish")
+        return (f"; the output published at {redact_text(uri)} was withdrawn (its stage.json removed, marked unfinished: "
+                "a retry replaces it)")
 
     def log_params(self, params: dict) -> None:
         if self.enabled:
-            import mlflow
+            from mlflow.entities import Param
 
-            flat = redact_params(params)
-            items = list(flat.items())
+            items = list(redact_params(params).items())
             for i in range(0, len(items), 100):
-                mlflow.log_params(dict(items[i : i + 100]))
+                batch = [Param(k, v) for k, v in items[i : i + 100]]
+                self._retry("take the stage's params", lambda batch=batch: self.client.log_batch(self.run_id,
+                                                                                                  params=batch))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Buffered: written in batches at most every FLUSH_SECONDS, and by `flush`/`finish`.
-        One write per step cost a SQLite transaction (about 13 ms) per step: 7 s of a 500-step
-        CPU SFT run that trains in 30 s."""
+        """Held and sent in the background (`MetricQueue`); never raises, never waits for the store."""
         if self.enabled and metrics:
-            import time
-
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-            if time.monotonic() - self._flushed_at >= FLUSH_SECONDS:
-                self.flush()
+            self.metrics.add([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
-    def flush(self) -> None:
-        """Write the buffered metrics now (in MLflow's batches of at most 1000)."""
-        if not (self.enabled and self._pending):
+    def _send_metrics(self, batch: list) -> None:
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def flush(self, seconds: float | None = None) -> bool:
+        """Send the held metrics now (waiting up to `seconds`, default RLHF_STORE_WAIT_S); True when all went."""
+        if not self.enabled:
+            return True
+        from rlhf_core.stores import store_wait_s
+
+        return self.metrics.drain(store_wait_s() if seconds is None else seconds)
+
+    def await_store(self, doing: str = "") -> None:
+        """Before the output is published: every held metric sent, waiting up to RLHF_STORE_WAIT_S for the
+        store; StoreUnavailable (nothing published yet) when it stays away."""
+        if not self.enabled:
             return
-        import time
+        from rlhf_core.stores import StoreUnavailable, store_wait_s
 
-        from mlflow import MlflowClient
+        seconds = store_wait_s()
+        if not self.metrics.drain(seconds):
+            raise StoreUnavailable(f"MLflow at {self.store} did not answer within {seconds:g} s (RLHF_STORE_WAIT_S; "
+                                   f"last error: {self.metrics.failing}) when the stage had to record its output; "
+                                   f"{doing or 'the output was not published'}; an unreachable store is an "
+                                   "infrastructure failure (exit 1): a pipeline retries the stage")
 
-        client = MlflowClient()
-        for i in range(0, len(self._pending), METRICS_PER_BATCH):
-            client.log_batch(self.run_id, metrics=self._pending[i : i + METRICS_PER_BATCH])
-        self._pending.clear()
-        self._flushed_at = time.monotonic()
+    def published(self, uri: str, stage: str) -> None:
+        """The output is at `uri` now; withdrawn again if its record fails before the run finishes."""
+        if self.enabled:
+            self._published = (uri, stage)
 
     def log_datasets(self, described: list[dict], context: str) -> None:
         if not self.enabled:
             return
-        import mlflow
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.data.sources import LocalArtifactDatasetSource
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+        inputs = []
         for d in described:
             spec = redact_text(d["spec"])
             source = LocalArtifactDatasetSource(redact_text(d["path"])) if Path(d["path"]).exists() else None
@@ -145,28 +351,51 @@ class Tracker:
 
                 source = HTTPDatasetSource(url=f"https://huggingface.co/datasets/{spec}")
             ds = MetaDataset(source=source, name=f"{spec}[{d['split']}]", digest=d["digest"][-32:])
-            mlflow.log_input(ds, context=context)
+            inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+        if inputs:
+            self._retry("take the stage's datasets", lambda: self.client.log_inputs(self.run_id, datasets=inputs))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:
-            import mlflow
+            from mlflow.entities import RunTag
 
-            mlflow.set_tags({k: redact_text(str(v)) for k, v in tags.items()})
+            batch = [RunTag(k, redact_text(str(v))) for k, v in tags.items()]
+            self._record("take the stage's tags", lambda: self.client.log_batch(self.run_id, tags=batch))
 
     def log_artifact(self, path: str) -> None:
         """Log a file; a text file (json, yaml, md, txt, log) is logged with its credentials redacted."""
         if self.enabled:
-            import mlflow
-
             source = Path(path)
             if source.suffix not in TEXT_ARTIFACTS:
-                mlflow.log_artifact(path)
+                self._record(f"take the artifact {source.name}", lambda: self.client.log_artifact(self.run_id, path))
                 return
-            mlflow.log_text(redact_text(source.read_text(encoding="utf-8")), source.name)
+            text = redact_text(source.read_text(encoding="utf-8"))
+            self._record(f"take the artifact {source.name}",
+                         lambda: self.client.log_text(self.run_id, text, source.name))
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.enabled:
-            import mlflow
+        """End the run. FINISHED: every metric sent and the status recorded within RLHF_STORE_WAIT_S, else
+        StoreUnavailable (and a published output withdrawn). FAILED: tried for a few seconds, never raises."""
+        if not self.enabled:
+            return
+        from rlhf_core.stores import StoreUnavailable, store_wait_s
 
-            self.flush()
-            mlflow.end_run(status=status)
+        self.metrics.stop()
+        if os.environ.get("MLFLOW_RUN_ID") == self.run_id:
+            os.environ.pop("MLFLOW_RUN_ID")  # as mlflow.end_run does: a later run in this process is its own
+        if status != "FINISHED":
+            seconds = min(FAILED_STATUS_WAIT_S, store_wait_s())
+            self.metrics.drain(seconds)  # a crashed stage keeps what it measured, if the store is there
+            try:
+                self._retry("mark the run FAILED", lambda: self.client.set_terminated(self.run_id, status), seconds)
+            except StoreUnavailable as e:
+                _warn(str(e))
+            return
+        try:
+            self.await_store("the stage's run was not marked FINISHED")
+        except StoreUnavailable as e:
+            raise StoreUnavailable(f"{e}{self._withdraw()}") from None
+        if self.metrics.dropped:
+            self.set_tags({"rlhf.metrics_dropped": str(self.metrics.dropped)})
+        self._record("mark the run FINISHED", lambda: self.client.set_terminated(self.run_id, status))
+        self._published = None

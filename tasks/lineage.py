@@ -27,7 +27,7 @@ import time
 
 from mlflow.exceptions import MlflowException
 
-from rlhf_core import storage
+from rlhf_core import storage, stores
 from rlhf_core.redaction import redact, redact_text
 from rlhf_core.tracking import ensure_experiment, redact_params, tracking_uri
 
@@ -37,14 +37,22 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 
 def client():
+    """A client for the tracking store, once it answers (a server: within RLHF_STORE_CHECK_S, else
+    `StoreUnavailable`, which the stage task retries). Each request is bounded (`stores.bound_mlflow_requests`)
+    and each call retried while the store fails, for up to RLHF_STORE_WAIT_S (`stores.RetryingClient`)."""
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri())
+    uri = tracking_uri()
+    stores.bound_mlflow_requests()
+    if stores.is_server(uri):
+        stores.wait_until_reachable("MLflow tracking server", stores.mlflow_health_url(uri), stores.store_check_s(),
+                                    "RLHF_STORE_CHECK_S", "when the pipeline had to record in it")
+    return stores.RetryingClient(MlflowClient(tracking_uri=uri), uri)
 
 
 def start_pipeline_run(experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+    c = client()  # the flow's first word with MLflow: a store that is away fails here, within the bound
     experiment_id = ensure_experiment(experiment)
-    c = client()
     run = c.create_run(experiment_id, run_name=name, tags=redact({"rlhf.kind": "pipeline", **tags}))
     items = list(redact_params(params).items())
     for i in range(0, len(items), 100):
@@ -89,8 +97,9 @@ def get_run(run_id: str):
 
 def find_cached(experiment: str, cache_key: str):
     """The newest FINISHED stage run with this cache key whose output still exists, or None."""
+    c = client()
     experiment_id = ensure_experiment(experiment)
-    runs = client().search_runs([experiment_id], filter_string=f"tags.`rlhf.cache_key` = '{cache_key}' and "
+    runs = c.search_runs([experiment_id], filter_string=f"tags.`rlhf.cache_key` = '{cache_key}' and "
                                 "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
                                 max_results=20)
     for run in runs:

@@ -24,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core import storage
 from rlhf_core.redaction import redact_text
+from rlhf_core.stores import StoreUnavailable
 from rlhf_core.version import code_version
 from tasks import lineage
 from tasks.cache import cache_key, dataset_digest
@@ -128,7 +129,9 @@ def _retry_infrastructure_only(task_, task_run, state) -> bool:
         return e.retryable
     except TimeoutError:  # settings.stage_timeout_minutes: the job was stopped on the way out
         return True
-    except Exception:  # noqa: BLE001 - anything else (our own bugs, MLflow down) is not worth a retry
+    except StoreUnavailable:  # MLflow or S3 did not answer within its bound: infrastructure
+        return True
+    except Exception:  # noqa: BLE001 - anything else (our own bugs, an MLflow answer) is not worth a retry
         return False
     return False
 
@@ -183,8 +186,11 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
                                   "rlhf.ray_submission_id": result.submission_id})
         lineage.end_run(run_id)
     except BaseException as e:
-        lineage.set_tags(run_id, {"rlhf.error": f"{type(e).__name__}: {e}"[-5000:]})
-        lineage.end_run(run_id, "FAILED")
+        try:  # a store that is away must not hide why the stage failed
+            lineage.set_tags(run_id, {"rlhf.error": f"{type(e).__name__}: {e}"[-5000:]})
+            lineage.end_run(run_id, "FAILED")
+        except Exception as record_error:  # noqa: BLE001
+            logger.warning(f"{job.name}: could not mark run {run_id} FAILED: {redact_text(str(record_error))}")
         raise
     outcome = StageOutcome(job.stage, job.name, storage.normalize_uri(job.output_uri), run_id, key, False,
                            manifest.get("metrics", {}), manifest, result.seconds, time.perf_counter() - started)

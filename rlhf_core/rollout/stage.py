@@ -51,7 +51,9 @@ def publish_stage(cfg, tracker: Tracker, files: dict[str, str], metrics: dict, i
         out.mkdir()
         for name, text in files.items():
             (out / name).write_text(text, encoding="utf-8")
+        tracker.await_store(f"nothing was published at {cfg.save_path}")  # see trainers.common.publish_model
         storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
+        tracker.published(manifest["output_uri"], cfg.stage)
     tracker.log_metrics(manifest["metrics"], step=0)
     tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
     with tempfile.TemporaryDirectory() as tmp:

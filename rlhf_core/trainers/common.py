@@ -196,7 +196,12 @@ def publish_model(cfg, model, tokenizer, manifest: dict, tracker: Tracker) -> No
         out = Path(tmp) / "model"
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        # The run must be able to record the output before it is published (RLHF_STORE_WAIT_S), and a
+        # record that fails after it withdraws it: nothing looks finished whose run did not finish.
+        tracker.await_store(f"nothing was published at {cfg.save_path}; checkpoints are kept"
+                            + (f" in {cfg.ckpt_path}" if getattr(cfg, "ckpt_path", None) else ""))
         storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
+        tracker.published(manifest["output_uri"], cfg.stage)
     tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
     tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
     with tempfile.TemporaryDirectory() as tmp:

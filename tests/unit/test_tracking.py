@@ -33,6 +33,8 @@ def test_lineage_shows_the_params_a_run_changed_from_its_stage_defaults():
 
 
 def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatch, tmp_path):
+    import time
+
     import mlflow
 
     from rlhf_core import tracking
@@ -41,18 +43,23 @@ def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatc
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
     writes = []
     real = mlflow.MlflowClient.log_batch
-    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", lambda self, *a, **k: writes.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch",
+                        lambda self, *a, **k: (writes.append(1) if k.get("metrics") else None) or real(self, *a, **k))
     tracker = tracking.Tracker(True, "buffered", "run", None)
     for step in range(1, 301):
         tracker.log_metrics({"train/loss": 1.0 / step, "train/lr": 0.1, "train/tokens_per_s": 5.0, "x": 1.0}, step)
     assert writes == []  # 300 steps inside FLUSH_SECONDS: nothing written yet
     history = mlflow.MlflowClient().get_metric_history(tracker.run_id, "train/loss")
     assert history == []
-    tracker.flush()
+    assert tracker.flush()
     assert len(writes) == 2  # 1200 values in batches of at most 1000
-    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.0)
-    tracker.log_metrics({"train/loss": 0.001}, 301)  # the flush interval has passed: written at once
-    assert len(writes) == 3
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.05)
+    tracker.metrics.wake()  # the sender thread picks up the new interval after its current wait
+    tracker.log_metrics({"train/loss": 0.001}, 301)  # written in the background, within the interval
+    deadline = time.monotonic() + 10
+    while (len(writes) < 3 or len(tracker.metrics)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(writes) == 3 and len(tracker.metrics) == 0
     tracker.log_metrics({"eval/loss": 0.5}, 302)
     tracker.finish("FAILED")  # a crashed stage keeps what it measured
     history = mlflow.MlflowClient().get_metric_history(tracker.run_id, "train/loss")

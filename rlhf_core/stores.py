@@ -1,0 +1,202 @@
+"""Is the tracking server or the object store there? Bounded waits for MLflow and S3.
+
+A stage talks to two stores that live elsewhere: the MLflow tracking server (`MLFLOW_TRACKING_URI`
+http(s)://) and S3 (`s3://` inputs and outputs, endpoint from the AWS settings). Their clients
+retry for minutes on their own (MLflow: 7 retries with backoff and a 120 s timeout a request;
+botocore and s3fs: several layers of retries), so an unreachable store used to look like a hung
+stage. Here every wait for a store has a bound, and its end is one clear error, `StoreUnavailable`,
+naming the store (its URI redacted), the bound and the setting that moves it:
+
+- `RLHF_STORE_CHECK_S` (default 30 s): at the start of a stage (the CLI, before any model or data
+  is read; the flow, before it opens an MLflow run) each store the stage uses must answer an HTTP
+  request within this time, retried with backoff.
+- `RLHF_STORE_WAIT_S` (default 300 s): when a stage must record its output (flush its metrics,
+  tag and finish its MLflow run, upload to S3) it waits this long for the store to come back.
+  Every MLflow request a stage makes also has its own timeout (`MLFLOW_HTTP_REQUEST_TIMEOUT`, set
+  to 20 s and `MLFLOW_HTTP_REQUEST_MAX_RETRIES` to 0 unless you set them: the retrying is ours),
+  so the wait ends at most one request's timeout after the bound.
+- `RLHF_METRICS_BUFFER` (default 100000 values): metrics logged while MLflow is away are held in
+  memory, retried with backoff, and sent when it answers again; beyond this many the oldest are
+  dropped, with a warning (see `tracking.Tracker`).
+
+An unreachable store is an infrastructure failure, not bad input: `rlhf` exits with status 1
+(never 2), so the pipeline retries the stage after its retry delay, and a store that comes back
+in time lets the retry finish. A wrong host name is retried the same way (a few attempts, each
+failing within the bound with the same message), which costs less than refusing to retry a store
+that was briefly down.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rlhf_core.redaction import redact_text
+
+DEFAULT_STORE_CHECK_S = 30.0
+DEFAULT_STORE_WAIT_S = 300.0
+DEFAULT_METRICS_BUFFER = 100_000
+MLFLOW_REQUEST_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+SETTINGS = ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", *MLFLOW_REQUEST_DEFAULTS)
+
+
+class StoreUnavailable(RuntimeError):
+    """A store did not answer within its bound: an infrastructure failure (exit 1, retried)."""
+
+
+def store_check_s() -> float:
+    return float(os.environ.get("RLHF_STORE_CHECK_S") or DEFAULT_STORE_CHECK_S)
+
+
+def store_wait_s() -> float:
+    return float(os.environ.get("RLHF_STORE_WAIT_S") or DEFAULT_STORE_WAIT_S)
+
+
+def metrics_buffer() -> int:
+    return int(os.environ.get("RLHF_METRICS_BUFFER") or DEFAULT_METRICS_BUFFER)
+
+
+def bound_mlflow_requests() -> None:
+    """One MLflow request may take at most MLFLOW_HTTP_REQUEST_TIMEOUT, once (where the user set nothing)."""
+    for name, value in MLFLOW_REQUEST_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def probe(url: str, timeout: float) -> str | None:
+    """None when an HTTP server answers at `url` (any status below 500), else why not."""
+    import requests
+
+    try:
+        response = requests.get(url, timeout=(timeout, timeout), allow_redirects=False)
+    except requests.RequestException as e:
+        return type(e).__name__
+    if response.status_code >= 500:
+        return f"HTTP {response.status_code}"
+    return None
+
+
+def wait_until_reachable(name: str, url: str, seconds: float, setting: str, doing: str) -> None:
+    """Return once `url` answers; StoreUnavailable after `seconds` (retried with backoff until then)."""
+    deadline = time.monotonic() + seconds
+    delay = 0.25
+    while True:
+        left = deadline - time.monotonic()
+        reason = probe(url, max(0.1, min(5.0, left)))
+        if reason is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreUnavailable(
+                f"{name} at {redact_text(url)} did not answer within {seconds:g} s ({setting}; last error: {reason}) "
+                f"{doing}; an unreachable store is an infrastructure failure (exit 1): a pipeline retries the stage")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 5.0)
+
+
+def mlflow_health_url(tracking: str) -> str:
+    return tracking.rstrip("/") + "/health"
+
+
+def s3_endpoint() -> str:
+    """The S3 endpoint s3fs will use: fsspec's s3 config, the AWS endpoint variables, else botocore's default."""
+    import fsspec
+
+    conf = fsspec.config.conf.get("s3", {})
+    configured = conf.get("endpoint_url") or (conf.get("client_kwargs") or {}).get("endpoint_url")
+    configured = configured or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if configured:
+        return configured
+    import botocore.session
+
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+    return botocore.session.get_session().create_client("s3", region_name=region).meta.endpoint_url
+
+
+def _s3_uris(value) -> list[str]:
+    if isinstance(value, dict):
+        return [u for v in value.values() for u in _s3_uris(v)]
+    if isinstance(value, (list, tuple)):
+        return [u for v in value for u in _s3_uris(v)]
+    if isinstance(value, str) and "s3://" in value:
+        return [part.strip().removeprefix("json@") for part in value.split(",") if "s3://" in part]
+    return []
+
+
+def stage_stores(values: dict, use_mlflow: bool) -> list[tuple[str, str]]:
+    """`(name, url to probe)` of the remote stores a stage with config `values` talks to."""
+    from rlhf_core.tracking import tracking_uri
+
+    stores = []
+    if use_mlflow and is_server(tracking_uri()):
+        stores.append(("MLflow tracking server", mlflow_health_url(tracking_uri())))
+    if _s3_uris(values):
+        stores.append(("S3 endpoint", s3_endpoint()))
+    return stores
+
+
+def check_stage_stores(values: dict, use_mlflow: bool) -> None:
+    """At the start of a stage: every store it uses answers within RLHF_STORE_CHECK_S, else StoreUnavailable."""
+    for name, url in stage_stores(values, use_mlflow):
+        wait_until_reachable(name, url, store_check_s(), "RLHF_STORE_CHECK_S", "at the start of the stage; "
+                             "nothing was read, trained or written")
+
+
+def check_config_stores(cfg) -> None:
+    """`check_stage_stores` for a stage config (pydantic model with `use_mlflow`)."""
+    check_stage_stores(cfg.model_dump(mode="json"), bool(getattr(cfg, "use_mlflow", False)))
+
+
+# MLflow's answers (the store is there and said no): never retried.
+ANSWERS = frozenset({"RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_PARAMETER_VALUE", "INVALID_STATE",
+                     "BAD_REQUEST", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                     "ENDPOINT_NOT_FOUND"})
+
+
+def is_store_failure(error: BaseException) -> bool:
+    """A failure to reach or hear the store (retried), not an answer of it or a bug of ours (raised at once)."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        return error.error_code not in ANSWERS
+    return isinstance(error, OSError)  # connection errors, timeouts (requests' exceptions are OSErrors)
+
+
+def retry(call, what: str, store: str, seconds: float, setting: str):
+    """`call()`, retried with backoff while the store fails (`is_store_failure`) for up to `seconds`;
+    then StoreUnavailable naming the store, the bound and the setting."""
+    deadline = time.monotonic() + seconds
+    delay = 0.25
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            if not is_store_failure(e):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailable(f"MLflow at {redact_text(store)} did not {what} within {seconds:g} s ({setting}; "
+                                       f"last error: {type(e).__name__}: {redact_text(str(e))[:300]})") from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+
+class RetryingClient:
+    """An `MlflowClient` whose every call is `retry`-ed for up to RLHF_STORE_WAIT_S (the flow's records)."""
+
+    def __init__(self, client, store: str):
+        self._client, self._store = client, store
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return retry(lambda: attr(*args, **kwargs), f"answer {name}", self._store, store_wait_s(),
+                         "RLHF_STORE_WAIT_S")
+
+        return call
