@@ -4,7 +4,8 @@ Every pipeline run keeps its stage outputs (full models), its checkpoints and it
 under `<output_root>/<pipeline run id>/`. `rlhf prune` looks there (the embedded default's
 `.rlhf/pipelines`, or `--output_root`, local only) and deletes an item only when all of these hold:
 
-- it is something a stage or the flow wrote, recognised by its own marker: a stage output (a
+- it lies in a pipeline run's folder (named by its MLflow run id, as the flow names them) and
+  is something a stage or the flow wrote, recognised by its own marker: a stage output (a
   folder with `stage.json`, or an unfinished one with `.rlhf-writing.json`), a checkpoint folder
   (`rlhf-checkpoints.json` or the flow's `rlhf-stage-key.json`), a stage's config
   `configs/<stage>.yaml` of a pipeline run the MLflow store knows, or `pipeline_summary.json`
@@ -17,7 +18,8 @@ under `<output_root>/<pipeline run id>/`. `rlhf prune` looks there (the embedded
 - it belongs to no recent run: the newest `--keep_last` pipeline runs, those started within
   `--keep_days`, and every run still RUNNING in MLflow keep everything under their folder and
   every output their stages used (a cached or reused output in an older run's folder);
-- a folder whose run the store does not know is recent by its newest file's age.
+- a run folder whose run the store does not know (deleted there, or another store) is recent by
+  its newest file's age.
 
 What is kept keeps its inputs too: the upstream outputs its stage run names
 (`rlhf.upstream.<role>.model_uri`: the SFT model a policy started from, prep's data and base
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -48,6 +51,7 @@ from rlhf_core.storage import CHECKPOINTS, MANIFEST, WRITING, is_remote
 STAGE_KEY = "rlhf-stage-key.json"  # tasks/resume.py: the cache key that claimed a checkpoint folder
 SUMMARY = "pipeline_summary.json"
 DAY_MS = 86_400_000
+RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids: the flow's `<output_root>/<pipeline run id>`
 
 
 @dataclass(frozen=True)
@@ -148,12 +152,10 @@ def scan(root: Path, stage_names: dict[str, set[str]]) -> tuple[list[Item], list
                 foreign.append(entry)
 
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
-        if run_dir.is_dir() and not run_dir.is_symlink():
-            kind = _marker_kind(run_dir)
-            if kind is not None:  # an output at the top of the root: its own "run"
-                items.append(Item(run_dir, kind, run_dir.name, tree_size(run_dir)))
-            else:
-                visit(run_dir, run_dir.name, 0)
+        # The flow names a run's folder by its MLflow run id; anything else here is someone else's.
+        if (run_dir.is_dir() and not run_dir.is_symlink() and RUN_ID.fullmatch(run_dir.name)
+                and _marker_kind(run_dir) is None):
+            visit(run_dir, run_dir.name, 0)
         else:
             foreign.append(run_dir)
     return items, foreign

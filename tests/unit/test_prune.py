@@ -109,20 +109,26 @@ def tree(tmp_path):
     d = pipeline(40, status="RUNNING")
     ckpt_d = _checkpoints(root / d / "checkpoints" / "ppo")
 
-    # Folders no run in the store knows: an old one (goes), a fresh one (stays).
-    old_unknown = _output(root / "0ld" / "sft", "sft")
+    # Run folders no run in the store knows: an old one (goes), a fresh one (stays); a folder not named
+    # like a run is not the flow's, however old (someone's `rlhf train --save_path` output).
     past = time.time() - 30 * 86400
-    for p in [old_unknown, *old_unknown.rglob("*"), old_unknown.parent]:
+    old_unknown = _output(root / uuid.uuid4().hex / "sft", "sft")
+    theirs = _output(root / "work" / "sft", "sft")
+    for p in [*old_unknown.parent.rglob("*"), old_unknown.parent, *theirs.parent.rglob("*"), theirs.parent]:
         os.utime(p, (past, past))
-    new_unknown = _output(root / "fresh" / "sft", "sft")
+    new_unknown = _output(root / uuid.uuid4().hex / "sft", "sft")
 
     deleted = {rm_a, ckpt_a, root / a / "configs" / "rm.yaml", eval_b, old_unknown}
     kept = {prep_a, sft_a, root / a / "configs" / "sft.yaml", root / a / "pipeline_summary.json",
             root / a / "notes.txt", root / a / "mine" / "weights.bin", dpo_b, root / b / "pipeline_summary.json",
-            sft_c, ckpt_d, new_unknown}
+            sft_c, ckpt_d, new_unknown, theirs}
     return {"root": root, "deleted": deleted, "kept": kept, "client": client, "model": name,
             "registered_sft": {prep_a, sft_a, root / a / "configs" / "sft.yaml", root / a / "pipeline_summary.json"},
             "cached_dpo": {dpo_b, root / b / "pipeline_summary.json"}}
+
+
+def old_unknown_folder(deleted: set[Path]) -> Path:
+    return next(p.parent for p in deleted if p.name == "sft")
 
 
 def _prune(*args: str) -> tuple[int, str]:
@@ -149,6 +155,10 @@ def test_dry_run_lists_exactly_the_unreferenced_and_deletes_nothing_then_yes_del
     assert code == 0, text
     assert _listed(text) == deleted, text
     assert "would delete 5 item(s)" in text and "--yes" in text
+    from tasks.prune import human
+
+    size = sum(f.stat().st_size for p in deleted for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    assert f"total: {human(size)} to delete" in text and human(size).endswith("KiB")
     assert _snapshot(root) == before, "a dry run deleted something"
 
     code, text = _prune(*flags, "--yes")
@@ -158,7 +168,7 @@ def test_dry_run_lists_exactly_the_unreferenced_and_deletes_nothing_then_yes_del
         assert not path.exists(), path
     for path in kept:
         assert path.exists(), path
-    assert not (root / "0ld").exists(), "a folder the deletions left empty is removed"
+    assert not old_unknown_folder(deleted).exists(), "a folder the deletions left empty is removed"
 
     code, text = _prune(*flags)  # nothing left to delete
     assert _listed(text) == set() and "would delete 0 item(s)" in text
