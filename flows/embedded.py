@@ -90,7 +90,7 @@ def _exclusive(database: Path) -> Iterator[None]:
 def sqlite_path(url: str) -> Path | None:
     """The file of a `sqlite:///...` (any driver) URL; None for other databases and in-memory ones."""
     scheme, sep, rest = url.partition(":///")
-    if not sep or not scheme.startswith("sqlite") or rest.startswith(":memory:") or "mode=memory" in rest:
+    if not sep or not scheme.startswith("sqlite") or ":memory:" in rest or "mode=memory" in rest:
         return None
     return Path(rest.split("?", 1)[0])
 

@@ -185,3 +185,37 @@ def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_p
     local_ray.init_local()
     assert seen["auth"] == "token" and (tmp_path / ".ray" / "auth_token").exists()
     assert "warning" not in capsys.readouterr().err
+
+
+def test_init_local_has_the_job_agent_bind_a_free_port_only_while_ray_starts(monkeypatch, tmp_path):
+    """Ray fixes its job agent's port at 52365, so a second local Ray on the machine could run no job:
+    the node `ray.init` builds gets 0 there (a free port), and Ray's own default is back afterwards."""
+    import ray
+    from ray._private import parameter
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen["port"] = parameter.RayParams().dashboard_agent_listen_port
+        seen["explicit"] = parameter.RayParams(dashboard_agent_listen_port=1234).dashboard_agent_listen_port
+        return "context"
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(local_ray, "reread_ray_config", lambda: None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    local_ray.init_local()
+    assert seen == {"port": 0, "explicit": 1234}
+    assert parameter.RayParams().dashboard_agent_listen_port == 52365, "Ray's default is restored"
+    assert [p.name for p in (tmp_path / ".ray").iterdir()] == ["auth_token"], "no token written aside is left"
+
+
+@pytest.mark.parametrize("url, path", [
+    ("sqlite:////abs/.rlhf/mlflow.db", "/abs/.rlhf/mlflow.db"),
+    ("sqlite+aiosqlite:////abs/prefect/prefect.db?timeout=5", "/abs/prefect/prefect.db"),
+    ("sqlite+aiosqlite:///file::memory:?cache=shared&uri=true", None),
+    ("postgresql+asyncpg://user@host/db", None),
+    ("http://127.0.0.1:5000", None),
+])
+def test_the_sqlite_file_behind_a_store_url(url, path):
+    found = embedded().sqlite_path(url)
+    assert (str(found) if found else None) == path
