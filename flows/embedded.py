@@ -108,9 +108,13 @@ def prepare_stores() -> None:
 
         with _exclusive(mlflow_db):
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates or migrates the schema
-            with contextlib.closing(sqlite3.connect(mlflow_db, timeout=60)) as db:
-                if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                    db.execute("PRAGMA journal_mode=WAL")
+            try:
+                with contextlib.closing(sqlite3.connect(mlflow_db, timeout=5)) as db:
+                    if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                        db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError as e:  # a process of an older run is in the database right now
+                print(f"rlhf: note: the MLflow store {mlflow_db} stays in SQLite's rollback-journal mode for now "
+                      f"({e}); the next run switches it to the write-ahead log", file=sys.stderr)
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
