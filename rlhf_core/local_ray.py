@@ -24,6 +24,12 @@
   `_system_config` entry for it, so the node parameters `ray.init` builds get that default
   replaced while it starts (`_agent_port_chosen_at_start`; checked against Ray 2.60, the version
   the project pins). The dashboard itself takes 8265, or the next free port when taken.
+  And a temp dir of its own (`/tmp/rlhf-ray-<pid>`, not the machine's shared `/tmp/ray`) holding
+  its address in `ray_current_cluster`: Ray's job supervisor resolves the cluster address it hands
+  a job's driver through that file, and when it is missing (`ray.init` never writes it, only
+  `ray start` does) through any Ray it finds running on the machine. Measured before this: with
+  two runs going, both runs' SFT jobs connected to the same cluster (one of them to none of its
+  own), and one failed for want of free CPUs.
 """
 
 from __future__ import annotations
@@ -114,6 +120,13 @@ def _agent_port_chosen_at_start() -> Iterator[None]:
         parameter.RayParams = fixed
 
 
+def own_temp_dir() -> str:
+    """A Ray temp dir for this process's clusters (short: Ray's socket paths live under it)."""
+    from ray._common.utils import get_default_system_temp_dir
+
+    return os.path.join(get_default_system_temp_dir(), f"rlhf-ray-{os.getpid()}")
+
+
 def init_local(**kwargs):
     """`ray.init` a new single-node cluster on 127.0.0.1 with token authentication; returns its context."""
     import ray
@@ -126,9 +139,16 @@ def init_local(**kwargs):
     saved_env, saved_constant = os.environ.get(CLUSTER_MODE), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[CLUSTER_MODE] = "0"  # the node's processes, started by ray.init, inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray before the variable was set
+    temp_dir = kwargs.pop("_temp_dir", None) or own_temp_dir()
     try:
         with _agent_port_chosen_at_start():
-            return ray.init(_node_ip_address=LOOPBACK, **kwargs)
+            context = ray.init(_node_ip_address=LOOPBACK, _temp_dir=temp_dir, **kwargs)
+        # The job supervisor resolves the address it hands a job's driver from this file in the
+        # cluster's temp dir; without it, from whichever Ray it finds running on the machine.
+        from ray._private.utils import write_ray_address
+
+        write_ray_address(context.address_info["gcs_address"], temp_dir)
+        return context
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_constant
         if saved_env is None:

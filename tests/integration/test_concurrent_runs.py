@@ -1,7 +1,8 @@
 """Two `rlhf pipeline run`s at once on one machine (a scheduled run while a manual one runs).
 
 Both on the embedded default, as two processes started together: each starts its own local Ray
-(every port free at start, the Jobs API agent's included), both use one state directory (one
+(every port free at start, the Jobs API agent's included, and a temp dir of its own, through which
+Ray's job supervisor finds the cluster a job's driver joins), both use one state directory (one
 SQLite MLflow store, one embedded Prefect database, one outputs folder) and one HOME (one Ray
 token, created by whichever starts first). Both must complete, each with its own MLflow pipeline
 run and stage runs, while the other runs. The smallest pipeline the integration tests use (prep
@@ -65,6 +66,11 @@ def test_two_pipeline_runs_at_once_both_complete_with_their_own_runs(tmp_path):
     # Each run submitted its jobs to a Ray of its own (dashboards 8265 and the next free port).
     dashboards = [set(re.findall(r"submitted Ray job rlhf-\S+ to (http://127\.0\.0\.1:\d+)", text)) for text in outputs]
     assert all(len(d) == 1 for d in dashboards) and dashboards[0] != dashboards[1], dashboards
+    # ... and every job's driver joined the cluster its run submitted it to: Ray's job supervisor
+    # resolves that address through its cluster's temp dir, else through any Ray on the machine.
+    joined = [set(re.findall(r"Connecting to existing Ray cluster at address: (127\.0\.0\.1:\d+)", text))
+              for text in outputs]
+    assert all(len(j) == 1 for j in joined) and joined[0] != joined[1], joined
 
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     spans = []
