@@ -140,6 +140,9 @@ def init_local(**kwargs):
     os.environ[CLUSTER_MODE] = "0"  # the node's processes, started by ray.init, inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray before the variable was set
     temp_dir = kwargs.pop("_temp_dir", None) or own_temp_dir()
+    from ray._common.utils import reset_ray_address
+
+    reset_ray_address(temp_dir)  # a cluster this process started earlier: ray.init would try to join it
     try:
         with _agent_port_chosen_at_start():
             context = ray.init(_node_ip_address=LOOPBACK, _temp_dir=temp_dir, **kwargs)

@@ -168,7 +168,8 @@ def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_p
 
     def fake_init(**kwargs):
         seen.update(kwargs=kwargs, env=os.environ.get(local_ray.CLUSTER_MODE),
-                    constant=ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE"))
+                    constant=ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE"),
+                    stale=Path(kwargs["_temp_dir"], "ray_current_cluster").exists())
         return Context()
 
     monkeypatch.setattr(ray, "init", fake_init)
@@ -180,11 +181,13 @@ def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_p
 
     temp_dir = tmp_path / "ray-temp"
     temp_dir.mkdir()
+    (temp_dir / "ray_current_cluster").write_text("127.0.0.1:1")  # a cluster started and stopped before
     assert isinstance(local_ray.init_local(num_cpus=1, _temp_dir=str(temp_dir)), Context)
     assert seen["kwargs"] == {"_node_ip_address": "127.0.0.1", "num_cpus": 1, "_temp_dir": str(temp_dir)}
     # The cluster's own address where its job supervisor looks for it (else: any Ray on the machine).
     assert (temp_dir / "ray_current_cluster").read_text() == "127.0.0.1:6379"
     assert seen["env"] == "0" and seen["constant"] is False and seen["config_reread"]
+    assert seen["stale"] is False, "ray.init would join the stopped cluster the file names"
     assert local_ray.CLUSTER_MODE not in os.environ and ray_constants.ENABLE_RAY_CLUSTER is constant
     err = capsys.readouterr().err
     assert err.count("rlhf: warning: RAY_AUTH_MODE=disabled") == 1, err
