@@ -97,9 +97,11 @@ def ppo_parameters(values: dict):
 
 
 def run(args: argparse.Namespace) -> int:
+    from flows.embedded import prepare_stores
     from flows.pipeline import rlhf
 
     params = flow_parameters(load_yaml(args.config) if args.config else {}, args)
+    prepare_stores()  # another run may be creating the same SQLite databases right now
     summary = rlhf(**params)
     print_summary(summary)
     return 0

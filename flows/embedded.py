@@ -17,13 +17,27 @@ subprocess on 127.0.0.1 with a SQLite database. Prefect reads its settings once,
 
 A variable the user set is never changed. If Prefect is already imported, this does nothing:
 whoever imported it owns its settings (the test harness, a Prefect worker).
+
+Two runs at once on one machine share these SQLite databases (a scheduled run while a manual one
+runs). Measured: two `rlhf pipeline run`s started together on a new state directory both
+migrated the new MLflow database, and one failed (`table _alembic_tmp_experiments already
+exists`); each run's ephemeral Prefect server migrates its database at start the same way.
+`prepare_stores` (before the flow starts) therefore creates or upgrades the MLflow store and
+creates a missing Prefect database one process at a time, under a file lock next to each
+database; a later process finds them current and migrates nothing. Once created, the MLflow
+database is switched to SQLite's write-ahead log (a setting stored in the file), so one run's
+readers never block the other's writes; Prefect sets the same on every connection and waits up to
+60 s for a lock, MLflow (pysqlite) 5 s, ample for its small transactions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import sqlite3
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 STARTUP_TIMEOUT_SECONDS = 180
@@ -59,3 +73,58 @@ def configure() -> dict[str, str]:
         Path(settings["PREFECT_HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ.update(settings)
     return settings
+
+
+@contextlib.contextmanager
+def _exclusive(database: Path) -> Iterator[None]:
+    """An exclusive lock beside `database` (released when the block or the process ends)."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".rlhf-lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a `sqlite:///...` (any driver) URL; None for other databases and in-memory ones."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or not scheme.startswith("sqlite") or ":memory:" in rest or "mode=memory" in rest:
+        return None
+    return Path(rest.split("?", 1)[0])
+
+
+def prepare_stores() -> None:
+    """Create or upgrade the embedded MLflow store and create a missing Prefect database, one
+    process at a time (see the module's doc). Servers (`MLFLOW_TRACKING_URI` other than SQLite,
+    Prefect's API URL) are left alone."""
+    from rlhf_core.tracking import tracking_uri
+
+    uri = tracking_uri()
+    mlflow_db = sqlite_path(uri)
+    if mlflow_db is not None:
+        from mlflow import MlflowClient
+
+        with _exclusive(mlflow_db):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates or migrates the schema
+            try:
+                with contextlib.closing(sqlite3.connect(mlflow_db, timeout=5)) as db:
+                    if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                        db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError as e:  # a process of an older run is in the database right now
+                print(f"rlhf: note: the MLflow store {mlflow_db} stays in SQLite's rollback-journal mode for now "
+                      f"({e}); the next run switches it to the write-ahead log", file=sys.stderr)
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    url = settings.server.database.connection_url
+    prefect_db = None if settings.api.url or url is None else sqlite_path(url.get_secret_value())
+    if prefect_db is not None and not prefect_db.exists():
+        import asyncio
+
+        from prefect.server.database import provide_database_interface
+
+        with _exclusive(prefect_db):
+            if not prefect_db.exists():
+                asyncio.run(provide_database_interface().create_db())  # what the server runs at start

@@ -1,4 +1,5 @@
-"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto|ppo`, `serve-rm`, `eval`, `pairs`, `pipeline run`, `lineage`, `hardware`.
+"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto|ppo`, `serve-rm`, `eval`, `pairs`, `pipeline run`, `prune`, `lineage`,
+`hardware`.
 
 Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
 them, flags win. Configuration and data problems print one clear message naming the flag, file,
@@ -63,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
         from flows.cli import add_arguments
 
         add_arguments(sub.add_parser("pipeline", help="Run the whole lifecycle as the Prefect flow `rlhf`"))
+        from tasks.prune import add_arguments as add_prune_arguments
+
+        add_prune_arguments(sub.add_parser("prune", help="Delete pipeline outputs and checkpoints that no registered "
+                                           "model, cache entry or recent run refers to (a dry run without --yes)"))
 
     from rlhf_core.rewards.cli import add_serve_rm_arguments
 
@@ -203,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.cli import run
 
             return run(args)
+        if args.command == "prune":
+            from tasks.prune import run as prune
+
+            return prune(args)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
     except StoreUnavailable as e:  # MLflow or S3 did not answer in time: infrastructure, retried

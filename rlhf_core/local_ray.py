@@ -11,15 +11,34 @@
   default as well, but says "set RAY_AUTH_MODE=disabled to opt out"; a user who did disable it
   gets one warning instead.
 - A token before Ray starts. Ray would write ~/.ray/auth_token readable by every local user (0644
-  under the usual umask); we write it owner-only, and warn when an existing one is not.
+  under the usual umask); we write it owner-only, and warn when an existing one is not. The file
+  appears whole (written aside, then linked into place), so a second run starting at the same
+  moment never reads it empty.
+- Several on one machine. Every port of the node is chosen free when it starts, so two runs
+  (a scheduled one while a manual one runs) each have a cluster of their own. `ray.init` picks
+  free ports for everything but the dashboard agent's HTTP port (the Jobs API's agent), which it
+  fixes at Ray's default 52365: a second cluster's agent then failed to bind and that cluster
+  never ran a job. Ray's own node parameters accept 0 there (the agent binds a free port and
+  publishes it in the cluster's node table, where the job supervisor reads it; Ray's multi-node
+  test clusters start their nodes so), but `ray.init` has no argument, environment variable or
+  `_system_config` entry for it, so the node parameters `ray.init` builds get that default
+  replaced while it starts (`_agent_port_chosen_at_start`; checked against Ray 2.60, the version
+  the project pins). The dashboard itself takes 8265, or the next free port when taken.
+  And a temp dir of its own (`/tmp/rlhf-ray-<pid>`, not the machine's shared `/tmp/ray`) holding
+  its address in `ray_current_cluster`: Ray's job supervisor resolves the cluster address it hands
+  a job's driver through that file, and when it is missing (`ray.init` never writes it, only
+  `ray start` does) through any Ray it finds running on the machine. Measured before this: with
+  two runs going, both runs' SFT jobs connected to the same cluster (one of them to none of its
+  own), and one failed for want of free CPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -35,12 +54,18 @@ def default_token_path(home: Path | None = None) -> Path:
 def write_token(path: Path) -> None:
     """A new random token (Ray's format: 64 hex digits) readable by its owner only; keeps an existing one."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it first
+    if path.exists():
         return
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.link(aside, path)  # appears complete or not at all; fails when another process made it first
+    except FileExistsError:
+        pass
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def prepare_auth(environ: MutableMapping[str, str] = os.environ, home: Path | None = None) -> str | None:
@@ -76,6 +101,32 @@ def reread_ray_config() -> None:
     Config.initialize("")
 
 
+@contextlib.contextmanager
+def _agent_port_chosen_at_start() -> Iterator[None]:
+    """While `ray.init` starts a node here: its dashboard agent binds a free port instead of 52365."""
+    from ray._private import parameter
+
+    fixed = parameter.RayParams
+
+    class RayParams(fixed):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", 0)  # 0: the agent binds a free port
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = RayParams
+    try:
+        yield
+    finally:
+        parameter.RayParams = fixed
+
+
+def own_temp_dir() -> str:
+    """A Ray temp dir for this process's clusters (short: Ray's socket paths live under it)."""
+    from ray._common.utils import get_default_system_temp_dir
+
+    return os.path.join(get_default_system_temp_dir(), f"rlhf-ray-{os.getpid()}")
+
+
 def init_local(**kwargs):
     """`ray.init` a new single-node cluster on 127.0.0.1 with token authentication; returns its context."""
     import ray
@@ -88,8 +139,19 @@ def init_local(**kwargs):
     saved_env, saved_constant = os.environ.get(CLUSTER_MODE), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[CLUSTER_MODE] = "0"  # the node's processes, started by ray.init, inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray before the variable was set
+    temp_dir = kwargs.pop("_temp_dir", None) or own_temp_dir()
+    from ray._common.utils import reset_ray_address
+
+    reset_ray_address(temp_dir)  # a cluster this process started earlier: ray.init would try to join it
     try:
-        return ray.init(_node_ip_address=LOOPBACK, **kwargs)
+        with _agent_port_chosen_at_start():
+            context = ray.init(_node_ip_address=LOOPBACK, _temp_dir=temp_dir, **kwargs)
+        # The job supervisor resolves the address it hands a job's driver from this file in the
+        # cluster's temp dir; without it, from whichever Ray it finds running on the machine.
+        from ray._private.utils import write_ray_address
+
+        write_ray_address(context.address_info["gcs_address"], temp_dir)
+        return context
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_constant
         if saved_env is None:

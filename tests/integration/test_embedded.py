@@ -65,8 +65,11 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
         assert _without_token(jobs) == 401
         assert requests.get(jobs, headers={"Authorization": "Bearer " + "0" * 64}, timeout=5).status_code == 403
         assert requests.get(jobs, headers=get_auth_headers_if_auth_enabled({}), timeout=5).status_code == 200
-        # The node's job agent runs what it is sent: without the token it refuses too.
-        assert requests.post("http://127.0.0.1:52365/api/job_agent/jobs/", json={"entrypoint": "true"},
+        # The node's job agent runs what it is sent: without the token it refuses too. Its port is a
+        # free one chosen at start (not Ray's fixed 52365), so a second local Ray can run beside it.
+        (agent_port,) = {n["DashboardAgentListenPort"] for n in ray.nodes()}
+        assert agent_port > 0
+        assert requests.post(f"http://127.0.0.1:{agent_port}/api/job_agent/jobs/", json={"entrypoint": "true"},
                              timeout=5).status_code == 401
 
         # Every process of the cluster (GCS, raylet, dashboard, agents, idle workers) binds loopback.

@@ -154,6 +154,10 @@ def test_auth_the_user_disabled_stays_disabled_with_a_warning(tmp_path, mode):
     assert local_ray.prepare_auth({"RAY_AUTH_MODE": "token"}, tmp_path) is None
 
 
+class Context:
+    address_info = {"gcs_address": "127.0.0.1:6379"}
+
+
 def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_path, monkeypatch, capsys):
     """Ray resolves a loopback node address to the machine's unless its cluster mode is off; the
     switch is on only while ray.init starts the node's processes (they inherit it)."""
@@ -164,8 +168,9 @@ def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_p
 
     def fake_init(**kwargs):
         seen.update(kwargs=kwargs, env=os.environ.get(local_ray.CLUSTER_MODE),
-                    constant=ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE"))
-        return "context"
+                    constant=ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE"),
+                    stale=Path(kwargs["_temp_dir"], "ray_current_cluster").exists())
+        return Context()
 
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(local_ray, "reread_ray_config", lambda: seen.setdefault("config_reread", True))
@@ -174,14 +179,56 @@ def test_init_local_starts_ray_on_loopback_and_restores_the_cluster_switch(tmp_p
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     constant = ray_constants.ENABLE_RAY_CLUSTER
 
-    assert local_ray.init_local(num_cpus=1) == "context"
-    assert seen["kwargs"] == {"_node_ip_address": "127.0.0.1", "num_cpus": 1}
+    temp_dir = tmp_path / "ray-temp"
+    temp_dir.mkdir()
+    (temp_dir / "ray_current_cluster").write_text("127.0.0.1:1")  # a cluster started and stopped before
+    assert isinstance(local_ray.init_local(num_cpus=1, _temp_dir=str(temp_dir)), Context)
+    assert seen["kwargs"] == {"_node_ip_address": "127.0.0.1", "num_cpus": 1, "_temp_dir": str(temp_dir)}
+    # The cluster's own address where its job supervisor looks for it (else: any Ray on the machine).
+    assert (temp_dir / "ray_current_cluster").read_text() == "127.0.0.1:6379"
     assert seen["env"] == "0" and seen["constant"] is False and seen["config_reread"]
+    assert seen["stale"] is False, "ray.init would join the stopped cluster the file names"
     assert local_ray.CLUSTER_MODE not in os.environ and ray_constants.ENABLE_RAY_CLUSTER is constant
     err = capsys.readouterr().err
     assert err.count("rlhf: warning: RAY_AUTH_MODE=disabled") == 1, err
 
     monkeypatch.delenv("RAY_AUTH_MODE")
-    local_ray.init_local()
+    local_ray.init_local(_temp_dir=str(temp_dir))
     assert seen["auth"] == "token" and (tmp_path / ".ray" / "auth_token").exists()
     assert "warning" not in capsys.readouterr().err
+
+
+def test_init_local_has_the_job_agent_bind_a_free_port_only_while_ray_starts(monkeypatch, tmp_path):
+    """Ray fixes its job agent's port at 52365, so a second local Ray on the machine could run no job:
+    the node `ray.init` builds gets 0 there (a free port), and Ray's own default is back afterwards."""
+    import ray
+    from ray._private import parameter
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen["port"] = parameter.RayParams().dashboard_agent_listen_port
+        seen["explicit"] = parameter.RayParams(dashboard_agent_listen_port=1234).dashboard_agent_listen_port
+        seen["temp_dir"] = kwargs["_temp_dir"]
+        return Context()
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(local_ray, "reread_ray_config", lambda: None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(local_ray, "own_temp_dir", lambda: str(tmp_path))
+    local_ray.init_local()
+    assert seen == {"port": 0, "explicit": 1234, "temp_dir": str(tmp_path)}
+    assert parameter.RayParams().dashboard_agent_listen_port == 52365, "Ray's default is restored"
+    assert [p.name for p in (tmp_path / ".ray").iterdir()] == ["auth_token"], "no token written aside is left"
+
+
+@pytest.mark.parametrize("url, path", [
+    ("sqlite:////abs/.rlhf/mlflow.db", "/abs/.rlhf/mlflow.db"),
+    ("sqlite+aiosqlite:////abs/prefect/prefect.db?timeout=5", "/abs/prefect/prefect.db"),
+    ("sqlite+aiosqlite:///file::memory:?cache=shared&uri=true", None),
+    ("postgresql+asyncpg://user@host/db", None),
+    ("http://127.0.0.1:5000", None),
+])
+def test_the_sqlite_file_behind_a_store_url(url, path):
+    found = embedded().sqlite_path(url)
+    assert (str(found) if found else None) == path
