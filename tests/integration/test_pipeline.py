@@ -94,9 +94,9 @@ def first_run(harness, tmp_path_factory):
 
 def ray_session_dir() -> Path:
     """The local Ray session the flow ran its jobs in (its logs hold every job's driver log)."""
-    from ray._common.utils import get_default_ray_temp_dir
+    from rlhf_core.local_ray import own_temp_dir
 
-    return (Path(get_default_ray_temp_dir()) / "session_latest").resolve()
+    return (Path(own_temp_dir()) / "session_latest").resolve()
 
 
 def mlflow_client():
