@@ -54,12 +54,16 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
     import ray
     from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
-    from tasks.ray_jobs import ray_cluster
+    from tasks.ray_jobs import local_cluster, ray_cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with ray_cluster() as address:
         assert address.startswith("http://127.0.0.1:")
-        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        ray.init(address=local_cluster(address).gcs_address, log_to_driver=False)  # the flow itself is no driver
+        try:
+            assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        finally:
+            ray.shutdown()
         assert os.environ["RAY_AUTH_MODE"] == "token"
         jobs = f"{address}/api/jobs/"
         assert _without_token(jobs) == 401
