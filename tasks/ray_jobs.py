@@ -11,9 +11,10 @@ job's log lines to a callback (the Prefect task logger), and waits for a termina
   error" (retrying cannot help), anything else is an infrastructure failure worth a retry.
   Both carry the job's last log lines, so the task failure says what went wrong.
 - A cluster that stops answering never hangs a stage: every request to the Jobs API has a
-  deadline (`REQUEST_TIMEOUT_S`), and once the cluster or its job agent has failed every poll for
-  `RLHF_RAY_UNREACHABLE_S` seconds (default 60) the attempt fails with `ClusterUnreachable`, a
-  retryable StageJobError. The job's driver and ranks get the same bound as Ray's GCS reconnect
+  deadline (`REQUEST_TIMEOUT_S`, at most the bound below), and once the cluster or its job agent
+  has failed every request for `RLHF_RAY_UNREACHABLE_S` seconds (default 60, counted from the
+  start of the first failed request) the attempt fails with `ClusterUnreachable`, a retryable
+  StageJobError. The job's driver and ranks get the same bound as Ray's GCS reconnect
   timeout (`RAY_gcs_rpc_server_reconnect_timeout_s`), so they exit instead of outliving the wait.
 - The embedded default starts a local Ray with its dashboard (the Jobs API lives there) for the
   duration of a flow run and shuts it down after: on 127.0.0.1 with token authentication
@@ -49,7 +50,7 @@ TAIL_LINES = 30
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 UNREACHABLE_ENV = "RLHF_RAY_UNREACHABLE_S"
 DEFAULT_UNREACHABLE_S = 60.0
-REQUEST_TIMEOUT_S = 30.0  # one request to the Jobs API; a host that swallows packets answers nothing
+REQUEST_TIMEOUT_S = 30.0  # one request to the Jobs API (at most the bound); a hung server answers nothing
 GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"  # Ray's own (src/ray/common/ray_config_def.h)
 
 
@@ -113,9 +114,10 @@ class Reachability:
     def ok(self) -> None:
         self.since, self.failures, self.last_error = None, 0, None
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, error: BaseException, started: float | None = None) -> None:
+        """A request that began at `started` (default: now) failed: unanswered time counts from there."""
         if self.since is None:
-            self.since = self.clock()
+            self.since = self.clock() if started is None else started
         self.failures += 1
         self.last_error = error
 
@@ -173,13 +175,20 @@ def _stop_orphans() -> None:
 _LINE_SPLIT = re.compile(r"[\r\n]+")
 
 
-def _timed_client(address: str):
+def request_timeout_s() -> float:
+    """One request's deadline: REQUEST_TIMEOUT_S, or the unreachable bound when that is shorter."""
+    return min(REQUEST_TIMEOUT_S, unreachable_s())
+
+
+def _timed_client(address: str, timeout_s: float | None = None):
     """A JobSubmissionClient whose every request has a deadline (Ray's own waits forever)."""
     from ray.job_submission import JobSubmissionClient
 
+    timeout_s = timeout_s or request_timeout_s()
+
     class TimedClient(JobSubmissionClient):
         def _do_request(self, method, endpoint, **kwargs):
-            kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
+            kwargs.setdefault("timeout", timeout_s)
             return super()._do_request(method, endpoint, **kwargs)
 
     return TimedClient(address)
@@ -232,11 +241,12 @@ class RayJobRunner:
         self.address = address
         reach = Reachability(unreachable_s())
         while True:
+            started = time.monotonic()
             try:
                 self.client = _timed_client(address)
                 return
             except Exception as e:  # noqa: BLE001 - ConnectionError, a timeout, an HTTP error: all "no answer"
-                reach.failed(e)
+                reach.failed(e, started)
                 if reach.expired():
                     raise ClusterUnreachable(submission_id, address, reach.seconds(), reach.bound_s, e, []) from e
                 time.sleep(1.0)
@@ -246,6 +256,7 @@ class RayJobRunner:
         deadline = time.monotonic() + agent_wait_seconds
         reach = Reachability(unreachable_s())
         while True:
+            started = time.monotonic()
             try:
                 self.client.submit_job(**kwargs)
                 return
@@ -260,7 +271,7 @@ class RayJobRunner:
             except Exception as e:  # noqa: BLE001 - no answer at all (refused, timed out)
                 if not _is_connection_error(e):
                     raise
-                reach.failed(e)
+                reach.failed(e, started)
                 if reach.expired():
                     raise ClusterUnreachable(kwargs["submission_id"], self.address, reach.seconds(), reach.bound_s,
                                              e, []) from e
@@ -282,6 +293,7 @@ class RayJobRunner:
         tail: list[str] = []
         reach = Reachability(unreachable_s())
         while True:
+            started = time.monotonic()
             try:
                 info = self.client.get_job_info(submission_id)
                 done = str(getattr(info.status, "value", info.status)) in TERMINAL
@@ -294,7 +306,7 @@ class RayJobRunner:
                 if reach.since is None:
                     log(f"Ray at {self.address} did not answer ({type(e).__name__}: {redact_text(str(e))[:300]}); "
                         f"retrying for up to {reach.bound_s:g} s ({UNREACHABLE_ENV})")
-                reach.failed(e)
+                reach.failed(e, started)
                 if reach.expired():
                     raise ClusterUnreachable(submission_id, self.address, reach.seconds(), reach.bound_s, e,
                                              tail) from e
@@ -360,8 +372,8 @@ def keep_local_ray() -> None:
     context = init_local(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=os.cpu_count(),
                          configure_logging=False, log_to_driver=False)
     info = context.address_info
-    print(READY_PREFIX + json.dumps({"address": "http://" + context.dashboard_url, "gcs_address": info["gcs_address"],
-                                     "session_dir": info["session_dir"]}), flush=True)
+    print(READY_PREFIX + json.dumps({"address": "http://" + context.dashboard_url, "session_dir": info["session_dir"]}),
+          flush=True)
     sys.stdin.read()
     ray.shutdown()
 
@@ -372,7 +384,7 @@ class LocalCluster:
     def __init__(self):
         self.lock = threading.Lock()
         self.keeper: subprocess.Popen | None = None
-        self.address = self.gcs_address = self.session_dir = ""
+        self.address = self.session_dir = ""
         self.processes: list = []  # (name, psutil.Process): the keeper first, then the cluster's processes
 
     def start(self) -> None:
@@ -387,7 +399,7 @@ class LocalCluster:
             keeper.wait()
             raise
         self.keeper = keeper
-        self.address, self.gcs_address, self.session_dir = ready["address"], ready["gcs_address"], ready["session_dir"]
+        self.address, self.session_dir = ready["address"], ready["session_dir"]
         self.processes = _named([psutil.Process(keeper.pid)])
         # Keep draining the keeper's stdout, so nothing it prints later can block it.
         threading.Thread(target=lambda: keeper.stdout.read(), daemon=True).start()
@@ -433,7 +445,10 @@ def _named(roots: list) -> list[tuple[str, object]]:
     for root in roots:
         for p in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
-                found.append((p.name(), p))
+                name = p.name()
+                if any(a.endswith("dashboard/dashboard.py") for a in p.cmdline()):
+                    name = "ray-dashboard-head"  # the head is a plain `python .../dashboard.py`
+                found.append((name, p))
     return found
 
 

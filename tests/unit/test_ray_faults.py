@@ -154,9 +154,30 @@ def test_every_request_to_the_jobs_api_has_a_deadline(monkeypatch):
 
     monkeypatch.setattr("requests.request", fake_request)
     monkeypatch.setattr("ray.dashboard.modules.dashboard_sdk.requests.request", fake_request, raising=False)
+    monkeypatch.delenv("RLHF_RAY_UNREACHABLE_S", raising=False)
     with pytest.raises(ConnectionError):
         ray_jobs._timed_client("http://127.0.0.1:1")
-    assert seen["timeout"] == ray_jobs.REQUEST_TIMEOUT_S
+    assert seen["timeout"] == ray_jobs.REQUEST_TIMEOUT_S == 30
+    monkeypatch.setenv("RLHF_RAY_UNREACHABLE_S", "10")  # never longer than the bound itself
+    with pytest.raises(ConnectionError):
+        ray_jobs._timed_client("http://127.0.0.1:1")
+    assert seen["timeout"] == 10
+
+
+def test_a_request_that_hangs_counts_from_its_start(clock, monkeypatch):
+    """A server that accepts the connection and never answers: the request's own deadline is the
+    bound, and the time it hung counts, so the attempt fails at the bound, not the bound plus a deadline."""
+    monkeypatch.setenv("RLHF_RAY_UNREACHABLE_S", "20")
+
+    class Hanging(DyingJobs):
+        def get_job_info(self, submission_id):
+            if self.polls + 1 >= self.dies_at:
+                clock.sleep(ray_jobs.request_timeout_s())  # the request hangs until its deadline
+            return super().get_job_info(submission_id)
+
+    with pytest.raises(ClusterUnreachable, match="did not answer for 20 s"):
+        runner_with(Hanging(dies_at=3, error=requests.ReadTimeout("read timed out"))).run("sft", [], {}, print)
+    assert clock.now - 2 * 0.5 <= 20.5  # two polls answered; the third hangs and fails; no fourth
 
 
 def test_live_address_leaves_addresses_it_did_not_start_alone():
