@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 BOUND_S = 10  # RLHF_RAY_UNREACHABLE_S for these tests (default 60)
 CKPT = 10  # a checkpoint (and an eval line "[step N]") every CKPT steps
-SFT = {"max_steps": 120, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
+SFT = {"max_steps": 60, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
 
 
 # -- a rank that dies inside a collective: the error names it, not the rank left waiting -----------
@@ -213,7 +213,7 @@ def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(
         monkeypatch, ready, kill_rank1,
         settings={"stages": ["sft"], "from_run": prep_run, "retries": 1, "retry_delay_seconds": 0,
                   "force_stages": ["sft"], "supervised_checkpoint_steps": CKPT, "register_models": False},
-        sft={**SFT, "num_gpus_per_node": 2})
+        sft={**SFT, "num_gpus_per_node": 2, "micro_train_batch_size": 8})
     failed, retry = _sft_runs(result)
     error = failed.data.tags["rlhf.error"]
     assert struck["submission_id"] + " FAILED" in error, error[:300]
