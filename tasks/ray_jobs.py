@@ -128,6 +128,16 @@ class Reachability:
         return self.since is not None and self.seconds() >= self.bound_s
 
 
+def headline(message: str, tail: list[str]) -> str:
+    """Ray's message for a failed job in one line, with the CLI's own `rlhf: error:` line when the
+    log has one (what failed: the file and row, the rank that died). Ray appends a copy of the
+    job's log (up to 20,000 characters) to its message; the tail carries the log instead, so a
+    record that keeps only the end of the message still says what failed."""
+    first = re.sub(r",?\s*last available logs.*$", "", message.strip().split("\n", 1)[0])
+    cli = next((line.strip() for line in reversed(tail) if line.strip().startswith("rlhf: error:")), None)
+    return f"{first}; {cli}" if cli else first
+
+
 @dataclass
 class JobResult:
     submission_id: str
@@ -231,7 +241,7 @@ class RayJobRunner:
         if status == "SUCCEEDED":
             return JobResult(submission_id, seconds)
         error = StageConfigError if info.driver_exit_code == EXIT_CONFIG_ERROR else StageJobError
-        raise error(submission_id, status, info.driver_exit_code, info.message or "", tail)
+        raise error(submission_id, status, info.driver_exit_code, headline(info.message or "", tail), tail)
 
     def _connect(self, submission_id: str, log: Callable[[str], None]) -> None:
         """A client for the cluster now serving `self.address` (a dead local one is replaced first)."""

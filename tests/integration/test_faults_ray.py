@@ -99,7 +99,8 @@ def _watch(stop: threading.Event, addresses: list, ready, strike, out: dict) -> 
                         continue
                     log = client.get_job_logs(job.submission_id)
                     if ready(log) and job.driver_info:
-                        out.update(strike(addresses[0], job, log), submission_id=job.submission_id, at=time.time())
+                        out.update(strike(addresses[0], job, log), submission_id=job.submission_id,
+                                   at=time.time())
                         return
             time.sleep(0.5)
     except Exception as e:  # noqa: BLE001 - reported by the test
@@ -111,12 +112,26 @@ def _past_two_checkpoints(log: str) -> bool:
 
 
 def _run_and_strike(monkeypatch, ready, strike, **sections) -> tuple[dict, dict]:
+    """The flow's result, and what the watcher did (`raised`: the stage attempts' exceptions, whole:
+    MLflow's `rlhf.error` tag keeps only their last 5000 characters)."""
     import contextlib
 
     import flows.pipeline
+    import tasks.stages
     from flows.pipeline import rlhf
+    from tasks.ray_jobs import RayJobRunner
 
-    stop, addresses, out = threading.Event(), [], {}
+    stop, addresses, out = threading.Event(), [], {"raised": []}
+
+    class RecordingRunner(RayJobRunner):
+        def run(self, *args, **kwargs):
+            try:
+                return super().run(*args, **kwargs)
+            except Exception as e:
+                out["raised"].append(e)
+                raise
+
+    monkeypatch.setattr(tasks.stages, "RayJobRunner", RecordingRunner)
     real_cluster = flows.pipeline.ray_cluster
 
     @contextlib.contextmanager
@@ -169,7 +184,7 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
     ClusterUnreachable after RLHF_RAY_UNREACHABLE_S, the job's driver exits (Ray's GCS reconnect
     bound, set from the same variable), the retry starts a fresh local cluster and resumes from
     the checkpoint the killed attempt left."""
-    from tasks.ray_jobs import _kind, local_cluster
+    from tasks.ray_jobs import ClusterUnreachable, _kind, local_cluster
 
     monkeypatch.setenv("RLHF_RAY_UNREACHABLE_S", str(BOUND_S))
 
@@ -187,7 +202,9 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
                   "force_stages": ["sft"], "supervised_checkpoint_steps": CKPT, "register_models": False},
         sft=SFT)
     failed, retry = _sft_runs(result)
-    error = failed.data.tags["rlhf.error"]  # its last 5000 characters; the FINISHED retry shows it was retryable
+    [raised] = struck["raised"]
+    assert isinstance(raised, ClusterUnreachable) and raised.retryable
+    error = failed.data.tags["rlhf.error"]
     assert struck["submission_id"] + " UNREACHABLE" in error, error[:300]
     assert f"did not answer for {BOUND_S}" in error and f"RLHF_RAY_UNREACHABLE_S={BOUND_S}" in error
     noticed = failed.info.end_time / 1000 - struck["at"]
@@ -200,6 +217,7 @@ def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(
     """SFT on 2 ranks; rank 1's actor is SIGKILLed mid-training: the attempt fails (retryable) with
     an error naming role 'train' rank 1, rank 0 does not stay behind in its gloo collective, and the
     retry resumes from the last checkpoint and completes."""
+    from tasks.ray_jobs import StageJobError
 
     def kill_rank1(address, job, log):
         ranks = re.search(r"role 'train': rank 0 pid (\d+) on \S+, rank 1 pid (\d+)", log)
@@ -215,9 +233,12 @@ def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(
                   "force_stages": ["sft"], "supervised_checkpoint_steps": CKPT, "register_models": False},
         sft={**SFT, "num_gpus_per_node": 2, "micro_train_batch_size": 8})
     failed, retry = _sft_runs(result)
-    error = failed.data.tags["rlhf.error"]
-    assert struck["submission_id"] + " FAILED" in error, error[:300]
-    assert "role 'train' rank 1: the actor died during run_stage()" in error, error[-3000:]
+    [raised] = struck["raised"]
+    assert isinstance(raised, StageJobError) and raised.retryable and raised.submission_id == struck["submission_id"]
+    headline = str(raised).splitlines()[0]
+    assert headline.endswith("rlhf: error: stage failed: RoleError: role 'train' rank 1: the actor died during "
+                             "run_stage():"), headline
+    assert "The actor died unexpectedly" in failed.data.tags["rlhf.error"]
     noticed = failed.info.end_time / 1000 - struck["at"]
     assert noticed < 60, f"the attempt failed {noticed:.1f} s after rank 1 died"
     assert _gone(struck["rank0"]), "the surviving rank was killed with its group"

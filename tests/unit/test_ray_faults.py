@@ -182,3 +182,17 @@ def test_a_request_that_hangs_counts_from_its_start(clock, monkeypatch):
 
 def test_live_address_leaves_addresses_it_did_not_start_alone():
     assert ray_jobs.live_address("http://head:8265") == "http://head:8265"
+
+
+def test_a_failed_jobs_message_is_one_line_with_the_clis_error_not_rays_copy_of_the_log():
+    log = ["[step 20] eval/loss=3.1", "rlhf: error: stage failed: RoleError: role 'train' rank 1: the actor died "
+           "during run_stage():", "The actor died unexpectedly before finishing this task.", "\tpid: 9264"]
+    message = ("Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+               + "\n".join(log))
+    assert ray_jobs.headline(message, log) == (
+        "Job entrypoint command failed with exit code 1; rlhf: error: stage failed: RoleError: role 'train' rank 1: "
+        "the actor died during run_stage():")
+    assert ray_jobs.headline("Job was intentionally stopped.", ["[step 3]"]) == "Job was intentionally stopped."
+    err = ray_jobs.StageJobError("rlhf-sft-1", "FAILED", 1, ray_jobs.headline(message, log), log)
+    assert str(err).splitlines()[0].endswith("role 'train' rank 1: the actor died during run_stage():")
+    assert str(err).count("The actor died unexpectedly") == 1  # the log once, as the tail
