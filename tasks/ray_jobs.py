@@ -432,7 +432,7 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 self.keeper.stdin.close()
             try:
-                self.keeper.wait(timeout)
+                self.keeper.wait(max(timeout, 0.001))
             except subprocess.TimeoutExpired:
                 self.keeper.kill()
                 self.keeper.wait()
@@ -443,7 +443,7 @@ class LocalCluster:
         self.keeper, self.processes = None, []
 
     def restart(self) -> None:
-        self.stop(timeout=10.0)
+        self.stop(timeout=0.0)  # the cluster is dead: nothing to shut down gracefully
         self.start()
 
 

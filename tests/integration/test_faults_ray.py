@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 BOUND_S = 10  # RLHF_RAY_UNREACHABLE_S for these tests (default 60)
 CKPT = 10  # a checkpoint (and an eval line "[step N]") every CKPT steps
-SFT = {"max_steps": 60, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
+SFT = {"max_steps": 40, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
 
 
 # -- a rank that dies inside a collective: the error names it, not the rank left waiting -----------
@@ -29,6 +29,16 @@ SFT = {"max_steps": 60, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples"
 class Collective:
     def join(self):
         return self._role_init_process_group("gloo", 60)
+
+    def raise_then_die(self):
+        """Rank 0's error reaches the controller first, rank 1 dies half a second later (the order a
+        survivor's gloo error and Ray's death report often arrive in)."""
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def all_reduce_or_die(self, dying_rank: int):
         import torch
@@ -50,30 +60,34 @@ def test_a_rank_killed_inside_a_collective_is_named_and_the_survivor_does_not_ha
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     started = ensure_ray()
-    group = None
+    survivors = []
     try:
-        group = RoleGroup(Collective, 2, name="train", timeout_s=60)
-        assert group.call_all("join") == [(0, 2), (1, 2)]
-        survivor = group.info[0]["pid"]
-        begun = time.monotonic()
-        with pytest.raises(RoleError) as err:
-            group.call_all("all_reduce_or_die", 1)
-        assert time.monotonic() - begun < 20, "the survivor's wait in the collective did not hang the call"
-        # The root cause, not the survivor's gloo error: rank 1 died; rank 0's failure (if it came
-        # first) is mentioned after it.
-        assert err.value.rank == 1 and err.value.cause is None
-        assert str(err.value).startswith("role 'train' rank 1: the actor died during all_reduce_or_die()")
+        for method, args in (("all_reduce_or_die", (1,)), ("raise_then_die", ())):
+            group = RoleGroup(Collective, 2, name="train", timeout_s=60)
+            try:
+                assert group.call_all("join") == [(0, 2), (1, 2)]
+                survivors.append(group.info[0]["pid"])
+                begun = time.monotonic()
+                with pytest.raises(RoleError) as err:
+                    group.call_all(method, *args)
+                assert time.monotonic() - begun < 20, "the survivor's wait in the collective did not hang the call"
+                # The root cause, not the survivor's error: rank 1 died; rank 0's failure (when it
+                # came first) is mentioned after it.
+                assert err.value.rank == 1 and err.value.cause is None, str(err.value)[:500]
+                assert str(err.value).startswith(f"role 'train' rank 1: the actor died during {method}()")
+            finally:
+                group.shutdown()
+        assert "(then role 'train' rank 0 failed too: raise_then_die() raised RuntimeError: Connection closed" \
+            in str(err.value)
     finally:
-        if group is not None:
-            group.shutdown()
         if started:
             ray.shutdown()
     import psutil
 
     deadline = time.monotonic() + 15
-    while psutil.pid_exists(survivor) and time.monotonic() < deadline:
+    while any(psutil.pid_exists(p) for p in survivors) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not psutil.pid_exists(survivor), "shutdown killed the surviving rank"
+    assert not any(psutil.pid_exists(p) for p in survivors), "shutdown killed the surviving ranks"
 
 
 # -- the flow: a prep run to start from, a watcher that strikes once the SFT job has checkpoints ------
