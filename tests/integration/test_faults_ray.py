@@ -63,6 +63,10 @@ def test_a_rank_killed_inside_a_collective_is_named_and_the_survivor_does_not_ha
     survivors = []
     try:
         for method, args in (("all_reduce_or_die", (1,)), ("raise_then_die", ())):
+            deadline = time.monotonic() + 60  # the last group's placement group is given back asynchronously
+            while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.5)
             group = RoleGroup(Collective, 2, name="train", timeout_s=60)
             try:
                 assert group.call_all("join") == [(0, 2), (1, 2)]
