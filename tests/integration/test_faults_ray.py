@@ -97,10 +97,9 @@ def test_a_rank_killed_inside_a_collective_is_named_and_the_survivor_does_not_ha
 # -- the flow: a prep run to start from, a watcher that strikes once the SFT job has checkpoints ------
 
 @pytest.fixture(scope="module")
-def prep_run(harness):  # noqa: F811
-    from flows.pipeline import rlhf
-
-    return rlhf(**params(settings={"stages": ["prep"], "register_models": False}))["pipeline_run_id"]
+def sft_inputs(harness, prepared) -> dict:  # noqa: F811
+    """The SFT stage's model and data, given directly (no prep stage to run first)."""
+    return {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}"}
 
 
 def _watch(stop: threading.Event, addresses: list, ready, strike, out: dict) -> None:
@@ -197,7 +196,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_the_bound(prep_run, monkeypatch):
+def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_the_bound(sft_inputs, monkeypatch):
     """The local cluster's GCS, raylet and dashboard are SIGKILLed mid-SFT: the attempt fails with
     ClusterUnreachable after RLHF_RAY_UNREACHABLE_S, the job's driver exits (Ray's GCS reconnect
     bound, set from the same variable), the retry starts a fresh local cluster and resumes from
@@ -216,9 +215,9 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
 
     result, struck = _run_and_strike(
         monkeypatch, _past_two_checkpoints, kill_cluster,
-        settings={"stages": ["sft"], "from_run": prep_run, "retries": 1, "retry_delay_seconds": 0,
+        settings={"stages": ["sft"], "retries": 1, "retry_delay_seconds": 0,
                   "force_stages": ["sft"], "supervised_checkpoint_steps": CKPT, "register_models": False},
-        sft=SFT)
+        sft={**SFT, **sft_inputs})
     failed, retry = _sft_runs(result)
     [raised] = struck["raised"]
     assert isinstance(raised, ClusterUnreachable) and raised.retryable
@@ -231,7 +230,7 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
     _assert_resumed(result, retry)
 
 
-def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(prep_run, monkeypatch):
+def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(sft_inputs, monkeypatch):
     """SFT on 2 ranks; rank 1's actor is SIGKILLed mid-training: the attempt fails (retryable) with
     an error naming role 'train' rank 1, rank 0 does not stay behind in its gloo collective, and the
     retry resumes from the last checkpoint and completes."""
@@ -247,9 +246,9 @@ def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(
 
     result, struck = _run_and_strike(
         monkeypatch, ready, kill_rank1,
-        settings={"stages": ["sft"], "from_run": prep_run, "retries": 1, "retry_delay_seconds": 0,
+        settings={"stages": ["sft"], "retries": 1, "retry_delay_seconds": 0,
                   "force_stages": ["sft"], "supervised_checkpoint_steps": CKPT, "register_models": False},
-        sft={**SFT, "num_gpus_per_node": 2, "micro_train_batch_size": 8})
+        sft={**SFT, **sft_inputs, "num_gpus_per_node": 2, "micro_train_batch_size": 8})
     failed, retry = _sft_runs(result)
     [raised] = struck["raised"]
     assert isinstance(raised, StageJobError) and raised.retryable and raised.submission_id == struck["submission_id"]
