@@ -97,8 +97,11 @@ def run_stage(cfg: TrainConfig) -> dict:
         shared, data = share_data(data), None
         group = WorkerGroup(cfg.world_size)  # GPUs when the cluster has them, whatever this driver has
         return group.run_stage(cfg.model_dump(mode="json"), shared)
-    except RoleError as e:  # a rank raised (its exception), died or hung (the error naming the rank)
-        raise StageFailed(e.cause if e.cause is not None else e) from None
+    except RoleError as e:  # a rank raised, died or hung: the error names the role and rank
+        from rlhf_core.cli import _is_bad_input
+
+        # Bad input is the rank's own message (exit 2, as in one process); anything else keeps the rank's name.
+        raise StageFailed(e.cause if e.cause is not None and _is_bad_input(e.cause) else e) from None
     finally:
         if group is not None:
             group.shutdown()

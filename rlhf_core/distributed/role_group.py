@@ -15,6 +15,11 @@ results concatenated in rank order). Each has an `_async` twin returning a `Pend
 of ObjectRefs, so `ray.wait` takes it) to overlap roles; `.result()` or `gather_all` collect them.
 Every wait has a deadline (`timeout_s`): a rank that died, raised, or did not answer in time
 raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the first failure.
+A rank that dies mid-collective makes the others raise too (gloo: "connection closed by peer"),
+often before Ray reports the death: a rank's exception is held for up to `DEATH_GRACE_S` while
+the other ranks' results are watched, and a death among them is reported instead (the root
+cause, naming the rank that died). The caller then kills the group (`shutdown`), so no surviving
+rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rlhf_core.distributed.resources import (
 )
 
 DEFAULT_TIMEOUT_S = 600.0
+DEATH_GRACE_S = 5.0  # how long a rank's exception waits for a death among the other ranks (see above)
 
 
 class RoleError(RuntimeError):
@@ -46,7 +52,7 @@ class RoleError(RuntimeError):
 
     def __init__(self, role: str, ranks: Sequence[int], method: str, message: str,
                  cause: BaseException | None = None):
-        self.role, self.ranks, self.method, self.cause = role, list(ranks), method, cause
+        self.role, self.ranks, self.method, self.cause, self.message = role, list(ranks), method, cause, message
         where = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {self.ranks}"
         super().__init__(f"role {role!r} {where}: {message}")
 
@@ -220,8 +226,33 @@ def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None, fin
                                    f"slower than the timeout allows){others}")
         for ref in ready:
             call, i = where[ref]
-            values[id(call)][i] = _get_ready(ref, call.role, call.ranks[i], call.method)
+            try:
+                values[id(call)][i] = _get_ready(ref, call.role, call.ranks[i], call.method)
+            except RoleError as raised:
+                if raised.cause is None or not pending:
+                    raise
+                death = _death_among(pending, where, min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic())))
+                if death is None:
+                    raise
+                raise RoleError(death.role, death.ranks, death.method, f"{death.message}\n(then role {raised.role!r} "
+                                f"rank {raised.rank} failed too: {raised.message})") from raised
     return [c.finish(values[id(c)]) if finish else values[id(c)] for c in calls]
+
+
+def _death_among(pending: list, where: dict, grace_s: float) -> RoleError | None:
+    """The first rank among `pending` whose actor died within `grace_s`, as its RoleError; None if none did."""
+    deadline = time.monotonic() + grace_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        call, i = where[ready[0]]
+        try:
+            _get_ready(ready[0], call.role, call.ranks[i], call.method)
+        except RoleError as e:
+            if e.cause is None and not isinstance(e, RoleTimeoutError):
+                return e
+    return None
 
 
 def _get_ready(ref, role: str, rank: int, method: str):
@@ -304,6 +335,9 @@ class RoleGroup:
             master = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
             self.actors += [start(rank, master) for rank in range(1, world_size)]
             self.info: list[dict] = self.call_all("_role_info")  # every rank constructed, or an error naming it
+            # Which process is which rank, for whoever reads the log of a rank that dies.
+            print(f"role {self.name!r}: " + ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['node']}"
+                                                      for i in self.info), file=sys.stderr, flush=True)
         except BaseException:
             self.shutdown()
             raise

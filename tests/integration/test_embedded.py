@@ -53,13 +53,15 @@ def _without_token(url: str) -> int:
 def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_token(monkeypatch):
     import ray
     from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    from ray.util.state import list_nodes
 
     from tasks.ray_jobs import ray_cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with ray_cluster() as address:
         assert address.startswith("http://127.0.0.1:")
-        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        assert not ray.is_initialized()  # the flow is no driver: a keeper process holds the cluster
+        assert {n.node_ip for n in list_nodes(address=address)} == {"127.0.0.1"}
         assert os.environ["RAY_AUTH_MODE"] == "token"
         jobs = f"{address}/api/jobs/"
         assert _without_token(jobs) == 401
