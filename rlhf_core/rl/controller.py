@@ -237,16 +237,21 @@ class RLController:
     def make_experience(self, samples: list[RolloutSample]) -> None:
         """Old log-probs (actor), reference log-probs, values, then advantages and returns."""
         cfg = self.cfg
-        futures = {"old": self.actor.call_sharded_async("logprobs", samples)}
+        # In the first epoch's training order: each role then computes on the micro-batches training
+        # will use, and a chunk is packed once for the actor, the reference and training (`collate`).
+        order = self.experience_order(len(samples))
+        arranged = [samples[i] for i in order]
+        futures = {"old": self.actor.call_sharded_async("logprobs", arranged)}
         if self.ref is not None:
-            futures["ref"] = self.ref.call_sharded_async("logprobs", samples)
+            futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
-            futures["values"] = self.critic.call_sharded_async("values", samples)
+            futures["values"] = self.critic.call_sharded_async("values", arranged)
         results = {k: pending.gather() for k, pending in futures.items()}
-        for i, s in enumerate(samples):
-            s.old_logprobs = results["old"][i]
-            s.ref_logprobs = results["ref"][i] if "ref" in results else None
-            s.values = results["values"][i] if "values" in results else None
+        for j, i in enumerate(order):
+            s = samples[i]
+            s.old_logprobs = results["old"][j]
+            s.ref_logprobs = results["ref"][j] if "ref" in results else None
+            s.values = results["values"][j] if "values" in results else None
         lengths = [s.response_len for s in samples]
         mask = stack([torch.ones(n) for n in lengths])
         old = stack([s.old_logprobs for s in samples])
@@ -268,6 +273,19 @@ class RLController:
         self._mismatch = ((rollout_lp - old).abs() * mask).sum().item() / mask.sum().item()
 
     # -- training ---------------------------------------------------------------------------
+    def epoch_seed(self, epoch: int) -> int:
+        """The seed of this rollout step's `epoch`-th permutation of the samples (`arrange_for_ranks`)."""
+        return self.cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+
+    def experience_order(self, count: int) -> list[int]:
+        """Sample indices in the order the actor trains on them in the first epoch (`train`), then
+        any it leaves out: the order of the experience passes (their results do not depend on it)."""
+        cfg = self.cfg
+        order = arrange_for_ranks(list(range(count)), cfg.train.batch_size, self.actor.world_size, self.epoch_seed(0),
+                                  cfg.rollout.n_samples_per_prompt)
+        seen = set(order)
+        return order + [i for i in range(count) if i not in seen]
+
     def train(self, samples: list[RolloutSample]) -> dict[str, float]:
         cfg = self.cfg
         stats: dict[str, float] = {"rollout/kl": self._kl_stats, "rollout/logprob_mismatch": self._mismatch}
@@ -275,7 +293,7 @@ class RLController:
         n = cfg.rollout.n_samples_per_prompt
         sums: dict[str, float] = {}
         for epoch in range(cfg.train.max_epochs):
-            seed = cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+            seed = self.epoch_seed(epoch)
             calls = []
             if not actor_frozen:
                 arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed, n)
