@@ -8,9 +8,23 @@ import torch
 
 from rlhf_core.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def test_a_chunk_collated_again_is_the_same_batch_and_other_tokens_are_not():
+    from rlhf_core.rl.experience import RolloutSample, collate
+
+    def samples(last):
+        return [RolloutSample([1, 5, 6], [7, 8, last], g, torch.zeros(3), True) for g in range(2) for _ in range(2)]
+
+    first = collate(samples(9), 0, True, 64)
+    assert collate(samples(9), 0, True, 64) is first  # new objects, same tokens: packed once
+    other = collate(samples(10), 0, True, 64)
+    assert other is not first and other[0].input_ids.flatten().tolist().count(10) == 4
+    assert collate(samples(9), 0, False, 64) is not first  # another layout
+
+
+@pytest.mark.slow
 def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
 
