@@ -17,6 +17,10 @@ Choices, and why:
   `--train.batch_size`; rank r of a trainable role takes its contiguous slice of every step, so
   one rank and two ranks make the same updates. The permutation moves a prompt's samples
   together where the steps hold whole groups, so each micro-batch computes a prompt once.
+- The experience passes run in the first epoch's training order (each chunk is then packed once for
+  every pass, `experience.collate`), and the old log-probs of the first optimizer step's samples
+  are left to that step's training forward where nothing reads them before (`on_policy`): the
+  policy that trains on them is the one that sampled them.
 - Dynamic filtering drops prompts whose samples all score the same (no signal for a group
   estimator) and draws more prompts until the rollout is full, giving up after
   `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
