@@ -84,7 +84,8 @@ def run_ours(args) -> dict:
         "data": {"prompt_dataset": f"json@{args.prompts_dir}", "apply_chat_template": True},
         "reward": {"task": TASK},
         "algo": {"advantage": {"estimator": "group_norm"}, "loss_agg_mode": "token-mean",
-                 "kl": {"use_loss": True, "estimator": "k3", "init_coef": args.kl_coef}},
+                 # --kl_coef 0: no KL term, so no reference model (TRL's beta=0 loads none either)
+                 "kl": {"use_loss": args.kl_coef > 0, "estimator": "k3", "init_coef": args.kl_coef}},
         "rollout": {"n_samples_per_prompt": args.n, "batch_size": args.prompts, "max_new_tokens": args.max_new_tokens,
                     "micro_batch_size": args.micro_batch_size, "temperature": 1.0},
         "train": {"batch_size": args.train_batch_size, "micro_batch_size": args.micro_batch_size,

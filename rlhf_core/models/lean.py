@@ -228,7 +228,9 @@ class LeanLlama:
     def norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`LlamaRMSNorm`: fp32 statistics, the weight applied in the input's dtype."""
         if h.dtype == torch.float32 and weight.dtype == torch.float32:
-            return F.rms_norm(h, (h.shape[-1],), weight, self.eps)  # the same ops in one call (equal in fp32)
+            if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+                return _RMSNorm.apply(h, weight, self.eps)
+            return _rms_norm(h, weight, self.eps)[0]  # the same numbers, without a graph
         x = h.float()
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
 
@@ -245,12 +247,15 @@ class LeanLlama:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(bias)
-        weights = torch.softmax(scores, dim=-1)  # fp32 arithmetic inside for half inputs, one rounding
+        # An fp32 softmax rounded once to the matmuls' dtype, as the reference attention does
+        # (`models/attention.py`): on CPU the bf16 softmax kernel was up to 4x slower at these widths.
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(mm)
         return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
     def layer(self, h, w: _Layer, cos, sin, bias, mm, cache: tuple | None = None):
-        """One decoder layer on `h (B, T, hidden)`; `cache = (keys, values, start)` writes this
-        call's keys and values at `start` and attends to everything cached up to them."""
+        """One decoder layer on `h (B, T, hidden)`; `cache = (keys, values, start, end)` writes this
+        call's keys and values at `start` and attends to the cache's first `end` positions (`bias`
+        masks those not written yet)."""
         b, t, _ = h.shape
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
         x = self.norm(h, w.ln1)
@@ -259,10 +264,10 @@ class LeanLlama:
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # rotary: (x * cos) + (rotate_half(x) * sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
         if cache is not None:
-            keys, values, start = cache
+            keys, values, start, end = cache
             keys[:, :, start : start + t] = k
             values[:, :, start : start + t] = v
-            k, v = keys[:, :, : start + t], values[:, :, : start + t]
+            k, v = (keys, values) if end == keys.shape[2] else (keys[:, :, :end], values[:, :, :end])
         out = self.attention(q, k, v.to(mm), bias)
         h = h + F.linear(out, w.o)
         x = self.norm(h, w.ln2)
@@ -316,10 +321,13 @@ class LeanLlama:
             h = F.embedding(input_ids, w.embed)
             keys, values = [], []
             for layer in w.layers:
-                kv_dtype = torch.promote_types(mm, act)  # keys are rotated in the activations' dtype
-                keys.append(torch.empty((b, self.kv_heads, capacity, self.head_dim), dtype=kv_dtype, device=device))
-                values.append(torch.empty((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
-                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys[-1], values[-1], 0))
+                # Keys are rotated in the activations' dtype and attention casts them to the matmuls':
+                # cached in that dtype, they are the same numbers, not cast again (the whole cache) at every token.
+                # Zeros, not garbage: decoding attends over the whole buffer with the unwritten
+                # positions masked, and a masked NaN would still poison the softmax.
+                keys.append(torch.zeros((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
+                values.append(torch.zeros((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
+                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys[-1], values[-1], 0, length))
             key_mask = torch.full((b, 1, 1, capacity), torch.finfo(mm).min, dtype=mm, device=device)
             key_mask[:, 0, 0, :length].masked_fill_(real, 0.0)
             last = self.norm(h[:, -1:], w.norm)
@@ -338,17 +346,50 @@ class LeanLlama:
         if start >= state.key_mask.shape[-1]:
             raise RuntimeError(f"KV cache of {state.key_mask.shape[-1]} positions is full")
         state.key_mask[:, 0, 0, start] = torch.where(attends, 0.0, torch.finfo(state.key_mask.dtype).min)
-        bias = state.key_mask[..., : start + 1]
+        # Attention over the whole cache, the positions not written yet masked (their weights are
+        # exactly 0): a matmul over a contiguous buffer took a third of the time of one over the
+        # filled part, a strided view that the kernel copied first (one decoded token of 128 rows).
+        bias = state.key_mask
         with _no_autocast(device):
             w = self.weights(mm)
             cos, sin = self.rotary(positions, act)
             cos, sin = cos[:, None, None], sin[:, None, None]
             h = F.embedding(tokens.unsqueeze(-1), w.embed)
             for layer, keys, values in zip(w.layers, state.keys, state.values, strict=True):
-                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys, values, start))
+                h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys, values, start, keys.shape[2]))
             state.length = start + 1
             h = self.norm(h, w.norm)
             return F.linear(h if h.dtype == mm else h.to(mm), w.head)[:, 0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(y, x_hat, r)`: transformers' `LlamaRMSNorm` in fp32, `y = weight * x_hat`, `x_hat = x * r`,
+    `r = rsqrt(mean(x^2) + eps)` per row."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+    x_hat = x * r
+    return x_hat * weight, x_hat, r
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm (fp32) with its backward written out in seven kernels: autograd's backward of the
+    forward's pow, mean, rsqrt and two broadcast products took ten times the forward's time (its
+    broadcast products reduce their gradients back to `(rows, 1)` and `(hidden,)` separately),
+    about a sixth of a training backward of the tiny model. dx = r * (g w - x_hat * mean(g w x_hat)),
+    dweight = sum over rows of g * x_hat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, x_hat, r = _rms_norm(x, weight, eps)
+        ctx.save_for_backward(x_hat, r, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_hat, r, weight = ctx.saved_tensors
+        scaled = grad * weight
+        dx = (scaled - x_hat * (scaled * x_hat).mean(-1, keepdim=True)) * r if ctx.needs_input_grad[0] else None
+        dweight = (grad * x_hat).reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dweight, None
 
 
 def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,10 @@ Choices, and why:
   `--train.batch_size`; rank r of a trainable role takes its contiguous slice of every step, so
   one rank and two ranks make the same updates. The permutation moves a prompt's samples
   together where the steps hold whole groups, so each micro-batch computes a prompt once.
+- The experience passes run in the first epoch's training order (each chunk is then packed once for
+  every pass, `experience.collate`), and the old log-probs of the first optimizer step's samples
+  are left to that step's training forward where nothing reads them before (`on_policy`): the
+  policy that trains on them is the one that sampled them.
 - Dynamic filtering drops prompts whose samples all score the same (no signal for a group
   estimator) and draws more prompts until the rollout is full, giving up after
   `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
@@ -237,25 +241,36 @@ class RLController:
     def make_experience(self, samples: list[RolloutSample]) -> None:
         """Old log-probs (actor), reference log-probs, values, then advantages and returns."""
         cfg = self.cfg
-        futures = {"old": self.actor.call_sharded_async("logprobs", samples)}
+        # In the first epoch's training order: each role then computes on the micro-batches training
+        # will use, and a chunk is packed once for the actor, the reference and training (`collate`).
+        order = self.experience_order(len(samples))
+        arranged = [samples[i] for i in order]
+        skip = self.on_policy(order)
+        recomputed = [s for j, s in enumerate(arranged) if j not in skip]
+        futures = {"old": self.actor.call_sharded_async("logprobs", recomputed)}
         if self.ref is not None:
-            futures["ref"] = self.ref.call_sharded_async("logprobs", samples)
+            futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
-            futures["values"] = self.critic.call_sharded_async("values", samples)
+            futures["values"] = self.critic.call_sharded_async("values", arranged)
         results = {k: pending.gather() for k, pending in futures.items()}
-        for i, s in enumerate(samples):
-            s.old_logprobs = results["old"][i]
-            s.ref_logprobs = results["ref"][i] if "ref" in results else None
-            s.values = results["values"][i] if "values" in results else None
+        old_of = iter(results["old"])
+        for j, i in enumerate(order):
+            s = samples[i]
+            s.old_logprobs = None if j in skip else next(old_of)
+            s.ref_logprobs = results["ref"][j] if "ref" in results else None
+            s.values = results["values"][j] if "values" in results else None
         lengths = [s.response_len for s in samples]
         mask = stack([torch.ones(n) for n in lengths])
-        old = stack([s.old_logprobs for s in samples])
+        # The KL and mismatch metrics are over the samples whose old log-probs were computed here: all
+        # of them, unless the first optimizer step's are left to training (`on_policy`).
+        measured = [i for i, s in enumerate(samples) if s.old_logprobs is not None]
+        width, seen = mask.shape[1], mask[measured]
+        old = stack([samples[i].old_logprobs for i in measured], width)
+        kl = torch.zeros_like(mask)  # rows left out only where the KL is not in the reward (`on_policy`)
         if self.ref is not None:
-            kl = kl_penalty(old, stack([s.ref_logprobs for s in samples]), "k1" if not cfg.algo.kl.use_loss
-                            else cfg.algo.kl.estimator) * mask
-        else:
-            kl = torch.zeros_like(old)
-        self._kl_stats = (kl.sum(-1)).mean().item()
+            kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
+                                      "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
+        self._kl_stats = kl[measured].sum(-1).mean().item()
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
         advantages, returns = compute_advantages(
             self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
@@ -264,10 +279,39 @@ class RLController:
             std_norm=not cfg.algo.advantage.no_std_norm, reward_clip=tuple(cfg.reward.clip_range))
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
-        rollout_lp = stack([s.rollout_logprobs for s in samples])
-        self._mismatch = ((rollout_lp - old).abs() * mask).sum().item() / mask.sum().item()
+        rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
+        self._mismatch = ((rollout_lp - old).abs() * seen).sum().item() / seen.sum().item()
 
     # -- training ---------------------------------------------------------------------------
+    def epoch_seed(self, epoch: int) -> int:
+        """The seed of this rollout step's `epoch`-th permutation of the samples (`arrange_for_ranks`)."""
+        return self.cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+
+    def experience_order(self, count: int) -> list[int]:
+        """Sample indices in the order the actor trains on them in the first epoch (`train`), then
+        any it leaves out: the order of the experience passes (their results do not depend on it)."""
+        cfg = self.cfg
+        order = arrange_for_ranks(list(range(count)), cfg.train.batch_size, self.actor.world_size, self.epoch_seed(0),
+                                  cfg.rollout.n_samples_per_prompt)
+        seen = set(order)
+        return order + [i for i in range(count) if i not in seen]
+
+    def on_policy(self, order: list[int]) -> set[int]:
+        """Positions in `order` (`experience_order`) of the samples whose old log-probs training
+        computes itself: those of the rollout's first optimizer step, trained on by the policy that
+        sampled them, so their old log-probs are the training forward's own (detached; PPO's ratio
+        is exactly 1 there), and a no-grad pass over them would compute the same numbers again.
+        Only with one epoch (a later one revisits them after updates), an actor that trains this
+        step, the KL out of the reward (the reward needs old log-probs before training) and a
+        second optimizer step whose samples keep the KL and mismatch metrics measured."""
+        cfg = self.cfg
+        world, batch = self.actor.world_size, cfg.train.batch_size
+        if cfg.train.max_epochs != 1 or self.step < cfg.critic.freezing_steps or len(order) < 2 * batch \
+                or (self.ref is not None and not cfg.algo.kl.use_loss):
+            return set()
+        per_rank, share = batch // world, (len(order) // batch) * batch // world  # a rank's slice of every step
+        return {r * share + k for r in range(world) for k in range(per_rank)}
+
     def train(self, samples: list[RolloutSample]) -> dict[str, float]:
         cfg = self.cfg
         stats: dict[str, float] = {"rollout/kl": self._kl_stats, "rollout/logprob_mismatch": self._mismatch}
@@ -275,7 +319,7 @@ class RLController:
         n = cfg.rollout.n_samples_per_prompt
         sums: dict[str, float] = {}
         for epoch in range(cfg.train.max_epochs):
-            seed = cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+            seed = self.epoch_seed(epoch)
             calls = []
             if not actor_frozen:
                 arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed, n)

@@ -13,6 +13,7 @@ for all of its samples) plus the `(N, T_max)` layout of their response tokens
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -50,10 +51,22 @@ def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
     return list(groups.values())
 
 
+# The last few collated micro-batches, by content: a rollout's chunks are collated for the actor's
+# log-probs, again for the reference's and again for training (the controller runs the experience
+# passes in the first epoch's training order, so the chunks are the same); packing them in Python
+# took ~2.5 ms a chunk of 32 samples, 5% of a sort GRPO step.
+_COLLATED: OrderedDict = OrderedDict()
+COLLATE_CACHE_SIZE = 32
+
+
 def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
             ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     """`(batch, index, mask)`: the samples' prompt+response sequences with the response tokens
     under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`).
+
+    The result depends only on the samples' tokens and prompt indices and the arguments, and the
+    same samples collated again (the next pass over a chunk) get the same tensors back from a
+    small cache: callers must not modify them.
 
     Packed, the samples of one prompt share its tokens (`pack_shared_prefix`): a group of n
     samples computes its prompt once, not n times. Rows are at most twice the longest segment
@@ -61,6 +74,21 @@ def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capaci
     micro-batch would cost far more than the padding it saves (the tiny model's forward and
     backward on 32 sort samples: 0.27 s in one row of 734 tokens, 0.13 s in rows of 47, fp32).
     """
+    key = (pad_id, packing, row_capacity,
+           tuple((s.prompt_index, tuple(s.prompt_ids), tuple(s.response_ids)) for s in samples))
+    hit = _COLLATED.get(key)
+    if hit is not None:
+        _COLLATED.move_to_end(key)
+        return hit
+    out = _collate(samples, pad_id, packing, row_capacity)
+    _COLLATED[key] = out
+    while len(_COLLATED) > COLLATE_CACHE_SIZE:
+        _COLLATED.popitem(last=False)
+    return out
+
+
+def _collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
+             ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
     groups = prompt_groups(samples)

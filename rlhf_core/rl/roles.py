@@ -173,7 +173,13 @@ class PolicyRole(_Checkpointed, _Role):
             logits = response_logits(engine, batch, index, self.temperature)
             logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index])
             width = mask.shape[1]
-            old = stack([s.old_logprobs for s in chunk], width).to(self.device)
+            # None: a sample of the rollout's first optimizer step, whose old policy is this one
+            # (`RLController.on_policy`): its old log-probs are this forward's, detached.
+            on_policy = torch.tensor([s.old_logprobs is None for s in chunk], device=self.device)
+            old = stack([s.old_logprobs if s.old_logprobs is not None else torch.zeros(0) for s in chunk],
+                        width).to(self.device)
+            if bool(on_policy.any()):
+                old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
             loss, clipped = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high, self.cfg.actor.dual_clip)
             stats = {"policy_loss": aggregate_loss(loss, mask, mode, 1.0, norm_length).detach(),

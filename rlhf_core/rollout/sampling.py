@@ -188,7 +188,7 @@ def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature,
     for step in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
-            log_dist = torch.log_softmax(logits / temperature, dim=-1)
+            log_dist = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
             token = inverse_cdf_draw(log_dist.exp(), generator)
         else:
             log_dist = torch.log_softmax(logits, dim=-1)

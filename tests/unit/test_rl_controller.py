@@ -53,3 +53,38 @@ def test_overlong_penalty_grows_over_the_buffer_and_caps_at_the_factor():
     out = overlong_penalty(raw, lengths, max_new_tokens=20, overlong_buffer_len=4, overlong_penalty_factor=2.0)
     assert torch.allclose(out, torch.tensor([1.0, 1.0, 0.0, -1.0]))
     assert torch.equal(overlong_penalty(raw, lengths, 20, None, 2.0), raw)
+
+
+def _controller(world_size=1, max_epochs=1, use_loss=True, ref=True, step=0, freezing_steps=0, batch_size=8):
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.controller import RLController
+
+    controller = object.__new__(RLController)
+    controller.cfg = SimpleNamespace(
+        train=SimpleNamespace(batch_size=batch_size, max_epochs=max_epochs, seed=1),
+        critic=SimpleNamespace(freezing_steps=freezing_steps), algo=SimpleNamespace(kl=SimpleNamespace(use_loss=use_loss)),
+        rollout=SimpleNamespace(n_samples_per_prompt=4))
+    controller.actor, controller.ref, controller.step = SimpleNamespace(world_size=world_size), ref or None, step
+    return controller
+
+
+def test_the_first_optimizer_steps_samples_are_left_to_training_only_where_nothing_else_reads_them():
+    for world in (1, 2):
+        controller = _controller(world_size=world)
+        order = controller.experience_order(16)
+        assert sorted(order) == list(range(16))
+        skipped = controller.on_policy(order)
+        share = 16 // world  # a rank's contiguous shard of the arranged samples, step after step
+        first_step = {p for r in range(world) for p in range(r * share, r * share + 8 // world)}
+        assert skipped == first_step
+        # Those are the samples every rank trains on in its first optimizer step (`train`).
+        arranged = arrange_for_ranks(list(range(16)), 8, world, controller.epoch_seed(0), 4)
+        ranks = [arranged[r * share : (r + 1) * share] for r in range(world)]
+        assert {order[p] for p in skipped} == {i for rank in ranks for i in optimizer_steps(rank, 8 // world, 1)[0][0]
+                                               + sum(optimizer_steps(rank, 8 // world, 1)[0][1:], [])}
+    assert _controller().on_policy(list(range(8))) == set()  # one optimizer step: the metrics need a second
+    assert _controller(max_epochs=2).on_policy(list(range(16))) == set()  # a later epoch revisits them
+    assert _controller(use_loss=False).on_policy(list(range(16))) == set()  # the KL in the reward reads them
+    assert _controller(use_loss=False, ref=False).on_policy(list(range(16)))  # no KL at all
+    assert _controller(freezing_steps=2, step=1).on_policy(list(range(16))) == set()  # the actor does not train

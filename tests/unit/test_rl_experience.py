@@ -1,0 +1,55 @@
+"""The experience passes skip what training computes anyway and change no update: a GRPO run whose
+first optimizer step of each rollout takes its old log-probs from the training forward (and whose
+chunks are packed once for every pass) ends with exactly the weights of a run that recomputes them
+all in a separate pass."""
+
+import pytest
+import torch
+
+from rlhf_core.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_chunk_collated_again_is_the_same_batch_and_other_tokens_are_not():
+    from rlhf_core.rl.experience import RolloutSample, collate
+
+    def samples(last):
+        return [RolloutSample([1, 5, 6], [7, 8, last], g, torch.zeros(3), True) for g in range(2) for _ in range(2)]
+
+    first = collate(samples(9), 0, True, 64)
+    assert collate(samples(9), 0, True, 64) is first  # new objects, same tokens: packed once
+    other = collate(samples(10), 0, True, 64)
+    assert other is not first and other[0].input_ids.flatten().tolist().count(10) == 4
+    assert collate(samples(9), 0, False, 64) is not first  # another layout
+
+
+@pytest.mark.slow
+def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    from rlhf_core.rl.controller import RLController
+    from rlhf_core.rl.roles import PolicyRole
+
+    recomputed = []
+    logprobs = PolicyRole.logprobs
+    monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples: recomputed.append(len(samples))
+                        or logprobs(self, samples))
+    on_policy = RLController.on_policy
+    weights = {}
+    for name, skip in (("all", False), ("left", True)):
+        monkeypatch.setattr(RLController, "on_policy", on_policy if skip else lambda self, order: set())
+        recomputed.clear()
+        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--task", "addition", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                     "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
+                     "--micro_rollout_batch_size", "8", "--generate_max_len", "6", "--use_kl_loss",
+                     "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-3", "--param_dtype", "fp32",
+                     "--max_steps", "2", "--use_mlflow", "false", "--save_path", str(tmp_path / name)])
+        assert code == 0, capsys.readouterr().err[-3000:]
+        weights[name] = load_file(str(tmp_path / name / "model.safetensors"))
+        # 32 samples a rollout in optimizer steps of 16: the first step's 16 are not recomputed.
+        assert sum(recomputed) == (16 + 16 if skip else 32 + 32), recomputed
+    assert weights["all"].keys() == weights["left"].keys()
+    for key, value in weights["all"].items():
+        assert torch.equal(value, weights["left"][key]), key
