@@ -366,34 +366,55 @@ def run_whole(args, stage: str, side: str, data_root: Path, out_dir: Path, snaps
                "--threads", str(args.threads), "--train_batch_size", str(args.train_batch_size),
                "--micro_train_batch_size", str(args.micro_train_batch_size), "--precision", args.precision,
                "--process_rows", json.dumps(args.process_rows)]
+    # Both sides get --threads torch threads (TRL's script also sets them; ours reads the variables).
     env = dict(os.environ, RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench"
                                                                                 / "torch_extensions")),
                PYTHONPATH=os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH")) if p))
-    started = time.perf_counter()
+    import resource
+
+    def children_cpu() -> float:  # CPU time of every finished (waited-for) child process, all threads
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    started, cpu_before = time.perf_counter(), children_cpu()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=snapshot)
     seconds = time.perf_counter() - started
+    cpu_seconds = children_cpu() - cpu_before
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         print(f"  {stage} whole {side}: FAILED (exit {proc.returncode})\n{tail}", file=sys.stderr, flush=True)
         return {"failed": True, "exit": proc.returncode}
-    return {"side": side, "stage": stage, "seconds": seconds, "rows": rows, "load_1m": os.getloadavg()[0]}
+    return {"side": side, "stage": stage, "seconds": seconds, "cpu_seconds": cpu_seconds, "rows": rows,
+            "load_1m": os.getloadavg()[0]}
 
 
 def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
-    ok = {side: [r["seconds"] for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
+    ok = {side: [r for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
     unit = "pairs" if stage == "dpo" else "rows"
     lines = [f"### {stage.upper()} whole process: {args.process_rows[stage]} {unit}, 1 epoch, global batch "
              f"{args.train_batch_size}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
              f"{args.model_size}, medians of {args.repeats} alternating runs", "",
-             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) |", "|---|---|---|---|---|"]
-    med = {side: statistics.median(t) if t else None for side, t in ok.items()}
+             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) | CPU s (median) | "
+             "TRL ÷ ours (CPU time) | load (1 min) |", "|---|---|---|---|---|---|---|---|"]
+
+    def median_of(side, key):
+        values = [r[key] for r in ok[side] if r.get(key) is not None]  # CPU time: absent in older files
+        return statistics.median(values) if values else None
+
+    med = {side: median_of(side, "seconds") for side in ok}
+    cpu = {side: median_of(side, "cpu_seconds") for side in ok}
     for side in ("ours", "trl"):
         ratio = f"**{med['trl'] / med['ours']:.2f}x**" if side == "trl" and med["ours"] and med["trl"] else "—"
+        cpu_ratio = f"{cpu['trl'] / cpu['ours']:.2f}x" if side == "trl" and cpu["ours"] and cpu["trl"] else "—"
         shown = f"{med[side]:.1f}" if med[side] else "failed"
-        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | "
-                     f"{', '.join(f'{t:.1f}' for t in ok[side])} | {ratio} |")
+        load = median_of(side, "load_1m")
+        per_run = ", ".join(f"{r['seconds']:.1f}" for r in ok[side])
+        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | {per_run} | {ratio} | "
+                     f"{f'{cpu[side]:.1f}' if cpu[side] else '—'} | {cpu_ratio} | "
+                     f"{f'{load:.1f}' if load is not None else '—'} |")
     return lines + [""]
 
 
