@@ -96,6 +96,28 @@ def forward_probe(model) -> dict:
     return seen
 
 
+def lean_probe(seen: dict) -> None:
+    """The same record for our lean supervised forward (`models/lean_train.py`), which reads the
+    model's weights without calling its `forward` (so the hooks above never fire there)."""
+    import torch
+
+    from rlhf_core.models import forward
+
+    inner = forward.selected_hidden
+
+    def probed(lean, input_ids, position_ids, attention_mask, select):
+        if "attention_mask" not in seen:
+            seen["forward"] = "lean"
+            seen["autocast"] = (str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+                                if torch.is_autocast_enabled("cpu") else "off")
+            seen["attention_mask"] = ("none" if attention_mask is None
+                                      else f"{attention_mask.dim()}D {str(attention_mask.dtype).removeprefix('torch.')}")
+            seen["first_batch_shape"] = list(input_ids.shape)
+        return inner(lean, input_ids, position_ids, attention_mask, select)
+
+    forward.selected_hidden = probed
+
+
 def real_tokens(inputs: dict) -> int:
     """Non-pad tokens of a TRL batch (padded batches have attention_mask; padding-free ones have none)."""
     if "attention_mask" in inputs:
@@ -129,6 +151,7 @@ def run_ours(args) -> dict:
     recipe = recipe_class(args.stage)(cfg)
     recipe.setup()
     probe = forward_probe(recipe.engine.module)
+    lean_probe(probe)
     loop = TrainLoop(cfg, recipe.engine, recipe, recipe.data.train, None, recipe.ctx.tracker, 0, 1)
 
     def step() -> int:
@@ -441,8 +464,9 @@ def describe(name: str, results: list[dict]) -> str:
     s = ok[0]["setup"]
     batch = f"first batch {s['first_batch_shape']} with attention_mask {s['attention_mask']}"
     if VARIANTS[name]["side"] == "ours":
+        forward = "lean forward" if s.get("forward") == "lean" else s["attention"]
         return (f"{'packed' if s['packing'] else 'padded'} ({batch}), DeepSpeed ZeRO-{s['zero_stage']}, "
-                f"autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, threads {ok[0]['threads']}")
+                f"autocast {s['autocast']}, {s['optimizer']}, {forward}, threads {ok[0]['threads']}")
     return (f"TRL {s['trl']}, {'padding-free' if s['padding_free'] else 'padded'} ({batch}), "
             f"accelerate {s['accelerate']}, autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, "
             f"threads {ok[0]['threads']}")
