@@ -487,13 +487,18 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
              f"max_len {args.max_len}, {args.precision}, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
              "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
              + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
-             "| ours ÷ this, fast steps | load (1 min) |",
-             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|---|"]
+             "| ours ÷ this, fast steps | ours ÷ this, per CPU second | load (1 min) |",
+             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|---|---|"]
+
+    def per_cpu_second(r):  # work per CPU second of the run's process: what a busy machine barely moves
+        return (args.train_batch_size if dpo else r["tokens_per_step"]) / r["cpu_ms_per_step"]
+
+    cpu = {n: median_of(n, per_cpu_second) for n in names}
     for name in names:
         if not ok[name]:
-            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (10 if dpo else 9))
+            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (11 if dpo else 10))
             continue
-        ratio, spread, fast_ratio = "—", "—", "—"
+        ratio, spread, fast_ratio, cpu_ratio = "—", "—", "—", "—"
         if name != "ours" and wall.get("ours") and wall[name]:
             ratio = f"**{wall['ours'] / wall[name]:.2f}x**"
             rounds = [throughput(a, stage) / throughput(b, stage)
@@ -501,11 +506,13 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
                       if not a.get("failed") and not b.get("failed")]
             spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else "—"
             fast_ratio = f"{fast['ours'] / fast[name]:.2f}x"
+            cpu_ratio = f"{cpu['ours'] / cpu[name]:.2f}x"
         pairs = f"{wall[name]:.1f} | " if dpo else ""
         lines.append(f"| {name} | {len(ok[name])}/{len(results[name])} | {median_of(name, lambda r: r['tokens_per_step']):.0f} "
                      f"| {median_of(name, lambda r: r['ms_per_step']):.0f} | {median_of(name, lambda r: r['cpu_ms_per_step']):.0f} "
                      f"| {median_of(name, lambda r: r['tokens_per_s']):.0f} | {pairs}{ratio} | {spread} "
-                     f"| {median_of(name, fast_step_ms):.0f} | {fast_ratio} | {median_of(name, lambda r: r['load_1m']):.1f} |")
+                     f"| {median_of(name, fast_step_ms):.0f} | {fast_ratio} | {cpu_ratio} "
+                     f"| {median_of(name, lambda r: r['load_1m']):.1f} |")
     lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
     return lines
 
