@@ -324,6 +324,7 @@ def take_snapshot(work: Path) -> tuple[Path, str]:
 
     repo = Path(__file__).resolve().parents[1]
     snapshot = work / "snapshot"
+    shutil.rmtree(snapshot / "rlhf_core", ignore_errors=True)  # a kept --work_dir's copy of older code
     shutil.copytree(repo / "rlhf_core", snapshot / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
     for script in Path(__file__).resolve().parent.glob("*.py"):  # every benchmark (they share this module)
         shutil.copy2(script, snapshot / script.name)
