@@ -58,7 +58,7 @@ def test_one_cpu_rank_clips_gradients_as_deepspeed_does_in_fewer_kernels():
     cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
                        {"train_batch_size": 1, "micro_train_batch_size": 1, "max_norm": 0.05, "param_dtype": "fp32"})
     engine = initialize(model, cfg, total_steps=10)
-    assert getattr(engine.clip_fp32_gradients, "__name__", "") == "clip"  # the replacement is in place
+    assert engine.clip_fp32_gradients.__qualname__ == "_fast_clip.<locals>.clip"  # the replacement is in place
     for max_norm in (0.05, 1e6):  # clipped, and left as they are
         engine.module.zero_grad()
         engine.module(torch.randn(32, 8)).pow(2).sum().backward()
@@ -76,6 +76,9 @@ def test_one_cpu_rank_clips_gradients_as_deepspeed_does_in_fewer_kernels():
             assert torch.allclose(p.grad, r.grad, rtol=1e-5, atol=1e-8)
         if max_norm < 1:
             assert norm > max_norm  # the clipping case really clipped
+    engine.zero_grad()  # the one-rank replacement: every parameter's grad gone, as DeepSpeed's does
+    assert engine.zero_grad.__qualname__ == "initialize.<locals>.zero_grad"
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_one_cpu_rank_does_not_build_deepspeed_s_shared_memory_all_reduce():
