@@ -96,6 +96,28 @@ def forward_probe(model) -> dict:
     return seen
 
 
+def lean_probe(seen: dict) -> None:
+    """The same record for our lean supervised forward (`models/lean_train.py`), which reads the
+    model's weights without calling its `forward` (so the hooks above never fire there)."""
+    import torch
+
+    from rlhf_core.models import forward
+
+    inner = forward.selected_hidden
+
+    def probed(lean, input_ids, position_ids, attention_mask, select):
+        if "attention_mask" not in seen:
+            seen["forward"] = "lean"
+            seen["autocast"] = (str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+                                if torch.is_autocast_enabled("cpu") else "off")
+            seen["attention_mask"] = ("none" if attention_mask is None
+                                      else f"{attention_mask.dim()}D {str(attention_mask.dtype).removeprefix('torch.')}")
+            seen["first_batch_shape"] = list(input_ids.shape)
+        return inner(lean, input_ids, position_ids, attention_mask, select)
+
+    forward.selected_hidden = probed
+
+
 def real_tokens(inputs: dict) -> int:
     """Non-pad tokens of a TRL batch (padded batches have attention_mask; padding-free ones have none)."""
     if "attention_mask" in inputs:
@@ -129,6 +151,7 @@ def run_ours(args) -> dict:
     recipe = recipe_class(args.stage)(cfg)
     recipe.setup()
     probe = forward_probe(recipe.engine.module)
+    lean_probe(probe)
     loop = TrainLoop(cfg, recipe.engine, recipe, recipe.data.train, None, recipe.ctx.tracker, 0, 1)
 
     def step() -> int:
@@ -301,6 +324,7 @@ def take_snapshot(work: Path) -> tuple[Path, str]:
 
     repo = Path(__file__).resolve().parents[1]
     snapshot = work / "snapshot"
+    shutil.rmtree(snapshot / "rlhf_core", ignore_errors=True)  # a kept --work_dir's copy of older code
     shutil.copytree(repo / "rlhf_core", snapshot / "rlhf_core", ignore=shutil.ignore_patterns("__pycache__"))
     for script in Path(__file__).resolve().parent.glob("*.py"):  # every benchmark (they share this module)
         shutil.copy2(script, snapshot / script.name)
@@ -366,34 +390,55 @@ def run_whole(args, stage: str, side: str, data_root: Path, out_dir: Path, snaps
                "--threads", str(args.threads), "--train_batch_size", str(args.train_batch_size),
                "--micro_train_batch_size", str(args.micro_train_batch_size), "--precision", args.precision,
                "--process_rows", json.dumps(args.process_rows)]
+    # Both sides get --threads torch threads (TRL's script also sets them; ours reads the variables).
     env = dict(os.environ, RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                RLHF_HOME=os.environ.get("RLHF_HOME", str(data_root.parent / ".rlhf")),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlhf-bench"
                                                                                 / "torch_extensions")),
                PYTHONPATH=os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH")) if p))
-    started = time.perf_counter()
+    import resource
+
+    def children_cpu() -> float:  # CPU time of every finished (waited-for) child process, all threads
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    started, cpu_before = time.perf_counter(), children_cpu()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=snapshot)
     seconds = time.perf_counter() - started
+    cpu_seconds = children_cpu() - cpu_before
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         print(f"  {stage} whole {side}: FAILED (exit {proc.returncode})\n{tail}", file=sys.stderr, flush=True)
         return {"failed": True, "exit": proc.returncode}
-    return {"side": side, "stage": stage, "seconds": seconds, "rows": rows, "load_1m": os.getloadavg()[0]}
+    return {"side": side, "stage": stage, "seconds": seconds, "cpu_seconds": cpu_seconds, "rows": rows,
+            "load_1m": os.getloadavg()[0]}
 
 
 def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
-    ok = {side: [r["seconds"] for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
+    ok = {side: [r for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
     unit = "pairs" if stage == "dpo" else "rows"
     lines = [f"### {stage.upper()} whole process: {args.process_rows[stage]} {unit}, 1 epoch, global batch "
              f"{args.train_batch_size}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
              f"{args.model_size}, medians of {args.repeats} alternating runs", "",
-             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) |", "|---|---|---|---|---|"]
-    med = {side: statistics.median(t) if t else None for side, t in ok.items()}
+             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) | CPU s (median) | "
+             "TRL ÷ ours (CPU time) | load (1 min) |", "|---|---|---|---|---|---|---|---|"]
+
+    def median_of(side, key):
+        values = [r[key] for r in ok[side] if r.get(key) is not None]  # CPU time: absent in older files
+        return statistics.median(values) if values else None
+
+    med = {side: median_of(side, "seconds") for side in ok}
+    cpu = {side: median_of(side, "cpu_seconds") for side in ok}
     for side in ("ours", "trl"):
         ratio = f"**{med['trl'] / med['ours']:.2f}x**" if side == "trl" and med["ours"] and med["trl"] else "—"
+        cpu_ratio = f"{cpu['trl'] / cpu['ours']:.2f}x" if side == "trl" and cpu["ours"] and cpu["trl"] else "—"
         shown = f"{med[side]:.1f}" if med[side] else "failed"
-        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | "
-                     f"{', '.join(f'{t:.1f}' for t in ok[side])} | {ratio} |")
+        load = median_of(side, "load_1m")
+        per_run = ", ".join(f"{r['seconds']:.1f}" for r in ok[side])
+        lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | {per_run} | {ratio} | "
+                     f"{f'{cpu[side]:.1f}' if cpu[side] else '—'} | {cpu_ratio} | "
+                     f"{f'{load:.1f}' if load is not None else '—'} |")
     return lines + [""]
 
 
@@ -420,8 +465,9 @@ def describe(name: str, results: list[dict]) -> str:
     s = ok[0]["setup"]
     batch = f"first batch {s['first_batch_shape']} with attention_mask {s['attention_mask']}"
     if VARIANTS[name]["side"] == "ours":
+        forward = "lean forward" if s.get("forward") == "lean" else s["attention"]
         return (f"{'packed' if s['packing'] else 'padded'} ({batch}), DeepSpeed ZeRO-{s['zero_stage']}, "
-                f"autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, threads {ok[0]['threads']}")
+                f"autocast {s['autocast']}, {s['optimizer']}, {forward}, threads {ok[0]['threads']}")
     return (f"TRL {s['trl']}, {'padding-free' if s['padding_free'] else 'padded'} ({batch}), "
             f"accelerate {s['accelerate']}, autocast {s['autocast']}, {s['optimizer']}, {s['attention']}, "
             f"threads {ok[0]['threads']}")
@@ -442,13 +488,18 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
              f"max_len {args.max_len}, {args.precision}, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
              "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
              + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
-             "| ours ÷ this, fast steps | load (1 min) |",
-             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|---|"]
+             "| ours ÷ this, fast steps | ours ÷ this, per CPU second | load (1 min) |",
+             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|---|---|"]
+
+    def per_cpu_second(r):  # work per CPU second of the run's process: what a busy machine barely moves
+        return (args.train_batch_size if dpo else r["tokens_per_step"]) / r["cpu_ms_per_step"]
+
+    cpu = {n: median_of(n, per_cpu_second) for n in names}
     for name in names:
         if not ok[name]:
-            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (10 if dpo else 9))
+            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (11 if dpo else 10))
             continue
-        ratio, spread, fast_ratio = "—", "—", "—"
+        ratio, spread, fast_ratio, cpu_ratio = "—", "—", "—", "—"
         if name != "ours" and wall.get("ours") and wall[name]:
             ratio = f"**{wall['ours'] / wall[name]:.2f}x**"
             rounds = [throughput(a, stage) / throughput(b, stage)
@@ -456,11 +507,13 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
                       if not a.get("failed") and not b.get("failed")]
             spread = f"{min(rounds):.2f}–{max(rounds):.2f}" if rounds else "—"
             fast_ratio = f"{fast['ours'] / fast[name]:.2f}x"
+            cpu_ratio = f"{cpu['ours'] / cpu[name]:.2f}x"
         pairs = f"{wall[name]:.1f} | " if dpo else ""
         lines.append(f"| {name} | {len(ok[name])}/{len(results[name])} | {median_of(name, lambda r: r['tokens_per_step']):.0f} "
                      f"| {median_of(name, lambda r: r['ms_per_step']):.0f} | {median_of(name, lambda r: r['cpu_ms_per_step']):.0f} "
                      f"| {median_of(name, lambda r: r['tokens_per_s']):.0f} | {pairs}{ratio} | {spread} "
-                     f"| {median_of(name, fast_step_ms):.0f} | {fast_ratio} | {median_of(name, lambda r: r['load_1m']):.1f} |")
+                     f"| {median_of(name, fast_step_ms):.0f} | {fast_ratio} | {cpu_ratio} "
+                     f"| {median_of(name, lambda r: r['load_1m']):.1f} |")
     lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
     return lines
 

@@ -82,37 +82,49 @@ def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], row_capacity:
     lengths = [len(s) for s in seqs]
     rows = first_fit_rows(lengths, None) if row_capacity is None else least_padded_rows(lengths, row_capacity)
     width = max(sum(lengths[i] for i in members) for members in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    loss = torch.zeros((len(rows), width), dtype=torch.float32)
-    seq_ids = torch.full((len(rows), width), -1, dtype=torch.long)
-    for r, members in enumerate(rows):
-        at = 0
+    # Built as Python lists and converted once: four small tensor writes per sample cost more
+    # than the packing itself on a tiny model's step.
+    ids_rows, pos_rows, loss_rows, seq_rows = [], [], [], []
+    for members in rows:
+        ids, pos, loss, seq = [], [], [], []
         for i in members:
             n = lengths[i]
-            input_ids[r, at : at + n] = torch.tensor(seqs[i])
-            position_ids[r, at : at + n] = torch.arange(n)
-            loss[r, at : at + n] = torch.tensor(loss_masks[i], dtype=torch.float32)
-            seq_ids[r, at : at + n] = i
-            at += n
-        position_ids[r, at:] = torch.arange(width - at)
-    return Batch(input_ids, None, position_ids, loss, seq_ids, len(seqs))
+            ids += seqs[i]
+            pos += range(n)
+            loss += loss_masks[i]
+            seq += [i] * n
+        rest = width - len(ids)
+        ids_rows.append(ids + [pad_id] * rest)
+        pos_rows.append(pos + list(range(rest)))
+        loss_rows.append(loss + [0] * rest)
+        seq_rows.append(seq + [-1] * rest)
+    return Batch(torch.tensor(ids_rows, dtype=torch.long), None, torch.tensor(pos_rows, dtype=torch.long),
+                 torch.tensor(loss_rows, dtype=torch.float32), torch.tensor(seq_rows, dtype=torch.long), len(seqs))
 
 
 def first_fit_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
     """First-fit decreasing: sample indices per row, no row over `capacity` (None: one row)."""
+    return _first_fit(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, capacity)[0]
+
+
+def _first_fit(order: list[int], lengths: list[int], capacity: int | None) -> tuple[list[list[int]], list[int]]:
+    """First fit of the samples in `order`: `(rows, tokens per row)`."""
     rows: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for i in order:
         n = lengths[i]
-        slot = next((r for r, used in enumerate(loads) if capacity is None or used + n <= capacity), None)
+        if capacity is None:
+            slot = 0 if rows else None
+        else:
+            limit = capacity - n
+            slot = next((r for r, used in enumerate(loads) if used <= limit), None)
         if slot is None:
             rows.append([])
             loads.append(0)
             slot = len(rows) - 1
         rows[slot].append(i)
         loads[slot] += n
-    return rows
+    return rows, loads
 
 
 WIDTH_CANDIDATES = 16
@@ -132,10 +144,11 @@ def least_padded_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     if longest >= capacity:
         return first_fit_rows(lengths, capacity)
     step = max(1, -(-(capacity - longest) // (WIDTH_CANDIDATES - 1)))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     best = None
     for width in [*range(longest, capacity, step), capacity]:
-        rows = first_fit_rows(lengths, width)
-        used = max(sum(lengths[i] for i in members) for members in rows)
+        rows, loads = _first_fit(order, lengths, width)
+        used = max(loads)
         cost = (len(rows) * used, used)
         if best is None or cost < best[0]:
             best = (cost, rows)

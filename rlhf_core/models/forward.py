@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from rlhf_core.data.batching import Batch
 from rlhf_core.losses import gather_token_logprobs
 from rlhf_core.models.lean import lean_model
+from rlhf_core.models.lean_train import selected_hidden
 from rlhf_core.models.loading import backbone
 
 
@@ -32,6 +33,25 @@ def token_logprobs(model, batch: Batch) -> torch.Tensor:
     return logprobs
 
 
+def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
+    """`token_logprobs` where `batch.loss_mask` is nonzero (on real tokens), 0 elsewhere: `(rows, T)`
+    float32. What the supervised losses read (they multiply by the loss mask), at a fraction of
+    the cost for a Llama model: the lean forward (`models/lean_train.py`) runs the last layer's
+    MLP, the final norm, the LM head and the log-softmax only at the positions that predict a
+    loss token. Other models (and LoRA, gradient checkpointing, ZeRO-3: see `lean.lean_model`)
+    run `token_logprobs`, masked the same way."""
+    lean = lean_model(model)
+    keep = (batch.loss_mask != 0) & (batch.seq_ids >= 0)
+    if lean is None:
+        return token_logprobs(model, batch).masked_fill(~keep, 0.0)
+    rows, width = batch.input_ids.shape
+    targets = keep.reshape(-1).nonzero().squeeze(-1)
+    hidden = selected_hidden(lean, batch.input_ids, batch.position_ids, batch.attention_mask,
+                             predicting_index(batch, targets))
+    logprobs = gather_token_logprobs(lean.logits(hidden), batch.input_ids.reshape(-1)[targets])
+    return logprobs.new_zeros(rows * width).index_put((targets,), logprobs).reshape(rows, width)
+
+
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Sum `values * loss_mask` over each sample's tokens: `(rows, T)` -> `(num_samples,)`."""
     flat_ids = batch.seq_ids.reshape(-1)
@@ -42,7 +62,7 @@ def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 def sequence_logprobs(model, batch: Batch) -> torch.Tensor:
     """Summed response log-probs per sample: `(num_samples,)`."""
-    return per_sample_sum(token_logprobs(model, batch), batch)
+    return per_sample_sum(loss_token_logprobs(model, batch), batch)
 
 
 def reward_scores(model, batch: Batch) -> torch.Tensor:

@@ -14,7 +14,7 @@ from rlhf_core.config import DPOConfig
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import initialize, initialize_frozen
 from rlhf_core.losses import dpo_loss
-from rlhf_core.models.forward import per_sample_sum, token_logprobs
+from rlhf_core.models.forward import loss_token_logprobs, per_sample_sum
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     StageData,
@@ -53,10 +53,10 @@ class DPORecipe:
         n = len(examples)
         seqs = [e.chosen for e in examples] + [e.rejected for e in examples]
         batch = self.to_batch(seqs[:n], seqs[n:])
-        token_lp = token_logprobs(model, batch)
+        token_lp = loss_token_logprobs(model, batch)
         logps = per_sample_sum(token_lp, batch)
         with torch.no_grad():
-            ref_logps = per_sample_sum(token_logprobs(self.reference, batch), batch)
+            ref_logps = per_sample_sum(loss_token_logprobs(self.reference, batch), batch)
         losses, chosen_r, rejected_r = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.cfg.beta,
                                                 self.cfg.loss_type.value, self.cfg.label_smoothing)
         if self.cfg.nll_loss_coef > 0:

@@ -12,7 +12,7 @@ from functools import partial
 from rlhf_core.config import SFTConfig
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import initialize
-from rlhf_core.models.forward import token_logprobs
+from rlhf_core.models.forward import loss_token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
     StageData,
@@ -49,7 +49,7 @@ class SFTRecipe:
 
     def micro_step(self, model, examples):
         batch = self.to_batch([e.seq for e in examples])
-        nll_sum = -(token_logprobs(model, batch) * batch.loss_mask).sum()
+        nll_sum = -(loss_token_logprobs(model, batch) * batch.loss_mask).sum()
         return nll_sum, {"loss": nll_sum.detach()}, int((batch.seq_ids >= 0).sum())
 
     def train(self) -> dict:

@@ -42,3 +42,59 @@ def test_one_rank_trains_zero_1_and_2_as_stage_0():
     assert effective_zero_stage(2, 1, False, on_gpu=True) == 2  # DeepSpeed's GPU bf16 path is stage-specific
     cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"}, {"zero_stage": 2})
     assert deepspeed_config(cfg)["zero_optimization"]["stage"] == 0
+
+
+def test_one_cpu_rank_clips_gradients_as_deepspeed_does_in_fewer_kernels():
+    """One CPU rank at stage 0 in fp32 clips with torch's multi-tensor clip (`_fast_clip`):
+    DeepSpeed's global norm and scaling, to float rounding."""
+    import torch
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    from rlhf_core.distributed.engine import _fast_clip, init_distributed, initialize
+
+    init_distributed(0, 1, "127.0.0.1", None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
+                       {"train_batch_size": 1, "micro_train_batch_size": 1, "max_norm": 0.05, "param_dtype": "fp32"})
+    engine = initialize(model, cfg, total_steps=10)
+    assert engine.clip_fp32_gradients.__qualname__ == "_fast_clip.<locals>.clip"  # the replacement is in place
+    for max_norm in (0.05, 1e6):  # clipped, and left as they are
+        engine.module.zero_grad()
+        engine.module(torch.randn(32, 8)).pow(2).sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        for g in expected:
+            g.requires_grad_(False)
+        reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in expected]
+        for p, g in zip(reference, expected, strict=True):
+            p.grad = g
+        norm = clip_grad_norm_(reference, max_norm)
+        engine.clip_fp32_gradients = _fast_clip(engine, max_norm)
+        ours = engine.clip_fp32_gradients()
+        assert torch.allclose(ours, norm.reshape(()), rtol=1e-5)
+        for p, r in zip(model.parameters(), reference, strict=True):
+            assert torch.allclose(p.grad, r.grad, rtol=1e-5, atol=1e-8)
+        if max_norm < 1:
+            assert norm > max_norm  # the clipping case really clipped
+    engine.zero_grad()  # the one-rank replacement: every parameter's grad gone, as DeepSpeed's does
+    assert engine.zero_grad.__qualname__ == "initialize.<locals>.zero_grad"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_one_cpu_rank_does_not_build_deepspeed_s_shared_memory_all_reduce():
+    """A C++ build of minutes on a fresh machine's first run, for collectives one rank never makes."""
+    import importlib
+
+    from deepspeed import comm
+
+    from rlhf_core.distributed.engine import _no_shm_op_for_one_cpu_rank, init_distributed
+
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    original = ds_torch_comm.build_shm_op
+    with _no_shm_op_for_one_cpu_rank(1):
+        assert ds_torch_comm.build_shm_op() is None
+    with _no_shm_op_for_one_cpu_rank(2):
+        assert ds_torch_comm.build_shm_op is original  # several ranks: DeepSpeed's own
+    assert ds_torch_comm.build_shm_op is original
+    init_distributed(0, 1, "127.0.0.1", None)
+    assert comm.comm.cdb is not None and comm.comm.cdb.shm_comm_op is None
