@@ -275,9 +275,9 @@ class RayJobRunner:
                     raise
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"Ray at {self.address} has no job agent after {agent_wait_seconds:.0f}s. A local Ray's agent "
-                        "listens on port 52365: is another Ray cluster running on this machine? Stop it, or point "
-                        "RAY_ADDRESS at it.") from e
+                        f"Ray at {self.address} has no job agent after {agent_wait_seconds:.0f}s: the cluster's "
+                        "dashboard agent did not start (see the raylet and dashboard_agent logs in its session "
+                        "folder), or RAY_ADDRESS names a cluster started without one.") from e
             except Exception as e:  # noqa: BLE001 - no answer at all (refused, timed out)
                 if not _is_connection_error(e):
                     raise

@@ -77,6 +77,7 @@ def first_run(harness, tmp_path_factory):
     config.write_text(yaml.safe_dump(TINY))
     printed = io.StringIO()
     saved = {name: os.environ.get(name) for name in PLANTED}
+    started = time.time()
     os.environ.update(PLANTED)  # credentials in the flow's environment: no record may carry them
     try:
         with contextlib.redirect_stdout(printed):
@@ -89,14 +90,16 @@ def first_run(harness, tmp_path_factory):
                 os.environ[name] = value
     text = printed.getvalue()
     summary = json.loads(Path(re.search(r"summary:\s+(\S+)", text).group(1)).read_text())
-    return {**summary, "printed": text, "ray_session": ray_session_dir()}
+    return {**summary, "printed": text, "job_logs": job_driver_logs(started)}
 
 
-def ray_session_dir() -> Path:
-    """The local Ray session the flow ran its jobs in (its logs hold every job's driver log)."""
-    from rlhf_core.local_ray import own_temp_dir
+def job_driver_logs(since: float) -> list[Path]:
+    """The driver logs of the Ray jobs that ran since `since`: each local Ray a flow starts has a temp
+    dir of its own (`/tmp/rlhf-ray-<pid of its keeper>`), whose session logs hold every job's log."""
+    import tempfile
 
-    return (Path(own_temp_dir()) / "session_latest").resolve()
+    logs = Path(tempfile.gettempdir()).glob("rlhf-ray-*/session_*/logs/job-driver-rlhf-*")
+    return [p for p in logs if p.stat().st_mtime >= since]
 
 
 def mlflow_client():
@@ -185,7 +188,7 @@ def test_planted_secrets_reach_no_store(first_run, tmp_path):
 
     prefect_db = Path(PREFECT_API_DATABASE_CONNECTION_URL.value().split("///", 1)[1])
     home = Path(os.environ["RLHF_HOME"])
-    job_logs = list((first_run["ray_session"] / "logs").glob("job-driver-rlhf-*"))
+    job_logs = first_run["job_logs"]
     assert prefect_db.is_file() and (home / "mlflow.db").is_file()
     assert {p.name.split("-")[3] for p in job_logs} >= {"sft", "rm", "ppo"}, job_logs
     stores = [prefect_db, *home.rglob("*"), *job_logs]
