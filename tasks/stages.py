@@ -187,7 +187,7 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
         lineage.end_run(run_id)
     except BaseException as e:
         try:  # a store that is away must not hide why the stage failed
-            lineage.set_tags(run_id, {"rlhf.error": f"{type(e).__name__}: {e}"[-5000:]})
+            lineage.set_tags(run_id, {"rlhf.error": error_tag(e)})
             lineage.end_run(run_id, "FAILED")
         except Exception as record_error:  # noqa: BLE001
             logger.warning(f"{job.name}: could not mark run {run_id} FAILED: {redact_text(str(record_error))}")
@@ -196,6 +196,16 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
                            manifest.get("metrics", {}), manifest, result.seconds, time.perf_counter() - started)
     logger.info(f"{job.name}: done in {outcome.task_seconds:.1f}s (job {result.seconds:.1f}s) -> {outcome.output_uri}")
     return outcome
+
+
+def error_tag(error: BaseException, limit: int = 5000) -> str:
+    """The `rlhf.error` tag (MLflow caps a tag's value): the headline (what failed: the file and row,
+    the rank that died) and as much of the end (the job's last log lines) as fits."""
+    text = f"{type(error).__name__}: {error}"
+    if len(text) <= limit:
+        return text
+    head = text.splitlines()[0][: limit // 2]
+    return f"{head}\n[...]\n{text[-(limit - len(head) - 7):]}"
 
 
 def write_text(uri: str, text: str) -> None:

@@ -790,3 +790,14 @@ def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
     shown = params_off_default("ppo", redact_params(cfg.model_dump(mode="json")))
     assert shown["train.max_steps"] == "7" and shown["algo.advantage.lambd"] == "0.95"  # tuned, off the CLI default
     assert not [k for k in shown if k.endswith(("model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"))]
+
+
+def test_the_error_tag_keeps_the_headline_and_the_end_of_a_long_error():
+    from tasks.stages import error_tag
+
+    headline = "Ray job rlhf-sft-1 FAILED (exit code 1): rlhf: error: role 'train' rank 1: the actor died"
+    error = RuntimeError(headline + "\n" + "x" * 20000 + "\nlast log line")
+    tag = error_tag(error)
+    assert len(tag) <= 5000
+    assert tag.startswith("RuntimeError: " + headline) and tag.endswith("last log line")
+    assert error_tag(ValueError("short")) == "ValueError: short"
