@@ -69,8 +69,8 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
         assert requests.get(jobs, headers=get_auth_headers_if_auth_enabled({}), timeout=5).status_code == 200
         # The node's job agent runs what it is sent: without the token it refuses too. Its port is a
         # free one chosen at start (not Ray's fixed 52365), so a second local Ray can run beside it.
-        (agent_port,) = {n["DashboardAgentListenPort"] for n in ray.nodes()}
-        assert agent_port > 0
+        (agent_port,) = _agent_ports(address)
+        assert agent_port > 0 and agent_port != 52365
         assert requests.post(f"http://127.0.0.1:{agent_port}/api/job_agent/jobs/", json={"entrypoint": "true"},
                              timeout=5).status_code == 401
 
@@ -79,6 +79,22 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
         assert {"gcs_server", "raylet"} <= {name for _, _, name in sockets}
         exposed = {s for s in sockets if s[0] not in LOOPBACK}
         assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+
+
+def _agent_ports(address: str) -> set[int]:
+    """The job agents' ports, from the node table: read by a driver that joins the cluster briefly
+    (the flow itself is no driver), through the GCS port of the cluster's own gcs_server process."""
+    import ray
+
+    from tasks.ray_jobs import local_cluster
+
+    (gcs,) = [p for name, p in local_cluster(address).processes if name == "gcs_server"]
+    (port,) = [a.split("=", 1)[1] for a in gcs.cmdline() if a.startswith("--gcs_server_port=")]
+    ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
+    try:
+        return {n["DashboardAgentListenPort"] for n in ray.nodes()}
+    finally:
+        ray.shutdown()
 
 
 def test_ensure_ray_starts_a_cli_stage_cluster_on_loopback_with_token_auth(monkeypatch):

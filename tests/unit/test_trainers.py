@@ -121,8 +121,10 @@ def test_reward_model_of_a_tokenizer_padding_with_eos_scores_the_same_in_plain_t
 def test_dpo_learns_the_preference_on_held_out_pairs(prepared, sft_model, tmp_path, loss):
     # Two epochs of 1024 pairs from a weak SFT model: the effects are small but their signs are the
     # proof. At lr 5e-4 IPO's and hinge's held-out losses rose (the spread of the margins grew faster
-    # than their mean), so all three take gentler steps.
-    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path, learning_rate=2e-4,
+    # than their mean), so all three take gentler steps. Hinge takes the gentlest: at 2e-4 its held-out
+    # loss ended just above the start (1.005-1.009) when the rounding of the gradient clipping changed.
+    manifest = train("dpo", {**prepared, "base": sft_model["output_uri"]}, tmp_path,
+                     learning_rate=1e-4 if loss == "hinge" else 2e-4,
                      max_steps=48, max_epochs=2, max_eval_samples=128, loss_type=loss,
                      beta=0.5 if loss == "ipo" else 0.1, nll_loss_coef=0.1 if loss == "sigmoid" else 0.0,
                      packing_samples=loss == "ipo")
