@@ -24,10 +24,11 @@ migrated the new MLflow database, and one failed (`table _alembic_tmp_experiment
 exists`); each run's ephemeral Prefect server migrates its database at start the same way.
 `prepare_stores` (before the flow starts) therefore creates or upgrades the MLflow store and
 creates a missing Prefect database one process at a time, under a file lock next to each
-database; a later process finds them current and migrates nothing. Once created, the MLflow
-database is switched to SQLite's write-ahead log (a setting stored in the file), so one run's
-readers never block the other's writes; Prefect sets the same on every connection and waits up to
-60 s for a lock, MLflow (pysqlite) 5 s, ample for its small transactions.
+database; a later process finds them current and migrates nothing. The MLflow database stays in
+SQLite's rollback-journal mode: in write-ahead-log mode a Ray job did not find the stage run its
+flow had just created (tests/integration/test_pipeline.py, after several flows in one process),
+so it is not used. Prefect waits up to 60 s for a lock, MLflow (pysqlite) 5 s, ample for their
+small transactions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import sqlite3
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -108,13 +108,6 @@ def prepare_stores() -> None:
 
         with _exclusive(mlflow_db):
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates or migrates the schema
-            try:
-                with contextlib.closing(sqlite3.connect(mlflow_db, timeout=5)) as db:
-                    if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                        db.execute("PRAGMA journal_mode=WAL")
-            except sqlite3.OperationalError as e:  # a process of an older run is in the database right now
-                print(f"rlhf: note: the MLflow store {mlflow_db} stays in SQLite's rollback-journal mode for now "
-                      f"({e}); the next run switches it to the write-ahead log", file=sys.stderr)
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
