@@ -364,12 +364,14 @@ def _is_connection_error(e: BaseException) -> bool:
 READY_PREFIX = "RLHF_LOCAL_RAY "
 KEEPER_START_S = 300.0  # Ray's own start on a busy 2-core machine takes 10-40 s
 _LOCAL: dict[str, LocalCluster] = {}  # the address ray_cluster() yielded -> the cluster serving it now
-_CLUSTER_PROCESSES = {"gcs_server": "the GCS", "raylet": "the raylet", "ray-dashboard": "the dashboard"}
+# The dashboard's module processes (`ray-dashboard-<Module>-0`) are not among them: the head restarts
+# one that dies, so its death says nothing about the cluster.
+_CLUSTER_PROCESSES = {"gcs_server": "the GCS", "raylet": "the raylet", "ray-dashboard-head": "the dashboard"}
 
 
 def _kind(name: str) -> str | None:
-    """Which of the cluster's vital processes a process name is (dashboard modules: `ray-dashboard-*`)."""
-    return next((k for k in _CLUSTER_PROCESSES if name == k or name.startswith(k + "-")), None)
+    """Which of the cluster's vital processes a process name is, or None."""
+    return name if name in _CLUSTER_PROCESSES else None
 
 
 def keep_local_ray() -> None:
@@ -382,8 +384,8 @@ def keep_local_ray() -> None:
     context = init_local(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=os.cpu_count(),
                          configure_logging=False, log_to_driver=False)
     info = context.address_info
-    print(READY_PREFIX + json.dumps({"address": "http://" + context.dashboard_url, "session_dir": info["session_dir"]}),
-          flush=True)
+    print(READY_PREFIX + json.dumps({"address": "http://" + context.dashboard_url, "session_dir": info["session_dir"],
+                                     "gcs_address": info["gcs_address"]}), flush=True)
     sys.stdin.read()
     ray.shutdown()
 
@@ -394,7 +396,7 @@ class LocalCluster:
     def __init__(self):
         self.lock = threading.Lock()
         self.keeper: subprocess.Popen | None = None
-        self.address = self.session_dir = ""
+        self.address = self.session_dir = self.gcs_address = ""
         self.processes: list = []  # (name, psutil.Process): the keeper first, then the cluster's processes
 
     def start(self) -> None:
@@ -409,7 +411,7 @@ class LocalCluster:
             keeper.wait()
             raise
         self.keeper = keeper
-        self.address, self.session_dir = ready["address"], ready["session_dir"]
+        self.address, self.session_dir, self.gcs_address = ready["address"], ready["session_dir"], ready["gcs_address"]
         self.processes = _named([psutil.Process(keeper.pid)])
         # Keep draining the keeper's stdout, so nothing it prints later can block it.
         threading.Thread(target=lambda: keeper.stdout.read(), daemon=True).start()

@@ -83,14 +83,12 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
 
 def _agent_ports(address: str) -> set[int]:
     """The job agents' ports, from the node table: read by a driver that joins the cluster briefly
-    (the flow itself is no driver), through the GCS port of the cluster's own gcs_server process."""
+    (the flow itself is no driver) at the GCS address its keeper reported."""
     import ray
 
     from tasks.ray_jobs import local_cluster
 
-    (gcs,) = [p for name, p in local_cluster(address).processes if name == "gcs_server"]
-    (port,) = [a.split("=", 1)[1] for a in gcs.cmdline() if a.startswith("--gcs_server_port=")]
-    ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
+    ray.init(address=local_cluster(address).gcs_address, log_to_driver=False, configure_logging=False)
     try:
         return {n["DashboardAgentListenPort"] for n in ray.nodes()}
     finally:

@@ -208,7 +208,7 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
     def kill_cluster(address, job, log):
         cluster = local_cluster(address)
         victims = [p for name, p in cluster.processes if _kind(name)]
-        assert {_kind(name) for name, _ in cluster.processes} >= {"gcs_server", "raylet", "ray-dashboard"}
+        assert {_kind(name) for name, _ in cluster.processes} >= {"gcs_server", "raylet", "ray-dashboard-head"}
         for p in victims:
             p.kill()
         return {"driver": int(job.driver_info.pid), "old_address": cluster.address}
