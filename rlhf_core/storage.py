@@ -657,7 +657,10 @@ def release_cache_pins() -> None:
         os.close(_PINS.popitem()[1])
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """The size of a file, or of every file under a folder (links not followed)."""
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
     total = 0
     for root, _, names in os.walk(path):
         for name in names:
@@ -686,11 +689,11 @@ def evict_cache(cache_root: str | Path, keep: Iterable[Path] = (), everything: b
     entries = []
     for d in downloads.iterdir():
         if d.name.startswith("."):
-            if d.is_dir() and now - _newest_mtime(d) > LEFTOVER_AGE_S:
+            if d.is_dir() and now - newest_mtime(d) > LEFTOVER_AGE_S:
                 shutil.rmtree(d, ignore_errors=True)
             continue
         try:
-            entries.append((os.stat(d / COMPLETE).st_mtime, _tree_bytes(d), d))
+            entries.append((os.stat(d / COMPLETE).st_mtime, tree_bytes(d), d))
         except FileNotFoundError:
             continue
     total = sum(size for _, size, _ in entries)
@@ -725,10 +728,11 @@ def evict_cache(cache_root: str | Path, keep: Iterable[Path] = (), everything: b
     return removed
 
 
-def _newest_mtime(path: Path) -> float:
-    newest = os.stat(path).st_mtime
-    for root, _, names in os.walk(path):
-        for name in names:
+def newest_mtime(path: Path) -> float:
+    """The newest modification time of a path and of everything under it (links not followed)."""
+    newest = path.lstat().st_mtime
+    for root, dirs, names in os.walk(path):
+        for name in dirs + names:
             try:
                 newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
             except OSError:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
@@ -46,7 +45,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_core.config import ConfigError
-from rlhf_core.storage import CHECKPOINTS, MANIFEST, WRITING, is_remote
+from rlhf_core.storage import (
+    CHECKPOINTS,
+    MANIFEST,
+    WRITING,
+    is_remote,
+    newest_mtime,
+    normalize_uri,
+    tree_bytes,
+)
 
 STAGE_KEY = "rlhf-stage-key.json"  # tasks/resume.py: the cache key that claimed a checkpoint folder
 SUMMARY = "pipeline_summary.json"
@@ -84,30 +91,6 @@ class Plan:
 # The tree
 
 
-def tree_size(path: Path) -> int:
-    if path.is_file() or path.is_symlink():
-        return path.lstat().st_size
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def newest_mtime(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    for dirpath, dirs, files in os.walk(path):
-        for name in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
-            except OSError:
-                pass
-    return newest
-
-
 def _marker_kind(folder: Path) -> str | None:
     if (folder / MANIFEST).is_file():
         return "output"
@@ -140,14 +123,14 @@ def scan(root: Path, stage_names: dict[str, set[str]]) -> tuple[list[Item], list
             elif entry.is_dir():
                 kind = _marker_kind(entry)
                 if kind is not None:
-                    items.append(Item(entry, kind, run, tree_size(entry)))
+                    items.append(Item(entry, kind, run, tree_bytes(entry)))
                 else:
                     visit(entry, run, depth + 1)
             elif depth == 0 and entry.name == SUMMARY and _summary_names(entry, run):
-                items.append(Item(entry, "summary", run, tree_size(entry)))
+                items.append(Item(entry, "summary", run, tree_bytes(entry)))
             elif (depth == 1 and folder.name == "configs" and entry.suffix == ".yaml"
                   and entry.stem in stage_names.get(run, ())):
-                items.append(Item(entry, "config", run, tree_size(entry)))
+                items.append(Item(entry, "config", run, tree_bytes(entry)))
             else:
                 foreign.append(entry)
 
@@ -166,9 +149,10 @@ def scan(root: Path, stage_names: dict[str, set[str]]) -> tuple[list[Item], list
 
 
 def _local(uri: str | None) -> Path | None:
+    """A local URI as the flow records it (`storage.normalize_uri`: absolute, symlinks resolved)."""
     if not uri or is_remote(uri):
         return None
-    return Path(os.path.abspath(uri.removeprefix("file://").removeprefix("json@")))
+    return Path(normalize_uri(uri.removeprefix("json@")))
 
 
 def _inside(inner: Path, outer: Path) -> bool:
@@ -404,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
     root_arg = args.output_root or str(state_dir() / "pipelines")
     if is_remote(root_arg):
         raise ConfigError(f"--output_root {root_arg}: rlhf prune works on a local output root only")
-    root = Path(os.path.abspath(root_arg.removeprefix("file://")))
+    # Resolved like every path the flow records (a symlinked root would otherwise match no reference).
+    root = Path(normalize_uri(root_arg))
     if not root.is_dir():
         print(f"nothing to prune: {root} does not exist")
         return 0

@@ -174,6 +174,17 @@ def test_dry_run_lists_exactly_the_unreferenced_and_deletes_nothing_then_yes_del
     assert _listed(text) == set() and "would delete 0 item(s)" in text
 
 
+def test_an_output_root_given_through_a_symlink_keeps_what_is_referenced(tree):
+    """The flow records resolved paths; a root named through a symlink (a linked home, macOS's
+    /tmp) must still match them, or every registered and cached output would look unreferenced."""
+    root, deleted = tree["root"], tree["deleted"]
+    link = root.parent / "linked-pipelines"
+    link.symlink_to(root, target_is_directory=True)
+    code, text = _prune("--output_root", str(link), "--keep_last", "1", "--keep_days", "7")
+    assert code == 0, text
+    assert _listed(text) == deleted, text
+
+
 def test_registered_only_with_an_alias_and_no_cache_entries(tree):
     root, deleted = tree["root"], tree["deleted"]
     flags = ["--output_root", str(root), "--keep_last", "1", "--keep_days", "7", "--keep_registered", "aliased",
