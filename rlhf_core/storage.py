@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -482,7 +483,7 @@ def write_manifest(local_dir: str | Path, manifest: dict, flag: str = "--out") -
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     try:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
         os.replace(tmp, path)

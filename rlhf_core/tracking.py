@@ -191,6 +191,8 @@ class MetricQueue:
                         self._changed.wait(min(1.0, max(0.0, deadline - time.monotonic())))
                     if not self._queue and not self._in_flight:
                         return True
+                    if self._in_flight:  # the deadline passed with the thread's batch still out
+                        return False
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
@@ -282,7 +284,7 @@ class Tracker:
             storage.withdraw(uri, stage)
         except Exception as e:  # noqa: BLE001 - say so; the stage fails either way
             return (f"; the output at {redact_text(uri)} was published but could not be withdrawn ({type(e).__name__}: "
-                    f"{e}): its stage.json names a run that did not finish")
+                    f"{redact_text(str(e))}): its stage.json names a run that did not finish")
         return (f"; the output published at {redact_text(uri)} was withdrawn (its stage.json removed, marked unfinished: "
                 "a retry replaces it)")
 
@@ -375,7 +377,9 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run. FINISHED: every metric sent and the status recorded within RLHF_STORE_WAIT_S, else
-        StoreUnavailable (and a published output withdrawn). FAILED: tried for a few seconds, never raises."""
+        StoreUnavailable (and a published output withdrawn). Any other status: a published output is
+        withdrawn (nothing looks finished whose run did not finish), the status tried for a few
+        seconds; never raises, since the stage's own error is the one to report."""
         if not self.enabled:
             return
         from rlhf_core.stores import StoreUnavailable, store_wait_s
@@ -384,12 +388,17 @@ class Tracker:
         if os.environ.get("MLFLOW_RUN_ID") == self.run_id:
             os.environ.pop("MLFLOW_RUN_ID")  # as mlflow.end_run does: a later run in this process is its own
         if status != "FINISHED":
+            withdrawn = self._withdraw()
+            if withdrawn:
+                _warn(f"the stage failed after publishing its output{withdrawn}")
             seconds = min(FAILED_STATUS_WAIT_S, store_wait_s())
             self.metrics.drain(seconds)  # a crashed stage keeps what it measured, if the store is there
             try:
-                self._retry("mark the run FAILED", lambda: self.client.set_terminated(self.run_id, status), seconds)
-            except StoreUnavailable as e:
-                _warn(str(e))
+                self._retry(f"mark the run {status}", lambda: self.client.set_terminated(self.run_id, status), seconds)
+            except Exception as e:  # noqa: BLE001 - a refusal too (e.g. INVALID_STATE): never hide the stage's error
+                _warn(str(e) if isinstance(e, StoreUnavailable)
+                      else f"MLflow at {self.store} did not mark the run {status}: {type(e).__name__}: "
+                           f"{redact_text(str(e))[:300]}")
             return
         try:
             self.await_store("the stage's run was not marked FINISHED")

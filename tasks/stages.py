@@ -201,7 +201,7 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
 def error_tag(error: BaseException, limit: int = 5000) -> str:
     """The `rlhf.error` tag (MLflow caps a tag's value): the headline (what failed: the file and row,
     the rank that died) and as much of the end (the job's last log lines) as fits."""
-    text = f"{type(error).__name__}: {error}"
+    text = redact_text(f"{type(error).__name__}: {error}")  # before cutting: a cut secret is no longer found
     if len(text) <= limit:
         return text
     head = text.splitlines()[0][: limit // 2]

@@ -1,3 +1,5 @@
+import json
+
 from rlhf_core.tracking import REDACTED, redact, redact_params
 
 
@@ -80,3 +82,50 @@ def test_a_tracking_database_of_the_users_keeps_artifacts_under_the_state_dir_no
     location = mlflow.MlflowClient(f"sqlite:///{tmp_path}/users.db").get_experiment(experiment).artifact_location
     assert location == f"{(tmp_path / 'home' / 'mlartifacts').as_uri()}/artifacts-where"
     assert not (tmp_path / "mlruns").exists()
+
+
+def test_a_stage_that_fails_after_publishing_withdraws_its_output(monkeypatch, tmp_path):
+    """Any failure after `published()` (not only an unreachable store: a refusal, a bug, a SIGTERM at
+    the stage timeout) leaves no stage.json: nothing looks finished whose run did not finish."""
+    import mlflow
+
+    from rlhf_core import storage, tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / storage.MANIFEST).write_text('{"stage": "sft"}')
+    tracker = tracking.Tracker(True, "withdraw", "run", None)
+    tracker.published(str(out), "sft")
+    # The store refuses the status (not a store failure, so not retried): finish still does not raise.
+    monkeypatch.setattr(mlflow.MlflowClient, "set_terminated",
+                        lambda *a, **k: (_ for _ in ()).throw(mlflow.exceptions.MlflowException("INVALID_STATE")))
+    tracker.finish("FAILED")
+    assert not (out / storage.MANIFEST).exists()
+    marker = json.loads((out / storage.WRITING).read_text())
+    assert marker["stage"] == "sft"  # marked unfinished: a retry of sft may replace it
+
+
+def test_drain_gives_up_at_its_deadline_while_the_threads_batch_is_still_out():
+    """A send that hangs in the background thread: drain returns False at its deadline (it used to
+    spin until the request ended)."""
+    import threading
+    import time
+
+    from rlhf_core.tracking import MetricQueue
+
+    release = threading.Event()
+    queue = MetricQueue(lambda batch: release.wait(30), capacity=100, store="test")
+    queue.add([1, 2, 3])
+    queue.wake()
+    deadline = time.monotonic() + 5
+    while queue._in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert queue._in_flight == 3
+    started, cpu = time.monotonic(), time.process_time()
+    assert queue.drain(0.5) is False
+    assert time.monotonic() - started < 2.0
+    assert time.process_time() - cpu < 0.4, "drain spun while waiting"
+    release.set()
+    queue.stop()
