@@ -253,6 +253,22 @@ class ConfigError(ValueError):
     """A configuration problem with a message that names the field or flag."""
 
 
+def env_number(name: str, default: float, *, allow_zero: bool = False, integer: bool = False) -> float:
+    """A numeric setting read from the environment (`default` when unset or blank); a ConfigError
+    naming the variable when it is not a finite number > 0 (>= 0 with `allow_zero`)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 if allow_zero else value > 0) or math.isinf(value):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{name}={raw!r}: must be {kind} {'>= 0' if allow_zero else '> 0'} (default {default:g})")
+    return value
+
+
 def _parse_bool(text: str) -> bool:
     lowered = str(text).lower()
     if lowered in ("1", "true", "yes", "on"):

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rlhf_core.config import ConfigError, state_dir
+from rlhf_core.config import ConfigError, env_number, state_dir
 from rlhf_core.redaction import redact
 
 MANIFEST = "stage.json"
@@ -615,13 +615,7 @@ def cache_bounds() -> tuple[float | None, float | None]:
     bounds = []
     for name, default, unit in ((CACHE_MAX_GB_ENV, DEFAULT_CACHE_MAX_GB, 1e9),
                                 (CACHE_MAX_AGE_DAYS_ENV, DEFAULT_CACHE_MAX_AGE_DAYS, 86400.0)):
-        raw = os.environ.get(name, "").strip()
-        try:
-            value = float(raw) if raw else default
-        except ValueError:
-            value = -1.0
-        if not value >= 0 or value == float("inf"):
-            raise ConfigError(f"{name}={raw!r}: must be a number >= 0 (0: no bound; default {default:g})")
+        value = env_number(name, default, allow_zero=True)  # 0: no bound
         bounds.append(value * unit if value > 0 else None)
     return bounds[0], bounds[1]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 
+from rlhf_core.config import env_number
 from rlhf_core.redaction import redact_text
 
 DEFAULT_STORE_CHECK_S = 30.0
@@ -45,15 +46,15 @@ class StoreUnavailable(RuntimeError):
 
 
 def store_check_s() -> float:
-    return float(os.environ.get("RLHF_STORE_CHECK_S") or DEFAULT_STORE_CHECK_S)
+    return env_number("RLHF_STORE_CHECK_S", DEFAULT_STORE_CHECK_S)
 
 
 def store_wait_s() -> float:
-    return float(os.environ.get("RLHF_STORE_WAIT_S") or DEFAULT_STORE_WAIT_S)
+    return env_number("RLHF_STORE_WAIT_S", DEFAULT_STORE_WAIT_S)
 
 
 def metrics_buffer() -> int:
-    return int(os.environ.get("RLHF_METRICS_BUFFER") or DEFAULT_METRICS_BUFFER)
+    return int(env_number("RLHF_METRICS_BUFFER", DEFAULT_METRICS_BUFFER, integer=True))
 
 
 def bound_mlflow_requests() -> None:

@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from rlhf_core.config import env_number
 from rlhf_core.launch import FORWARDED_ENV
 from rlhf_core.redaction import redact_text
 
@@ -56,16 +57,7 @@ GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"  # Ray's own (src/r
 
 def unreachable_s() -> float:
     """How long the Jobs API may fail every poll before the attempt fails (`RLHF_RAY_UNREACHABLE_S`)."""
-    raw = os.environ.get(UNREACHABLE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_UNREACHABLE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{UNREACHABLE_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return env_number(UNREACHABLE_ENV, DEFAULT_UNREACHABLE_S)
 
 
 class StageJobError(RuntimeError):

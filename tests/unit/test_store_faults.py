@@ -134,3 +134,18 @@ def test_publishing_to_an_unreachable_s3_waits_the_bound_and_writes_nothing(shor
     with pytest.raises(stores.StoreUnavailable, match=r"within 1.5 s \(RLHF_STORE_WAIT_S.*nothing was published"):
         storage.publish_dir(tmp_path / "model", "s3://models/down/sft", {"stage": "sft"})
     assert BOUND_S <= time.monotonic() - started < BOUND_S + 1.0
+
+
+@pytest.mark.parametrize("name", ["RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER"])
+@pytest.mark.parametrize("bad", ["soon", "-5", "0", "inf"])
+def test_a_bad_bound_is_a_configuration_error_naming_the_variable(name, bad, monkeypatch):
+    """A negative wait would mean no wait at all; a word would be a traceback: both are named."""
+    from rlhf_core.config import ConfigError
+
+    monkeypatch.setenv(name, bad)
+    read = {"RLHF_STORE_CHECK_S": stores.store_check_s, "RLHF_STORE_WAIT_S": stores.store_wait_s,
+            "RLHF_METRICS_BUFFER": stores.metrics_buffer}[name]
+    with pytest.raises(ConfigError, match=f"{name}='{bad}': must be"):
+        read()
+    monkeypatch.setenv(name, "")
+    assert read() > 0  # blank: the default
