@@ -214,13 +214,13 @@ class RayJobRunner:
         submission_id = f"rlhf-{stage}-{uuid.uuid4().hex[:8]}"
         self._connect(submission_id, log)
         entrypoint = job_command(args)
-        self._submit(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
-                     metadata={"rlhf_stage": stage}, entrypoint_num_gpus=entrypoint_num_gpus)
-        with _ACTIVE_LOCK:
+        with _ACTIVE_LOCK:  # before the request: a submission whose answer is lost may still run
             _ACTIVE[submission_id] = self.client
-        log(f"submitted Ray job {submission_id} to {self.address}: {entrypoint}")
         finished = False
         try:
+            self._submit(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
+                         metadata={"rlhf_stage": stage}, entrypoint_num_gpus=entrypoint_num_gpus)
+            log(f"submitted Ray job {submission_id} to {self.address}: {entrypoint}")
             info, tail = self._wait(submission_id, log)
             finished = True
         finally:
@@ -255,14 +255,21 @@ class RayJobRunner:
 
     def _submit(self, agent_wait_seconds: float = 60.0, **kwargs) -> None:
         # A cluster that has just started answers "No available agent" until its job agent is up.
+        # A request that timed out may have reached the cluster: before trying again, ask whether the
+        # job exists (the submission id is this attempt's own), and take "already exists" as ours.
         deadline = time.monotonic() + agent_wait_seconds
         reach = Reachability(unreachable_s())
+        answer_lost = False
         while True:
             started = time.monotonic()
             try:
+                if answer_lost and self._exists(kwargs["submission_id"]):
+                    return
                 self.client.submit_job(**kwargs)
                 return
             except RuntimeError as e:
+                if answer_lost and "already exists" in str(e):
+                    return
                 if "No available agent" not in str(e):
                     raise
                 if time.monotonic() > deadline:
@@ -273,11 +280,20 @@ class RayJobRunner:
             except Exception as e:  # noqa: BLE001 - no answer at all (refused, timed out)
                 if not _is_connection_error(e):
                     raise
+                answer_lost = True
                 reach.failed(e, started)
                 if reach.expired():
                     raise ClusterUnreachable(kwargs["submission_id"], self.address, reach.seconds(), reach.bound_s,
                                              e, []) from e
             time.sleep(1.0)
+
+    def _exists(self, submission_id: str) -> bool:
+        """Whether the cluster knows the job (a submission whose answer was lost went through)."""
+        try:
+            self.client.get_job_info(submission_id)
+            return True
+        except RuntimeError:  # the Jobs API's "not found": submit it
+            return False
 
     def _wait(self, submission_id: str, log: Callable[[str], None]):
         """Relay the job's log lines until it ends. The status (small) is polled every

@@ -196,3 +196,34 @@ def test_a_failed_jobs_message_is_one_line_with_the_clis_error_not_rays_copy_of_
     err = ray_jobs.StageJobError("rlhf-sft-1", "FAILED", 1, ray_jobs.headline(message, log), log)
     assert str(err).splitlines()[0].endswith("role 'train' rank 1: the actor died during run_stage():")
     assert str(err).count("The actor died unexpectedly") == 1  # the log once, as the tail
+
+
+@pytest.mark.parametrize("second_answer", ["job found", "already exists"])
+def test_a_submission_whose_answer_is_lost_is_not_submitted_twice(clock, second_answer):
+    """The first submit reached the cluster but its answer timed out: the runner finds the job (or
+    is told its id already exists) and waits on it, instead of failing and leaving it to run
+    unwatched, or starting a second one."""
+
+    class LostAnswer(DyingJobs):
+        def __init__(self):
+            super().__init__(dies_at=10**6, error=RuntimeError("unused"), ends_at=3)
+            self.submitted = []
+
+        def submit_job(self, **kwargs):
+            self.submitted.append(kwargs["submission_id"])
+            if len(self.submitted) == 1:
+                raise requests.ReadTimeout("read timed out")  # ...after the cluster took it
+            raise RuntimeError(f"Job with submission_id {kwargs['submission_id']} already exists.")
+
+        def get_job_info(self, submission_id):
+            if not self.submitted:
+                raise RuntimeError("Job not found")
+            if second_answer == "already exists" and self.polls == 0 and len(self.submitted) == 1:
+                self.polls -= 1  # the existence check does not count as a poll...
+                raise RuntimeError("Job not found")  # ...and says not found (a store that lags)
+            return super().get_job_info(submission_id)
+
+    fake = LostAnswer()
+    result = runner_with(fake).run("sft", [], {}, print)
+    assert result.submission_id == fake.submitted[0]
+    assert len(set(fake.submitted)) == 1 and len(fake.submitted) == (2 if second_answer == "already exists" else 1)
