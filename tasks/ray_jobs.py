@@ -31,8 +31,8 @@ import atexit
 import contextlib
 import json
 import os
+import queue
 import re
-import selectors
 import shlex
 import subprocess
 import sys
@@ -412,8 +412,12 @@ class LocalCluster:
 
         keeper = subprocess.Popen([sys.executable, "-c", "from tasks.ray_jobs import keep_local_ray; keep_local_ray()"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        lines: queue.Queue = queue.Queue()
+        # Read by a thread for as long as the keeper lives: nothing it prints can block it, and no
+        # line waits in a read buffer that select() cannot see.
+        threading.Thread(target=_pump, args=(keeper.stdout, lines), daemon=True).start()
         try:
-            ready = _read_ready_line(keeper, KEEPER_START_S)
+            ready = _read_ready_line(keeper, lines, KEEPER_START_S)
         except BaseException:
             keeper.kill()
             keeper.wait()
@@ -421,8 +425,6 @@ class LocalCluster:
         self.keeper = keeper
         self.address, self.session_dir, self.gcs_address = ready["address"], ready["session_dir"], ready["gcs_address"]
         self.processes = _named([psutil.Process(keeper.pid)])
-        # Keep draining the keeper's stdout, so nothing it prints later can block it.
-        threading.Thread(target=lambda: keeper.stdout.read(), daemon=True).start()
 
     def dead(self) -> str | None:
         """None while the cluster runs; else what is gone (the keeper, the GCS, the raylet, the dashboard)."""
@@ -482,24 +484,34 @@ def _running(p) -> bool:
         return False
 
 
-def _read_ready_line(keeper: subprocess.Popen, timeout: float) -> dict:
+def _pump(stream, lines: queue.Queue) -> None:
+    """The keeper's stdout lines into `lines` until its ready line; after it, read and dropped."""
+    ready = False
+    for line in stream:
+        if not ready:
+            lines.put(line)
+            ready = line.startswith(READY_PREFIX)
+    lines.put(None)
+
+
+def _read_ready_line(keeper: subprocess.Popen, lines: queue.Queue, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(keeper.stdout, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"the local Ray cluster did not start within {timeout:.0f} s")
-            if sel.select(timeout=min(left, 1.0)):
-                line = keeper.stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    return json.loads(line[len(READY_PREFIX):])
-                if line:
-                    sys.stdout.write(line)
-                    continue
-            if keeper.poll() is not None:
-                raise RuntimeError(f"the local Ray cluster's keeper process exited with code {keeper.returncode} "
-                                   "before the cluster was up (its error is above)")
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"the local Ray cluster did not start within {timeout:.0f} s")
+        try:
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        if line is None:  # stdout closed: the keeper is gone
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                keeper.wait(10)
+            raise RuntimeError(f"the local Ray cluster's keeper process exited with code {keeper.returncode} "
+                               "before the cluster was up (its error is above)")
+        if line.startswith(READY_PREFIX):
+            return json.loads(line[len(READY_PREFIX):])
+        sys.stdout.write(line)
 
 
 def local_cluster(address: str) -> LocalCluster | None:

@@ -227,3 +227,25 @@ def test_a_submission_whose_answer_is_lost_is_not_submitted_twice(clock, second_
     result = runner_with(fake).run("sft", [], {}, print)
     assert result.submission_id == fake.submitted[0]
     assert len(set(fake.submitted)) == 1 and len(fake.submitted) == (2 if second_answer == "already exists" else 1)
+
+
+def test_the_keepers_ready_line_is_read_when_other_lines_arrive_with_it_in_one_chunk(capsys):
+    """Lines printed before the ready line reach the pipe in the same write: all are read (a
+    select() on the pipe followed by readline() left the ready line in Python's buffer)."""
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    code = ("import sys; print('Ray says hello'); print('another line'); "
+            f"print({ray_jobs.READY_PREFIX!r} + '{{\"address\": \"http://127.0.0.1:1\"}}'); sys.stdout.flush(); "
+            "sys.stdin.read()")
+    keeper = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=ray_jobs._pump, args=(keeper.stdout, lines), daemon=True).start()
+        assert ray_jobs._read_ready_line(keeper, lines, timeout=20) == {"address": "http://127.0.0.1:1"}
+        assert "Ray says hello\nanother line\n" in capsys.readouterr().out
+    finally:
+        keeper.kill()
+        keeper.wait()
