@@ -190,7 +190,8 @@ def references(view: StoreView, root: Path, now_ms: int, keep_last: int, keep_da
                         or key == "rlhf.checkpoint_uri":
                     if key.endswith(".run_id"):
                         continue
-                    add(value, why)
+                    for uri in value.split(","):
+                        add(uri.strip(), why)
 
     # Registered model versions.
     for version in view.registered:
@@ -228,11 +229,12 @@ def references(view: StoreView, root: Path, now_ms: int, keep_last: int, keep_da
         path = queue.pop()
         for stage in by_output.get(path, []):
             for key, value in stage["tags"].items():
-                if key.startswith("rlhf.upstream.") and key.endswith(".model_uri"):
-                    upstream = _local(value)
-                    if upstream is not None and upstream not in refs:
-                        refs[upstream] = f"input of {path.name} ({refs[path]})"
-                        queue.append(upstream)
+                if (key.startswith("rlhf.upstream.") and key.endswith(".model_uri")) or key.startswith("rlhf.input."):
+                    for uri in value.split(","):  # an input may name several datasets
+                        upstream = _local(uri.strip())
+                        if upstream is not None and upstream not in refs:
+                            refs[upstream] = f"input of {path.name} ({refs[path]})"
+                            queue.append(upstream)
     return refs
 
 

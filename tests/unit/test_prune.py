@@ -209,3 +209,23 @@ def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
 
     assert main(["prune", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_what_a_kept_output_was_trained_from_is_kept_whatever_role_named_it(tmp_path):
+    """A registered DPO policy took its reference from an old run's SFT folder (`rlhf.input.reference`)
+    and two datasets (one tag, comma-separated): all of them are kept with it."""
+    from tasks.prune import StoreView, references
+
+    root = tmp_path / "pipelines"
+    dpo, ref, d1, d2 = (root / "r2" / "dpo", root / "r1" / "sft", root / "r1" / "prep" / "a", root / "r1" / "prep" / "b")
+    view = StoreView(
+        runs={"r1": {"start_ms": 0, "status": "FINISHED", "stages": {}},
+              "r2": {"start_ms": 1, "status": "FINISHED", "stages": {}}},
+        stage_runs=[{"parent": "r2", "name": "dpo", "status": "FINISHED", "start_ms": 1,
+                     "tags": {"rlhf.output_uri": str(dpo), "rlhf.input.reference": str(ref),
+                              "rlhf.input.data": f"json@{d1},{d2}"}}],
+        registered=[{"name": "policy", "version": "1", "output_uri": str(dpo), "aliases": []}])
+    refs = references(view, root, now_ms=10**13, keep_last=0, keep_days=0, keep_registered="all",
+                      keep_cache="none", code_version="x")
+    assert {dpo, ref, d1, d2} <= set(refs), refs
+    assert refs[ref].startswith("input of dpo")
