@@ -185,11 +185,42 @@ def retry(call, what: str, store: str, seconds: float, setting: str):
             delay = min(delay * 2, 5.0)
 
 
+REQUEST_TAG = "rlhf.request_id"  # a run's creation request, so a retried create finds what it made
+
+
+def create_run_once(client, run_name: str | None, tags: dict):
+    """`call(experiment_id)` creating one run however often it is retried: the run carries a request
+    id of its own, and every try after the first looks for it first (a create whose answer was lost
+    may have made it; trying blindly again would leave a second run RUNNING forever)."""
+    import uuid
+
+    request = uuid.uuid4().hex
+    tags = {**tags, REQUEST_TAG: request}
+    tried = False
+
+    def call(experiment_id: str):
+        nonlocal tried
+        if tried:
+            found = client.search_runs([experiment_id], filter_string=f"tags.`{REQUEST_TAG}` = '{request}'",
+                                       max_results=1)
+            if found:
+                return found[0]
+        tried = True
+        return client.create_run(experiment_id, run_name=run_name, tags=tags)
+
+    return call
+
+
 class RetryingClient:
-    """An `MlflowClient` whose every call is `retry`-ed for up to RLHF_STORE_WAIT_S (the flow's records)."""
+    """An `MlflowClient` whose every call is `retry`-ed for up to RLHF_STORE_WAIT_S (the flow's records);
+    `create_run` through `create_run_once`. (Model versions are registered once by `register_once`.)"""
 
     def __init__(self, client, store: str):
         self._client, self._store = client, store
+
+    def create_run(self, experiment_id: str, run_name: str | None = None, tags: dict | None = None):
+        once = create_run_once(self._client, run_name, tags or {})
+        return retry(lambda: once(experiment_id), "answer create_run", self._store, store_wait_s(), "RLHF_STORE_WAIT_S")
 
     def __getattr__(self, name):
         attr = getattr(self._client, name)

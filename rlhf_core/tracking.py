@@ -241,8 +241,10 @@ class Tracker:
             all_tags["mlflow.parentRunId"] = parent_run_id
         all_tags = {k: redact_text(str(v)) for k, v in all_tags.items()}
         given = os.environ.get("MLFLOW_RUN_ID") or None
+        create = None
 
         def open_run() -> str:
+            nonlocal create
             from mlflow.entities import RunTag
 
             if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
@@ -253,8 +255,11 @@ class Tracker:
                 return given
             from mlflow.tracking.context.registry import resolve_tags
 
+            from rlhf_core.stores import create_run_once
+
             experiment_id = ensure_experiment(experiment)
-            return self.client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags)).info.run_id
+            create = create or create_run_once(self.client, run_name, resolve_tags(all_tags))
+            return create(experiment_id).info.run_id
 
         self.run_id = self._retry("open the stage's run", open_run, store_check_s(), "RLHF_STORE_CHECK_S")
 

@@ -149,3 +149,31 @@ def test_a_bad_bound_is_a_configuration_error_naming_the_variable(name, bad, mon
         read()
     monkeypatch.setenv(name, "")
     assert read() > 0  # blank: the default
+
+
+def test_a_run_created_by_a_request_whose_answer_was_lost_is_found_not_created_again(tmp_path):
+    """The store made the run but the answer timed out: the retry finds it by its request id."""
+    from mlflow import MlflowClient
+
+    real = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    experiment = real.create_experiment("lost-answers")
+
+    class LosesFirstAnswer:
+        def __init__(self):
+            self.creates = 0
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def create_run(self, *args, **kwargs):
+            self.creates += 1
+            run = real.create_run(*args, **kwargs)
+            if self.creates == 1:
+                raise TimeoutError("read timed out")  # made, but the answer never came
+            return run
+
+    flaky = LosesFirstAnswer()
+    run = stores.RetryingClient(flaky, "sqlite").create_run(experiment, run_name="stage", tags={"rlhf.kind": "x"})
+    assert flaky.creates == 1
+    runs = real.search_runs([experiment])
+    assert [r.info.run_id for r in runs] == [run.info.run_id] and run.data.tags["rlhf.kind"] == "x"
