@@ -8,6 +8,7 @@ the compiled DeepSpeed op cache is shared, to save its 40 s build.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -82,17 +83,18 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
 
 
 def _agent_ports(address: str) -> set[int]:
-    """The job agents' ports, from the node table: read by a driver that joins the cluster briefly
-    (the flow itself is no driver) at the GCS address its keeper reported."""
-    import ray
-
+    """The job agents' ports, from the node table: read by a brief driver in a process of its own
+    (the flow itself is no driver) at the GCS address the keeper reported, with Ray's cluster mode
+    off as in the cluster's own processes (else Ray swaps 127.0.0.1 for the machine's address)."""
+    from rlhf_core.local_ray import CLUSTER_MODE
     from tasks.ray_jobs import local_cluster
 
-    ray.init(address=local_cluster(address).gcs_address, log_to_driver=False, configure_logging=False)
-    try:
-        return {n["DashboardAgentListenPort"] for n in ray.nodes()}
-    finally:
-        ray.shutdown()
+    gcs = local_cluster(address).gcs_address
+    code = (f"import json, ray; ray.init(address={gcs!r}, log_to_driver=False, configure_logging=False); "
+            "print(json.dumps([n['DashboardAgentListenPort'] for n in ray.nodes()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, CLUSTER_MODE: "0"}, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
 
 
 def test_ensure_ray_starts_a_cli_stage_cluster_on_loopback_with_token_auth(monkeypatch):
