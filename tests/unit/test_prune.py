@@ -42,9 +42,15 @@ def _snapshot(root: Path) -> dict[str, int]:
 
 
 @pytest.fixture
-def tree(tmp_path):
-    """The fake `.rlhf/pipelines` and its MLflow records; returns (root, expected deletions, kept paths)."""
+def tree(tmp_path, monkeypatch):
+    """The fake `.rlhf/pipelines` and its MLflow records, in a store of its own (the newest runs of a
+    shared store would be other tests'); returns (root, expected deletions, kept paths)."""
     from mlflow import MlflowClient
+
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
 
     from rlhf_core.tracking import ensure_experiment, tracking_uri
     from rlhf_core.version import code_version
@@ -122,9 +128,10 @@ def tree(tmp_path):
     kept = {prep_a, sft_a, root / a / "configs" / "sft.yaml", root / a / "pipeline_summary.json",
             root / a / "notes.txt", root / a / "mine" / "weights.bin", dpo_b, root / b / "pipeline_summary.json",
             sft_c, ckpt_d, new_unknown, theirs}
-    return {"root": root, "deleted": deleted, "kept": kept, "client": client, "model": name,
+    yield {"root": root, "deleted": deleted, "kept": kept, "client": client, "model": name,
             "registered_sft": {prep_a, sft_a, root / a / "configs" / "sft.yaml", root / a / "pipeline_summary.json"},
             "cached_dpo": {dpo_b, root / b / "pipeline_summary.json"}}
+    mlflow.set_tracking_uri(before)
 
 
 def old_unknown_folder(deleted: set[Path]) -> Path:
