@@ -57,11 +57,26 @@ def cluster_devices(resources: Mapping[str, float], available: Mapping[str, floa
     return ClusterDevices(use_gpu=gpus >= 1, gpus=gpus, cpus=cpus)
 
 
-def detect_devices() -> ClusterDevices:
-    """The devices of the cluster this driver is connected to."""
+RELEASE_WAIT_S = 15.0  # how long a driver waits for CPUs a finished job is still handing back
+
+
+def detect_devices(release_wait_s: float = RELEASE_WAIT_S) -> ClusterDevices:
+    """The devices of the cluster this driver is connected to.
+
+    Ray hands back the CPUs of a finished job's placement groups and actors asynchronously: a
+    job started right after another saw 0.0002 of 2 CPUs free and could not place its roles. So
+    while less than one CPU is free of a cluster that has more, wait (up to `release_wait_s`)."""
+    import time
+
     import ray
 
-    return cluster_devices(ray.cluster_resources(), ray.available_resources())
+    deadline = time.monotonic() + release_wait_s
+    while True:
+        devices = cluster_devices(ray.cluster_resources(), ray.available_resources())
+        total = float(ray.cluster_resources().get("CPU", 0) or 0)
+        if devices.cpus >= min(1.0, total) or time.monotonic() >= deadline:
+            return devices
+        time.sleep(0.25)
 
 
 @dataclass(frozen=True)

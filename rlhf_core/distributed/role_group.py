@@ -43,7 +43,7 @@ from rlhf_core.distributed.resources import (
 )
 
 DEFAULT_TIMEOUT_S = 600.0
-DEATH_GRACE_S = 5.0  # how long a rank's exception waits for a death among the other ranks (see above)
+DEATH_GRACE_S = 10.0  # how long a rank's exception waits for a death among the other ranks (see above)
 
 
 class RoleError(RuntimeError):
