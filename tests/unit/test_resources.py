@@ -144,3 +144,23 @@ def test_concat_results_in_rank_order():
     assert merged["v"].tolist() == [1.0, 0.0] and merged["n"] == [1, 2]
     assert concat_results([None, None]) is None
     assert concat_results([1, 2]) == [1, 2]
+
+
+def test_detect_devices_waits_for_the_cpus_a_finished_job_is_handing_back(monkeypatch):
+    """Right after another job, Ray reports its CPUs busy for a moment (0.0002 of 2 were seen free):
+    the driver waits, bounded, until at least one is free instead of failing to place its roles."""
+    import ray
+
+    from rlhf_core.distributed import resources
+
+    answers = iter([{"CPU": 0.0002}] * 3 + [{"CPU": 2.0}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: next(answers))
+    assert resources.detect_devices(release_wait_s=10).cpus == 2.0
+
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.5})  # really busy: not forever
+    import time
+
+    started = time.monotonic()
+    assert resources.detect_devices(release_wait_s=0.6).cpus == 0.5
+    assert time.monotonic() - started < 3
