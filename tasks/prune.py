@@ -285,11 +285,10 @@ def _why_not(item: Item, known: set[str]) -> str:
 # I/O: the MLflow store, deleting
 
 
-def read_store(tracking_uri: str) -> StoreView:
-    from mlflow import MlflowClient
+def read_store(client) -> StoreView:
+    """What the tracking store behind `client` (`lineage.client()`: bounded, retried) says."""
     from mlflow.entities import ViewType
 
-    client = MlflowClient(tracking_uri=tracking_uri)
     view = StoreView()
     experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
     token = None
@@ -399,7 +398,9 @@ def run(args: argparse.Namespace) -> int:
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ConfigError(f"no MLflow store at {uri}: prune decides what is still referenced from it; set "
                           "MLFLOW_TRACKING_URI (or RLHF_HOME) to the store the pipeline runs recorded into")
-    view = read_store(uri)
+    from tasks.lineage import client
+
+    view = read_store(client())
     items, foreign = scan(root, {run_id: info["stages"] for run_id, info in view.runs.items()})
     refs = references(view, root, int(time.time() * 1000), args.keep_last, args.keep_days, args.keep_registered,
                       args.keep_cache, code_version())
