@@ -114,23 +114,10 @@ def _check_reward_files(remote_url: str | None) -> None:
             load_reward_file(url.strip())
 
 
-def _is_bad_input(cause: BaseException) -> bool:
-    """A stage's failure that a retry would only repeat: bad configuration or data, or a reward source
-    that answered something unusable (a reward file that raised, a server's malformed answer or 4xx);
-    a reward server that stayed unreachable is an infrastructure failure (exit 1, retried)."""
-    from rlhf_core.data.loading import DataError
-    from rlhf_core.rewards.base import RewardError
-    from rlhf_core.rewards.remote import RewardUnavailable
-
-    if isinstance(cause, RewardError):
-        return not isinstance(cause, RewardUnavailable)
-    return isinstance(cause, (ConfigError, DataError))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlhf_core.data.loading import DataError
-    from rlhf_core.launch import StageFailed
+    from rlhf_core.launch import StageFailed, is_bad_input
     from rlhf_core.stores import StoreUnavailable, check_config_stores, check_stage_stores
 
     try:
@@ -217,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as e:  # MLflow or S3 did not answer in time: infrastructure, retried
         return _fail(str(e), EXIT_FAILED)
     except StageFailed as e:
-        if _is_bad_input(e.cause):
+        if is_bad_input(e.cause):
             return _fail(str(e.cause))
         return _fail(f"stage failed: {type(e.cause).__name__}: {e.cause}", EXIT_FAILED)
     return _fail(f"unknown command {args.command}")

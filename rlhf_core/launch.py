@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from rlhf_core.config import TrainConfig, state_dir
+from rlhf_core.config import ConfigError, TrainConfig, state_dir
 
 FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
                  "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
@@ -20,6 +20,19 @@ FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PR
 # The bounds of a stage's waits for MLflow and S3 (rlhf_core/stores.py) reach its job and ranks too.
 FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", "MLFLOW_HTTP_REQUEST_TIMEOUT",
                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+
+
+def is_bad_input(cause: BaseException) -> bool:
+    """A stage's failure that a retry would only repeat: bad configuration or data, or a reward source
+    that answered something unusable (a reward file that raised, a server's malformed answer or 4xx);
+    a reward server that stayed unreachable is an infrastructure failure (exit 1, retried)."""
+    from rlhf_core.data.loading import DataError
+    from rlhf_core.rewards.base import RewardError
+    from rlhf_core.rewards.remote import RewardUnavailable
+
+    if isinstance(cause, RewardError):
+        return not isinstance(cause, RewardUnavailable)
+    return isinstance(cause, (ConfigError, DataError))
 
 
 class StageFailed(RuntimeError):
@@ -98,10 +111,8 @@ def run_stage(cfg: TrainConfig) -> dict:
         group = WorkerGroup(cfg.world_size)  # GPUs when the cluster has them, whatever this driver has
         return group.run_stage(cfg.model_dump(mode="json"), shared)
     except RoleError as e:  # a rank raised, died or hung: the error names the role and rank
-        from rlhf_core.cli import _is_bad_input
-
         # Bad input is the rank's own message (exit 2, as in one process); anything else keeps the rank's name.
-        raise StageFailed(e.cause if e.cause is not None and _is_bad_input(e.cause) else e) from None
+        raise StageFailed(e.cause if e.cause is not None and is_bad_input(e.cause) else e) from None
     finally:
         if group is not None:
             group.shutdown()

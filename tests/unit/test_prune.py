@@ -45,9 +45,8 @@ def _snapshot(root: Path) -> dict[str, int]:
 def tree(tmp_path, monkeypatch):
     """The fake `.rlhf/pipelines` and its MLflow records, in a store of its own (the newest runs of a
     shared store would be other tests'); returns (root, expected deletions, kept paths)."""
-    from mlflow import MlflowClient
-
     import mlflow
+    from mlflow import MlflowClient
 
     before = mlflow.get_tracking_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
