@@ -21,7 +21,9 @@ pytestmark = pytest.mark.integration
 
 BOUND_S = 10  # RLHF_RAY_UNREACHABLE_S for these tests (default 60)
 CKPT = 10  # a checkpoint (and an eval line "[step N]") every CKPT steps
-SFT = {"max_steps": 40, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
+# Long enough that the strike (once the job's log shows step 20) lands while the rank still trains:
+# with 40 steps a fast machine had finished and published by the time the watcher read step 20.
+SFT = {"max_steps": 120, "max_epochs": 40, "eval_steps": CKPT, "max_eval_samples": 8}
 
 
 # -- a rank that dies inside a collective: the error names it, not the rank left waiting -----------
