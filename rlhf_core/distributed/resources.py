@@ -72,9 +72,9 @@ def detect_devices(release_wait_s: float = RELEASE_WAIT_S) -> ClusterDevices:
 
     deadline = time.monotonic() + release_wait_s
     while True:
-        devices = cluster_devices(ray.cluster_resources(), ray.available_resources())
-        total = float(ray.cluster_resources().get("CPU", 0) or 0)
-        if devices.cpus >= min(1.0, total) or time.monotonic() >= deadline:
+        totals = ray.cluster_resources()
+        devices = cluster_devices(totals, ray.available_resources())
+        if devices.cpus >= min(1.0, float(totals.get("CPU", 0) or 0)) or time.monotonic() >= deadline:
             return devices
         time.sleep(0.25)
 
