@@ -44,7 +44,7 @@ from flows.params import (
     Stage,
 )
 from rlhf_core.config import state_dir
-from rlhf_core.redaction import refuse_inline_secrets
+from rlhf_core.redaction import redact_text, refuse_inline_secrets
 from rlhf_core.version import code_version
 from tasks import lineage
 from tasks.ray_jobs import ray_cluster
@@ -54,6 +54,24 @@ from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage,
 user_errors.install()
 
 ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
+
+
+def _close_orphans(experiment: str, logger) -> None:
+    """Runs a killed flow or job of this machine left RUNNING are marked KILLED (tasks/lineage.py)
+    before this run starts, so the MLflow UI and `rlhf prune` stop counting them as running."""
+    from rlhf_core.stores import StoreUnavailable
+
+    try:
+        closed = lineage.close_orphans_of(experiment)
+    except StoreUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a tidy-up: say why it did not happen, and run the pipeline
+        logger.warning("could not look for MLflow runs left RUNNING by killed processes: %s: %s",
+                       type(e).__name__, redact_text(str(e))[:300])
+        return
+    if closed:
+        logger.warning("marked %d MLflow run(s) KILLED that a killed process of this machine had left RUNNING: %s",
+                       len(closed), ", ".join(closed))
 
 
 @flow(name="rlhf", log_prints=True, validate_parameters=True)
@@ -75,6 +93,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
     stages = [s for s in ORDER if s in set(settings.stages)]
     flow_run_id = str(flow_run.id or "local")
     earlier = _earlier_outcomes(settings) if settings.from_run else {}
+    _close_orphans(settings.experiment, logger)
     parent = lineage.start_pipeline_run(
         settings.experiment, name=f"pipeline-{flow_run.name or 'local'}",
         tags={"rlhf.prefect_flow_run_id": flow_run_id, "rlhf.code_version": code_version(),

@@ -194,8 +194,11 @@ def create_run_once(client, run_name: str | None, tags: dict):
     may have made it; trying blindly again would leave a second run RUNNING forever)."""
     import uuid
 
+    from rlhf_core.owner import OWNER_TAG, owner_tag
+
     request = uuid.uuid4().hex
-    tags = {**tags, REQUEST_TAG: request}
+    owner = owner_tag()  # this process: a later one can tell a run left RUNNING by a killed owner (owner.py)
+    tags = {**tags, REQUEST_TAG: request, **({OWNER_TAG: owner} if owner else {})}
     tried = False
 
     def call(experiment_id: str):

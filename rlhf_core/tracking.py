@@ -248,10 +248,14 @@ class Tracker:
             from mlflow.entities import RunTag
 
             if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
+                from rlhf_core.owner import OWNER_TAG, owner_tag
+
                 self.client.get_run(given)
                 self.client.update_run(given, status="RUNNING")
-                if all_tags:
-                    self.client.log_batch(given, tags=[RunTag(k, v) for k, v in all_tags.items()])
+                owner = owner_tag()  # this process runs it now (owner.py), not the one that created it
+                tags = {**all_tags, **({OWNER_TAG: owner} if owner else {})}
+                if tags:
+                    self.client.log_batch(given, tags=[RunTag(k, v) for k, v in tags.items()])
                 return given
             from mlflow.tracking.context.registry import resolve_tags
 

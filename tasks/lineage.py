@@ -77,6 +77,47 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
         c.set_terminated(run_id, status)
 
 
+def orphaned_runs(c, experiment_ids: list[str]) -> list:
+    """The RUNNING runs of these experiments whose owning process (tag `rlhf.owner`) ran on this
+    machine and is gone (`rlhf_core.owner`): killed before it could close them. Runs owned on other
+    machines, or by a live process, are not among them."""
+    from rlhf_core.owner import OWNER_TAG, is_gone, machine
+
+    if not experiment_ids:
+        return []
+    where = machine().replace("'", "")
+    found, token = [], None
+    while True:
+        page = c.search_runs(experiment_ids, filter_string=f"attributes.status = 'RUNNING' and "
+                             f"tags.`{OWNER_TAG}` LIKE '{where}|%'", max_results=1000, page_token=token)
+        found += [run for run in page if is_gone(run.data.tags.get(OWNER_TAG))]
+        token = page.token
+        if not token:
+            return found
+
+
+def close_orphans(c, runs: list) -> None:
+    """Mark each of `orphaned_runs`' runs KILLED, saying why in `rlhf.error` (what its owner would
+    have written had it been able to)."""
+    from rlhf_core.owner import OWNER_TAG
+
+    for run in runs:
+        parts = run.data.tags.get(OWNER_TAG, "").rsplit("|", 2)
+        pid = parts[1] if len(parts) == 3 else "?"
+        c.set_tag(run.info.run_id, "rlhf.error", f"its process (pid {pid} on this machine) ended without closing the "
+                  "run: killed (SIGKILL, out of memory) or its session ended; marked KILLED by a later process")
+        c.set_terminated(run.info.run_id, "KILLED")
+
+
+def close_orphans_of(experiment: str) -> list[str]:
+    """`close_orphans` for one experiment, by name (none if it does not exist yet): the run ids closed."""
+    c = client()
+    exp = c.get_experiment_by_name(experiment)
+    runs = orphaned_runs(c, [exp.experiment_id]) if exp is not None else []
+    close_orphans(c, runs)
+    return [run.info.run_id for run in runs]
+
+
 def set_tags(run_id: str, tags: dict[str, str]) -> None:
     c = client()
     for key, value in tags.items():

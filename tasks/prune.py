@@ -17,7 +17,9 @@ under `<output_root>/<pipeline run id>/`. `rlhf prune` looks there (the embedded
   (`--keep_cache all`: under any code version; `none`: no cache entry is kept for being one);
 - it belongs to no recent run: the newest `--keep_last` pipeline runs, those started within
   `--keep_days`, and every run still RUNNING in MLflow keep everything under their folder and
-  every output their stages used (a cached or reused output in an older run's folder);
+  every output their stages used (a cached or reused output in an older run's folder). A run
+  left RUNNING by a process of this machine that is gone (killed) counts as ended, and `--yes`
+  marks it KILLED in MLflow (`rlhf_core/owner.py`);
 - a run folder whose run the store does not know (deleted there, or another store) is recent by
   its newest file's age.
 
@@ -398,9 +400,25 @@ def run(args: argparse.Namespace) -> int:
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ConfigError(f"no MLflow store at {uri}: prune decides what is still referenced from it; set "
                           "MLFLOW_TRACKING_URI (or RLHF_HOME) to the store the pipeline runs recorded into")
-    from tasks.lineage import client
+    from mlflow.entities import ViewType
 
-    view = read_store(client())
+    from tasks.lineage import client, close_orphans, orphaned_runs
+
+    store = client()
+    # A run left RUNNING by a process of this machine that was killed is not running (rlhf_core/owner.py).
+    orphans = orphaned_runs(store, [e.experiment_id for e in store.search_experiments(view_type=ViewType.ALL)])
+    if orphans:
+        ids = ", ".join(run.info.run_id for run in orphans)
+        if args.yes:
+            close_orphans(store, orphans)
+            print(f"marked {len(orphans)} MLflow run(s) KILLED: RUNNING, but their process on this machine is gone: {ids}")
+        else:
+            print(f"{len(orphans)} MLflow run(s) are RUNNING but their process on this machine is gone; counted as "
+                  f"ended (--yes also marks them KILLED): {ids}")
+    view = read_store(store)
+    for run in orphans:
+        if run.info.run_id in view.runs:
+            view.runs[run.info.run_id]["status"] = "KILLED"
     items, foreign = scan(root, {run_id: info["stages"] for run_id, info in view.runs.items()})
     refs = references(view, root, int(time.time() * 1000), args.keep_last, args.keep_days, args.keep_registered,
                       args.keep_cache, code_version())

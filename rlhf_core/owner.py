@@ -1,0 +1,88 @@
+"""Which process owns an MLflow run, and whether that process is gone.
+
+A process that is killed (SIGKILL, the OOM killer, a closed laptop lid that ends the session) can
+not mark its run FAILED: the run stays RUNNING in MLflow forever, and `rlhf prune` keeps
+everything a RUNNING pipeline run wrote. So every run this project creates or attaches to carries
+`rlhf.owner` = `<machine>|<pid>|<start>`: the machine (host name, boot id and PID namespace,
+so two containers on one host or a host after a reboot are told apart), the owning process's
+id and its start time. On the same machine a later process can tell for certain whether that
+owner still runs: a PID that no longer exists, or exists with another start time (reused), means
+the owner is gone. A run owned on another machine is never judged from here.
+
+Linux reads `/proc`; elsewhere psutil (a dependency of Ray's) answers when it is installed, and
+without either no owner is recorded (such runs are never judged gone).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import cache
+from pathlib import Path
+
+OWNER_TAG = "rlhf.owner"
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+@cache
+def machine() -> str:
+    """This machine as its processes see it: host name, boot id and PID namespace (Linux)."""
+    parts = [socket.gethostname()]
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if boot:
+        parts.append(boot)
+    try:
+        parts.append(os.readlink("/proc/self/ns/pid").removeprefix("pid:").strip("[]"))
+    except OSError:
+        pass
+    return "/".join(parts).replace("|", "_")
+
+
+def start_time(pid: int) -> str | None:
+    """When process `pid` started, as a string that differs between two processes that held the
+    same PID; None when no such process exists (or nothing here can tell)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is not None:
+        # Field 22 (start time in clock ticks since boot) counts from after the command name,
+        # which is in parentheses and may itself hold spaces or parentheses.
+        fields = stat.rsplit(")", 1)[-1].split()
+        return fields[19] if len(fields) > 19 else None
+    if Path("/proc/self/stat").exists():
+        return None  # Linux: no /proc/<pid> means no such process
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return f"{psutil.Process(pid).create_time():.3f}"
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.Error:
+        return None
+
+
+def owner_tag(pid: int | None = None) -> str | None:
+    """`rlhf.owner`'s value for process `pid` (this one by default); None where its start time is
+    unknown (then nothing could later prove the owner gone)."""
+    pid = os.getpid() if pid is None else pid
+    started = start_time(pid)
+    return None if started is None else f"{machine()}|{pid}|{started}"
+
+
+def is_gone(owner: str | None) -> bool:
+    """True only when `owner` (an `rlhf.owner` value) names a process of this machine that no
+    longer runs; False for a live owner, another machine's, or a value this code cannot read."""
+    try:
+        where, pid, started = (owner or "").rsplit("|", 2)
+        pid_number = int(pid)
+    except ValueError:
+        return False
+    if where != machine():
+        return False
+    return start_time(pid_number) != started
