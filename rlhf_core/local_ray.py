@@ -30,6 +30,8 @@
   `ray start` does) through any Ray it finds running on the machine. Measured before this: with
   two runs going, both runs' SFT jobs connected to the same cluster (one of them to none of its
   own), and one failed for want of free CPUs.
+  Such a dir (~5 MB of session logs) outlives its cluster; starting a cluster removes those of
+  clusters that ended, but the newest three (`remove_stale_temp_dirs`).
 """
 
 from __future__ import annotations
@@ -127,6 +129,50 @@ def own_temp_dir() -> str:
     return os.path.join(get_default_system_temp_dir(), f"rlhf-ray-{os.getpid()}")
 
 
+KEEP_OLD_TEMP_DIRS = 3  # the newest temp dirs of ended clusters stay, with their logs, for a post-mortem
+
+
+def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_DIRS) -> list[str]:
+    """Remove the `rlhf-ray-<pid>` temp dirs (under `parent`, the system temp dir) of clusters that
+    ended, but the newest `keep`: returns what it removed. Each run leaves one (~5 MB of session
+    logs), so a scheduled pipeline would fill /tmp over weeks. Only a folder of this user named so,
+    holding a Ray session (`session_latest` or `session_*`), whose process is gone, is removed;
+    anything else under that name is not ours and stays."""
+    import shutil
+
+    if parent is None:
+        from ray._common.utils import get_default_system_temp_dir
+
+        parent = get_default_system_temp_dir()
+    ended = []
+    for entry in Path(parent).glob("rlhf-ray-*"):
+        pid = entry.name.removeprefix("rlhf-ray-")
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if not pid.isdigit() or not entry.is_dir() or entry.is_symlink() or info.st_uid != os.getuid():
+            continue
+        if not any(child.name.startswith("session_") for child in entry.iterdir()) or _alive(int(pid)):
+            continue
+        ended.append((info.st_mtime, entry))
+    removed = []
+    for _, entry in sorted(ended, reverse=True)[keep:]:
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(str(entry))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds that PID now
+        return True
+    return True
+
+
 def init_local(**kwargs):
     """`ray.init` a new single-node cluster on 127.0.0.1 with token authentication; returns its context."""
     import ray
@@ -140,6 +186,7 @@ def init_local(**kwargs):
     os.environ[CLUSTER_MODE] = "0"  # the node's processes, started by ray.init, inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray before the variable was set
     temp_dir = kwargs.pop("_temp_dir", None) or own_temp_dir()
+    remove_stale_temp_dirs(str(Path(temp_dir).parent))
     from ray._common.utils import reset_ray_address
 
     reset_ray_address(temp_dir)  # a cluster this process started earlier: ray.init would try to join it
