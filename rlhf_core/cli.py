@@ -210,5 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(f"unknown command {args.command}")
 
 
+def entry() -> None:
+    """The `rlhf` command: `main` in a process of its own, whose heap is frozen when it has finished
+    (no final collector pass over it on the way out: rlhf_core/heap.py)."""
+    import gc
+
+    from rlhf_core import heap
+
+    heap.own_process()
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from rlhf_core import heap
 from rlhf_core.config import ConfigError, TrainConfig, state_dir
 
 FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
@@ -91,6 +92,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
     prepare_environment()
     data = check_data(cfg)
+    heap.settle()  # modules and checked data stay: later collector passes skip them (heap.py)
     if trains_in_process(cfg):
         from rlhf_core.trainers import run_recipe
 

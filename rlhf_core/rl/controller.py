@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from rlhf_core import heap
 from rlhf_core.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.losses import kl_penalty
@@ -127,6 +128,7 @@ class RLController:
         self.resume["start_step"] = start = self.step
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
+        heap.settle()  # the model, optimizer and data are built: later collector passes skip them
         while self.step < self.rollout_steps:
             metrics = self.train_step()
             self.step += 1

@@ -36,6 +36,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from rlhf_core import heap
 from rlhf_core.data.batching import BatchPlan
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 
@@ -76,6 +77,7 @@ class TrainLoop:
         initial = self.evaluate(prefix="eval_initial/") if self.step == 0 and self.eval_examples else {}
         self._log(initial)
         bar = self._progress_bar()
+        heap.settle()  # the model, optimizer and data are built: later collector passes skip them
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             metrics, tokens = self.train_step()
