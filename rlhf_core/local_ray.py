@@ -144,6 +144,8 @@ def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_
         from ray._common.utils import get_default_system_temp_dir
 
         parent = get_default_system_temp_dir()
+    if not hasattr(os, "getuid"):  # no owner to compare with: leave every folder alone
+        return []
     ended = []
     for entry in Path(parent).glob("rlhf-ray-*"):
         pid = entry.name.removeprefix("rlhf-ray-")
