@@ -202,9 +202,26 @@ def test_planted_secrets_reach_no_store(first_run, tmp_path):
 
 
 def test_cached_rerun_trains_nothing(first_run):
+    import subprocess
+    import sys
+
     from flows.pipeline import rlhf
+    from rlhf_core.tracking import tracking_uri
+
+    # A run left RUNNING by a flow of this machine that was killed: the next pipeline closes it.
+    experiment = mlflow_client().get_experiment_by_name("rlhf").experiment_id
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, signal, sys\nfrom mlflow import MlflowClient\n"
+         "from rlhf_core.stores import create_run_once\n"
+         f"run = create_run_once(MlflowClient({tracking_uri()!r}), 'killed', {{'rlhf.kind': 'pipeline'}})({experiment!r})\n"
+         "print(run.info.run_id, flush=True); os.kill(os.getpid(), signal.SIGKILL)"],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    orphan = killed.stdout.split()[-1]
+    assert mlflow_client().get_run(orphan).info.status == "RUNNING"
 
     again = rlhf(**params())
+    assert mlflow_client().get_run(orphan).info.status == "KILLED"
     assert all(t["cached"] for t in again["stages"].values()), again["stages"]
     assert again["job_seconds"] == 0
     assert again["outputs"] == first_run["outputs"]
