@@ -140,6 +140,8 @@ def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_
     anything else under that name is not ours and stays."""
     import shutil
 
+    from rlhf_core.owner import start_time  # None: no such process
+
     if parent is None:
         from ray._common.utils import get_default_system_temp_dir
 
@@ -155,7 +157,7 @@ def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_
             continue
         if not pid.isdigit() or not entry.is_dir() or entry.is_symlink() or info.st_uid != os.getuid():
             continue
-        if not any(child.name.startswith("session_") for child in entry.iterdir()) or _alive(int(pid)):
+        if not any(child.name.startswith("session_") for child in entry.iterdir()) or start_time(int(pid)) is not None:
             continue
         ended.append((info.st_mtime, entry))
     removed = []
@@ -163,16 +165,6 @@ def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(str(entry))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process holds that PID now
-        return True
-    return True
 
 
 def init_local(**kwargs):

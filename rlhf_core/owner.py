@@ -61,9 +61,7 @@ def start_time(pid: int) -> str | None:
         return None
     try:
         return f"{psutil.Process(pid).create_time():.3f}"
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-    except psutil.Error:
+    except psutil.Error:  # no such process, or one this user may not read
         return None
 
 
@@ -75,14 +73,19 @@ def owner_tag(pid: int | None = None) -> str | None:
     return None if started is None else f"{machine()}|{pid}|{started}"
 
 
+def parse(owner: str | None) -> tuple[str, int, str] | None:
+    """`(machine, pid, start)` of an `rlhf.owner` value; None when it is not one."""
+    try:
+        where, pid, started = (owner or "").rsplit("|", 2)
+        return where, int(pid), started
+    except ValueError:
+        return None
+
+
 def is_gone(owner: str | None) -> bool:
     """True only when `owner` (an `rlhf.owner` value) names a process of this machine that no
     longer runs; False for a live owner, another machine's, or a value this code cannot read."""
-    try:
-        where, pid, started = (owner or "").rsplit("|", 2)
-        pid_number = int(pid)
-    except ValueError:
+    parsed = parse(owner)
+    if parsed is None or parsed[0] != machine():
         return False
-    if where != machine():
-        return False
-    return start_time(pid_number) != started
+    return start_time(parsed[1]) != parsed[2]

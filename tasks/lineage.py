@@ -99,11 +99,11 @@ def orphaned_runs(c, experiment_ids: list[str]) -> list:
 def close_orphans(c, runs: list) -> None:
     """Mark each of `orphaned_runs`' runs KILLED, saying why in `rlhf.error` (what its owner would
     have written had it been able to)."""
-    from rlhf_core.owner import OWNER_TAG
+    from rlhf_core.owner import OWNER_TAG, parse
 
     for run in runs:
-        parts = run.data.tags.get(OWNER_TAG, "").rsplit("|", 2)
-        pid = parts[1] if len(parts) == 3 else "?"
+        parsed = parse(run.data.tags.get(OWNER_TAG))
+        pid = parsed[1] if parsed else "?"
         c.set_tag(run.info.run_id, "rlhf.error", f"its process (pid {pid} on this machine) ended without closing the "
                   "run: killed (SIGKILL, out of memory) or its session ended; marked KILLED by a later process")
         c.set_terminated(run.info.run_id, "KILLED")
