@@ -195,7 +195,6 @@ prefect_env() {
   env PREFECT_HOME="$STACK/prefect" PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api" \
     PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_CLI_COLORS=false PREFECT_CLI_WRAP_LINES=false "$@"
 }
-PREFECT_SERVER_ENV=(env PREFECT_HOME="$STACK/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
 # ---------------------------------------------------------------------------------------------
 
@@ -217,7 +216,7 @@ healthy() {
   [ -f "$STATE" ] || return 1
   load_state
   [ -z "$(service_states | awk '$2 == "down"')" ] || return 1
-  http_ok "http://127.0.0.1:$PREFECT_PORT/api/health" >/dev/null &&
+  http_ok "http://127.0.0.1:$PREFECT_PORT/api/health" >/dev/null && ui_reaches_api &&
     http_ok "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null &&
     ray_ready >/dev/null
 }
@@ -375,13 +374,19 @@ EOF
     --workers 1
   # Prefect server: its database lives under the stack; analytics off (offline machines).
   log "starting Prefect server on 127.0.0.1:$PREFECT_PORT"
-  launch prefect-server "${PREFECT_SERVER_ENV[@]}" "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" \
-    --analytics-off
+  # The UI asks its API at PREFECT_UI_API_URL; unset, Prefect derives it from its default port (4200),
+  # not from --port, and the UI of a stack on any other port showed "Can't connect to Server API".
+  # No promotional content either: it is fetched from the internet, which the stack may not reach.
+  launch prefect-server env PREFECT_HOME="$STACK/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false \
+    "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" --analytics-off
   start_ray
   wait_until "MLflow server" "$LOGS/mlflow.log" "$(pid_of mlflow)" \
     http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
   wait_until "Prefect server" "$LOGS/prefect-server.log" "$(pid_of prefect-server)" \
     http_ok "http://127.0.0.1:$PREFECT_PORT/api/health"
+  ui_reaches_api || die "the Prefect UI on port $PREFECT_PORT is told another API address \
+($(http_ok "http://127.0.0.1:$PREFECT_PORT/ui-settings")); is PREFECT_UI_API_URL set in a Prefect profile?"
 
   write_env_file
   # The worker creates the work pool (type process, Prefect's default job template) if missing.
@@ -397,6 +402,11 @@ EOF
   register_deployments
   cmd_status || die "every service answered during start, but not all of them now; see $LOGS"
   log "up; run: source $ENV_FILE"
+}
+
+# The UI of the stack's Prefect server asks its API where the server itself answers.
+ui_reaches_api() {
+  http_ok "http://127.0.0.1:$PREFECT_PORT/ui-settings" | grep -qF "\"api_url\":\"http://127.0.0.1:$PREFECT_PORT/api\""
 }
 
 worker_online() {
