@@ -47,6 +47,7 @@ from rlhf_core.config import state_dir
 from rlhf_core.redaction import redact_text, refuse_inline_secrets
 from rlhf_core.version import code_version
 from tasks import lineage
+from tasks.lifeline import lifeline
 from tasks.ray_jobs import ray_cluster
 from tasks.reports import publish_eval_report, publish_pipeline_report, summary_table
 from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
@@ -103,7 +104,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
     outcomes: dict[str, StageOutcome] = {}
     summary: dict = {"pipeline_run_id": parent, "prefect_flow_run_id": flow_run_id, "stages": {}}
     try:
-        with ray_cluster() as address:
+        with lifeline(), ray_cluster() as address:
             ctx = PipelineContext(settings.experiment, parent, flow_run_id, f"{root.rstrip('/')}/{parent}", address,
                                   force=[s.value for s in settings.force_stages] if not settings.force
                                   else [s.value for s in Stage], rollout_gpus=settings.rollout_gpus)

@@ -174,6 +174,16 @@ def _stop_orphans() -> None:
             client.stop_job(submission_id)
 
 
+# Told (address, submission id) when a job is submitted and (None, submission id) once it is over:
+# tasks/lifeline.py listens, to stop the jobs of a flow process that dies without its `finally`.
+JOB_WATCHERS: list[Callable[[str | None, str], None]] = []
+
+
+def _tell_watchers(address: str | None, submission_id: str) -> None:
+    for watcher in list(JOB_WATCHERS):
+        watcher(address, submission_id)
+
+
 _LINE_SPLIT = re.compile(r"[\r\n]+")
 
 
@@ -182,7 +192,7 @@ def request_timeout_s() -> float:
     return min(REQUEST_TIMEOUT_S, unreachable_s())
 
 
-def _timed_client(address: str, timeout_s: float | None = None):
+def timed_client(address: str, timeout_s: float | None = None):
     """A JobSubmissionClient whose every request has a deadline (Ray's own waits forever)."""
     from ray.job_submission import JobSubmissionClient
 
@@ -216,6 +226,7 @@ class RayJobRunner:
         entrypoint = job_command(args)
         with _ACTIVE_LOCK:  # before the request: a submission whose answer is lost may still run
             _ACTIVE[submission_id] = self.client
+        _tell_watchers(self.address, submission_id)
         finished = False
         try:
             self._submit(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
@@ -228,6 +239,7 @@ class RayJobRunner:
                 self.stop(submission_id, log)
             with _ACTIVE_LOCK:
                 _ACTIVE.pop(submission_id, None)
+            _tell_watchers(None, submission_id)
         status = str(getattr(info.status, "value", info.status))
         seconds = ((info.end_time or 0) - (info.start_time or 0)) / 1000.0
         if status == "SUCCEEDED":
@@ -245,7 +257,7 @@ class RayJobRunner:
         while True:
             started = time.monotonic()
             try:
-                self.client = _timed_client(address)
+                self.client = timed_client(address)
                 return
             except Exception as e:  # noqa: BLE001 - ConnectionError, a timeout, an HTTP error: all "no answer"
                 reach.failed(e, started)

@@ -156,11 +156,11 @@ def test_every_request_to_the_jobs_api_has_a_deadline(monkeypatch):
     monkeypatch.setattr("ray.dashboard.modules.dashboard_sdk.requests.request", fake_request, raising=False)
     monkeypatch.delenv("RLHF_RAY_UNREACHABLE_S", raising=False)
     with pytest.raises(ConnectionError):
-        ray_jobs._timed_client("http://127.0.0.1:1")
+        ray_jobs.timed_client("http://127.0.0.1:1")
     assert seen["timeout"] == ray_jobs.REQUEST_TIMEOUT_S == 30
     monkeypatch.setenv("RLHF_RAY_UNREACHABLE_S", "10")  # never longer than the bound itself
     with pytest.raises(ConnectionError):
-        ray_jobs._timed_client("http://127.0.0.1:1")
+        ray_jobs.timed_client("http://127.0.0.1:1")
     assert seen["timeout"] == 10
 
 
