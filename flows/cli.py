@@ -99,11 +99,13 @@ def ppo_parameters(values: dict):
 def run(args: argparse.Namespace) -> int:
     from flows.embedded import prepare_stores
     from flows.pipeline import rlhf
+    from tasks.lifeline import lifeline
 
     params = flow_parameters(load_yaml(args.config) if args.config else {}, args)
     prepare_stores()  # another run may be creating the same SQLite databases right now
-    summary = rlhf(**params)
-    print_summary(summary)
+    with lifeline():  # Prefect's ephemeral server, the local Ray: nothing outlives this process
+        summary = rlhf(**params)
+        print_summary(summary)
     return 0
 
 
@@ -150,10 +152,28 @@ def report_uri(parent_run_id: str) -> str:
 
 
 def prefect_ui_hint() -> str:
-    """Where this run's flow runs can be seen: the server in use, or a local one on the embedded database."""
+    """Where this run's flow runs can be seen: the server in use, or a command that serves the
+    embedded database's UI. The UI finds its API at the port Prefect's settings name, not at
+    `--port`, so the command sets the port through the setting (4200 when free, else a free one):
+    UI and API then agree on any port."""
     api = os.environ.get("PREFECT_API_URL")
     if api:
         return api.rstrip("/").removesuffix("/api")
     home = os.environ.get("PREFECT_HOME")
     prefix = f"PREFECT_HOME={shlex.quote(home)} " if home else ""
-    return f"{prefix}prefect server start  (then open http://127.0.0.1:4200)"
+    port = free_port(4200)
+    return f"{prefix}PREFECT_SERVER_API_PORT={port} prefect server start  (then open http://127.0.0.1:{port})"
+
+
+def free_port(preferred: int) -> int:
+    """`preferred` when nothing listens there on 127.0.0.1, else a port the system has free."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -122,6 +123,35 @@ def _probe_dashboard(stop: threading.Event, codes: list) -> None:
         time.sleep(0.5)
 
 
+def _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output: str, env: dict, cwd: Path) -> None:
+    """The `Prefect UI:` line's command, run as printed: the UI it serves is told the API URL it is
+    served from (not Prefect's default port) and that API lists the run's flow run."""
+    hint = re.search(r"^Prefect UI: (PREFECT_HOME=\S+ .*prefect server start)  \(then open (http://\S+)\)$",
+                     output, re.MULTILINE)
+    assert hint, "no Prefect UI command in the output"
+    command, url = hint.groups()
+    assert str(cwd / ".rlhf" / "prefect") in command
+    path = f"{Path(sys.executable).parent}:{env['PATH']}"  # `prefect` as the user's activated venv has it
+    server = subprocess.Popen(["bash", "-c", command], cwd=cwd, env={**env, "PATH": path}, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(f"{url}/api/health", timeout=5).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the printed command served nothing"
+            time.sleep(1)
+        assert requests.get(f"{url}/ui-settings", timeout=10).json()["api_url"] == f"{url}/api"
+        runs = requests.post(f"{url}/api/flow_runs/filter", json={"limit": 5}, timeout=10).json()
+        assert [r["state_type"] for r in runs] == ["COMPLETED"], "the UI's API shows the run's flow run"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+
+
 def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
     home, cwd = tmp_path / "home", tmp_path / "project"
     home.mkdir()
@@ -148,8 +178,62 @@ def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
 
     state = cwd / ".rlhf"
     assert (state / "prefect" / "prefect.db").is_file() and not (home / ".prefect").exists()
-    assert f"PREFECT_HOME={state / 'prefect'} prefect server start" in output
+    _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output, env, cwd)
     token = home / ".ray" / "auth_token"
     assert token.stat().st_mode & 0o777 == 0o600
     assert not (home / ".config" / "mlflow" / "telemetry.json").exists(), "MLflow's telemetry stayed off"
     assert 401 in codes and 200 not in codes, f"the Jobs API without the token answered {sorted(set(codes))}"
+
+
+def test_a_sigkilled_pipeline_run_leaves_nothing_running(tmp_path):
+    """`rlhf pipeline run` SIGKILLed while its SFT job trains (the OOM killer, `kill -9`): within
+    seconds nothing it started runs on: not Prefect's ephemeral API server (uvicorn, which outlived
+    such a kill by 10 minutes and more before tasks/lifeline.py), not the local Ray's keeper, GCS,
+    raylet, dashboard and workers, not the job's driver."""
+    home = tmp_path / "home"
+    home.mkdir()
+    config = {**TINY, "sft": {**TINY["sft"], "max_steps": 5000}}
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump(config))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": os.environ.get("LANG", "C.UTF-8"),
+           "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"], "RLHF_NO_PROGRESS": "1"}
+    with open(tmp_path / "run.log", "w") as log:
+        flow = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--config", "long.yaml"],
+                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 400
+        while not any("train sft" in _cmdline(p) for p in started):
+            assert flow.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the SFT job's driver never started"
+            time.sleep(1)
+            started = psutil.Process(flow.pid).children(recursive=True)
+        names = {p.name() for p in started if _alive(p)} | {"uvicorn" for p in started if "uvicorn" in _cmdline(p)}
+        assert {"uvicorn", "gcs_server", "raylet"} <= names, f"the run's processes: {sorted(names)}"
+
+        flow.kill()
+        flow.wait(10)
+        deadline = time.monotonic() + 30
+        while (left := [p for p in started if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, "still running after the flow's SIGKILL: " + \
+            "; ".join(f"{p.pid} {_cmdline(p)[:120]}" for p in left)
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+        for p in started:
+            if _alive(p):
+                p.kill()
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -106,7 +108,14 @@ def test_prefect_ui_hint_names_the_embedded_database_or_the_server(monkeypatch):
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", "/state dir/prefect")
-    assert prefect_ui_hint().startswith("PREFECT_HOME='/state dir/prefect' prefect server start")
+    hint = prefect_ui_hint()
+    port = re.search(r"PREFECT_SERVER_API_PORT=(\d+) prefect server start  \(then open http://127.0.0.1:(\d+)\)$", hint)
+    assert hint.startswith("PREFECT_HOME='/state dir/prefect' ") and port, hint
+    assert port.group(1) == port.group(2), "the UI is opened where the server's API port setting puts it"
+    with socket.socket() as taken:  # 4200 taken (another Prefect server): the hint names a free port
+        taken.bind(("127.0.0.1", int(port.group(1))))
+        other = re.search(r"PREFECT_SERVER_API_PORT=(\d+)", prefect_ui_hint()).group(1)
+        assert int(other) != int(port.group(1))
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4242/api")
     assert prefect_ui_hint() == "http://127.0.0.1:4242"
 
