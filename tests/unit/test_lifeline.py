@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tasks import lifeline
 
@@ -46,7 +45,6 @@ def _start(mode: str, linger: float) -> tuple[subprocess.Popen, list[psutil.Proc
                             env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2, "the script did not start its children"
-    time.sleep(2 * lifeline.POLL_S + 0.5)  # the watcher has recorded them
     return proc, [psutil.Process(p) for p in pids]
 
 
@@ -57,38 +55,28 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _cleanup(children: list[psutil.Process]) -> None:
-    for p in children:
-        if _alive(p):
-            p.kill()
-
-
-@pytest.mark.parametrize("watched", [True, False], ids=["with_lifeline", "without_lifeline_control"])
-def test_a_sigkilled_process_leaves_nothing_running(watched):
-    proc, children = _start("watched" if watched else "bare", linger=600)
+def test_a_sigkilled_process_leaves_nothing_running_and_one_that_leaves_normally_keeps_its_children():
+    """Three at once: a watched process SIGKILLed (its children end, the stubborn one by SIGKILL),
+    an unwatched one SIGKILLed (the control: its orphans live on, which is what would go unseen),
+    and a watched one that leaves its block normally (the watcher touches nothing of it)."""
+    killed, control, leaving = _start("watched", 600), _start("bare", 600), _start("watched", 0)
+    children = killed[1] + control[1] + leaving[1]
     try:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + lifeline.TERM_GRACE_S + 2  # SIGTERM, grace, SIGKILL
-        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(2 * lifeline.POLL_S + 0.5)  # the watchers have recorded the children
+        for proc, _ in (killed, control):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        assert leaving[0].wait(30) == 0
+        deadline = time.monotonic() + lifeline.TERM_GRACE_S + 3  # SIGTERM, the grace, SIGKILL
+        while any(_alive(p) for p in killed[1]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = [p.pid for p in children if _alive(p)]
-        if watched:
-            assert not left, f"processes of the killed process survived: {left}"
-        else:  # the control: without the watcher the orphans live on, which is what the test would miss
-            assert len(left) == 2
+        assert not [p.pid for p in killed[1] if _alive(p)], "processes of the killed process survived"
+        assert all(_alive(p) for p in control[1]), "the control's orphans ended without a watcher?"
+        assert all(_alive(p) for p in leaving[1]), "the watcher killed the children of a process that left normally"
     finally:
-        _cleanup(children)
-
-
-def test_leaving_the_block_normally_touches_nothing():
-    proc, children = _start("watched", linger=0)
-    try:
-        assert proc.wait(30) == 0
-        time.sleep(lifeline.POLL_S + 1)
-        assert all(_alive(p) for p in children), "the watcher killed the children of a process that left normally"
-    finally:
-        _cleanup(children)
+        for p in children:
+            if _alive(p):
+                p.kill()
 
 
 def test_job_lines_keep_the_set_of_jobs_to_stop():
