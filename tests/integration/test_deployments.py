@@ -160,7 +160,7 @@ def first_run(stack):
     """The full pipeline (the default stages, tiny) through `prefect deployment run rlhf/full-pipeline`."""
     client = _mlflow(stack)
     tiny_params = _params(settings={"stages": STAGES}, prep={"n_train": 256, "n_test": 32},
-                          sft=TINY, rm=TINY, ppo=TINY_PPO, evaluation={"max_samples": 32})
+                          sft=TINY, rm=TINY, ppo=TINY_PPO, evaluation={"max_samples": 16, "n_samples_per_prompt": 2})
     flow_run_id = _run_deployment(stack, "rlhf/full-pipeline", tiny_params)
     parent, children = _pipeline_run(client, flow_run_id)
     outputs = {stage: Path(run.data.tags["rlhf.output_uri"]) for stage, run in children.items()}
