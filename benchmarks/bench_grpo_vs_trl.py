@@ -72,7 +72,7 @@ def summarize(args, ends: list[tuple[float, float]], phases: list[dict], lengths
 def run_ours(args) -> dict:
     import torch
 
-    from rlhf_core.launch import prepare_environment
+    from rlhf_core.distributed.cluster import prepare_environment
     from rlhf_core.rl import controller as rl_controller
     from rlhf_core.rl_config import build_ppo_config
     from rlhf_core.trainers.ppo import run_ppo
@@ -296,7 +296,7 @@ def driver_main(args) -> int:
         return 2
     if (args.prompts * args.n) % args.train_batch_size or args.train_batch_size % args.micro_batch_size:
         raise SystemExit("--prompts x --n must be a multiple of --train_batch_size, and that of --micro_batch_size")
-    from rlhf_core.precision import resolve_here
+    from rlhf_core.infra.precision import resolve_here
 
     args.precision = resolve_here("auto").value if args.param_dtype == "auto" else args.param_dtype
     args.repeats_done = 0

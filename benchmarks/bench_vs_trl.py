@@ -129,7 +129,7 @@ def run_ours(args) -> dict:
     import torch
 
     from rlhf_core.config import STAGE_CONFIGS, build_config
-    from rlhf_core.launch import prepare_environment
+    from rlhf_core.distributed.cluster import prepare_environment
     from rlhf_core.trainers import recipe_class
     from rlhf_core.trainers.loop import TrainLoop
 
@@ -545,7 +545,7 @@ def driver_main(args) -> int:
         raise SystemExit("--train_batch_size must be a multiple of --micro_train_batch_size")
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1")
-    from rlhf_core.precision import resolve_here
+    from rlhf_core.infra.precision import resolve_here
 
     # auto: what the CLI would pick on this machine; an explicit choice is measured as asked.
     args.precision = resolve_here("auto").value if args.param_dtype == "auto" else args.param_dtype
@@ -556,7 +556,7 @@ def driver_main(args) -> int:
     print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
     snapshot, code = take_snapshot(work)
     n_train = max(args.process_rows.values()) if args.mode == "process" else None  # else prep's default
-    prep = subprocess.run([sys.executable, "-c", "import sys, json; from rlhf_core.prep import prepare; "
+    prep = subprocess.run([sys.executable, "-c", "import sys, json; from rlhf_core.stages.prep import prepare; "
                            "prepare(sys.argv[1], task=sys.argv[3], seed=0, model_size=sys.argv[2], "
                            "**({'n_train': int(sys.argv[4])} if sys.argv[4] != 'None' else {}))",
                            str(data_root), args.model_size, args.task, str(n_train)],
@@ -618,7 +618,7 @@ def driver_main(args) -> int:
 def versions_line(args, code: str) -> str:
     from importlib.metadata import version
 
-    from rlhf_core.precision import describe_hardware
+    from rlhf_core.infra.precision import describe_hardware
 
     names = ["torch", "transformers", "deepspeed", "trl", "accelerate"]
     return (f"Machine: {describe_hardware()}; both sides in {args.precision}.\n"

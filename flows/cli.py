@@ -21,9 +21,11 @@ import argparse
 import os
 import shlex
 
-from rlhf_core.config import ConfigError, build_config, load_yaml
-from rlhf_core.redaction import refuse_inline_secrets
+from rlhf_core.config import build_config, load_yaml
+from rlhf_core.infra.redaction import refuse_inline_secrets
+from rlhf_core.infra.settings import ConfigError
 
+HELP = "Run the whole lifecycle as the Prefect flow `rlhf`"  # `rlhf pipeline` (registered in pyproject.toml)
 SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "evaluation", "iterative", "online")
 
 
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(summary: dict) -> None:
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
     from tasks.reports import stage_metrics_lines, summary_table
 
     print("\n=== pipeline run", summary["pipeline_run_id"], flush=True)

@@ -66,7 +66,7 @@ def configure() -> dict[str, str]:
     """Apply `embedded_settings` to this process (its subprocesses inherit them); returns what was set."""
     if "prefect" in sys.modules:
         return {}
-    from rlhf_core.config import state_dir
+    from rlhf_core.infra.settings import state_dir
 
     settings = embedded_settings(os.environ, state_dir(), Path.home(), Path.cwd())
     if "PREFECT_HOME" in settings:  # Prefect makes only the last folder, so a fresh RLHF_HOME would fail
@@ -99,7 +99,7 @@ def prepare_stores() -> None:
     """Create or upgrade the embedded MLflow store and create a missing Prefect database, one
     process at a time (see the module's doc). Servers (`MLFLOW_TRACKING_URI` other than SQLite,
     Prefect's API URL) are left alone."""
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     uri = tracking_uri()
     mlflow_db = sqlite_path(uri)

@@ -19,7 +19,7 @@ import zlib
 from flows.jobs import eval_job, policy_metric, prep_paths, starting_policy, train_job
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
 from rlhf_core.config import DPOConfig, with_updates
-from rlhf_core.version import params_hash
+from rlhf_core.infra.manifests import params_hash
 from tasks import lineage
 from tasks.reports import publish_eval_report
 from tasks.stages import PipelineContext, StageJob

@@ -14,9 +14,10 @@ enter it by the upstream's own cache key, so an unchanged upstream keeps the cac
 from __future__ import annotations
 
 from flows.params import EvalParams, PipelineSettings, PrepParams
-from rlhf_core.config import ConfigError, TrainConfig, with_updates
+from rlhf_core.config import TrainConfig, with_updates
+from rlhf_core.infra.manifests import config_hash, params_hash, values_hash
+from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl_config import PPOConfig
-from rlhf_core.version import config_hash, params_hash, values_hash
 from tasks.stages import PipelineContext, StageJob, StageOutcome
 
 
@@ -48,7 +49,7 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
     """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
     import yaml
 
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     stage = cfg.stage
     name = name or stage
@@ -129,7 +130,7 @@ def ppo_config_hash(cfg: PPOConfig, precision: str, reward_file_digest: str | No
 def _file_digest(path: str) -> str:
     import hashlib
 
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     if storage.is_remote(path):
         import fsspec
@@ -156,7 +157,7 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
     """
     import yaml
 
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     values = cfg.model_dump(mode="json")
     upstream: dict[str, StageOutcome] = {}

@@ -43,9 +43,9 @@ from flows.params import (
     PrepParams,
     Stage,
 )
-from rlhf_core.config import state_dir
-from rlhf_core.redaction import redact_text, refuse_inline_secrets
-from rlhf_core.version import code_version
+from rlhf_core.infra.manifests import code_version
+from rlhf_core.infra.redaction import redact_text, refuse_inline_secrets
+from rlhf_core.infra.settings import state_dir
 from tasks import lineage
 from tasks.lifeline import lifeline
 from tasks.ray_jobs import ray_cluster
@@ -60,7 +60,7 @@ ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stag
 def _close_orphans(experiment: str, logger) -> None:
     """Runs a killed flow or job of this machine left RUNNING are marked KILLED (tasks/lineage.py)
     before this run starts, so the MLflow UI and `rlhf prune` stop counting them as running."""
-    from rlhf_core.stores import StoreUnavailable
+    from rlhf_core.infra.reachability import StoreUnavailable
 
     try:
         closed = lineage.close_orphans_of(experiment)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from rlhf_core.config import ConfigError
 from rlhf_core.data.loading import DataError
+from rlhf_core.infra.settings import ConfigError
 from tasks.ray_jobs import StageConfigError
 
 USER_ERRORS = (ConfigError, DataError, StageConfigError)

@@ -9,7 +9,7 @@ prompt's samples score the same (deterministic for a seed: a retry would only re
 message says which flag to change), and an RL stage whose reward file or reward server answers
 something unusable (tests/unit/test_bad_input.py holds every case). A failed stage exits 1,
 including a reward server that stayed unreachable (a retry may succeed), and so does a stage whose
-MLflow server or S3 endpoint does not answer in time (`rlhf_core/stores.py`): checked before any
+MLflow server or S3 endpoint does not answer in time (`rlhf_core/infra/reachability.py`): checked before any
 model or data is read.
 """
 
@@ -20,10 +20,12 @@ import json
 import os
 import sys
 
-from rlhf_core.config import STAGE_CONFIGS, ConfigError, add_config_flags, build_config, load_yaml
+from rlhf_core.config import STAGE_CONFIGS, add_config_flags, build_config, load_yaml
+from rlhf_core.infra.settings import ConfigError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+COMMAND_GROUP = "rlhf.commands"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,16 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                                          "score, keep (best, worst) per prompt: online DPO data"),
                           ROLLOUT_STAGE_CONFIGS["pairs"])
 
-    from importlib.util import find_spec
-
-    if find_spec("flows") is not None:  # the orchestration layer (installed with the project)
-        from flows.cli import add_arguments
-
-        add_arguments(sub.add_parser("pipeline", help="Run the whole lifecycle as the Prefect flow `rlhf`"))
-        from tasks.prune import add_arguments as add_prune_arguments
-
-        add_prune_arguments(sub.add_parser("prune", help="Delete pipeline outputs and checkpoints that no registered "
-                                           "model, cache entry or recent run refers to (a dry run without --yes)"))
+    _add_orchestration_commands(sub)
 
     from rlhf_core.rewards.cli import add_serve_rm_arguments
 
@@ -117,12 +110,12 @@ def _check_reward_files(remote_url: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlhf_core.data.loading import DataError
-    from rlhf_core.launch import StageFailed, is_bad_input
-    from rlhf_core.stores import StoreUnavailable, check_config_stores, check_stage_stores
+    from rlhf_core.infra.reachability import StoreUnavailable, check_config_stores, check_stage_stores
+    from rlhf_core.stages.launch import StageFailed, is_bad_input
 
     try:
         if args.command == "prep":
-            from rlhf_core.prep import check_prep_params, prep_config, run_prep
+            from rlhf_core.stages.prep import check_prep_params, prep_config, run_prep
 
             sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate") if getattr(args, k) is not None}
             check_prep_params(prep_config(task=args.task, seed=args.seed, model_size=args.model_size, **sizes))
@@ -131,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(manifest["outputs"], indent=2))
             return 0
         if args.command == "train" and args.stage == "ppo":
-            from rlhf_core.launch import run_rl_stage
             from rlhf_core.rl_config import build_ppo_config
+            from rlhf_core.stages.launch import run_rl_stage
 
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
             cfg = build_ppo_config(load_yaml(args.config) if getattr(args, "config", None) else None, values)
@@ -147,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
             cfg = build_config(STAGE_CONFIGS[args.stage], load_yaml(args.config) if getattr(args, "config", None)
                                else None, values)
-            from rlhf_core.launch import run_stage
+            from rlhf_core.stages.launch import run_stage
 
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain"})
@@ -156,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("eval", "pairs"):
             from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, build_flat_config
-            from rlhf_core.evaluation import run_eval
-            from rlhf_core.pairs import NoPairsError, run_pairs
+            from rlhf_core.stages.evaluation import run_eval
+            from rlhf_core.stages.pairs import NoPairsError, run_pairs
 
             values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             cfg = build_flat_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
@@ -176,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve_rm_main(args)
         if args.command == "hardware":
-            from rlhf_core.launch import prepare_environment, probe_hardware
-            from rlhf_core.precision import HARDWARE_PREFIX
+            from rlhf_core.distributed.cluster import prepare_environment
+            from rlhf_core.infra.precision import HARDWARE_PREFIX
+            from rlhf_core.stages.launch import probe_hardware
 
             prepare_environment()
             print(HARDWARE_PREFIX + json.dumps(probe_hardware(), sort_keys=True), flush=True)
             return 0
         if args.command == "lineage":
-            from rlhf_core.lineage import LineageError, build, lineage_json, render
+            from rlhf_core.stages.provenance import LineageError, build, lineage_json, render
 
             try:
                 tree = build(args.ref)
@@ -191,14 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(str(e), EXIT_FAILED)
             print(lineage_json(tree) if args.json else render(tree))
             return 0
-        if args.command == "pipeline":
-            from flows.cli import run
-
-            return run(args)
-        if args.command == "prune":
-            from tasks.prune import run as prune
-
-            return prune(args)
+        if getattr(args, "orchestration_run", None) is not None:
+            return args.orchestration_run(args)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
     except StoreUnavailable as e:  # MLflow or S3 did not answer in time: infrastructure, retried
@@ -210,12 +198,31 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(f"unknown command {args.command}")
 
 
+def _add_orchestration_commands(sub) -> None:
+    """The commands the orchestration layer registers (`pipeline`, `prune`) under the entry-point
+    group COMMAND_GROUP: a module with HELP, add_arguments(parser) and run(args). The library never
+    imports that layer, so a Ray job's `rlhf train` runs where Prefect is not installed."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name):
+        try:
+            command = ep.load()
+        except ImportError as e:  # registered but not importable here: say so when it is asked for
+            parser = sub.add_parser(ep.name, help=f"(unavailable here: {e})")
+            message = f"`rlhf {ep.name}` needs {ep.value}, which does not import here: {e}"
+            parser.set_defaults(orchestration_run=lambda args, message=message: _fail(message))
+            continue
+        parser = sub.add_parser(ep.name, help=command.HELP)
+        command.add_arguments(parser)
+        parser.set_defaults(orchestration_run=command.run)
+
+
 def entry() -> None:
     """The `rlhf` command: `main` in a process of its own, whose heap is frozen when it has finished
-    (no final collector pass over it on the way out: rlhf_core/heap.py)."""
+    (no final collector pass over it on the way out: rlhf_core/infra/heap.py)."""
     import gc
 
-    from rlhf_core import heap
+    from rlhf_core.infra import heap
 
     heap.own_process()
     code = main()

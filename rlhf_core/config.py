@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import os
 from enum import Enum
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlhf_core.precision import Precision
+from rlhf_core.infra.precision import Precision
+from rlhf_core.infra.settings import ConfigError
 
 
 class StrictModel(BaseModel):
@@ -241,33 +241,8 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
 }
 
 
-def state_dir() -> Path:
-    """The project's state directory (MLflow store, compiled ops, pipeline outputs)."""
-    return Path(os.environ.get("RLHF_HOME", Path.cwd() / ".rlhf")).resolve()
-
-
 # ---------------------------------------------------------------------------------------------
 # Flags and YAML -> config. Flags are the flat field names; data fields may be given flat too.
-
-class ConfigError(ValueError):
-    """A configuration problem with a message that names the field or flag."""
-
-
-def env_number(name: str, default: float, *, allow_zero: bool = False, integer: bool = False) -> float:
-    """A numeric setting read from the environment (`default` when unset or blank); a ConfigError
-    naming the variable when it is not a finite number > 0 (>= 0 with `allow_zero`)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 if allow_zero else value > 0) or math.isinf(value):
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name}={raw!r}: must be {kind} {'>= 0' if allow_zero else '> 0'} (default {default:g})")
-    return value
-
 
 def _parse_bool(text: str) -> bool:
     lowered = str(text).lower()

@@ -31,7 +31,7 @@ from rlhf_core.config import (
     check_input_template,
     flag_kwargs,
 )
-from rlhf_core.precision import Precision
+from rlhf_core.infra.precision import Precision
 
 AdvantageEstimator = Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"]
 # Baselines from the other samples of a prompt: they need n_samples_per_prompt > 1 and use gamma 1.

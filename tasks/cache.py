@@ -1,7 +1,7 @@
 """Cache keys: a stage is skipped when nothing that determines its output has changed.
 
 The key hashes the stage name, its config hash (the semantic fields only, see
-`rlhf_core.version.config_hash`), the cache keys of the stages it consumes (which already cover
+`rlhf_core.infra.manifests.config_hash`), the cache keys of the stages it consumes (which already cover
 their own inputs, transitively), the content digests of datasets given directly, and the code
 version. Prep's key is its parameters and the code version: prep is deterministic per seed.
 Hub datasets and hub models cannot be digested offline; they enter the key by name, so a hub

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from rlhf_core.precision import HARDWARE_PREFIX
+from rlhf_core.infra.precision import HARDWARE_PREFIX
 from tasks.ray_jobs import RayJobRunner, job_env
 
 

@@ -27,9 +27,10 @@ import time
 
 from mlflow.exceptions import MlflowException
 
-from rlhf_core import storage, stores
-from rlhf_core.redaction import redact, redact_text
-from rlhf_core.tracking import ensure_experiment, redact_params, tracking_uri
+from rlhf_core.infra import reachability, storage
+from rlhf_core.infra.redaction import redact, redact_text
+from rlhf_core.infra.settings import tracking_uri
+from rlhf_core.infra.tracking import ensure_experiment, redact_params
 
 POLICY_MODEL = "rlhf-policy"  # every policy stage (DPO, PPO, iterative rounds) registers here
 REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL}
@@ -38,16 +39,16 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 def client():
     """A client for the tracking store, once it answers (a server: within RLHF_STORE_CHECK_S, else
-    `StoreUnavailable`, which the stage task retries). Each request is bounded (`stores.bound_mlflow_requests`)
-    and each call retried while the store fails, for up to RLHF_STORE_WAIT_S (`stores.RetryingClient`)."""
+    `StoreUnavailable`, which the stage task retries). Each request is bounded (`reachability.bound_mlflow_requests`)
+    and each call retried while the store fails, for up to RLHF_STORE_WAIT_S (`reachability.RetryingClient`)."""
     from mlflow import MlflowClient
 
     uri = tracking_uri()
-    stores.bound_mlflow_requests()
-    if stores.is_server(uri):
-        stores.wait_until_reachable("MLflow tracking server", stores.mlflow_health_url(uri), stores.store_check_s(),
+    reachability.bound_mlflow_requests()
+    if reachability.is_server(uri):
+        reachability.wait_until_reachable("MLflow tracking server", reachability.mlflow_health_url(uri), reachability.store_check_s(),
                                     "RLHF_STORE_CHECK_S", "when the pipeline had to record in it")
-    return stores.RetryingClient(MlflowClient(tracking_uri=uri), uri)
+    return reachability.RetryingClient(MlflowClient(tracking_uri=uri), uri)
 
 
 def start_pipeline_run(experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
@@ -79,9 +80,9 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
 
 def orphaned_runs(c, experiment_ids: list[str]) -> list:
     """The RUNNING runs of these experiments whose owning process (tag `rlhf.owner`) ran on this
-    machine and is gone (`rlhf_core.owner`): killed before it could close them. Runs owned on other
+    machine and is gone (`rlhf_core.infra.owner`): killed before it could close them. Runs owned on other
     machines, or by a live process, are not among them."""
-    from rlhf_core.owner import OWNER_TAG, is_gone, machine
+    from rlhf_core.infra.owner import OWNER_TAG, is_gone, machine
 
     if not experiment_ids:
         return []
@@ -99,7 +100,7 @@ def orphaned_runs(c, experiment_ids: list[str]) -> list:
 def close_orphans(c, runs: list) -> None:
     """Mark each of `orphaned_runs`' runs KILLED, saying why in `rlhf.error` (what its owner would
     have written had it been able to)."""
-    from rlhf_core.owner import OWNER_TAG, parse
+    from rlhf_core.infra.owner import OWNER_TAG, parse
 
     for run in runs:
         parsed = parse(run.data.tags.get(OWNER_TAG))

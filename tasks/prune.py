@@ -19,7 +19,7 @@ under `<output_root>/<pipeline run id>/`. `rlhf prune` looks there (the embedded
   `--keep_days`, and every run still RUNNING in MLflow keep everything under their folder and
   every output their stages used (a cached or reused output in an older run's folder). A run
   left RUNNING by a process of this machine that is gone (killed) counts as ended, and `--yes`
-  marks it KILLED in MLflow (`rlhf_core/owner.py`);
+  marks it KILLED in MLflow (`rlhf_core/infra/owner.py`);
 - a run folder whose run the store does not know (deleted there, or another store) is recent by
   its newest file's age.
 
@@ -46,8 +46,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_core.config import ConfigError
-from rlhf_core.storage import (
+from rlhf_core.infra.settings import ConfigError
+from rlhf_core.infra.storage import (
     CHECKPOINTS,
     MANIFEST,
     WRITING,
@@ -363,6 +363,10 @@ def human(size: int) -> str:
 # The command
 
 
+HELP = ("Delete pipeline outputs and checkpoints that no registered model, cache entry or recent run refers to "
+        "(a dry run without --yes)")  # `rlhf prune` (registered in pyproject.toml)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_root", default=None, help="The pipelines' output folder (default: "
                         "$RLHF_HOME/pipelines, the flow's default settings.output_root); local only")
@@ -380,9 +384,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf_core.config import state_dir
-    from rlhf_core.tracking import tracking_uri
-    from rlhf_core.version import code_version
+    from rlhf_core.infra.manifests import code_version
+    from rlhf_core.infra.settings import state_dir, tracking_uri
 
     if args.keep_last < 0:
         raise ConfigError(f"--keep_last must be >= 0, got {args.keep_last}")
@@ -405,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
     from tasks.lineage import client, close_orphans, orphaned_runs
 
     store = client()
-    # A run left RUNNING by a process of this machine that was killed is not running (rlhf_core/owner.py).
+    # A run left RUNNING by a process of this machine that was killed is not running (rlhf_core/infra/owner.py).
     orphans = orphaned_runs(store, [e.experiment_id for e in store.search_experiments(view_type=ViewType.ALL)])
     if orphans:
         ids = ", ".join(run.info.run_id for run in orphans)

@@ -18,7 +18,7 @@ job's log lines to a callback (the Prefect task logger), and waits for a termina
   timeout (`RAY_gcs_rpc_server_reconnect_timeout_s`), so they exit instead of outliving the wait.
 - The embedded default starts a local Ray with its dashboard (the Jobs API lives there) for the
   duration of a flow run and shuts it down after: on 127.0.0.1 with token authentication
-  (`rlhf_core/local_ray.py`). The cluster's driver is a small keeper process, not the flow's own:
+  (`rlhf_core/distributed/local_ray.py`). The cluster's driver is a small keeper process, not the flow's own:
   a Ray driver whose GCS is gone is terminated by Ray, and the flow must outlive its cluster to
   fail the stage cleanly. Before every job the keeper's processes are checked; a cluster that
   died is replaced by a fresh one, so a retried attempt can complete. With `RAY_ADDRESS` (the
@@ -42,9 +42,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from rlhf_core.config import env_number
-from rlhf_core.launch import FORWARDED_ENV
-from rlhf_core.redaction import redact_text
+from rlhf_core.distributed.cluster import FORWARDED_ENV
+from rlhf_core.infra.redaction import redact_text
+from rlhf_core.infra.settings import env_number
 
 EXIT_CONFIG_ERROR = 2  # rlhf_core.cli: configuration or data error
 TAIL_LINES = 30
@@ -399,7 +399,7 @@ def keep_local_ray() -> None:
     until stdin closes (the flow ended, or died), then shut it down."""
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     context = init_local(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=os.cpu_count(),
                          configure_logging=False, log_to_driver=False)
@@ -555,8 +555,8 @@ def ray_cluster() -> Iterator[str]:
     if os.environ.get("RAY_ADDRESS"):
         yield os.environ["RAY_ADDRESS"]
         return
-    from rlhf_core.launch import prepare_environment
-    from rlhf_core.local_ray import prepare_auth, reread_ray_config
+    from rlhf_core.distributed.cluster import prepare_environment
+    from rlhf_core.distributed.local_ray import prepare_auth, reread_ray_config
 
     prepare_environment()  # state dir, compiled-op cache: the local cluster's processes inherit them
     warning = prepare_auth()  # token auth on, a token in place: the keeper inherits it, our client sends it

@@ -4,7 +4,7 @@ The evaluation becomes a Prefect markdown artifact (its table, samples and compa
 pipeline report answers "did RLHF help, by how much, at what KL cost" in one markdown document:
 a headline (the best policy against the SFT reference on the promote metric, the difference in
 points, its KL), the evaluation's table and chart, and every training stage's curves read back
-from its MLflow run. Its images are PNGs (`rlhf_core.plots`): files next to the report in the
+from its MLflow run. Its images are PNGs (`rlhf_core.stages.plots`): files next to the report in the
 parent run's MLflow artifacts, and data URIs in the Prefect artifact, because the embedded Prefect
 serves no image URLs.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
 
-from rlhf_core.pairs import PAIR_FRACTION
+from rlhf_core.stages.pairs import PAIR_FRACTION
 from tasks.stages import StageOutcome
 
 # What each stage's own held-out evaluation says, shown after a pipeline run ("before -> after").
@@ -46,8 +46,8 @@ def stage_metrics_lines(stage: str, metrics: dict) -> list[str]:
 def publish_eval_report(outcome: StageOutcome, promote_metric: str) -> dict:
     """Publish the eval stage's table, its comparison chart and sample generations; return its
     metrics, policies and markdown. The chart is also attached to the eval stage's MLflow run."""
-    from rlhf_core.evaluation import format_eval_markdown, read_eval_report
-    from rlhf_core.plots import eval_comparison_png
+    from rlhf_core.stages.evaluation import format_eval_markdown, read_eval_report
+    from rlhf_core.stages.plots import eval_comparison_png
 
     report = read_eval_report(outcome.output_uri)
     markdown = format_eval_markdown(report)
@@ -83,7 +83,7 @@ def publish_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome
     client = lineage.client()
     report = None
     if eval_outcome is not None:
-        from rlhf_core.evaluation import read_eval_report
+        from rlhf_core.stages.evaluation import read_eval_report
 
         report = read_eval_report(eval_outcome.output_uri)
     curves = {name: history_of(client, outcome) for name, outcome in outcomes.items() if outcome.stage not in NO_CURVES}
@@ -121,8 +121,8 @@ def build_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome],
                           curves: dict[str, dict[str, list[tuple[float, float]]]], promote_metric: str) -> BuiltReport:
     """The report from what the run left (pure: no MLflow, no Prefect). `report`: the eval stage's
     eval.json; `curves`: each training stage's metric history, `{key: [(step, value)]}`."""
-    from rlhf_core.evaluation import format_eval_markdown
-    from rlhf_core.plots import eval_comparison_png, training_curves_png
+    from rlhf_core.stages.evaluation import format_eval_markdown
+    from rlhf_core.stages.plots import eval_comparison_png, training_curves_png
 
     parts: list = [f"# RLHF pipeline report\n\nMLflow pipeline run `{parent_run_id}`.\n\n"]
     images: dict[str, bytes] = {}
@@ -160,7 +160,7 @@ def headline(report: dict, promote_metric: str) -> dict:
     (`eval/<name>/sampled_accuracy`); higher wins. A fraction (accuracy, pass@k, win rate)
     differs in percentage points, anything else in its own units."""
     from rlhf_core.config import REFERENCE_NAME
-    from rlhf_core.evaluation import metric_key
+    from rlhf_core.stages.evaluation import metric_key
 
     metrics = report["metrics"]
     metric = promote_metric.rsplit("/", 1)[-1]
@@ -218,7 +218,7 @@ METRIC_LABELS = {"greedy_accuracy": "held-out greedy accuracy", "sampled_accurac
 def history_of(client, outcome: StageOutcome) -> dict[str, list[tuple[float, float]]]:
     """A stage's metric history `{key: [(step, value)]}` from the MLflow run that trained it
     (through `rlhf.cached_from` when this run reused an earlier one's output)."""
-    from rlhf_core.plots import curve_keys
+    from rlhf_core.stages.plots import curve_keys
 
     run = client.get_run(outcome.manifest.get("mlflow_run_id") or outcome.run_id)
     for _ in range(10):  # a chain of reuses; bounded so a tag loop cannot spin

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core import storage
-from rlhf_core.redaction import redact_text
-from rlhf_core.stores import StoreUnavailable
-from rlhf_core.version import code_version
+from rlhf_core.infra import storage
+from rlhf_core.infra.manifests import code_version
+from rlhf_core.infra.reachability import StoreUnavailable
+from rlhf_core.infra.redaction import redact_text
 from tasks import lineage
 from tasks.cache import cache_key, dataset_digest
 from tasks.ray_jobs import RayJobRunner, StageJobError, job_env

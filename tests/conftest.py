@@ -46,7 +46,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """The built-in addition task with a tiny model (small n so tests stay fast)."""
-    from rlhf_core.prep import prepare
+    from rlhf_core.stages.prep import prepare
 
     out = tmp_path_factory.mktemp("prep")
     paths = prepare(out, task="addition", seed=0, model_size="tiny", n_train=1024, n_test=128)
@@ -73,7 +73,7 @@ def rl_setting(tmp_path_factory):
     model trained on the (always correct) preference pairs ranks ~98% of held-out pairs.
     fp32, one in-process rank each: the same on every CPU kind. Shared by every RL test."""
     from rlhf_core.cli import main
-    from rlhf_core.prep import prepare
+    from rlhf_core.stages.prep import prepare
 
     root = tmp_path_factory.mktemp("rl_setting")
     paths = prepare(root / "prep", task="sort", seed=0, model_size="tiny", n_train=4000, n_test=200,

@@ -48,8 +48,8 @@ def _local(location: str) -> Path:
     the cache (a file under its own name, so its extension still names its format)."""
     if "://" not in location or location.startswith("file://"):
         return Path(location.removeprefix("file://")).expanduser()
-    from rlhf_core import storage
-    from rlhf_core.config import state_dir
+    from rlhf_core.infra import storage
+    from rlhf_core.infra.settings import state_dir
 
     try:
         return Path(storage.local_copy(location, state_dir() / "cache"))

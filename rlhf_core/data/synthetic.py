@@ -236,7 +236,7 @@ def build_splits(
         test = _unique_examples(task, random.Random(f"{seed}-test"), n_test, exclude=set())
         train = _unique_examples(task, random.Random(f"{seed}-train"), n_train, exclude={p for p, _ in test})
     except ValueError as e:  # more examples asked for than the task has: the sizes are the input at fault
-        from rlhf_core.config import ConfigError
+        from rlhf_core.infra.settings import ConfigError
 
         raise ConfigError(f"--n_train {n_train} / --n_test {n_test}: {e}; ask for fewer") from None
     # Rejected answers come from their own stream, so the examples never depend on them.

@@ -3,7 +3,7 @@
 Each rank is one process (a Ray actor, or the current process for a single local rank) that
 has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before
 `deepspeed.init_distributed`. The precision (`precision_of`: `--param_dtype` resolved on this
-rank's hardware, see rlhf_core/precision.py) means, on CPU, bf16 autocast around the forward pass
+rank's hardware, see rlhf_core/infra/precision.py) means, on CPU, bf16 autocast around the forward pass
 with fp32 master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU, DeepSpeed's own
 bf16 or fp16 (with its dynamic loss scaling).
 
@@ -19,7 +19,7 @@ import socket
 
 import torch
 
-from rlhf_core.precision import Precision, resolve_here
+from rlhf_core.infra.precision import Precision, resolve_here
 
 
 def device() -> torch.device:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.algos.losses import gather_token_logprobs
 from rlhf_core.data.batching import Batch
-from rlhf_core.losses import gather_token_logprobs
 from rlhf_core.models.lean import lean_model
 from rlhf_core.models.lean_train import selected_hidden
 from rlhf_core.models.loading import backbone

@@ -47,8 +47,8 @@ def check_pretrained(location: str, flag: str, tokenizer: bool = False) -> None:
     or the tokenizer converter minutes later. s3:// models are checked when they are downloaded."""
     from pathlib import Path
 
-    from rlhf_core.config import ConfigError
-    from rlhf_core.storage import is_remote
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.infra.storage import is_remote
 
     if not location or is_remote(location):
         return
@@ -77,7 +77,7 @@ def check_pretrained(location: str, flag: str, tokenizer: bool = False) -> None:
 def _check_hub_model(name: str, flag: str) -> None:
     from transformers import AutoConfig
 
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     try:
         AutoConfig.from_pretrained(name)
@@ -89,7 +89,7 @@ def _check_hub_model(name: str, flag: str) -> None:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     try:
         tok = AutoTokenizer.from_pretrained(path)

@@ -29,7 +29,7 @@ def add_serve_rm_arguments(parser) -> None:
 
 def serve_rm_main(args) -> int:
     """Run `rlhf serve-rm` until interrupted; 2 for a configuration problem, 1 when it cannot listen."""
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
     from rlhf_core.rewards.factory import build_reward_source
     from rlhf_core.rewards.server import serve_reward
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.config import ConfigError, state_dir
+from rlhf_core.infra.settings import ConfigError, state_dir
 from rlhf_core.rewards.base import BatchRewardSource
 
 
@@ -43,7 +43,7 @@ def build_reward_source(model_paths: list[str] | str | None = None, remote_url: 
             return VerifierSource(task)
         except ValueError as e:
             raise ConfigError(f"--task: {e}") from None
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
     from rlhf_core.rewards.adapters import CombinedReward, RewardModelSource
     from rlhf_core.rewards.reward_model import RewardModelReward
 

@@ -15,7 +15,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from rlhf_core.config import ConfigError
+from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rewards.base import RewardError, RewardOutput, as_reward_output, check_batch
 
 

@@ -31,7 +31,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlhf_core.rewards.base import RewardError, as_reward_output
-from rlhf_core.rewards.cli import DEFAULT_PORT
 from rlhf_core.rewards.remote import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ TOKEN_FILE_NAME = "rm_token"
 def write_token_file(path: str | Path | None = None) -> tuple[str, Path]:
     """A new token written to `path` (default `<state dir>/rm_token`) readable by the user only."""
     if path is None:
-        from rlhf_core.config import state_dir
+        from rlhf_core.infra.settings import state_dir
 
         path = state_dir() / TOKEN_FILE_NAME
     path = Path(path).expanduser().resolve()
@@ -64,7 +63,7 @@ def write_token_file(path: str | Path | None = None) -> tuple[str, Path]:
 class RewardServer:
     """An HTTP server around a batched reward source; `serve_forever()` or `start()` (a thread)."""
 
-    def __init__(self, source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
+    def __init__(self, source, host: str = "127.0.0.1", port: int = 0, *, token: str,
                  token_path: Path | None = None):
         if not token:
             raise ValueError("the reward server needs a token")
@@ -215,7 +214,7 @@ def _handler(server: RewardServer, token: bytes):
     return Handler
 
 
-def serve_reward(source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None, *,
+def serve_reward(source, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  token_file: str | Path | None = None, background: bool = False, announce=None) -> RewardServer:
     """Serve `source` on host:port (0: a free port). `background=True` returns a started server
     (a daemon thread); otherwise call `serve_forever()` on it. The token: `token`, else

@@ -52,7 +52,7 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
     Whole or not at all: every role writes into `.<tag>.partial`, renamed to the tag when all of it
     is there; then `latest`, the record, rotation. A full disk removes the partial folder and raises
     DiskFullError (exit 2), the earlier checkpoints and `latest` as they were."""
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
     from rlhf_core.trainers import checkpoints
 
     ckpt = Path(ckpt)

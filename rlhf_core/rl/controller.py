@@ -35,10 +35,10 @@ import time
 
 import torch
 
-from rlhf_core import heap
-from rlhf_core.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
+from rlhf_core.algos.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
+from rlhf_core.algos.losses import kl_penalty
 from rlhf_core.data.synthetic import get_task
-from rlhf_core.losses import kl_penalty
+from rlhf_core.infra import heap
 from rlhf_core.rl import checkpoint
 from rlhf_core.rl.experience import RolloutSample, stack, unstack
 

@@ -7,7 +7,7 @@ weights, give memory back between rollouts.
   as Ray actors in the rollout pool. Prompts are split over the engines in contiguous parts
   (engine i samples with seed `seed + i * ENGINE_SEED_STRIDE`, so one engine reproduces the local
   run). After every training step each engine takes the actor's weights by the transport of
-  `rl/weight_sync.py`: Ray's object store (transformers engines by default), an NCCL or gloo
+  `rollout/weight_sync.py`: Ray's object store (transformers engines by default), an NCCL or gloo
   broadcast from actor rank 0 over a group of its own, or CUDA IPC for engines on the actor's
   GPUs (`--vllm.sync_backend`, `auto` by default). The transport is chosen and set up on the first
   sync, from what the engines and the actor ranks report (vLLM or not, CUDA, which GPU).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rlhf_core.rl.weight_sync import (  # noqa: F401 (EngineSyncError, sync_timeout_s: part of this module's API)
+from rlhf_core.rollout.weight_sync import (  # noqa: F401 (EngineSyncError, sync_timeout_s: part of this module's API)
     DEFAULT_BUCKET_MB,
     DEFAULT_SYNC_TIMEOUT_S,
     EngineSyncError,
@@ -145,7 +145,7 @@ class EngineWorker:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
-    # the receiving side of the weight sync (rl/weight_sync.py): a vLLM engine passes each call on
+    # the receiving side of the weight sync (rollout/weight_sync.py): a vLLM engine passes each call on
     # to its workers; a transformers engine is one receiver itself, loading all weights at once
     def weight_sync_info(self) -> dict:
         """{"vllm", "cuda", "ranks" (members of the sync group), "dtype", "uuids" (GPUs)}."""
@@ -232,8 +232,8 @@ class RayEngines(_Sleeping):
 
     def setup_sync(self, actor) -> WeightSync:
         """Pick the transport from what the engines and the actor ranks report (`actor`: a RayGroup)."""
-        from rlhf_core.config import ConfigError
-        from rlhf_core.rl.weight_sync import ObjectStoreSync, await_sync
+        from rlhf_core.infra.settings import ConfigError
+        from rlhf_core.rollout.weight_sync import ObjectStoreSync, await_sync
 
         if self.requested_sync == SyncBackend.OBJECT_STORE.value:
             self.weight_sync = ObjectStoreSync()

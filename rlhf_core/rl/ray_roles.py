@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from rlhf_core.distributed.resources import Layout, colocation_groups, plan_layout
-from rlhf_core.rl.weight_sync import WeightSender
+from rlhf_core.rollout.weight_sync import WeightSender
 
 ROLE_KINDS = ("actor", "critic", "ref", "reward")
 

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.distributed.engine import autocast, device, initialize, precision_of
-from rlhf_core.losses import (
+from rlhf_core.algos.losses import (
     LossAggMode,
     aggregate_loss,
     entropy_from_logits,
@@ -31,6 +30,7 @@ from rlhf_core.losses import (
     policy_loss,
     value_loss,
 )
+from rlhf_core.distributed.engine import autocast, device, initialize, precision_of
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack

@@ -18,7 +18,8 @@ __all__ = ["Completion", "PromptSet", "RolloutEngine", "TransformersEngine", "lo
 
 def make_engine(model_path: str, backend: str = "auto", add_special_tokens: bool = False) -> RolloutEngine:
     """A rollout engine for a local model directory; `backend` is auto, transformers or vllm."""
-    from rlhf_core.config import ConfigError, RolloutBackend
+    from rlhf_core.config import RolloutBackend
+    from rlhf_core.infra.settings import ConfigError
 
     try:
         backend = RolloutBackend(backend)

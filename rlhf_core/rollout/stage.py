@@ -15,9 +15,9 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_core import storage
-from rlhf_core.tracking import Tracker
-from rlhf_core.version import code_version, stage_manifest
+from rlhf_core.infra import storage
+from rlhf_core.infra.manifests import code_version, stage_manifest
+from rlhf_core.infra.tracking import Tracker
 
 
 @contextmanager

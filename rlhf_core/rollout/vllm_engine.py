@@ -186,7 +186,7 @@ class WeightSyncExtension:
         return str(self.model_config.dtype).removeprefix("torch.")
 
     def rlhf_sync_device_uuid(self) -> str:
-        from rlhf_core.rl.weight_sync import device_uuid
+        from rlhf_core.rollout.weight_sync import device_uuid
 
         return device_uuid(self.device)
 
@@ -194,20 +194,20 @@ class WeightSyncExtension:
                        timeout_s: float) -> None:
         import torch.distributed as dist
 
-        from rlhf_core.rl.weight_sync import SyncGroup
+        from rlhf_core.rollout.weight_sync import SyncGroup
 
         # this worker's rank in the sync group: after the engines before it, at its rank in the engine
         rank = worker_sync_rank(rank_offset, dist.get_rank() if dist.is_initialized() else 0)
         self._rlhf_sync_group = SyncGroup(backend, host, port, rank, world_size, timeout_s, device=self.device)
 
     def rlhf_sync_receive(self) -> int:
-        from rlhf_core.rl.weight_sync import receive_broadcast
+        from rlhf_core.rollout.weight_sync import receive_broadcast
 
         model = self.model_runner.model
         return receive_broadcast(self._rlhf_sync_group, lambda items: model.load_weights(weights=items))
 
     def rlhf_sync_receive_ipc(self, metas: list, handles: dict) -> int:
-        from rlhf_core.rl.weight_sync import device_uuid, open_ipc_handle, unpack
+        from rlhf_core.rollout.weight_sync import device_uuid, open_ipc_handle, unpack
 
         flat = open_ipc_handle(handles[device_uuid(self.device)], self.device)
         self.model_runner.model.load_weights(weights=unpack(flat, metas))

@@ -21,7 +21,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from rlhf_core.storage import CHECKPOINTS
+from rlhf_core.infra.storage import CHECKPOINTS
 
 
 def new_run_id() -> str:

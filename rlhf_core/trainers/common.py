@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_core import storage
-from rlhf_core.config import TrainConfig, state_dir
+from rlhf_core.config import TrainConfig
 from rlhf_core.distributed.engine import device, init_distributed, precision_of
+from rlhf_core.infra import storage
+from rlhf_core.infra.manifests import code_version, stage_manifest
+from rlhf_core.infra.settings import state_dir
+from rlhf_core.infra.tracking import Tracker
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
-from rlhf_core.tracking import Tracker
-from rlhf_core.version import code_version, stage_manifest
 
 
 @dataclass

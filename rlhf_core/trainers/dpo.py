@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.algos.losses import dpo_loss
 from rlhf_core.config import DPOConfig
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import initialize, initialize_frozen
-from rlhf_core.losses import dpo_loss
 from rlhf_core.models.forward import loss_token_logprobs, per_sample_sum
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.algos.losses import kto_kl_estimate, kto_loss
 from rlhf_core.config import KTOConfig
 from rlhf_core.data.examples import Sequence, load_unpaired
 from rlhf_core.distributed.engine import all_reduce_sum, initialize, initialize_frozen
-from rlhf_core.losses import kto_kl_estimate, kto_loss
 from rlhf_core.models.forward import sequence_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (

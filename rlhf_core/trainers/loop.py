@@ -36,9 +36,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from rlhf_core import heap
 from rlhf_core.data.batching import BatchPlan
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
+from rlhf_core.infra import heap
 
 
 class Recipe(Protocol):
@@ -159,7 +159,7 @@ class TrainLoop:
         """Write this step's checkpoint whole or not at all (`checkpoints.begin/commit`): every rank
         writes into the partial folder, rank 0 renames it into place after all have, and only then
         updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError."""
-        from rlhf_core import storage
+        from rlhf_core.infra import storage
         from rlhf_core.trainers import checkpoints
 
         ckpt = Path(self.cfg.ckpt_path)

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_core.advantages import kl_controller
+from rlhf_core.algos.advantages import kl_controller
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
+from rlhf_core.infra.manifests import code_version, stage_manifest
+from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.groups import LocalGroup
 from rlhf_core.rl.roles import CriticRole, PolicyRole, ReferenceRole, RewardModelRole, total_optimizer_steps
-from rlhf_core.tracking import Tracker
 from rlhf_core.trainers.common import local_model_path, seed_everything
-from rlhf_core.version import code_version, stage_manifest
 
 # Sequences the transformers engine samples at once (a rollout step's prompts x samples, in chunks):
 # generation is memory-light next to training, and bigger batches amortise the per-token overhead.
@@ -115,7 +115,7 @@ def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) 
 
 
 def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
-    from rlhf_core.precision import Precision
+    from rlhf_core.infra.precision import Precision
     from rlhf_core.rl.engines import LocalEngines
     from rlhf_core.rollout.hf import TransformersEngine
 
@@ -142,10 +142,10 @@ def engine_options(cfg) -> tuple[str, dict]:
 def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[str]) -> Roles:
     from rlhf_core.distributed.resources import create_pools, detect_devices
     from rlhf_core.distributed.role_group import RoleGroup, gather_all
-    from rlhf_core.distributed.worker_group import stage_timeout_s
     from rlhf_core.rl.engines import EngineWorker, RayEngines
     from rlhf_core.rl.groups import RayGroup
     from rlhf_core.rl.ray_roles import RoleWorker, rl_layout
+    from rlhf_core.trainers.worker_group import stage_timeout_s
 
     backend, options = engine_options(cfg)
     layout = rl_layout(cfg, reward_paths, detect_devices())
@@ -215,7 +215,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
                         if p.strip()]
         specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps)
         if on_ray:
-            from rlhf_core.launch import ensure_ray
+            from rlhf_core.distributed.cluster import ensure_ray
 
             started_ray = ensure_ray()
             roles = ray_roles(cfg, specs, actor_path, reward_paths)

@@ -11,10 +11,10 @@ import sys
 
 import torch
 
+from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import RMConfig
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize, precision_of
-from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
 from rlhf_core.trainers.common import (

@@ -8,7 +8,7 @@ def cluster():
     pytest.importorskip("vllm")
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     context = init_local(include_dashboard=False, log_to_driver=False)
     yield context

@@ -21,7 +21,7 @@ def _sft(prepared, out, **overrides):
 
 
 def test_bf16_deepspeed_on_cuda_learns(prepared, tmp_path):
-    from rlhf_core.launch import run_stage
+    from rlhf_core.stages.launch import run_stage
 
     manifest = run_stage(_sft(prepared, tmp_path / "sft"))
     assert manifest["metrics"]["eval/loss"] < 0.7 * manifest["metrics"]["eval_initial/loss"]
@@ -49,7 +49,7 @@ def test_flash_attention_packing_matches_padding(prepared):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_ranks_over_nccl_match_one(prepared, tmp_path):
-    from rlhf_core.launch import run_stage
+    from rlhf_core.stages.launch import run_stage
 
     one = run_stage(_sft(prepared, tmp_path / "one", param_dtype="fp32", max_steps=3))
     two = run_stage(_sft(prepared, tmp_path / "two", param_dtype="fp32", max_steps=3, num_gpus_per_node=2, zero_stage=3,

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from rlhf_core.rl.weight_sync import WeightSender
+from rlhf_core.rollout.weight_sync import WeightSender
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -96,8 +96,8 @@ def test_nccl_broadcast_reaches_every_tensor_parallel_worker(prepared):
     """A TP=2 engine in this process (its workers on GPUs 0 and 1), the sender on GPU 2: both
     workers join the group (ranks 1 and 2) and shard what they receive with vLLM's loaders."""
     pytest.importorskip("vllm")
-    from rlhf_core.rl.weight_sync import SyncGroup, node_address, send_broadcast
     from rlhf_core.rollout.vllm_engine import VLLMEngine
+    from rlhf_core.rollout.weight_sync import SyncGroup, node_address, send_broadcast
 
     engine = VLLMEngine(prepared["base"], gpu_memory_utilization=0.3, enforce_eager=True, tensor_parallel_size=2)
     try:

@@ -87,7 +87,7 @@ def _agent_ports(address: str) -> set[int]:
     """The job agents' ports, from the node table: read by a brief driver in a process of its own
     (the flow itself is no driver) at the GCS address the keeper reported, with Ray's cluster mode
     off as in the cluster's own processes (else Ray swaps 127.0.0.1 for the machine's address)."""
-    from rlhf_core.local_ray import CLUSTER_MODE
+    from rlhf_core.distributed.local_ray import CLUSTER_MODE
     from tasks.ray_jobs import local_cluster
 
     gcs = local_cluster(address).gcs_address
@@ -101,7 +101,7 @@ def _agent_ports(address: str) -> set[int]:
 def test_ensure_ray_starts_a_cli_stage_cluster_on_loopback_with_token_auth(monkeypatch):
     import ray
 
-    from rlhf_core.launch import ensure_ray
+    from rlhf_core.distributed.cluster import ensure_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert ensure_ray() is True

@@ -57,8 +57,8 @@ class Collective:
 def test_a_rank_killed_inside_a_collective_is_named_and_the_survivor_does_not_hang(monkeypatch):
     import ray
 
+    from rlhf_core.distributed.cluster import ensure_ray
     from rlhf_core.distributed.role_group import RoleError, RoleGroup
-    from rlhf_core.launch import ensure_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     started = ensure_ray()
@@ -181,7 +181,7 @@ def _sft_runs(result: dict) -> tuple:
 
 
 def _assert_resumed(result: dict, retry) -> None:
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     assert retry.data.tags["rlhf.resumed_from_checkpoints"] == retry.data.tags["rlhf.checkpoint_uri"]
     metrics = storage.read_manifest(result["outputs"]["sft"])["metrics"]

@@ -105,7 +105,7 @@ def job_driver_logs(since: float) -> list[Path]:
 def mlflow_client():
     from mlflow import MlflowClient
 
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     return MlflowClient(tracking_uri())
 
@@ -127,8 +127,8 @@ def tree_digest(path: str) -> str:
 
 def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
     """The default pipeline runs SFT -> RM -> PPO -> eval, registers the PPO policy and promotes it."""
-    from rlhf_core import storage
-    from rlhf_core.lineage import build, render
+    from rlhf_core.infra import storage
+    from rlhf_core.stages.provenance import build, render
 
     assert set(first_run["stages"]) == DEFAULT_STAGES
     assert not any(t["cached"] for t in first_run["stages"].values())
@@ -206,13 +206,13 @@ def test_cached_rerun_trains_nothing(first_run):
     import sys
 
     from flows.pipeline import rlhf
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     # A run left RUNNING by a flow of this machine that was killed: the next pipeline closes it.
     experiment = mlflow_client().get_experiment_by_name("rlhf").experiment_id
     killed = subprocess.run(
         [sys.executable, "-c", "import os, signal, sys\nfrom mlflow import MlflowClient\n"
-         "from rlhf_core.stores import create_run_once\n"
+         "from rlhf_core.infra.reachability import create_run_once\n"
          f"run = create_run_once(MlflowClient({tracking_uri()!r}), 'killed', {{'rlhf.kind': 'pipeline'}})({experiment!r})\n"
          "print(run.info.run_id, flush=True); os.kill(os.getpid(), signal.SIGKILL)"],
         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
@@ -231,7 +231,7 @@ def test_cached_rerun_trains_nothing(first_run):
 
 def test_single_stage_rerun_reuses_upstream_and_leaves_it_untouched(first_run):
     from flows.pipeline import rlhf
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft")}
     rerun = rlhf(**params(settings={"stages": ["dpo"], "from_run": first_run["pipeline_run_id"],
@@ -370,7 +370,7 @@ def _run_killing_one_job(monkeypatch, prefix: str, ready, **sections) -> tuple[d
 def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_checkpoint(first_run, monkeypatch):
     import re
 
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     def past_two_checkpoints(log: str) -> bool:
         return any(int(step) >= 60 for step in re.findall(r"\[step (\d+)\]", log))
@@ -399,7 +399,7 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_
 def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
     """Retries resume: the RL stage checkpoints every step in the run's output area; the attempt
     killed after its first checkpoint is retried, and the retry resumes there, not at step 0."""
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     result, killed, errors = _run_killing_one_job(
         monkeypatch, "rlhf-ppo", lambda log: "[rl step 2" in log,
@@ -423,7 +423,7 @@ def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
     import fsspec
 
     from flows.pipeline import rlhf
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     fsspec.config.conf.clear()
     result = rlhf(**params(settings={"stages": ["prep", "sft"], "output_root": "s3://models/pipelines",
@@ -440,7 +440,7 @@ def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
 
 def test_two_iterative_dpo_rounds_are_linked(first_run):
     from flows.pipeline import rlhf
-    from rlhf_core.lineage import build
+    from rlhf_core.stages.provenance import build
     from tasks.lineage import CHAMPION, REGISTERED_NAMES
 
     # With no champion, round 1 is promoted for certain, so round 2 must start from its policy

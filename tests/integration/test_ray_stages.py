@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import SFTConfig, build_config
-from rlhf_core.launch import run_stage
+from rlhf_core.stages.launch import run_stage
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.config import STAGE_CONFIGS, build_config
-from rlhf_core.launch import StageFailed, run_stage
+from rlhf_core.stages.launch import StageFailed, run_stage
 from tests.unit.test_resume import assert_same_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -47,7 +47,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 def cluster():
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     context = init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     saved = os.environ.get("RAY_ADDRESS")

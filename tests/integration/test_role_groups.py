@@ -53,7 +53,7 @@ class ToyWorker:
 def cluster():
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

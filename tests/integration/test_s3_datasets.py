@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from rlhf_core import storage
+from rlhf_core.infra import storage
 
 pytestmark = pytest.mark.integration
 

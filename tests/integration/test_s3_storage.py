@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from rlhf_core import storage
+from rlhf_core.infra import storage
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_a_rewritten_data_prefix_is_downloaded_again(s3_endpoint, tmp_path):
 
 def test_trained_stage_saves_to_s3_and_next_stage_reads_it(s3_endpoint, prepared, tmp_path):
     from rlhf_core.config import SFTConfig, build_config
-    from rlhf_core.launch import prepare_environment
+    from rlhf_core.distributed.cluster import prepare_environment
     from rlhf_core.trainers import run_recipe
 
     prepare_environment()
@@ -65,7 +65,7 @@ def test_an_output_replaces_only_its_own_earlier_files_on_s3(s3_endpoint, tmp_pa
     """s3fs's own listing (prefixes, no folders): old shards of the earlier output go, other objects stay."""
     import fsspec
 
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     fsspec.config.conf.clear()
     fs = fsspec.filesystem("s3")

@@ -158,7 +158,7 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.fixture()
 def proxy(mlflow_server, monkeypatch):
-    from rlhf_core import tracking
+    from rlhf_core.infra import tracking
 
     p = StoreProxy(mlflow_server)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", p.url)
@@ -187,7 +187,7 @@ def _wait(condition, seconds: float = 10.0) -> None:
 @pytest.mark.parametrize("fault", ["refuse", "black_hole"])
 def test_metrics_logged_while_the_store_is_away_never_block_and_arrive_when_it_returns(fault, proxy, mlflow_server,
                                                                                       capsys):
-    from rlhf_core.tracking import Tracker
+    from rlhf_core.infra.tracking import Tracker
 
     tracker = Tracker(True, "faults", f"away-{fault}", None)
     for step in range(1, 11):
@@ -217,7 +217,7 @@ def test_metrics_logged_while_the_store_is_away_never_block_and_arrive_when_it_r
 
 
 def test_the_held_metrics_are_bounded_oldest_dropped_with_a_warning(proxy, mlflow_server, monkeypatch, capsys):
-    from rlhf_core.tracking import Tracker
+    from rlhf_core.infra.tracking import Tracker
 
     monkeypatch.setenv("RLHF_METRICS_BUFFER", "50")
     tracker = Tracker(True, "faults", "bounded", None)
@@ -236,9 +236,9 @@ def test_the_held_metrics_are_bounded_oldest_dropped_with_a_warning(proxy, mlflo
 
 
 def test_a_published_output_whose_run_cannot_finish_is_withdrawn(proxy, mlflow_server, monkeypatch, tmp_path):
-    from rlhf_core import storage
-    from rlhf_core.stores import StoreUnavailable
-    from rlhf_core.tracking import Tracker
+    from rlhf_core.infra import storage
+    from rlhf_core.infra.reachability import StoreUnavailable
+    from rlhf_core.infra.tracking import Tracker
 
     monkeypatch.setenv("RLHF_STORE_WAIT_S", "1.5")
     tracker = Tracker(True, "faults", "withdrawn", None)
@@ -295,7 +295,7 @@ def _sft_argv(prepared, out: Path, ckpt: Path) -> list[str]:
 
 def _on_step(monkeypatch, actions: dict):
     """Run `actions[step]()` right after the training loop logs step `step` (rank 0, in-process)."""
-    from rlhf_core import tracking
+    from rlhf_core.infra import tracking
 
     original = tracking.Tracker.log_metrics
     seen = {}
@@ -316,8 +316,8 @@ def _stage_run(port: int, run_id: str):
 
 def test_a_stage_keeps_training_while_mlflow_is_away_and_its_metrics_arrive_after(
         proxy, mlflow_server, prepared, tmp_path, monkeypatch, capsys, one_torch_thread):
-    from rlhf_core import storage
     from rlhf_core.cli import main
+    from rlhf_core.infra import storage
 
     def back(tracker):
         _wait(lambda: tracker.metrics.failing is not None)  # the outage was seen by the sender
@@ -338,8 +338,8 @@ def test_a_stage_keeps_training_while_mlflow_is_away_and_its_metrics_arrive_afte
 
 def test_a_stage_whose_store_stays_away_fails_after_the_bound_with_checkpoints_intact_and_nothing_published(
         proxy, mlflow_server, prepared, tmp_path, monkeypatch, capsys, one_torch_thread):
-    from rlhf_core import storage
     from rlhf_core.cli import main
+    from rlhf_core.infra import storage
 
     monkeypatch.setenv("RLHF_STORE_WAIT_S", "2")
     seen = _on_step(monkeypatch, {2: lambda tracker: proxy.refuse()})

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from rlhf_core.rl.engines import EngineWorker
-from rlhf_core.rl.weight_sync import SyncGroup, WeightSender, receive_broadcast
 from rlhf_core.rollout.vllm_engine import worker_sync_rank
+from rlhf_core.rollout.weight_sync import SyncGroup, WeightSender, receive_broadcast
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 def cluster():
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     context = init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield context

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.rl.engines import EngineWorker
-from rlhf_core.rl.weight_sync import WeightSender
+from rlhf_core.rollout.weight_sync import WeightSender
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 def cluster():
     import ray
 
-    from rlhf_core.local_ray import init_local
+    from rlhf_core.distributed.local_ray import init_local
 
     context = init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield context

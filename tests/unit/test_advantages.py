@@ -1,4 +1,4 @@
-"""rlhf_core.advantages against hand-computed values and plain-Python loop references."""
+"""rlhf_core.algos.advantages against hand-computed values and plain-Python loop references."""
 
 import math
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from rlhf_core.advantages import (
+from rlhf_core.algos.advantages import (
     AdaptiveKLController,
     AdvantageEstimator,
     FixedKLController,

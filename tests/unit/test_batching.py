@@ -1,7 +1,7 @@
 import torch
 
+from rlhf_core.algos.losses import sft_loss
 from rlhf_core.data.batching import BatchPlan, pack_batch, pack_pairs, pad_batch, shared_prefix_len
-from rlhf_core.losses import sft_loss
 from rlhf_core.models.forward import per_sample_sum, reward_scores, token_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 

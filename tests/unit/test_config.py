@@ -2,7 +2,8 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
-from rlhf_core.config import ConfigError, DPOConfig, DPOLossName, SFTConfig, build_config
+from rlhf_core.config import DPOConfig, DPOLossName, SFTConfig, build_config
+from rlhf_core.infra.settings import ConfigError
 
 BASE = {"pretrain": "m", "save_path": "out", "dataset": "d.jsonl"}
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core import storage
+from rlhf_core.infra import storage
 from rlhf_core.trainers import checkpoints
 
 
@@ -94,7 +94,7 @@ def test_publish_on_a_full_disk_keeps_the_earlier_output_byte_identical(tmp_path
 
 def test_a_full_disk_is_recognised_through_a_ranks_error_and_its_causes():
     from rlhf_core.distributed.role_group import RoleError
-    from rlhf_core.launch import StageFailed
+    from rlhf_core.stages.launch import StageFailed
 
     inner = full_disk("/x/model.pt")
     assert storage.is_disk_full(StageFailed(RoleError("train", [1], "run_stage", "raised", cause=inner)))
@@ -292,9 +292,9 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     import ray
     from ray.exceptions import ObjectStoreFullError
 
-    from rlhf_core import launch
     from rlhf_core.config import STAGE_CONFIGS, build_config
     from rlhf_core.distributed import worker_group
+    from rlhf_core.stages import launch
 
     def put(value):
         raise ObjectStoreFullError("Failed to put object 00ff in object store because it is full.")

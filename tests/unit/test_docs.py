@@ -31,7 +31,7 @@ def test_every_document_the_code_cites_exists():
 
 
 def test_the_algorithms_document_names_every_variant_the_registries_accept():
-    from rlhf_core.losses import DPO_LOSSES, KL_ESTIMATORS, REWARD_LOSSES
+    from rlhf_core.algos.losses import DPO_LOSSES, KL_ESTIMATORS, REWARD_LOSSES
 
     text = (ROOT / "docs/algorithms.md").read_text()
     for registry in (DPO_LOSSES, KL_ESTIMATORS, REWARD_LOSSES):
@@ -40,8 +40,8 @@ def test_the_algorithms_document_names_every_variant_the_registries_accept():
 
 
 def test_the_algorithms_document_names_every_rl_estimator_and_aggregation_mode():
-    from rlhf_core.advantages import AdvantageEstimator
-    from rlhf_core.losses import LossAggMode
+    from rlhf_core.algos.advantages import AdvantageEstimator
+    from rlhf_core.algos.losses import LossAggMode
 
     text = (ROOT / "docs/algorithms.md").read_text()
     for variant in (*AdvantageEstimator, *LossAggMode):

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from rlhf_core import storage
-from rlhf_core.config import ConfigError
+from rlhf_core.infra import storage
+from rlhf_core.infra.settings import ConfigError
 from tests.unit.test_storage import PROTOCOL, remote  # noqa: F401 - the fixture
 
 ROWS = b'{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n'

@@ -1,5 +1,5 @@
 """The embedded default's settings: Prefect's state, startup budget and telemetry (flows/embedded.py),
-and the local Ray's address and token authentication (rlhf_core/local_ray.py), without starting Ray."""
+and the local Ray's address and token authentication (rlhf_core/distributed/local_ray.py), without starting Ray."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import rlhf_core
-from rlhf_core import local_ray
+from rlhf_core.distributed import local_ray
 
 ROOT = str(Path(rlhf_core.__file__).resolve().parents[1])
 

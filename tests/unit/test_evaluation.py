@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from rlhf_core.cli import main
-from rlhf_core.config import ConfigError, EvalConfig
-from rlhf_core.evaluation import (
+from rlhf_core.config import EvalConfig
+from rlhf_core.infra.settings import ConfigError
+from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tokenizer
+from rlhf_core.stages.evaluation import (
     format_eval_markdown,
     k1_kl,
     mean_pass_at_k,
@@ -19,7 +21,6 @@ from rlhf_core.evaluation import (
     sampled_accuracy,
     win_rate,
 )
-from rlhf_core.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 
 N_PROMPTS = 8
 
@@ -182,7 +183,7 @@ def test_eval_of_a_model_against_itself(prepared, models, tmp_path, capsys, watc
 
     import mlflow
 
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     run = mlflow.get_run(manifest["mlflow_run_id"])

@@ -1,4 +1,4 @@
-"""rlhf_core/heap.py: the `rlhf` process freezes its heap once a stage has started and when the
+"""rlhf_core/infra/heap.py: the `rlhf` process freezes its heap once a stage has started and when the
 command ends; a process that only calls the code (this test runner) keeps its collector as it was."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf_core import heap
+from rlhf_core.infra import heap
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""rlhf_core.losses against hand-computed values and plain-Python loop references."""
+"""rlhf_core.algos.losses against hand-computed values and plain-Python loop references."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.losses import (
+from rlhf_core.algos.losses import (
     DPO_LOSSES,
     KL_ESTIMATORS,
     REWARD_LOSSES,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_core.config import ConfigError
+from rlhf_core.infra.settings import ConfigError
 from tasks.cache import cache_key, dataset_digest
 from tasks.ray_jobs import RayJobRunner, StageConfigError, StageJobError, job_command, job_env
 
@@ -157,7 +157,7 @@ def test_flow_parameters_validate_every_section():
 def test_flows_and_tasks_never_import_torch():
     import subprocess
 
-    code = ("import sys, flows.pipeline, flows.cli, tasks.stages; from rlhf_core.version import code_version; "
+    code = ("import sys, flows.pipeline, flows.cli, tasks.stages; from rlhf_core.infra.manifests import code_version; "
             "code_version(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -198,7 +198,7 @@ def perturbed(model, name: str):
 
 def hardware(native_bf16: bool) -> dict:
     """What `rlhf hardware` answers on a CPU cluster with or without native bf16."""
-    from rlhf_core.precision import Hardware, Precision, resolve
+    from rlhf_core.infra.precision import Hardware, Precision, resolve
 
     hw = Hardware("cpu", native_bf16)
     return {"device": "cpu", "native_bf16": native_bf16, "precision": {p.value: resolve(p, hw)[0].value for p in Precision}}
@@ -410,7 +410,7 @@ def source_copy(tmp_path):
     from pathlib import Path
 
     import rlhf_core
-    from rlhf_core.version import SOURCE_PACKAGES
+    from rlhf_core.infra.manifests import SOURCE_PACKAGES
 
     here = Path(rlhf_core.__file__).resolve().parents[1]
     root = tmp_path / "src"
@@ -423,12 +423,12 @@ def test_source_digest_moves_with_source_bytes_and_nothing_else(tmp_path):
     import os
     import shutil
 
-    from rlhf_core.version import NOT_IN_CODE_VERSION, source_digest, source_files
+    from rlhf_core.infra.manifests import NOT_IN_CODE_VERSION, source_digest, source_files
 
-    assert NOT_IN_CODE_VERSION == {"rlhf_core/lineage.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"}
+    assert NOT_IN_CODE_VERSION == {"rlhf_core/stages/provenance.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"}
     root = source_copy(tmp_path)
     base = source_digest(root)
-    assert source_digest(root) == base and {"rlhf_core/losses.py", "flows/pipeline.py"} <= set(source_files(root))
+    assert source_digest(root) == base and {"rlhf_core/algos/losses.py", "flows/pipeline.py"} <= set(source_files(root))
 
     losses = root / "rlhf_core" / "losses.py"
     original = losses.read_bytes()
@@ -456,20 +456,20 @@ def test_code_version_is_the_digest_of_the_running_source_outside_git(tmp_path):
     import subprocess
     from pathlib import Path
 
-    import rlhf_core.version
-    from rlhf_core.version import code_version, source_digest
+    import rlhf_core.infra.manifests
+    from rlhf_core.infra.manifests import code_version, source_digest
 
-    here = Path(rlhf_core.version.__file__).resolve().parents[1]
+    here = Path(rlhf_core.infra.manifests.__file__).resolve().parents[2]
     assert code_version().endswith(f"+src.{source_digest(here)[:12]}")
 
     root = source_copy(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
 
     def version_there() -> str:
-        code = "import rlhf_core.version as v; print(v.__file__); print(v.code_version())"
+        code = "import rlhf_core.infra.manifests as v; print(v.__file__); print(v.code_version())"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                              env=env).stdout.split()
-        assert out[0] == str(root / "rlhf_core" / "version.py")
+        assert out[0] == str(root / "rlhf_core" / "infra" / "manifests.py")
         return out[1]
 
     first = version_there()
@@ -782,8 +782,8 @@ def test_every_deployment_validates_and_the_schedules_are_there():
 
 def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
     from flows.params import PipelinePPOConfig
-    from rlhf_core.lineage import params_off_default
-    from rlhf_core.tracking import redact_params
+    from rlhf_core.infra.tracking import redact_params
+    from rlhf_core.stages.provenance import params_off_default
 
     cfg = PipelinePPOConfig.model_validate({"pretrain": "/m/sft", "reward_pretrain": "/m/rm", "save_path": "/o",
                                             "prompt_data": "json@/d", "ckpt.path": "/c", "max_steps": 7})

@@ -1,5 +1,5 @@
 """Runs left RUNNING by a killed process: every run we create or attach to names its owning process
-(`rlhf.owner`, rlhf_core/owner.py); a later process of the same machine marks the runs of a gone
+(`rlhf.owner`, rlhf_core/infra/owner.py); a later process of the same machine marks the runs of a gone
 owner KILLED (the pipeline at its start, `rlhf prune --yes`) and leaves every other run alone.
 
 The killed processes here are real: a child creates (or attaches to) a run through the project's
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.owner import OWNER_TAG, is_gone, machine, owner_tag
+from rlhf_core.infra.owner import OWNER_TAG, is_gone, machine, owner_tag
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def store(tmp_path, monkeypatch):
     before = mlflow.get_tracking_uri()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    from rlhf_core.tracking import ensure_experiment
+    from rlhf_core.infra.tracking import ensure_experiment
 
     experiment = f"owner-{uuid.uuid4().hex[:8]}"
     yield {"uri": uri, "experiment": experiment, "experiment_id": ensure_experiment(experiment)}
@@ -76,7 +76,7 @@ def test_the_runs_of_killed_owners_are_closed_and_no_other(store):
     # A stage run created by a live process (this one) and attached to by a job driver that was killed.
     attached = lineage.start_stage_run(created, "sft", "sft", {})
     assert not is_gone(client.get_run(attached).data.tags[OWNER_TAG])
-    _killed_child("from rlhf_core.tracking import Tracker\n"
+    _killed_child("from rlhf_core.infra.tracking import Tracker\n"
                   "t = Tracker(True, 'ignored', None, None)\nprint(t.run_id)", store["uri"], MLFLOW_RUN_ID=attached)
     # Left alone: a RUNNING run of this live process, another machine's, and one with no owner.
     live = lineage.start_stage_run(created, "rm", "rm", {})
@@ -107,7 +107,7 @@ def test_prune_counts_a_killed_runs_folder_as_ended_and_yes_marks_it_killed(stor
     client = MlflowClient(store["uri"])
     old = int((time.time() - 40 * 86400) * 1000)
     killed = _killed_child(
-        "from mlflow import MlflowClient\nfrom rlhf_core.stores import create_run_once\n"
+        "from mlflow import MlflowClient\nfrom rlhf_core.infra.reachability import create_run_once\n"
         f"c = MlflowClient({store['uri']!r})\n"
         f"print(create_run_once(c, 'p', {{'rlhf.kind': 'pipeline'}})({store['experiment_id']!r}).info.run_id)",
         store["uri"])

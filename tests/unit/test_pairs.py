@@ -9,7 +9,7 @@ from rlhf_core.cli import main
 from rlhf_core.config import DataConfig, DPOConfig, build_config
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.models.loading import load_reward_model, load_tokenizer
-from rlhf_core.pairs import PAIR_FRACTION, build_pairs
+from rlhf_core.stages.pairs import PAIR_FRACTION, build_pairs
 from tasks.reports import stage_metrics_lines
 
 N_PROMPTS = 8
@@ -89,7 +89,7 @@ def test_pairs_from_a_reward_model_train_dpo(prepared, reward_model, tmp_path, c
 
     import mlflow
 
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     run = mlflow.get_run(manifest["mlflow_run_id"])

@@ -1,10 +1,10 @@
-"""rlhf_core.plots: valid, small PNGs whose bytes follow the data; the stage curves read the right keys."""
+"""rlhf_core.stages.plots: valid, small PNGs whose bytes follow the data; the stage curves read the right keys."""
 
 import struct
 
 import pytest
 
-from rlhf_core import plots
+from rlhf_core.stages import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from rlhf_core import precision
-from rlhf_core.config import ConfigError, SFTConfig, build_config
-from rlhf_core.precision import Hardware, Precision, resolve
+from rlhf_core.config import SFTConfig, build_config
+from rlhf_core.infra import precision
+from rlhf_core.infra.precision import Hardware, Precision, resolve
+from rlhf_core.infra.settings import ConfigError
 
 AMX = Hardware("cpu", native_bf16=True, name="Xeon with AMX")
 AVX2 = Hardware("cpu", native_bf16=False, name="EPYC, AVX2 only")
@@ -86,7 +87,7 @@ def test_cli_takes_both_spellings_and_rejects_a_contradiction(capsys, tmp_path):
 
 
 def test_manifest_records_the_precision_used_and_hashes_it_instead_of_auto():
-    from rlhf_core.version import config_hash, stage_manifest
+    from rlhf_core.infra.manifests import config_hash, stage_manifest
 
     cfg = SFTConfig(pretrain="m", save_path="o")
     bf16 = stage_manifest(cfg, {}, {}, None, precision="bf16")

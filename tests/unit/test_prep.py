@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.data.synthetic import TASKS, build_splits
 from rlhf_core.models.tiny import MODEL_SIZES, build_tiny_llama, train_tokenizer
-from rlhf_core.prep import prepare
+from rlhf_core.stages.prep import prepare
 
 SMALL = {"n_train": 300, "n_test": 40}
 
@@ -180,8 +180,8 @@ def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in
     import functools
     import inspect
 
-    from rlhf_core import prep as prep_module
-    from rlhf_core.version import values_hash
+    from rlhf_core.infra.manifests import values_hash
+    from rlhf_core.stages import prep as prep_module
 
     def fake_prepare(out_dir, **params):  # the manifest, not the artifacts, is under test here
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -208,9 +208,9 @@ def test_prep_writes_only_where_it_may_and_a_rerun_takes_over_a_crashed_prep(tmp
     and models saved under an earlier prep output (outside what prep rewrites) stay where they are."""
     import functools
 
-    from rlhf_core import prep as prep_module
-    from rlhf_core import storage
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra import storage
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.stages import prep as prep_module
 
     def fake_prepare(out_dir, crash=False, **params):
         (Path(out_dir) / "data" / "sft").mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,9 @@ def tree(tmp_path, monkeypatch):
     before = mlflow.get_tracking_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
 
-    from rlhf_core.tracking import ensure_experiment, tracking_uri
-    from rlhf_core.version import code_version
+    from rlhf_core.infra.manifests import code_version
+    from rlhf_core.infra.settings import tracking_uri
+    from rlhf_core.infra.tracking import ensure_experiment
 
     client = MlflowClient(tracking_uri())
     experiment = ensure_experiment(f"prune-{uuid.uuid4().hex[:8]}")

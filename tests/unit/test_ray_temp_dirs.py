@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from rlhf_core.local_ray import KEEP_OLD_TEMP_DIRS, remove_stale_temp_dirs
+from rlhf_core.distributed.local_ray import KEEP_OLD_TEMP_DIRS, remove_stale_temp_dirs
 
 
 def _gone_pids(n: int) -> list[int]:

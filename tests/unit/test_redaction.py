@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhf_core.redaction import REDACTED, inline_secrets, is_secret_key, redact, redact_text
+from rlhf_core.infra.redaction import REDACTED, inline_secrets, is_secret_key, redact, redact_text
 
 ENV = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "RLHF_RM_TOKEN": "planted-rm-token-123",
        "MLFLOW_TRACKING_PASSWORD": "pl4nted-pw", "SHORT_TOKEN": "abc", "HOME": "/root/planted-home",
@@ -82,9 +82,9 @@ def test_inline_secrets_names_every_path_that_carries_one(monkeypatch):
 
 
 def test_stage_manifest_and_its_published_copy_carry_no_secret(tmp_path, monkeypatch):
-    from rlhf_core import storage
     from rlhf_core.config import STAGE_CONFIGS, build_config
-    from rlhf_core.version import stage_manifest
+    from rlhf_core.infra import storage
+    from rlhf_core.infra.manifests import stage_manifest
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ENV["AWS_SECRET_ACCESS_KEY"])
     cfg = build_config(STAGE_CONFIGS["sft"], None, {"pretrain": "s3://ak:sk@bucket/base",
@@ -105,7 +105,7 @@ def test_stage_manifest_and_its_published_copy_carry_no_secret(tmp_path, monkeyp
 def test_the_tracker_redacts_params_tags_and_text_artifacts(tmp_path, monkeypatch):
     import mlflow
 
-    from rlhf_core import tracking
+    from rlhf_core.infra import tracking
 
     monkeypatch.setenv("RLHF_RM_TOKEN", ENV["RLHF_RM_TOKEN"])
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
@@ -128,8 +128,8 @@ def test_the_tracker_redacts_params_tags_and_text_artifacts(tmp_path, monkeypatc
 
 
 def test_parameters_with_an_inline_secret_are_refused_with_their_names():
-    from rlhf_core.config import ConfigError
-    from rlhf_core.redaction import refuse_inline_secrets
+    from rlhf_core.infra.redaction import refuse_inline_secrets
+    from rlhf_core.infra.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"flow parameters: sft\.dataset, ppo\.api_key carries a credential inline"):
         refuse_inline_secrets({"sft": {"dataset": "json@s3://ak:sk@b/d"}, "ppo": {"api_key": "k"}}, "flow parameters")
@@ -138,7 +138,7 @@ def test_parameters_with_an_inline_secret_are_refused_with_their_names():
 
 def test_a_pipeline_config_with_an_inline_secret_is_refused_before_prefect_stores_it():
     from flows.cli import flow_parameters
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"--config: sft\.data\.dataset carries a credential inline.*Prefect Secret"):
         flow_parameters({"sft": {"dataset": "json@s3://ak:sk@bucket/d"}})
@@ -151,7 +151,7 @@ def test_the_flow_refuses_inline_secrets_itself(monkeypatch):
     """A deployment run's parameters never pass through `rlhf pipeline run`: the flow checks them first."""
     from flows.cli import flow_parameters
     from flows.pipeline import rlhf
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
     from tasks import lineage
 
     started = []

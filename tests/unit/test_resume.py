@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.config import STAGE_CONFIGS, build_config
-from rlhf_core.launch import prepare_environment
+from rlhf_core.distributed.cluster import prepare_environment
 from rlhf_core.trainers import run_recipe
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, state_dir
+from rlhf_core.infra.settings import ConfigError, state_dir
 from rlhf_core.rewards import (
     CombinedReward,
     RankToken,
@@ -328,7 +328,7 @@ def test_generated_token_file(tmp_path, dict_file, no_token_env, monkeypatch, ca
 
 
 def test_token_for_ranks_is_redacted(monkeypatch):
-    from rlhf_core.launch import FORWARDED_ENV
+    from rlhf_core.distributed.cluster import FORWARDED_ENV
 
     assert "RLHF_RM_TOKEN" not in FORWARDED_ENV  # a runtime_env is recorded by Ray: the token never goes there
     monkeypatch.setenv("RLHF_RM_TOKEN", TOKEN)

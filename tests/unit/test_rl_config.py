@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from rlhf_core.cli import _parser
-from rlhf_core.config import STAGE_CONFIGS, ConfigError, build_config
+from rlhf_core.config import STAGE_CONFIGS, build_config
+from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl_config import ALIASES, LEAVES, SECTIONS, PPOConfig, add_ppo_flags, build_ppo_config
 
 # --- the supervised trainers ------------------------------------------------------------------
@@ -341,8 +342,8 @@ def test_the_configs_variant_names_are_the_registries():
     import typing
 
     from rlhf_core import rl_config
-    from rlhf_core.advantages import AdvantageEstimator
-    from rlhf_core.losses import LossAggMode
+    from rlhf_core.algos.advantages import AdvantageEstimator
+    from rlhf_core.algos.losses import LossAggMode
 
     assert set(typing.get_args(rl_config.AdvantageEstimator)) == {e.value for e in AdvantageEstimator}
     assert set(typing.get_args(rl_config.LossAggMode)) == {m.value for m in LossAggMode}

@@ -1,4 +1,4 @@
-"""The RL terms of rlhf_core.losses: policy, value and entropy losses and loss aggregation."""
+"""The RL terms of rlhf_core.algos.losses: policy, value and entropy losses and loss aggregation."""
 
 import math
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from rlhf_core.losses import (
+from rlhf_core.algos.losses import (
     LossAggMode,
     aggregate_loss,
     entropy_from_logits,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError
+from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rollout import Completion, TransformersEngine, make_engine, prompt_formatter
 from rlhf_core.rollout.hf import left_pad
 from rlhf_core.rollout.prompts import load_prompt_set

@@ -37,7 +37,7 @@ def stored_files(*roots: Path):
 
 
 def test_no_planted_secret_reaches_mlflow_outputs_or_logs(prepared, tmp_path, monkeypatch, capsys):
-    from rlhf_core.config import state_dir
+    from rlhf_core.infra.settings import state_dir
 
     for name, value in PLANTED.items():
         monkeypatch.setenv(name, value)

@@ -15,8 +15,9 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from rlhf_core import storage
-from rlhf_core.config import ConfigError, SFTConfig
+from rlhf_core.config import SFTConfig
+from rlhf_core.infra import storage
+from rlhf_core.infra.settings import ConfigError
 
 PROTOCOL = "rlhftest-s3"
 
@@ -323,8 +324,8 @@ def test_remote_refuses_foreign_objects_and_a_retry_takes_over_its_unfinished_ou
 
 
 def test_cli_train_refuses_an_existing_file_as_save_path_before_training(prepared, tmp_path, monkeypatch, capsys):
-    from rlhf_core import launch
     from rlhf_core.cli import main
+    from rlhf_core.stages import launch
 
     def no_training():
         raise AssertionError("the stage started")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlhf_core import stores
+from rlhf_core.infra import reachability
 
 BOUND_S = 1.5
 
@@ -100,8 +100,8 @@ def test_a_store_that_answers_passes_the_check_at_once():
     try:
         started = time.monotonic()
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        stores.wait_until_reachable("S3 endpoint", url, 5.0, "RLHF_STORE_CHECK_S", "test")
-        stores.wait_until_reachable("MLflow", url + "/health", 5.0, "RLHF_STORE_CHECK_S", "test")
+        reachability.wait_until_reachable("S3 endpoint", url, 5.0, "RLHF_STORE_CHECK_S", "test")
+        reachability.wait_until_reachable("MLflow", url + "/health", 5.0, "RLHF_STORE_CHECK_S", "test")
         assert time.monotonic() - started < 1.0
     finally:
         server.shutdown()
@@ -113,7 +113,7 @@ def test_the_flow_fails_its_first_mlflow_record_within_the_bound_and_retries_the
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     started = time.monotonic()
-    with pytest.raises(stores.StoreUnavailable, match=r"did not answer within 1.5 s \(RLHF_STORE_CHECK_S") as caught:
+    with pytest.raises(reachability.StoreUnavailable, match=r"did not answer within 1.5 s \(RLHF_STORE_CHECK_S") as caught:
         lineage.start_pipeline_run("faults", "pipeline-x", {}, {})
     assert time.monotonic() - started < BOUND_S + 1.0
 
@@ -125,13 +125,13 @@ def test_the_flow_fails_its_first_mlflow_record_within_the_bound_and_retries_the
 
 
 def test_publishing_to_an_unreachable_s3_waits_the_bound_and_writes_nothing(short_bounds, tmp_path, monkeypatch):
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "weights.bin").write_bytes(b"w")
     started = time.monotonic()
-    with pytest.raises(stores.StoreUnavailable, match=r"within 1.5 s \(RLHF_STORE_WAIT_S.*nothing was published"):
+    with pytest.raises(reachability.StoreUnavailable, match=r"within 1.5 s \(RLHF_STORE_WAIT_S.*nothing was published"):
         storage.publish_dir(tmp_path / "model", "s3://models/down/sft", {"stage": "sft"})
     assert BOUND_S <= time.monotonic() - started < BOUND_S + 1.0
 
@@ -140,11 +140,11 @@ def test_publishing_to_an_unreachable_s3_waits_the_bound_and_writes_nothing(shor
 @pytest.mark.parametrize("bad", ["soon", "-5", "0", "inf"])
 def test_a_bad_bound_is_a_configuration_error_naming_the_variable(name, bad, monkeypatch):
     """A negative wait would mean no wait at all; a word would be a traceback: both are named."""
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     monkeypatch.setenv(name, bad)
-    read = {"RLHF_STORE_CHECK_S": stores.store_check_s, "RLHF_STORE_WAIT_S": stores.store_wait_s,
-            "RLHF_METRICS_BUFFER": stores.metrics_buffer}[name]
+    read = {"RLHF_STORE_CHECK_S": reachability.store_check_s, "RLHF_STORE_WAIT_S": reachability.store_wait_s,
+            "RLHF_METRICS_BUFFER": reachability.metrics_buffer}[name]
     with pytest.raises(ConfigError, match=f"{name}='{bad}': must be"):
         read()
     monkeypatch.setenv(name, "")
@@ -173,7 +173,7 @@ def test_a_run_created_by_a_request_whose_answer_was_lost_is_found_not_created_a
             return run
 
     flaky = LosesFirstAnswer()
-    run = stores.RetryingClient(flaky, "sqlite").create_run(experiment, run_name="stage", tags={"rlhf.kind": "x"})
+    run = reachability.RetryingClient(flaky, "sqlite").create_run(experiment, run_name="stage", tags={"rlhf.kind": "x"})
     assert flaky.creates == 1
     runs = real.search_runs([experiment])
     assert [r.info.run_id for r in runs] == [run.info.run_id] and run.data.tags["rlhf.kind"] == "x"

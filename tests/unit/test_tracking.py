@@ -1,6 +1,6 @@
 import json
 
-from rlhf_core.tracking import REDACTED, redact, redact_params
+from rlhf_core.infra.tracking import REDACTED, redact, redact_params
 
 
 def test_secrets_are_redacted_but_config_keys_are_not():
@@ -23,7 +23,7 @@ def test_redact_keeps_structure():
 
 def test_lineage_shows_the_params_a_run_changed_from_its_stage_defaults():
     from rlhf_core.config import STAGE_CONFIGS, build_config
-    from rlhf_core.lineage import params_off_default
+    from rlhf_core.stages.provenance import params_off_default
 
     cfg = build_config(STAGE_CONFIGS["dpo"], None, {
         "pretrain": "/m/sft", "dataset": "json@/d", "save_path": "/o", "beta": 0.2, "max_len": 96, "ipo": True})
@@ -39,7 +39,7 @@ def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatc
 
     import mlflow
 
-    from rlhf_core import tracking
+    from rlhf_core.infra import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
@@ -73,7 +73,7 @@ def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatc
 def test_a_tracking_database_of_the_users_keeps_artifacts_under_the_state_dir_not_the_working_dir(monkeypatch, tmp_path):
     import mlflow
 
-    from rlhf_core import tracking
+    from rlhf_core.infra import tracking
 
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/users.db")
@@ -89,7 +89,7 @@ def test_a_stage_that_fails_after_publishing_withdraws_its_output(monkeypatch, t
     the stage timeout) leaves no stage.json: nothing looks finished whose run did not finish."""
     import mlflow
 
-    from rlhf_core import storage, tracking
+    from rlhf_core.infra import storage, tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
@@ -113,7 +113,7 @@ def test_drain_gives_up_at_its_deadline_while_the_threads_batch_is_still_out():
     import threading
     import time
 
-    from rlhf_core.tracking import MetricQueue
+    from rlhf_core.infra.tracking import MetricQueue
 
     release = threading.Event()
     queue = MetricQueue(lambda batch: release.wait(30), capacity=100, store="test")

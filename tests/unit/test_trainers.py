@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlhf_core.config import STAGE_CONFIGS, build_config
-from rlhf_core.launch import prepare_environment
-from rlhf_core.precision import resolve_here
+from rlhf_core.distributed.cluster import prepare_environment
+from rlhf_core.infra.precision import resolve_here
 from rlhf_core.trainers import run_recipe
 from rlhf_core.trainers.loop import TrainLoop
 
@@ -52,7 +52,7 @@ def test_sft_loss_falls_and_output_contract(sft_model):
 def test_sft_mlflow_run_has_params_metrics_and_inputs(sft_model):
     import mlflow
 
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     run = mlflow.get_run(sft_model["mlflow_run_id"])
@@ -155,8 +155,8 @@ def test_kto_moves_desirable_above_undesirable(prepared, sft_model, tmp_path):
 def held_out_pair_accuracy(policy: str, reference: str, prepared, n: int = 128) -> float:
     """Fraction of held-out preference pairs whose implicit reward logπ − logπ_ref is higher for
     the chosen response than for the rejected one (ties count as wrong), computed outside the trainer."""
-    from rlhf_core.evaluation import response_logprobs
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.stages.evaluation import response_logprobs
 
     tok = load_tokenizer(reference)
     rows = [json.loads(line) for line in (Path(prepared["preference"]) / "test.jsonl").read_text().splitlines()][:n]
@@ -275,7 +275,7 @@ def test_resume_after_crash_matches_uninterrupted_run(prepared, tmp_path, monkey
 
 def test_one_local_rank_trains_in_the_cli_process_without_ray(prepared, tmp_path, monkeypatch):
     """`rlhf train` with one rank and no cluster trains where it runs: no local Ray for one actor."""
-    from rlhf_core import launch
+    from rlhf_core.stages import launch
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(launch, "ensure_ray", lambda: pytest.fail("a one-rank local stage started Ray"))

@@ -14,7 +14,6 @@ the placement and the sync group on a CPU Ray are in tests/integration/test_tp_e
 
 import pytest
 
-from rlhf_core.config import ConfigError
 from rlhf_core.distributed.resources import (
     ClusterDevices,
     PlacementError,
@@ -23,10 +22,11 @@ from rlhf_core.distributed.resources import (
     plan_layout,
     rank_bundle_groups,
 )
+from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl.engines import EngineSyncError, check_engine_workers, engine_bundles
-from rlhf_core.rl.weight_sync import sync_group_ranks
 from rlhf_core.rl_config import build_ppo_config
 from rlhf_core.rollout.vllm_engine import VISIBLE_DEVICES_VARS, tensor_parallel_setup, worker_sync_rank
+from rlhf_core.rollout.weight_sync import sync_group_ranks
 
 TASK = {"actor.model_name_or_path": "m", "reward.task": "addition", "data.prompt_dataset": "json@d",
         "ckpt.output_dir": "o", "rollout.batch_size": 8, "train.batch_size": 8}

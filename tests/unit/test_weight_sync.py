@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError
-from rlhf_core.rl.weight_sync import (
+from rlhf_core.infra.settings import ConfigError
+from rlhf_core.rollout.weight_sync import (
     SyncBackend,
     TensorMeta,
     pack,
@@ -114,7 +114,7 @@ def _tied(model) -> bool:
 
 
 def _actor(port, world_size, timeout_s, out):
-    from rlhf_core.rl.weight_sync import SyncGroup, send_broadcast
+    from rlhf_core.rollout.weight_sync import SyncGroup, send_broadcast
 
     torch.set_num_threads(1)
     model = _tiny_model(seed=0)
@@ -133,7 +133,7 @@ def _actor(port, world_size, timeout_s, out):
 
 
 def _engine(rank, port, world_size, timeout_s, out, stuck):
-    from rlhf_core.rl.weight_sync import SyncGroup, receive_broadcast
+    from rlhf_core.rollout.weight_sync import SyncGroup, receive_broadcast
 
     torch.set_num_threads(1)
     model = _tiny_model(seed=100 + rank)  # its own (wrong) weights until the sync

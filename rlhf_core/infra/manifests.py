@@ -24,7 +24,7 @@ SOURCE_PACKAGES = ("rlhf_core", "flows", "tasks")
 # Modules that cannot change a stage's output, so editing them must not invalidate every cache:
 # `rlhf lineage` (reads runs), the pipeline CLI (its parsed parameters are hashed in the keys
 # themselves), the summary/markdown reports and the MLflow bookkeeping of the flow.
-NOT_IN_CODE_VERSION = frozenset({"rlhf_core/lineage.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"})
+NOT_IN_CODE_VERSION = frozenset({"rlhf_core/stages/provenance.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"})
 
 # Fields that say where things go or how they are watched, not what is trained.
 NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_steps", "max_ckpt_num",
@@ -66,7 +66,7 @@ def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None,
     """
     import time
 
-    from rlhf_core.tracking import redact
+    from rlhf_core.infra.tracking import redact
 
     hashed = cfg
     if precision is not None and "ds" in type(cfg).model_fields:  # sectioned configs (RL) keep it under ds
@@ -116,5 +116,5 @@ def code_version() -> str:
         pkg = version("rlhf-lifecycle")
     except PackageNotFoundError:
         pkg = "0+unknown"
-    src = "src." + source_digest(Path(__file__).resolve().parents[1])[:12]
+    src = "src." + source_digest(Path(__file__).resolve().parents[2])[:12]
     return f"{pkg}.{src}" if "+" in pkg else f"{pkg}+{src}"

@@ -127,7 +127,7 @@ def prep_config(**params) -> dict:
 def check_prep_params(params: dict) -> None:
     """ConfigError naming the flag of the first of `prep_config`'s parameters that `prepare` cannot build
     from: `rlhf prep` checks them before anything is written."""
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     try:
         get_task(params["task"])
@@ -152,7 +152,7 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     sha256 of every data file; it is written only after everything else is in place, so its
     presence means the prep output is complete.
     """
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     params = prep_config(**params)
     out = storage.normalize_uri(str(out_dir))
@@ -184,7 +184,7 @@ def _prep_and_record(build_dir: Path, out: str, params: dict):
     import time
 
     from rlhf_core.data.loading import file_digest
-    from rlhf_core.version import code_version, values_hash
+    from rlhf_core.infra.manifests import code_version, values_hash
 
     built = prepare(build_dir, **params)
     digests = {key: file_digest(path) for key, path in built.items() if path.endswith(".jsonl")}
@@ -202,7 +202,7 @@ def _prep_and_record(build_dir: Path, out: str, params: dict):
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "output_uri": out,
     }
-    from rlhf_core.tracking import Tracker
+    from rlhf_core.infra.tracking import Tracker
 
     tracker = Tracker(bool(run_id), os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlhf"), "prep", None)
     tracker.log_params(params)

@@ -1,26 +1,16 @@
-"""Run a stage as a group of Ray actors (the job's single controller lives here).
-
-With `RAY_ADDRESS` set the group joins that cluster; otherwise a local Ray is started for the
-run and shut down after it. Settings the ranks need (state directory, MLflow run, S3 endpoint)
-travel as an explicit allow-list of environment variables, never the whole environment, so
-secrets stay where the cluster keeps them.
-"""
+"""Run a training stage as a group of Ray actors, one rank each (the job's single controller lives
+here), or in the CLI's own process when one rank and no cluster suffice. The cluster itself is
+`rlhf_core/distributed/cluster.py`'s."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from rlhf_core import heap
-from rlhf_core.config import ConfigError, TrainConfig, state_dir
-
-FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
-                 "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
-                 "TOKENIZERS_PARALLELISM")
-# The bounds of a stage's waits for MLflow and S3 (rlhf_core/stores.py) reach its job and ranks too.
-FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", "MLFLOW_HTTP_REQUEST_TIMEOUT",
-                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+from rlhf_core.config import TrainConfig
+from rlhf_core.distributed.cluster import ensure_ray, prepare_environment
+from rlhf_core.infra import heap
+from rlhf_core.infra.settings import ConfigError
 
 
 def is_bad_input(cause: BaseException) -> bool:
@@ -44,37 +34,6 @@ class StageFailed(RuntimeError):
         self.cause = cause
 
 
-def prepare_environment() -> None:
-    """Defaults every process of a stage shares (set before Ray starts, so actors inherit them)."""
-    home = state_dir()
-    os.environ.setdefault("RLHF_HOME", str(home))
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions"))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
-
-
-def ensure_ray() -> bool:
-    """Connect to RAY_ADDRESS or start a local Ray; returns True when we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    # Inside a Ray job the job's runtime env already reaches our actors; Ray refuses to merge a
-    # driver runtime env that names the same variables again, so pass only what it lacks.
-    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
-    job_vars = (job_config.get("runtime_env") or {}).get("env_vars") or {}
-    env = {k: v for k, v in env.items() if k not in job_vars}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
-        return False
-    from rlhf_core.local_ray import init_local  # on 127.0.0.1, token authentication on
-
-    init_local(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-               runtime_env={"env_vars": env}, configure_logging=False)
-    return True
-
-
 def trains_in_process(cfg: TrainConfig) -> bool:
     """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank, as
     a single `deepspeed` process would be, instead of a local Ray started for one actor (about
@@ -85,7 +44,7 @@ def trains_in_process(cfg: TrainConfig) -> bool:
 
 def run_stage(cfg: TrainConfig) -> dict:
     """Train one stage on `cfg.world_size` ranks and return its manifest (from rank 0)."""
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
     from rlhf_core.trainers import check_data
 
     cfg.check_complete()
@@ -103,7 +62,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     import ray  # about 1.5 s to import: only where a worker group runs
 
     from rlhf_core.distributed.role_group import RoleError
-    from rlhf_core.distributed.worker_group import WorkerGroup
+    from rlhf_core.trainers.worker_group import WorkerGroup
 
     started = ensure_ray()
     group = None
@@ -141,7 +100,7 @@ def share_data(data):
 
 def run_rl_stage(cfg) -> dict:
     """Run an RL stage (`rlhf train ppo`) from this process, its single controller; returns its manifest."""
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     cfg.check_complete()
     storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
@@ -161,7 +120,7 @@ def probe_hardware() -> dict:
     import ray
 
     from rlhf_core.distributed.resources import detect_devices
-    from rlhf_core.precision import Precision, resolve, this_hardware
+    from rlhf_core.infra.precision import Precision, resolve, this_hardware
 
     started = ensure_ray()
     try:

@@ -5,7 +5,7 @@ under the project's state directory. `MLFLOW_TRACKING_URI` points at a server in
 orchestrator hands a pre-created run through `MLFLOW_RUN_ID`; a parent pipeline run through
 `--mlflow_parent_run_id`.
 
-Everything a Tracker sends (params, tags, text artifacts) passes `rlhf_core.redaction` first, so
+Everything a Tracker sends (params, tags, text artifacts) passes `rlhf_core.infra.redaction` first, so
 tokens, passwords and the values of credential environment variables never reach the tracking
 server, whichever code path produced them.
 """
@@ -17,22 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_core.config import state_dir
-from rlhf_core.redaction import REDACTED, redact, redact_text
+from rlhf_core.infra.redaction import REDACTED, redact, redact_text
+from rlhf_core.infra.settings import artifact_root, tracking_uri
 
 __all__ = ["REDACTED", "redact", "redact_params", "Tracker"]
-
-
-def tracking_uri() -> str:
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    home = state_dir()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'mlflow.db'}"
-
-
-def artifact_root() -> str:
-    return os.environ.get("RLHF_ARTIFACT_ROOT") or (state_dir() / "mlartifacts").as_uri()
 
 
 def ensure_experiment(name: str) -> str:
@@ -212,7 +200,7 @@ def _warn(message: str) -> None:
 class Tracker:
     """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled.
 
-    Faults (bounds in `rlhf_core/stores.py`): opening the run waits at most `RLHF_STORE_CHECK_S`
+    Faults (bounds in `rlhf_core/infra/reachability.py`): opening the run waits at most `RLHF_STORE_CHECK_S`
     for the store; metrics never raise into training (`MetricQueue`); recording the output
     (`await_store`, `set_tags`, `log_artifact`, `finish`) waits at most `RLHF_STORE_WAIT_S` and
     then raises `StoreUnavailable`. An output published before its record failed is withdrawn
@@ -229,7 +217,7 @@ class Tracker:
             return
         from mlflow import MlflowClient
 
-        from rlhf_core.stores import bound_mlflow_requests, metrics_buffer, store_check_s
+        from rlhf_core.infra.reachability import bound_mlflow_requests, metrics_buffer, store_check_s
 
         bound_mlflow_requests()
         uri = tracking_uri()
@@ -248,7 +236,7 @@ class Tracker:
             from mlflow.entities import RunTag
 
             if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
-                from rlhf_core.owner import OWNER_TAG, owner_tag
+                from rlhf_core.infra.owner import OWNER_TAG, owner_tag
 
                 self.client.get_run(given)
                 self.client.update_run(given, status="RUNNING")
@@ -259,7 +247,7 @@ class Tracker:
                 return given
             from mlflow.tracking.context.registry import resolve_tags
 
-            from rlhf_core.stores import create_run_once
+            from rlhf_core.infra.reachability import create_run_once
 
             experiment_id = ensure_experiment(experiment)
             create = create or create_run_once(self.client, run_name, resolve_tags(all_tags))
@@ -269,13 +257,13 @@ class Tracker:
 
     def _retry(self, what: str, call, seconds: float | None = None, setting: str = "RLHF_STORE_WAIT_S"):
         """`call()`, retried with backoff for up to `seconds` (RLHF_STORE_WAIT_S), then StoreUnavailable."""
-        from rlhf_core.stores import retry, store_wait_s
+        from rlhf_core.infra.reachability import retry, store_wait_s
 
         return retry(call, what, self.store, store_wait_s() if seconds is None else seconds, setting)
 
     def _record(self, what: str, call) -> None:
         """A call that records the stage's output: on failure a published output is withdrawn first."""
-        from rlhf_core.stores import StoreUnavailable
+        from rlhf_core.infra.reachability import StoreUnavailable
 
         try:
             self._retry(what, call)
@@ -285,7 +273,7 @@ class Tracker:
     def _withdraw(self) -> str:
         if self._published is None:
             return ""
-        from rlhf_core import storage
+        from rlhf_core.infra import storage
 
         uri, stage = self._published
         self._published = None
@@ -322,7 +310,7 @@ class Tracker:
         """Send the held metrics now (waiting up to `seconds`, default RLHF_STORE_WAIT_S); True when all went."""
         if not self.enabled:
             return True
-        from rlhf_core.stores import store_wait_s
+        from rlhf_core.infra.reachability import store_wait_s
 
         return self.metrics.drain(store_wait_s() if seconds is None else seconds)
 
@@ -331,7 +319,7 @@ class Tracker:
         store; StoreUnavailable (nothing published yet) when it stays away."""
         if not self.enabled:
             return
-        from rlhf_core.stores import StoreUnavailable, store_wait_s
+        from rlhf_core.infra.reachability import StoreUnavailable, store_wait_s
 
         seconds = store_wait_s()
         if not self.metrics.drain(seconds):
@@ -391,7 +379,7 @@ class Tracker:
         seconds; never raises, since the stage's own error is the one to report."""
         if not self.enabled:
             return
-        from rlhf_core.stores import StoreUnavailable, store_wait_s
+        from rlhf_core.infra.reachability import StoreUnavailable, store_wait_s
 
         self.metrics.stop()
         if os.environ.get("MLFLOW_RUN_ID") == self.run_id:

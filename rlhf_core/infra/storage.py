@@ -41,8 +41,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rlhf_core.config import ConfigError, env_number, state_dir
-from rlhf_core.redaction import redact
+from rlhf_core.infra.redaction import redact
+from rlhf_core.infra.settings import ConfigError, env_number, state_dir
 
 MANIFEST = "stage.json"
 WRITING = ".rlhf-writing.json"  # "being written by stage X": a retry of X may replace what is there
@@ -248,7 +248,7 @@ def registered_versions(uri: str) -> list[str]:
     store exists) and answers; otherwise, or on an error, [] with a warning: a store that is down
     must not block a run, and one never set up has no registry.
     """
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     if not os.environ.get("MLFLOW_TRACKING_URI") and not (state_dir() / "mlflow.db").exists():
         return []
@@ -340,7 +340,7 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
             return _publish_local(local_dir, Path(normalize_uri(uri)), manifest, inputs, flag)
     target = normalize_uri(uri)
     if target.startswith("s3://"):  # a store that is away gets RLHF_STORE_WAIT_S, not the clients' minutes
-        from rlhf_core.stores import s3_endpoint, store_wait_s, wait_until_reachable
+        from rlhf_core.infra.reachability import s3_endpoint, store_wait_s, wait_until_reachable
 
         wait_until_reachable("S3 endpoint", s3_endpoint(), store_wait_s(), "RLHF_STORE_WAIT_S",
                              f"when the stage had to publish its output to {target}; nothing was published")

@@ -187,7 +187,7 @@ def training_curves_png(stage: str, title: str, history: Mapping[str, Series]) -
 def eval_comparison_png(report: dict) -> bytes:
     """PNG of an `rlhf eval` report: accuracy (greedy, sampled, pass@k), reward-model score, win rate
     and KL, one bar per model (the reference's bar where it has the metric)."""
-    from rlhf_core.evaluation import metric_key, model_names, pass_at_k_metric
+    from rlhf_core.stages.evaluation import metric_key, model_names, pass_at_k_metric
 
     m = report["metrics"]
     names = model_names(report)

@@ -80,7 +80,7 @@ class SyncBackend(str, Enum):
 def resolve_sync_backend(requested: str, *, vllm: bool, colocated: bool, cuda: bool) -> SyncBackend:
     """The transport for `--vllm.sync_backend requested`. `vllm`: the engines are vLLM; `colocated`:
     engine workers sit on the actor's GPUs; `cuda`: actor and engines are on CUDA devices."""
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     if requested not in SYNC_BACKEND_CHOICES:
         raise ConfigError(f"--vllm.sync_backend {requested!r}: use one of {', '.join(SYNC_BACKEND_CHOICES)}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from rlhf_core import storage
-from rlhf_core.tracking import tracking_uri
+from rlhf_core.infra import storage
+from rlhf_core.infra.settings import tracking_uri
 
 # Params the tree shows in other forms (parents, output, datasets) or that say nothing about the model.
 HIDDEN_PARAMS = {"pretrain", "ref_pretrain", "reward_pretrain", "save_path", "ckpt_path", "dataset", "eval_dataset",
@@ -151,8 +151,8 @@ def params_off_default(stage: str, params: dict[str, str]) -> dict[str, str]:
     Stages without a config class (prep) show every param. Params of another code version that
     the config no longer has are shown too: they differ from what a default run would log."""
     from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, STAGE_CONFIGS
+    from rlhf_core.infra.tracking import redact_params
     from rlhf_core.rl_config import PPOConfig
-    from rlhf_core.tracking import redact_params
 
     config_cls = STAGE_CONFIGS.get(stage) or ROLLOUT_STAGE_CONFIGS.get(stage) or {"ppo": PPOConfig}.get(stage)
     defaults = redact_params(config_cls.model_construct().model_dump(mode="json")) if config_cls else {}

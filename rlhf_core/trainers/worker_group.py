@@ -1,6 +1,6 @@
 """A supervised stage's ranks: one role ("train") of Ray actors, one DeepSpeed rank each.
 
-The RoleGroup (role_group.py) gives every rank RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
+The RoleGroup (distributed/role_group.py) gives every rank RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
 before DeepSpeed starts (gloo on CPU, NCCL on GPU) and its own placement group sized from the
 cluster's devices: one GPU per rank when the cluster has GPUs, else an equal share of the cores
 (as torch threads).

@@ -31,8 +31,8 @@ from __future__ import annotations
 import os
 import time
 
-from rlhf_core.config import env_number
-from rlhf_core.redaction import redact_text
+from rlhf_core.infra.redaction import redact_text
+from rlhf_core.infra.settings import env_number
 
 DEFAULT_STORE_CHECK_S = 30.0
 DEFAULT_STORE_WAIT_S = 300.0
@@ -129,7 +129,7 @@ def _s3_uris(value) -> list[str]:
 
 def stage_stores(values: dict, use_mlflow: bool) -> list[tuple[str, str]]:
     """`(name, url to probe)` of the remote stores a stage with config `values` talks to."""
-    from rlhf_core.tracking import tracking_uri
+    from rlhf_core.infra.settings import tracking_uri
 
     stores = []
     if use_mlflow and is_server(tracking_uri()):
@@ -194,7 +194,7 @@ def create_run_once(client, run_name: str | None, tags: dict):
     may have made it; trying blindly again would leave a second run RUNNING forever)."""
     import uuid
 
-    from rlhf_core.owner import OWNER_TAG, owner_tag
+    from rlhf_core.infra.owner import OWNER_TAG, owner_tag
 
     request = uuid.uuid4().hex
     owner = owner_tag()  # this process: a later one can tell a run left RUNNING by a killed owner (owner.py)

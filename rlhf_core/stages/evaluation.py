@@ -36,7 +36,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rlhf_core.config import REFERENCE_NAME, ConfigError, EvalConfig
+from rlhf_core.config import REFERENCE_NAME, EvalConfig
+from rlhf_core.infra.settings import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -316,7 +317,7 @@ def _print_summary(metrics: dict[str, float]) -> None:
 
 def read_eval_report(uri: str) -> dict:
     """The `eval.json` report of a finished eval stage at `uri` (local directory or s3://)."""
-    from rlhf_core import storage
+    from rlhf_core.infra import storage
 
     if not storage.is_remote(uri):
         from pathlib import Path

@@ -17,7 +17,7 @@ Choices, and why:
 - The RL terms (`policy_loss`, `value_loss`, `entropy_from_logits`) return per-token losses,
   and `aggregate_loss` reduces them by a `LossAggMode`, dividing by a global unit count from
   `loss_units` (tokens or sequences), by the same rule. Advantages, returns and the KL
-  controllers, which hold rollout-side state, are in rlhf_core/advantages.py.
+  controllers, which hold rollout-side state, are in rlhf_core/algos/advantages.py.
 - Variants are `str` enums (`DPOLossType`, ...) picked by name through small registries
   (`DPO_LOSSES`, ...), so a config string selects a function and a typo fails loudly.
 - Log-sigmoid and softplus are used instead of `log(sigmoid(x))` / `log(1 + exp(x))`: they stay

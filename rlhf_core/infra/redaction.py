@@ -117,7 +117,7 @@ def refuse_inline_secrets(params: dict, where: str) -> None:
     For parameters that are stored as given before any of our code runs (a Prefect flow run's),
     where redaction comes too late.
     """
-    from rlhf_core.config import ConfigError
+    from rlhf_core.infra.settings import ConfigError
 
     found = inline_secrets(params)
     if found:

@@ -140,7 +140,7 @@ def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_
     anything else under that name is not ours and stays."""
     import shutil
 
-    from rlhf_core.owner import start_time  # None: no such process
+    from rlhf_core.infra.owner import start_time  # None: no such process
 
     if parent is None:
         from ray._common.utils import get_default_system_temp_dir

@@ -1,0 +1,52 @@
+"""Joining or starting the Ray cluster a stage's ranks run on, and what its processes inherit.
+
+With `RAY_ADDRESS` set a stage joins that cluster; otherwise a local Ray is started for the run
+(`local_ray.py`: 127.0.0.1, token authentication on) and shut down after it. Settings the ranks
+need (state directory, MLflow run, S3 endpoint) travel as an explicit allow-list of environment
+variables, never the whole environment, so secrets stay where the cluster keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rlhf_core.infra.settings import state_dir
+
+FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
+                 "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
+                 "TOKENIZERS_PARALLELISM")
+# The bounds of a stage's waits for MLflow and S3 (rlhf_core/infra/reachability.py) reach its job and ranks too.
+FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+
+
+def prepare_environment() -> None:
+    """Defaults every process of a stage shares (set before Ray starts, so actors inherit them)."""
+    home = state_dir()
+    os.environ.setdefault("RLHF_HOME", str(home))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
+
+
+def ensure_ray() -> bool:
+    """Connect to RAY_ADDRESS or start a local Ray; returns True when we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    # Inside a Ray job the job's runtime env already reaches our actors; Ray refuses to merge a
+    # driver runtime env that names the same variables again, so pass only what it lacks.
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    job_vars = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    env = {k: v for k, v in env.items() if k not in job_vars}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
+        return False
+    from rlhf_core.distributed.local_ray import init_local  # on 127.0.0.1, token authentication on
+
+    init_local(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+               runtime_env={"env_vars": env}, configure_logging=False)
+    return True

@@ -1,0 +1,1 @@
+"""Infrastructure every stage leans on: settings and state, outputs, stores, tracking, provenance, redaction."""

@@ -1,0 +1,1 @@
+"""The RL stage: the single controller, its roles, engines, experience and checkpoints."""
