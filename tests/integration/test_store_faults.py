@@ -201,7 +201,7 @@ def test_metrics_logged_while_the_store_is_away_never_block_and_arrive_when_it_r
         slowest = max(slowest, time.monotonic() - started)
         time.sleep(0.01)
     _wait(lambda: tracker.metrics.failing is not None)  # the sender saw the outage
-    assert slowest < 0.05, slowest  # logging never waited for the store
+    assert slowest < 0.5, slowest  # logging never waited for the store (a wait would take >= 1 s)
     history = _client(mlflow_server).get_metric_history(tracker.run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 11))  # nothing got through while away
     proxy.up()
@@ -352,9 +352,11 @@ def test_a_stage_whose_store_stays_away_fails_after_the_bound_with_checkpoints_i
     assert f"MLflow at {proxy.url} did not answer within 2 s (RLHF_STORE_WAIT_S" in error[0]
     assert f"nothing was published at {out}; checkpoints are kept in {ckpt}" in error[0]
     assert not out.exists() and storage.read_manifest(str(out)) is None
-    tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
-    assert tags and all((ckpt / t).iterdir() for t in tags), tags  # the checkpoints of steps 2, 4, 6 are there
-    assert any(str(STEPS) in t for t in tags), tags
+    folders = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    steps = [f"global_step{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)]
+    assert folders == sorted(steps), f"the checkpoints of steps 2, 4, 6, whole (no .partial): {folders}"
+    assert all(any((ckpt / t).iterdir()) for t in steps), "a checkpoint folder is empty"
+    assert (ckpt / "latest").read_text().strip() == f"global_step{STEPS}"
     proxy.up()
     run = _stage_run(mlflow_server, seen["tracker"].run_id)
     assert run.info.status != "FINISHED"  # the flow's cache only reuses FINISHED runs with a stage.json

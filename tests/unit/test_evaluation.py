@@ -57,7 +57,8 @@ def run_cli(args, capsys):
 
 
 def test_win_rate_counts_ties_as_half():
-    assert win_rate([1.0, 2.0, 3.0, 0.0], [1.0, 1.0, 4.0, 0.0]) == pytest.approx((0.5 + 1 + 0 + 0.5) / 4)
+    assert win_rate([2.0, 2.0, 3.0, 0.0], [1.0, 1.0, 4.0, 0.0]) == pytest.approx((1 + 1 + 0 + 0.5) / 4)
+    assert win_rate([1.0, 1.0, 4.0, 0.0], [2.0, 2.0, 3.0, 0.0]) == pytest.approx((0 + 0 + 1 + 0.5) / 4)  # the other way
     with pytest.raises(ValueError):
         win_rate([1.0], [])
 
@@ -196,10 +197,15 @@ def test_eval_of_a_model_against_itself(prepared, models, tmp_path, capsys, watc
     assert "| greedy accuracy (verifier) | 0.0% | 0.0% |" in markdown and "| 50.0% | — |" in markdown
 
 
-def test_policies_side_by_side(prepared, models, tmp_path, capsys, watched_engines):
+def test_policies_side_by_side(prepared, models, tmp_path, capsys, watched_engines, monkeypatch):
     """Two different policies against one reference: the names are the report's, the numbers differ,
     and the scripted policy's accuracies are the ones its rule gives (sampled at T=0.5, so the KL
-    samples at temperature 1 are drawn apart)."""
+    samples at temperature 1 are drawn apart). Each win rate is the policy's scores against the
+    reference's, in that order."""
+    from rlhf_core.stages import evaluation
+
+    compared = []
+    monkeypatch.setattr(evaluation, "win_rate", lambda p, r: compared.append((p, r)) or win_rate(p, r))
     out = tmp_path / "eval"
     k = 4
     code, stdout, err = run_cli(["--pretrain", f"{models['other']},{models['scripted']}", "--policy_names",
@@ -226,6 +232,12 @@ def test_policies_side_by_side(prepared, models, tmp_path, capsys, watched_engin
         assert m[f"eval/oracle/{metric}"] != m[f"eval/rival/{metric}"]
     assert m["eval/rival/kl"] > 0.1  # two random models disagree (the scripted one does not sample its own
     # distribution, so its k1 estimate may have any sign)
+    assert len(compared) == 2
+    for name, (policy, reference) in zip(("rival", "oracle"), compared, strict=True):
+        assert sum(policy) / len(policy) == pytest.approx(m[f"eval/{name}/reward"])
+        assert sum(reference) / len(reference) == pytest.approx(m["eval/reference/reward"])
+        assert m[f"eval/{name}/reward"] != m["eval/reference/reward"]  # so the two orders differ
+        assert m[f"eval/{name}/win_rate"] == win_rate(policy, reference)
     report = read_eval_report(str(out))
     assert report["policies"] == [{"name": "rival", "uri": models["other"]},
                                   {"name": "oracle", "uri": models["scripted"]}]

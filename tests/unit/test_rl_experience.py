@@ -24,6 +24,17 @@ def test_a_chunk_collated_again_is_the_same_batch_and_other_tokens_are_not():
     assert collate(samples(9), 0, False, 64) is not first  # another layout
 
 
+# A reward with variance inside every group (a digest of the response): group advantages are not
+# zero, so the PPO ratio, and through it the old log-probs, shape every update.
+REWARD_FILE = """
+import zlib
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return torch.tensor([(zlib.crc32(q.encode()) % 100) / 100 for q in queries])
+"""
+
+
 @pytest.mark.slow
 def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
@@ -31,17 +42,22 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
     from rlhf_core.rl.controller import RLController
     from rlhf_core.rl.roles import PolicyRole
 
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
     recomputed = []
     logprobs = PolicyRole.logprobs
-    monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples: recomputed.append(len(samples))
-                        or logprobs(self, samples))
     on_policy = RLController.on_policy
     weights = {}
-    for name, skip in (("all", False), ("left", True)):
+    # all: every old log-prob from a separate pass; left: the first step's left to the training
+    # forward; shifted (the control): all from a separate pass, each 0.2 off.
+    for name, skip, shift in (("all", False, 0.0), ("left", True, 0.0), ("shifted", False, 0.2)):
         monkeypatch.setattr(RLController, "on_policy", on_policy if skip else lambda self, order: set())
+        monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples, shift=shift: recomputed.append(len(samples))
+                            or [lp + shift for lp in logprobs(self, samples)])
         recomputed.clear()
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
-                     "--task", "addition", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                     "--remote_rm_url", str(reward), "--eval.task", "addition", "--advantage_estimator", "group_norm",
+                     "--n_samples_per_prompt", "4",
                      "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
                      "--micro_rollout_batch_size", "8", "--generate_max_len", "6", "--use_kl_loss",
                      "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-3", "--param_dtype", "fp32",
@@ -53,3 +69,5 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
     assert weights["all"].keys() == weights["left"].keys()
     for key, value in weights["all"].items():
         assert torch.equal(value, weights["left"][key]), key
+    assert any(not torch.equal(value, weights["shifted"][key]) for key, value in weights["all"].items()), \
+        "old log-probs 0.2 off changed no update: the check above would hold whatever they are"

@@ -1,6 +1,7 @@
-"""What an RL run records in MLflow: every per-step metric the README lists, the held-out
-evaluation, the precision used, and a run marked finished (two GRPO steps with a KL loss and
-dynamic filtering, on the tiny base model)."""
+"""What an RL run records in MLflow: every per-step metric the README lists, with values that
+say the step happened (rewards with variance, groups dropped by dynamic filtering, a ratio near
+1, time spent), the held-out evaluation, the precision used, and a run marked finished (two GRPO
+steps with a KL loss and dynamic filtering, on the tiny base model)."""
 
 import json
 
@@ -17,13 +18,30 @@ PER_STEP = ["rollout/reward_mean", "rollout/reward_std", "rollout/score_mean", "
             "perf/samples_per_s"]
 
 
+# Half the prompts (by a digest of the prompt) score FILTERED on every sample, above the filtering
+# range: their groups must be dropped. The others score a digest of the response in [0, 1): the
+# samples of a group differ, so rewards and advantages have variance.
+FILTERED = 3.0
+REWARD_FILE = f"""
+import zlib
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return torch.tensor([{FILTERED} if zlib.crc32(p.encode()) % 2 else (zlib.crc32(q.encode()) % 100) / 100
+                         for q, p in zip(queries, prompts)])
+"""
+
+
 def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
     code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
-                 "--eval_dataset", f"json@{prepared['prompts']}", "--eval.n_samples_per_prompt", "1", "--task", "addition",
+                 "--eval_dataset", f"json@{prepared['prompts']}", "--eval.n_samples_per_prompt", "1",
+                 "--remote_rm_url", str(reward), "--eval.task", "addition",
                  "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
                  "--train_batch_size", "16", "--micro_train_batch_size", "16", "--generate_max_len", "6",
                  "--use_kl_loss", "--dynamic_filtering", "--dynamic_filtering_reward_range", "-0.5", "2",
@@ -36,10 +54,21 @@ def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsy
     run = client.get_run(manifest["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.tags["rlhf.precision"] == "fp32"
+    values = {}
     for key in PER_STEP:
         history = client.get_metric_history(run.info.run_id, key)
         assert [m.step for m in history] == [1, 2], key
-    mismatch = client.get_metric_history(run.info.run_id, "rollout/logprob_mismatch")
-    assert all(0 <= m.value < 1e-3 for m in mismatch)  # fp32 engine against the fp32 trainer: float noise
+        values[key] = [m.value for m in history]
+    for step in range(2):
+        v = {key: values[key][step] for key in PER_STEP}
+        assert 0 < v["rollout/filter_pass_rate"] < 1, "the constant groups were dropped, the others kept"
+        assert 0 < v["rollout/reward_mean"] < 1, "only kept groups (rewards in [0, 1)) are trained on"
+        assert v["rollout/reward_std"] > 0.05 and v["rollout/score_mean"] == v["rollout/reward_mean"]
+        assert 0 <= v["rollout/logprob_mismatch"] < 1e-3  # fp32 engine against the fp32 trainer: float noise
+        assert 0.5 < v["train/ratio"] < 2 and v["train/entropy"] > 0 and v["train/lr"] > 0
+        assert v["train/kl_coef"] > 0 and v["rollout/response_length"] > 0
+        assert all(v[k] > 0 for k in PER_STEP if k.startswith("time/") and k != "time/sync_s")
+        assert v["perf/samples_per_s"] > 0
+    assert values["train/kl_loss"][0] == 0.0 < values["train/kl_loss"][1], "the policy moved from the reference"
     for key in ("eval_initial/sampled_reward", "eval/sampled_reward", "eval/greedy_accuracy"):
         assert client.get_metric_history(run.info.run_id, key), key

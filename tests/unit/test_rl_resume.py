@@ -2,8 +2,8 @@
 
 The kill is real: the reward function (a reward file, as users write them) SIGKILLs its own
 process during the third rollout step, after the step-2 checkpoint. The resumed run must restore
-the actor, the critic, both optimizers and schedulers, the KL controller, the prompt position and
-every RNG, and push the restored weights to the rollout engine: any of these missing and the
+the actor, the critic, both optimizers and schedulers, the KL controller (adaptive here, so its
+coefficient moves every step), the prompt position and every RNG, and push the restored weights to the rollout engine: any of these missing and the
 final weights differ. That it resumed rather than restarted is checked by counting rollout steps.
 """
 
@@ -47,7 +47,8 @@ def run(prepared, tmp_path: Path, name: str, *extra, kill_at: int = 0) -> subpro
         reward.write_text(REWARD_FILE)
     args = [sys.executable, "-m", "rlhf_core.cli", "train", "ppo", "--pretrain", prepared["base"],
             "--prompt_data", f"json@{prepared['prompts']}", "--remote_rm_url", str(reward),
-            "--advantage_estimator", "gae", "--init_kl_coef", "0.05", "--rollout_batch_size", "8",
+            "--advantage_estimator", "gae", "--init_kl_coef", "0.05", "--kl_target", "0.001", "--kl_horizon", "16",
+            "--rollout_batch_size", "8",
             "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "8",
             "--max_epochs", "2", "--generate_max_len", "5", "--actor_learning_rate", "1e-3",
             "--critic_learning_rate", "1e-3", "--param_dtype", "fp32", "--use_mlflow", "false", "--seed", "3",

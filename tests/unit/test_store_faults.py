@@ -125,6 +125,9 @@ def test_the_flow_fails_its_first_mlflow_record_within_the_bound_and_retries_the
 
 
 def test_publishing_to_an_unreachable_s3_waits_the_bound_and_writes_nothing(short_bounds, tmp_path, monkeypatch):
+    import botocore.session  # noqa: F401 - its first import (about 1 s) stays out of the timed window
+    import s3fs  # noqa: F401
+
     from rlhf_core.infra import storage
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
