@@ -42,7 +42,7 @@ TUNED = {
 # PPO with a critic initialised from the reward model (OpenRLHF's default), rewards from the reward
 # model normalised by its stored mean/std (the flow turns normalisation on when it fills the reward
 # from the run's reward model; the validator refuses it without a model): the recipe that raised held-out sampled accuracy by
-# more than 10 points over this SFT setting (tests/unit/test_rl_stage.py). Dotted paths, as the
+# more than 10 points over this SFT setting (tests/learning/test_rl_stage.py). Dotted paths, as the
 # `rlhf train ppo` flags; `eval` measures held-out sampled and greedy accuracy before and after.
 TUNED_PPO = {
     "algo.advantage.estimator": "gae", "algo.advantage.lambd": 0.95, "algo.kl.init_coef": 0.01,
