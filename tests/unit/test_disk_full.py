@@ -293,7 +293,7 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     from ray.exceptions import ObjectStoreFullError
 
     from rlhf_core.config import STAGE_CONFIGS, build_config
-    from rlhf_core.distributed import worker_group
+    from rlhf_core.trainers import worker_group
     from rlhf_core.stages import launch
 
     def put(value):

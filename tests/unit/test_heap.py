@@ -18,7 +18,7 @@ def test_settle_freezes_only_in_a_process_that_ends_with_its_command():
     heap.settle()
     assert gc.get_freeze_count() == before, "settle froze the heap of a process that is not the command's"
 
-    code = ("import gc; from rlhf_core import heap; keep = [[i] for i in range(50_000)]; heap.own_process(); "
+    code = ("import gc; from rlhf_core.infra import heap; keep = [[i] for i in range(50_000)]; heap.own_process(); "
             "heap.settle(); print(gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert int(out.stdout) >= 50_000

@@ -430,7 +430,7 @@ def test_source_digest_moves_with_source_bytes_and_nothing_else(tmp_path):
     base = source_digest(root)
     assert source_digest(root) == base and {"rlhf_core/algos/losses.py", "flows/pipeline.py"} <= set(source_files(root))
 
-    losses = root / "rlhf_core" / "losses.py"
+    losses = root / "rlhf_core" / "algos" / "losses.py"
     original = losses.read_bytes()
     losses.write_bytes(original.replace(b"KL_CLAMP = 10.0", b"KL_CLAMP = 20.0"))
     assert source_digest(root) != base

@@ -69,6 +69,6 @@ def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsy
         assert v["train/kl_coef"] > 0 and v["rollout/response_length"] > 0
         assert all(v[k] > 0 for k in PER_STEP if k.startswith("time/") and k != "time/sync_s")
         assert v["perf/samples_per_s"] > 0
-    assert values["train/kl_loss"][0] == 0.0 < values["train/kl_loss"][1], "the policy moved from the reference"
+    assert values["rollout/kl"][0] == 0.0 < values["rollout/kl"][1], "the policy starts at the reference, then moves"
     for key in ("eval_initial/sampled_reward", "eval/sampled_reward", "eval/greedy_accuracy"):
         assert client.get_metric_history(run.info.run_id, key), key
