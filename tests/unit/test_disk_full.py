@@ -293,8 +293,8 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     from ray.exceptions import ObjectStoreFullError
 
     from rlhf_core.config import STAGE_CONFIGS, build_config
-    from rlhf_core.trainers import worker_group
     from rlhf_core.stages import launch
+    from rlhf_core.trainers import worker_group
 
     def put(value):
         raise ObjectStoreFullError("Failed to put object 00ff in object store because it is full.")
