@@ -382,13 +382,20 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
                limit_s: float | None = None) -> list:
     """Wait for the actor's and the engines' side of one sync step (PendingCalls); the engines'
     results in engine order. An engine that raised or died fails it at once, naming the engine
-    (unless its input, the actor's result, failed first); engines without an answer at the
+    (unless its input, the actor's result, failed first; an engine that raised while another died
+    within DEATH_GRACE_S names the dead one, the root cause); engines without an answer at the
     deadline are named then, unless every engine and the actor are late (then the actor is stuck,
     and named). A failure of the actor is the actor's own error (RoleError): its group timeout runs
     past the driver's deadline, so it cannot be an engine's absence showing."""
     import ray
 
-    from rlhf_core.distributed.role_group import RoleError, RoleTimeoutError, _get_ready
+    from rlhf_core.distributed.role_group import (
+        DEATH_GRACE_S,
+        RoleError,
+        RoleTimeoutError,
+        _death_among,
+        _get_ready,
+    )
 
     limit = f"{limit_s if limit_s is not None else timeout_s:g} s"  # the deadline as the user set it
     calls = [c for c in (actor_call, engine_call) if c is not None]
@@ -410,7 +417,16 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
                 engine_values[i], engine_done[i] = _get_ready(ref, call.role, call.ranks[i], call.method), True
             except RoleError as e:
                 _raise_actor_failure(actor_call)  # an engine whose input (the actor's result) failed
-                raise EngineSyncError(i, f"{what} failed: {e} (timeout {limit}, RLHF_SYNC_TIMEOUT_S)") from e
+                culprit, error = i, e
+                if e.cause is not None and pending:  # it raised: an engine that died mid-broadcast makes
+                    # the others raise (gloo: "connection reset by peer"), often before Ray reports the death
+                    engines = [r for r in pending if where[r][0] is engine_call]
+                    death = _death_among(engines, where, min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic())))
+                    if death is not None:
+                        culprit = engine_call.ranks.index(death.ranks[0])
+                        error = RoleError(death.role, death.ranks, death.method,
+                                          f"{death.message}\n(then engine {i} failed too: {e.message})")
+                raise EngineSyncError(culprit, f"{what} failed: {error} (timeout {limit}, RLHF_SYNC_TIMEOUT_S)") from e
     late = [i for i, done in enumerate(engine_done) if not done]
     actor_late = actor_call is not None and any(ref in pending for ref in actor_call)
     if actor_late and len(late) == len(engine_call):  # every engine waits on the actor: the actor is stuck
