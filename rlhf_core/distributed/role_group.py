@@ -18,8 +18,9 @@ raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the 
 A rank that dies mid-collective makes the others raise too (gloo: "connection closed by peer"),
 often before Ray reports the death: a rank's exception is held for up to `DEATH_GRACE_S` while
 the other ranks' results are watched, and a death among them is reported instead (the root
-cause, naming the rank that died). The caller then kills the group (`shutdown`), so no surviving
-rank is left waiting in a collective.
+cause, naming the rank that died); a rank that raised a `FollowOnError` (failures.py) waits the
+same way for any other rank's failure. The caller then kills the group (`shutdown`), so no
+surviving rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import ray
 
+from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.resources import (
     ClusterDevices,
     ResourcePool,
@@ -43,7 +45,7 @@ from rlhf_core.distributed.resources import (
 )
 
 DEFAULT_TIMEOUT_S = 600.0
-DEATH_GRACE_S = 10.0  # how long a rank's exception waits for a death among the other ranks (see above)
+DEATH_GRACE_S = 10.0  # how long a rank's exception waits for a death (or a FollowOnError for any failure) among the others
 
 
 class RoleError(RuntimeError):
@@ -231,16 +233,18 @@ def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None, fin
             except RoleError as raised:
                 if raised.cause is None or not pending:
                     raise
-                death = _death_among(pending, where, min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic())))
-                if death is None:
+                grace = min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic()))
+                root = _root_cause_among(pending, where, grace, raised_too=isinstance(raised.cause, FollowOnError))
+                if root is None:
                     raise
-                raise RoleError(death.role, death.ranks, death.method, f"{death.message}\n(then role {raised.role!r} "
-                                f"rank {raised.rank} failed too: {raised.message})") from raised
+                raise RoleError(root.role, root.ranks, root.method, f"{root.message}\n(then role {raised.role!r} "
+                                f"rank {raised.rank} failed too: {raised.message})", root.cause) from raised
     return [c.finish(values[id(c)]) if finish else values[id(c)] for c in calls]
 
 
-def _death_among(pending: list, where: dict, grace_s: float) -> RoleError | None:
-    """The first rank among `pending` whose actor died within `grace_s`, as its RoleError; None if none did."""
+def _root_cause_among(pending: list, where: dict, grace_s: float, raised_too: bool = False) -> RoleError | None:
+    """The first rank among `pending` whose actor died within `grace_s` (with `raised_too`: or that
+    raised anything but a FollowOnError), as its RoleError; None if none did."""
     deadline = time.monotonic() + grace_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -250,7 +254,9 @@ def _death_among(pending: list, where: dict, grace_s: float) -> RoleError | None
         try:
             _get_ready(ready[0], call.role, call.ranks[i], call.method)
         except RoleError as e:
-            if e.cause is None and not isinstance(e, RoleTimeoutError):
+            if isinstance(e, RoleTimeoutError):
+                continue
+            if e.cause is None or (raised_too and not isinstance(e.cause, FollowOnError)):
                 return e
     return None
 

@@ -393,8 +393,8 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
         DEATH_GRACE_S,
         RoleError,
         RoleTimeoutError,
-        _death_among,
         _get_ready,
+        _root_cause_among,
     )
 
     limit = f"{limit_s if limit_s is not None else timeout_s:g} s"  # the deadline as the user set it
@@ -421,7 +421,7 @@ def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sy
                 if e.cause is not None and pending:  # it raised: an engine that died mid-broadcast makes
                     # the others raise (gloo: "connection reset by peer"), often before Ray reports the death
                     engines = [r for r in pending if where[r][0] is engine_call]
-                    death = _death_among(engines, where, min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic())))
+                    death = _root_cause_among(engines, where, min(DEATH_GRACE_S, max(0.0, deadline - time.monotonic())))
                     if death is not None:
                         culprit = engine_call.ranks.index(death.ranks[0])
                         error = RoleError(death.role, death.ranks, death.method,

@@ -38,6 +38,7 @@ import torch
 
 from rlhf_core.data.batching import BatchPlan
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
+from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.infra import heap
 
 
@@ -175,8 +176,16 @@ class TrainLoop:
             partial = checkpoints.partial_tag(tag)
             rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-            torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
-            self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step}, save_latest=False)
+            try:
+                torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
+                self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
+                                            save_latest=False)
+            except Exception as e:
+                if (ckpt / partial).is_dir():
+                    raise
+                # Another rank failed (a full disk, say) and removed the folder under this one's writes.
+                raise FollowOnError(f"checkpoint {tag}: its folder was removed by another rank's failure while "
+                                    f"rank {self.rank} wrote ({type(e).__name__}: {e})") from e
             _barrier()
             if self.rank == 0:
                 checkpoints.commit(ckpt, tag)

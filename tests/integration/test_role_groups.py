@@ -48,6 +48,15 @@ class ToyWorker:
             raise ValueError(f"rank {rank} refuses")
         return self.rank
 
+    def fail_in_turn(self, follow_on: bool) -> int:
+        """Rank 0 fails at once (a FollowOnError, or a plain error); rank 1, the root cause, a second later."""
+        from rlhf_core.distributed.failures import FollowOnError
+
+        if self.rank == 0:
+            raise (FollowOnError if follow_on else RuntimeError)("my checkpoint folder is gone")
+        time.sleep(1.0)
+        raise ValueError("the disk is full")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -148,6 +157,18 @@ def test_a_raising_rank_is_named_with_its_exception(roles):
     assert isinstance(e.value.cause, ValueError) and e.value.rank == 1
     with pytest.raises(AttributeError, match="role 'actor'.*no method 'nope'"):
         roles["actor"].call_all("nope")
+
+
+def test_a_follow_on_error_is_reported_as_the_failure_that_caused_it(roles):
+    """Rank 0's FollowOnError comes first; the wait reports rank 1's error, the root cause (its
+    exception kept as the cause, so a bad-input cause still exits 2). The control: a plain error
+    from rank 0 is reported as it is."""
+    with pytest.raises(RoleError, match=r"role 'actor' rank 1: fail_in_turn\(\) raised ValueError: the disk is full\n"
+                                        r"\(then role 'actor' rank 0 failed too: .*FollowOnError") as e:
+        roles["actor"].call_all("fail_in_turn", True)
+    assert isinstance(e.value.cause, ValueError)
+    with pytest.raises(RoleError, match=r"role 'actor' rank 0: fail_in_turn\(\) raised RuntimeError"):
+        roles["actor"].call_all("fail_in_turn", False)
 
 
 @pytest.fixture

@@ -265,6 +265,30 @@ def test_sft_on_a_full_disk_fails_clearly_and_keeps_output_and_checkpoints(prepa
     assert digests(out) != published
 
 
+def test_a_rank_whose_checkpoint_folder_another_rank_removed_raises_a_follow_on_error(prepared, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """What the second rank sees when the first hits a full disk and removes the partial folder under
+    its writes: torch's "Parent directory ... does not exist". It is raised as a FollowOnError, so the
+    group reports the first rank's full disk (tests/integration/test_role_groups.py holds the wait)."""
+    from rlhf_core.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ckpt = tmp_path / "ckpt"
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, Path)) and ".global_step2.partial" in str(f):
+            shutil.rmtree(ckpt / ".global_step2.partial")  # the other rank's cleanup
+            raise RuntimeError(f"Parent directory {Path(f).parent} does not exist.")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    assert main(sft_args(prepared, tmp_path / "out", ckpt, 2)) == 1  # not the cause: the group names the cause
+    err = capsys.readouterr().err
+    assert "FollowOnError: checkpoint global_step2: its folder was removed by another rank's failure while rank 0 " \
+           "wrote (RuntimeError: Parent directory" in err, err[-2000:]
+
+
 def test_prep_on_a_full_disk_exits_2_and_leaves_nothing_that_looks_finished(tmp_path, monkeypatch, capsys):
     """prep writes in place (marked unfinished first): a full disk says so, exit 2, no stage.json."""
     import transformers.modeling_utils
