@@ -1,20 +1,17 @@
 """What a flow starts dies with it, however the flow dies.
 
-A flow process that is SIGKILLed (the OOM killer, `kill -9`, a lost terminal's session torn down)
-runs no `finally` and no atexit hook. Its children are re-parented to init and live on: Prefect's
-ephemeral API server (uvicorn, ~200 MB; measured still running 10 minutes after a killed
-`rlhf pipeline run`, one more for every killed run), the local Ray's keeper and cluster (gone only
-~45 s later, once the keeper noticed) and the Ray jobs it submitted to a cluster of `RAY_ADDRESS`,
-which would train on with nobody to record them.
+A flow process that is SIGKILLed (the OOM killer, `kill -9`, a lost terminal) runs no `finally`
+and no atexit hook: its children (Prefect's ephemeral API server, the local Ray's keeper and
+cluster) are re-parented to init and live on, and its Ray jobs on a cluster of `RAY_ADDRESS` train
+on with nobody to record them.
 
 `lifeline()` starts a small watcher process in a session of its own (a signal to the flow's
-process group does not reach it). The flow's process holds the write end of a pipe to the
-watcher's stdin; the kernel closes it when the process dies, whatever killed it. Meanwhile the
-watcher records the flow process's descendants once a second (pid and start time, so a reused
-pid is never signalled) and the Ray jobs the flow has running (told by `tasks.ray_jobs`). On EOF
-without the leaving word (`BYE`) it stops those jobs (bounded requests) and then terminates the
-recorded processes still alive: SIGTERM, then SIGKILL after a grace period. A process that leaves
-its `with lifeline():` block normally says `BYE` first: the watcher exits and touches nothing.
+process group does not reach it), holding the read end of a pipe whose write end the kernel closes
+when the flow's process dies. The watcher records the process's descendants once a second (with
+their start times, `owner.start_time`, so a reused pid is never signalled) and the Ray jobs it has
+running on clusters that outlive it (told by `tasks.ray_jobs`). On EOF without the leaving word
+(`BYE`) it stops those jobs and ends the recorded processes still alive: SIGTERM, then SIGKILL
+after a grace period. A block left normally says `BYE`: the watcher exits and touches nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+
+from rlhf_core.infra.owner import start_time
 
 BYE = "BYE"
 POLL_S = 1.0  # how often the watcher records the flow's descendants
@@ -94,15 +93,16 @@ def _on_job(address: str | None, submission_id: str) -> None:
 
 # -- the watcher process ----------------------------------------------------------------------
 
-def descendants(pid: int) -> dict[int, float]:
+def descendants(pid: int) -> dict[int, str]:
     """pid -> start time of every living descendant of `pid` ({} once `pid` is gone)."""
     import psutil
 
     found = {}
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                found[child.pid] = child.create_time()
+            started = start_time(child.pid)
+            if started is not None:
+                found[child.pid] = started
     return found
 
 
@@ -118,27 +118,30 @@ def apply_line(line: str, jobs: dict[str, str]) -> bool:
 
 
 def stop_jobs(jobs: dict[str, str]) -> None:
-    """Ask each job's cluster to stop it; a cluster that does not answer in time is left."""
+    """Ask each job's cluster to stop it; one that cannot (no answer in time, a refusal) is named on
+    stderr, which is all the watcher of a dead process can do about it."""
     if not jobs:
         return
     from tasks.ray_jobs import timed_client
 
     for submission_id, address in jobs.items():
-        with contextlib.suppress(Exception):
+        try:
             timed_client(address, JOB_STOP_TIMEOUT_S).stop_job(submission_id)
+        except Exception as e:  # noqa: BLE001 - any failure: say so, go on with the next job
+            print(f"rlhf lifeline: could not stop Ray job {submission_id} at {address} after its flow process "
+                  f"died: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
-def terminate(processes: dict[int, float], grace_s: float = TERM_GRACE_S) -> list[int]:
+def terminate(processes: dict[int, str], grace_s: float = TERM_GRACE_S) -> list[int]:
     """SIGTERM the recorded processes still alive (same pid, same start time), SIGKILL them after
     `grace_s`; returns the pids that were signalled."""
     import psutil
 
     alive = []
     for pid, started in processes.items():
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            if p.create_time() == started:
-                alive.append(p)
+        if start_time(pid) == started:
+            with contextlib.suppress(psutil.Error):
+                alive.append(psutil.Process(pid))
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.terminate()
@@ -150,30 +153,28 @@ def terminate(processes: dict[int, float], grace_s: float = TERM_GRACE_S) -> lis
     return [p.pid for p in alive]
 
 
-def _same_process(pid: int, started: float) -> bool:
+def _running(pid: int, started: str) -> bool:
+    """Is `pid` still the process that started at `started`, and not yet dead (a zombie's children are gone)?"""
     import psutil
 
     try:
-        p = psutil.Process(pid)
-        return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE  # a dead one's children are gone
+        return start_time(pid) == started and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
 def watch() -> None:
     """The watcher's body (`python -c ... <pid>`): record, and clean up after a death."""
-    import psutil
-
     pid = int(sys.argv[1])
-    processes: dict[int, float] = {}
+    processes: dict[int, str] = {}
     jobs: dict[str, str] = {}
     pending = b""
     stdin = sys.stdin.fileno()
-    started = psutil.Process(pid).create_time()
+    started = start_time(pid)
     while True:
         seen = descendants(pid)
         seen.pop(os.getpid(), None)
-        if _same_process(pid, started):
+        if _running(pid, started):
             processes = seen  # the flow still runs: what it has now is all it has
         else:
             processes.update(seen)  # it died while we looked: keep the last whole record

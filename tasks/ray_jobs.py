@@ -163,6 +163,10 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 _ACTIVE: dict[str, object] = {}  # submission id -> client, for the atexit safety net
 _ACTIVE_LOCK = threading.Lock()
+# Told (address, submission id) when a job on a cluster that outlives this process is submitted, and
+# (None, submission id) once it is over: tasks/lifeline.py listens, to stop the jobs of a flow
+# process that dies without its `finally` or atexit. (A local cluster's jobs end with its processes.)
+JOB_WATCHERS: list[Callable[[str | None, str], None]] = []
 
 
 @atexit.register
@@ -174,14 +178,20 @@ def _stop_orphans() -> None:
             client.stop_job(submission_id)
 
 
-# Told (address, submission id) when a job is submitted and (None, submission id) once it is over:
-# tasks/lifeline.py listens, to stop the jobs of a flow process that dies without its `finally`.
-JOB_WATCHERS: list[Callable[[str | None, str], None]] = []
+def _track(submission_id: str, client, address: str) -> None:
+    """A job that may run from now on (registered before its submission: an answer may be lost)."""
+    with _ACTIVE_LOCK:
+        _ACTIVE[submission_id] = client
+    if local_cluster(address) is None:
+        for watcher in list(JOB_WATCHERS):
+            watcher(address, submission_id)
 
 
-def _tell_watchers(address: str | None, submission_id: str) -> None:
+def _untrack(submission_id: str) -> None:
+    with _ACTIVE_LOCK:
+        _ACTIVE.pop(submission_id, None)
     for watcher in list(JOB_WATCHERS):
-        watcher(address, submission_id)
+        watcher(None, submission_id)
 
 
 _LINE_SPLIT = re.compile(r"[\r\n]+")
@@ -224,9 +234,7 @@ class RayJobRunner:
         submission_id = f"rlhf-{stage}-{uuid.uuid4().hex[:8]}"
         self._connect(submission_id, log)
         entrypoint = job_command(args)
-        with _ACTIVE_LOCK:  # before the request: a submission whose answer is lost may still run
-            _ACTIVE[submission_id] = self.client
-        _tell_watchers(self.address, submission_id)
+        _track(submission_id, self.client, self.address)
         finished = False
         try:
             self._submit(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
@@ -237,9 +245,7 @@ class RayJobRunner:
         finally:
             if not finished:
                 self.stop(submission_id, log)
-            with _ACTIVE_LOCK:
-                _ACTIVE.pop(submission_id, None)
-            _tell_watchers(None, submission_id)
+            _untrack(submission_id)
         status = str(getattr(info.status, "value", info.status))
         seconds = ((info.end_time or 0) - (info.start_time or 0)) / 1000.0
         if status == "SUCCEEDED":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 
+from rlhf_core.infra.owner import start_time
 from tasks import lifeline
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -91,8 +92,8 @@ def test_job_lines_keep_the_set_of_jobs_to_stop():
 def test_a_reused_pid_is_never_signalled():
     sleeper = subprocess.Popen(["sleep", "600"])
     try:
-        started = psutil.Process(sleeper.pid).create_time()
-        assert lifeline.terminate({sleeper.pid: started - 100.0}, grace_s=0.5) == []  # another process's start
+        started = start_time(sleeper.pid)
+        assert lifeline.terminate({sleeper.pid: str(int(started) - 100)}, grace_s=0.5) == []  # another's start
         assert sleeper.poll() is None
         assert lifeline.terminate({sleeper.pid: started}, grace_s=5) == [sleeper.pid]
         assert sleeper.poll() is not None, "the recorded process was not ended"
