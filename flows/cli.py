@@ -22,6 +22,7 @@ import os
 import shlex
 
 from rlhf_core.config import build_config, load_yaml
+from rlhf_core.infra.network import free_port
 from rlhf_core.infra.redaction import refuse_inline_secrets
 from rlhf_core.infra.settings import ConfigError
 
@@ -166,16 +167,3 @@ def prefect_ui_hint() -> str:
     port = free_port(4200)
     return f"{prefix}PREFECT_SERVER_API_PORT={port} prefect server start  (then open http://127.0.0.1:{port})"
 
-
-def free_port(preferred: int) -> int:
-    """`preferred` when nothing listens there on 127.0.0.1, else a port the system has free."""
-    import socket
-
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free TCP port on 127.0.0.1")

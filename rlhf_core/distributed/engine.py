@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 
 import torch
 
+from rlhf_core.infra.network import free_port
 from rlhf_core.infra.precision import Precision, resolve_here
 
 
@@ -26,12 +26,6 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",

@@ -73,7 +73,7 @@ class RankActor:
     def __init__(self, _role_setup: dict, *args, **kwargs):
         env = dict(_role_setup["env"])
         if "MASTER_ADDR" not in env:  # rank 0: the rendezvous is on its node
-            from rlhf_core.distributed.engine import free_port
+            from rlhf_core.infra.network import free_port
 
             env.update(MASTER_ADDR=ray.util.get_node_ip_address(), MASTER_PORT=str(free_port()))
         os.environ.update(env)
