@@ -102,7 +102,7 @@ def ppo_parameters(values: dict):
 def run(args: argparse.Namespace) -> int:
     from flows.embedded import prepare_stores
     from flows.pipeline import rlhf
-    from tasks.lifeline import lifeline
+    from orchestration.lifeline import lifeline
 
     params = flow_parameters(load_yaml(args.config) if args.config else {}, args)
     prepare_stores()  # another run may be creating the same SQLite databases right now
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(summary: dict) -> None:
+    from orchestration.reports import stage_metrics_lines, summary_table
     from rlhf_core.infra.settings import tracking_uri
-    from tasks.reports import stage_metrics_lines, summary_table
 
     print("\n=== pipeline run", summary["pipeline_run_id"], flush=True)
     for name, timing in summary["stages"].items():
@@ -148,8 +148,8 @@ def print_summary(summary: dict) -> None:
 
 def report_uri(parent_run_id: str) -> str:
     """Where the pipeline report landed among the parent run's MLflow artifacts."""
-    from tasks.lineage import client
-    from tasks.reports import REPORT_ARTIFACT_PATH, REPORT_FILE
+    from orchestration.lineage import client
+    from orchestration.reports import REPORT_ARTIFACT_PATH, REPORT_FILE
 
     return f"{client().get_run(parent_run_id).info.artifact_uri}/{REPORT_ARTIFACT_PATH}/{REPORT_FILE}"
 

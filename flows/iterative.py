@@ -18,11 +18,11 @@ import zlib
 
 from flows.jobs import eval_job, policy_metric, prep_paths, starting_policy, train_job
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
+from orchestration import lineage
+from orchestration.reports import publish_eval_report
+from orchestration.stages import PipelineContext, StageJob
 from rlhf_core.config import DPOConfig, with_updates
 from rlhf_core.infra.manifests import params_hash
-from tasks import lineage
-from tasks.reports import publish_eval_report
-from tasks.stages import PipelineContext, StageJob
 
 # IterativeDPOParams fields that do not change a round's pairs: `rounds` (how many rounds follow
 # does not change this one; raising it must not resample round 1), `start_from` (it picks the

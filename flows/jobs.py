@@ -4,7 +4,7 @@ Pure builders: each turns a stage's parameters and its upstream `StageOutcome`s 
 (the `rlhf` CLI arguments, the config written next to the output, the settings hash, the
 upstream roles that become lineage tags and cache-key inputs). Nothing here submits or waits;
 `flows/pipeline.py` and `flows/iterative.py` both build their jobs here and run them through
-`tasks.stages.run_job_stage`.
+`orchestration.stages.run_job_stage`.
 
 Inputs a config names itself (a `pretrain`, a reference, a reward model or file) win over the
 upstream stage and enter the cache key by URI; inputs left empty are filled from upstream and
@@ -14,11 +14,11 @@ enter it by the upstream's own cache key, so an unchanged upstream keeps the cac
 from __future__ import annotations
 
 from flows.params import EvalParams, PipelineSettings, PrepParams
+from orchestration.stages import PipelineContext, StageJob, StageOutcome
 from rlhf_core.config import TrainConfig, with_updates
 from rlhf_core.infra.manifests import config_hash, params_hash, values_hash
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl_config import PPOConfig
-from tasks.stages import PipelineContext, StageJob, StageOutcome
 
 
 class PipelineError(ConfigError):
@@ -219,7 +219,7 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
         values["ckpt"]["output_dir"] = ctx.output(name)
     if cfg.ckpt.path is None and settings.checkpoint_steps and not storage.is_remote(ctx.run_root):
         # A retried attempt of this stage (same flow run, same folder) resumes from its newest
-        # checkpoint; `tasks.stages` refuses a folder written under another cache key.
+        # checkpoint; `orchestration.stages` refuses a folder written under another cache key.
         values["ckpt"].update(path=ctx.output(f"checkpoints/{name}"), save_steps=settings.checkpoint_steps,
                               load_enable=True)
     for section, leaf in (p.split(".") for p in ("critic.model_name_or_path", "ref.model_name_or_path",
@@ -281,7 +281,7 @@ def policy_metric(metrics: dict, policy: str, metric: str) -> float:
 def starting_policy(start_from: str, sft: StageOutcome) -> StageOutcome:
     """Where a scheduled policy stage starts: the registered champion's run (`start_from: champion`,
     when there is one whose output still exists), else the SFT model."""
-    from tasks import lineage
+    from orchestration import lineage
 
     if start_from == "champion":
         version = lineage.alias_version(lineage.POLICY_MODEL, lineage.CHAMPION)

@@ -18,9 +18,9 @@ import zlib
 
 from flows.jobs import eval_job, policy_metric, ppo_job, starting_policy
 from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
-from tasks import lineage
-from tasks.reports import publish_eval_report
-from tasks.stages import PipelineContext
+from orchestration import lineage
+from orchestration.reports import publish_eval_report
+from orchestration.stages import PipelineContext
 
 
 def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, ppo: PipelinePPOConfig,

@@ -1,7 +1,7 @@
 """The `rlhf` flow: prep -> SFT -> reward model -> PPO and/or DPO -> evaluation (and iterative DPO rounds).
 
 Orchestration only: each stage is a task that submits the `rlhf` CLI as a Ray job (see
-`tasks/stages.py`; the jobs themselves are built in `flows/jobs.py`); this module decides what
+`orchestration/stages.py`; the jobs themselves are built in `flows/jobs.py`); this module decides what
 runs, in which order, on whose outputs, and records the pipeline run in MLflow. Choices:
 
 - `settings.stages` picks the stages; they always run in lifecycle order. A stage that is not
@@ -43,14 +43,14 @@ from flows.params import (
     PrepParams,
     Stage,
 )
+from orchestration import lineage
+from orchestration.lifeline import lifeline
+from orchestration.ray_jobs import ray_cluster
+from orchestration.reports import publish_eval_report, publish_pipeline_report, summary_table
+from orchestration.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
 from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.redaction import redact_text, refuse_inline_secrets
 from rlhf_core.infra.settings import state_dir
-from tasks import lineage
-from tasks.lifeline import lifeline
-from tasks.ray_jobs import ray_cluster
-from tasks.reports import publish_eval_report, publish_pipeline_report, summary_table
-from tasks.stages import PipelineContext, StageJob, StageOutcome, run_job_stage, write_text
 
 user_errors.install()
 
@@ -58,7 +58,7 @@ ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stag
 
 
 def _close_orphans(experiment: str, logger) -> None:
-    """Runs a killed flow or job of this machine left RUNNING are marked KILLED (tasks/lineage.py)
+    """Runs a killed flow or job of this machine left RUNNING are marked KILLED (orchestration/lineage.py)
     before this run starts, so the MLflow UI and `rlhf prune` stop counting them as running."""
     from rlhf_core.infra.reachability import StoreUnavailable
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
+from orchestration.ray_jobs import StageConfigError
 from rlhf_core.data.loading import DataError
 from rlhf_core.infra.settings import ConfigError
-from tasks.ray_jobs import StageConfigError
 
 USER_ERRORS = (ConfigError, DataError, StageConfigError)
 PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")

@@ -7,7 +7,7 @@ The code version is a digest of the source files themselves, not a git commit: a
 nothing about uncommitted edits (which would then reuse outputs of other code), and there is no
 git checkout in a `pip install .` or a cluster image (where the package version alone would let
 every build share one cache). The digest covers every `.py` file of `rlhf_core` (what the jobs
-run), `flows` and `tasks` (what builds each job's arguments, configs and environment: e.g. a
+run), `flows` and `orchestration` (what builds each job's arguments, configs and environment: e.g. a
 flag `_eval_job` adds is in no params hash), less the few modules that only record or report
 runs and never shape a job (`NOT_IN_CODE_VERSION`). A new module counts until someone excludes it
 with a reason. Reading ~50 small files takes about 2 ms, once per process.
@@ -20,11 +20,11 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-SOURCE_PACKAGES = ("rlhf_core", "flows", "tasks")
+SOURCE_PACKAGES = ("rlhf_core", "flows", "orchestration")
 # Modules that cannot change a stage's output, so editing them must not invalidate every cache:
 # `rlhf lineage` (reads runs), the pipeline CLI (its parsed parameters are hashed in the keys
 # themselves), the summary/markdown reports and the MLflow bookkeeping of the flow.
-NOT_IN_CODE_VERSION = frozenset({"rlhf_core/stages/provenance.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"})
+NOT_IN_CODE_VERSION = frozenset({"rlhf_core/stages/provenance.py", "flows/cli.py", "orchestration/reports.py", "orchestration/lineage.py"})
 
 # Fields that say where things go or how they are watched, not what is trained.
 NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_steps", "max_ckpt_num",

@@ -37,7 +37,7 @@ class Precision(str, Enum):
 
 
 EMULATED_HALF_ENV = "RLHF_ALLOW_EMULATED_HALF"
-HARDWARE_PREFIX = "rlhf-hardware: "  # the line `rlhf hardware` prints, read back by the flow (tasks/hardware.py)
+HARDWARE_PREFIX = "rlhf-hardware: "  # the line `rlhf hardware` prints, read back by the flow (orchestration/hardware.py)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import sys
 
 from rlhf_core.config import PairsConfig, RewardSourceName
 
-# The share of prompts that gave a pair; the pipeline's report shows it (tasks/reports.py).
+# The share of prompts that gave a pair; the pipeline's report shows it (orchestration/reports.py).
 PAIR_FRACTION = "pairs/pair_fraction"
 
 

@@ -1,7 +1,7 @@
 """`rlhf lineage MODEL_URI_OR_RUN`: where did this model come from?
 
 Walks the MLflow lineage tags that pipeline stage runs carry (`rlhf.upstream.<role>.run_id`, see
-`tasks/lineage.py`) from a model back to the prep run that built the base model and the data,
+`orchestration/lineage.py`) from a model back to the prep run that built the base model and the data,
 and prints each stage with its output, config hash, code version, datasets (name and digest) and
 the parameters that differ from their defaults. A cached stage points at the run that trained
 it (`rlhf.cached_from`). Runs made by `rlhf train` outside a pipeline have no upstream tags;

@@ -419,12 +419,12 @@ def test_cancelling_a_flow_run_stops_its_ray_job(stack):
 
 def test_a_sigkilled_flow_run_process_leaves_no_job_running(stack):
     """The worker's flow-run process SIGKILLed (the OOM killer) while its SFT job trains on the
-    stack's Ray: no `finally` runs in it, and its watcher (tasks/lifeline.py) stops the job."""
+    stack's Ray: no `finally` runs in it, and its watcher (orchestration/lifeline.py) stops the job."""
     import psutil
 
     flow_run_id, job = _start_long_sft(stack)
     worker = psutil.Process(int((stack["home"] / "stack" / "pids" / "prefect-worker.pid").read_text()))
-    watchers = [p for p in worker.children(recursive=True) if "tasks.lifeline" in _cmdline(p)]
+    watchers = [p for p in worker.children(recursive=True) if "orchestration.lifeline" in _cmdline(p)]
     assert len(watchers) == 1, "one flow run, one watcher"
     flow_process = psutil.Process(int(watchers[0].cmdline()[-1]))  # the process running the flow's code
     assert flow_process.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id

@@ -57,7 +57,7 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
     from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
     from ray.util.state import list_nodes
 
-    from tasks.ray_jobs import ray_cluster
+    from orchestration.ray_jobs import ray_cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with ray_cluster() as address:
@@ -87,8 +87,8 @@ def _agent_ports(address: str) -> set[int]:
     """The job agents' ports, from the node table: read by a brief driver in a process of its own
     (the flow itself is no driver) at the GCS address the keeper reported, with Ray's cluster mode
     off as in the cluster's own processes (else Ray swaps 127.0.0.1 for the machine's address)."""
+    from orchestration.ray_jobs import local_cluster
     from rlhf_core.distributed.local_ray import CLUSTER_MODE
-    from tasks.ray_jobs import local_cluster
 
     gcs = local_cluster(address).gcs_address
     code = (f"import json, ray; ray.init(address={gcs!r}, log_to_driver=False, configure_logging=False); "
@@ -188,7 +188,7 @@ def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
 def test_a_sigkilled_pipeline_run_leaves_nothing_running(tmp_path):
     """`rlhf pipeline run` SIGKILLed while a stage job runs (the OOM killer, `kill -9`): within
     seconds nothing it started runs on: not Prefect's ephemeral API server (uvicorn, which outlived
-    such a kill by 10 minutes and more before tasks/lifeline.py), not the local Ray's keeper, GCS,
+    such a kill by 10 minutes and more before orchestration/lifeline.py), not the local Ray's keeper, GCS,
     raylet, dashboard and workers, not the job's driver."""
     home = tmp_path / "home"
     home.mkdir()

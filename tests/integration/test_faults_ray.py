@@ -136,9 +136,9 @@ def _run_and_strike(monkeypatch, ready, strike, **sections) -> tuple[dict, dict]
     import contextlib
 
     import flows.pipeline
-    import tasks.stages
+    import orchestration.stages
     from flows.pipeline import rlhf
-    from tasks.ray_jobs import RayJobRunner
+    from orchestration.ray_jobs import RayJobRunner
 
     stop, addresses, out = threading.Event(), [], {"raised": []}
 
@@ -151,7 +151,7 @@ def _run_and_strike(monkeypatch, ready, strike, **sections) -> tuple[dict, dict]
                 out.setdefault("raised_at", []).append(time.time())  # when the attempt failed, not when MLflow heard
                 raise
 
-    monkeypatch.setattr(tasks.stages, "RayJobRunner", RecordingRunner)
+    monkeypatch.setattr(orchestration.stages, "RayJobRunner", RecordingRunner)
     real_cluster = flows.pipeline.ray_cluster
 
     @contextlib.contextmanager
@@ -204,7 +204,7 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
     ClusterUnreachable after RLHF_RAY_UNREACHABLE_S, the job's driver exits (Ray's GCS reconnect
     bound, set from the same variable), the retry starts a fresh local cluster and resumes from
     the checkpoint the killed attempt left."""
-    from tasks.ray_jobs import ClusterUnreachable, _kind, local_cluster
+    from orchestration.ray_jobs import ClusterUnreachable, _kind, local_cluster
 
     monkeypatch.setenv("RLHF_RAY_UNREACHABLE_S", str(BOUND_S))
 
@@ -237,7 +237,7 @@ def test_a_rank_killed_mid_step_fails_the_stage_naming_it_and_the_retry_resumes(
     """SFT on 2 ranks; rank 1's actor is SIGKILLed mid-training: the attempt fails (retryable) with
     an error naming role 'train' rank 1, rank 0 does not stay behind in its gloo collective, and the
     retry resumes from the last checkpoint and completes."""
-    from tasks.ray_jobs import StageJobError
+    from orchestration.ray_jobs import StageJobError
 
     def kill_rank1(address, job, log):
         ranks = re.search(r"role 'train': rank 0 pid (\d+) on \S+, rank 1 pid (\d+)", log)

@@ -301,7 +301,7 @@ def test_a_stage_without_its_upstream_is_a_configuration_error(harness, tmp_path
 
 def test_bad_data_fails_once_with_the_file_row_and_key(first_run, tmp_path):
     from flows.pipeline import rlhf
-    from tasks.ray_jobs import StageConfigError
+    from orchestration.ray_jobs import StageConfigError
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
@@ -440,8 +440,8 @@ def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
 
 def test_two_iterative_dpo_rounds_are_linked(first_run):
     from flows.pipeline import rlhf
+    from orchestration.lineage import CHAMPION, REGISTERED_NAMES
     from rlhf_core.stages.provenance import build
-    from tasks.lineage import CHAMPION, REGISTERED_NAMES
 
     # With no champion, round 1 is promoted for certain, so round 2 must start from its policy
     # (with one, round 1 would rarely beat it and both rounds would start from SFT).

@@ -264,7 +264,7 @@ def test_a_published_output_whose_run_cannot_finish_is_withdrawn(proxy, mlflow_s
 def test_the_flows_records_wait_for_a_store_that_comes_back_and_not_for_its_answers(proxy, mlflow_server):
     from mlflow.exceptions import MlflowException
 
-    from tasks import lineage
+    from orchestration import lineage
 
     parent = lineage.start_pipeline_run("faults", "pipeline-blink", {}, {})
     client = lineage.client()

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("rlhf_core", "flows", "tasks")
+PACKAGES = ("rlhf_core", "flows", "orchestration")
 
 
 def cited_documents() -> dict[str, list[str]]:

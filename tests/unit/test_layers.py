@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("rlhf_core", "flows", "tasks")
+PACKAGES = ("rlhf_core", "flows", "orchestration")
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS = (
     ("pure math", ("rlhf_core.algos",)),
@@ -21,9 +21,9 @@ LAYERS = (
     ("RL and trainers", ("rlhf_core.rl", "rlhf_core.trainers")),
     ("stages", ("rlhf_core.stages",)),
     ("the library's CLI", ("rlhf_core.cli", "rlhf_core")),
-    ("orchestration", ("flows", "tasks")),
+    ("orchestration", ("flows", "orchestration")),
 )
-ORCHESTRATION_ONLY = ("flows", "tasks", "prefect")  # never imported by rlhf_core
+ORCHESTRATION_ONLY = ("flows", "orchestration", "prefect")  # never imported by rlhf_core
 
 
 def modules() -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""tasks/lifeline.py: the children of a process that dies (SIGKILL) are ended by its watcher; a
+"""orchestration/lifeline.py: the children of a process that dies (SIGKILL) are ended by its watcher; a
 process that leaves its block normally has nothing of its own touched."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from orchestration import lifeline
 from rlhf_core.infra.owner import start_time
-from tasks import lifeline
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -22,7 +22,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 # prints their pids, then waits to be killed or leaves its block.
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
-    from tasks.lifeline import lifeline
+    from orchestration.lifeline import lifeline
 
     def body():
         child = subprocess.Popen(["sleep", "600"])

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestration.cache import cache_key, dataset_digest
+from orchestration.ray_jobs import RayJobRunner, StageConfigError, StageJobError, job_command, job_env
 from rlhf_core.infra.settings import ConfigError
-from tasks.cache import cache_key, dataset_digest
-from tasks.ray_jobs import RayJobRunner, StageConfigError, StageJobError, job_command, job_env
 
 
 def test_cache_key_moves_with_every_input_and_nothing_else():
@@ -107,8 +107,8 @@ def test_runner_sees_a_job_end_at_once_but_fetches_its_log_less_and_less_often(m
     runner.poll_seconds, runner.max_poll_seconds = 0.5, 5.0
     clock = [0.0]
     fetched_at = []
-    monkeypatch.setattr("tasks.ray_jobs.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr("tasks.ray_jobs.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("orchestration.ray_jobs.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr("orchestration.ray_jobs.time.monotonic", lambda: clock[0])
     real_logs = fake.get_job_logs
     monkeypatch.setattr(fake, "get_job_logs", lambda sid: fetched_at.append(clock[0]) or real_logs(sid))
     lines = []
@@ -157,7 +157,7 @@ def test_flow_parameters_validate_every_section():
 def test_flows_and_tasks_never_import_torch():
     import subprocess
 
-    code = ("import sys, flows.pipeline, flows.cli, tasks.stages; from rlhf_core.infra.manifests import code_version; "
+    code = ("import sys, flows.pipeline, flows.cli, orchestration.stages; from rlhf_core.infra.manifests import code_version; "
             "code_version(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -205,7 +205,7 @@ def hardware(native_bf16: bool) -> dict:
 
 
 def flow_ctx(tmp_path, native_bf16: bool = False):
-    from tasks.stages import PipelineContext
+    from orchestration.stages import PipelineContext
 
     return PipelineContext("exp", "parent-run", "flow-run", str(tmp_path / "run"), "http://ray",
                            hardware=hardware(native_bf16))
@@ -235,7 +235,7 @@ def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
 
 
 def outcome(name: str, tmp_path, metrics=None):
-    from tasks.stages import StageOutcome
+    from orchestration.stages import StageOutcome
 
     stage = name.split("-")[0]
     return StageOutcome(stage, name, str(tmp_path / name), f"run-{name}", f"key-{name}", False, metrics or {}, {})
@@ -295,7 +295,7 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
     """The config hash of each round's pairs job, from `run_rounds` with every job faked."""
     from flows import iterative as iterative_flow
     from flows.params import EvalParams, PipelineDPOConfig, PipelineSettings, PrepParams
-    from tasks import lineage
+    from orchestration import lineage
 
     monkeypatch.setattr(lineage, "alias_version", lambda *a: None)  # no champion yet: start from SFT
     monkeypatch.setattr(lineage, "register_once", lambda *a: SimpleNamespace(name="rlhf-policy", version="1"))
@@ -349,7 +349,7 @@ def dpo_job(tmp_path, cfg=None, **values):
     """The pipeline's DPO job (cache key, lineage tags) for `cfg` or `PipelineDPOConfig(**values)`."""
     from flows.jobs import train_job as _train_job
     from flows.params import PipelineDPOConfig, PipelineSettings
-    from tasks.stages import _tags, stage_cache_key
+    from orchestration.stages import _tags, stage_cache_key
 
     data = tmp_path / "prep" / "data" / "preference"
     data.mkdir(parents=True, exist_ok=True)
@@ -425,7 +425,7 @@ def test_source_digest_moves_with_source_bytes_and_nothing_else(tmp_path):
 
     from rlhf_core.infra.manifests import NOT_IN_CODE_VERSION, source_digest, source_files
 
-    assert NOT_IN_CODE_VERSION == {"rlhf_core/stages/provenance.py", "flows/cli.py", "tasks/reports.py", "tasks/lineage.py"}
+    assert NOT_IN_CODE_VERSION == {"rlhf_core/stages/provenance.py", "flows/cli.py", "orchestration/reports.py", "orchestration/lineage.py"}
     root = source_copy(tmp_path)
     base = source_digest(root)
     assert source_digest(root) == base and {"rlhf_core/algos/losses.py", "flows/pipeline.py"} <= set(source_files(root))
@@ -441,14 +441,14 @@ def test_source_digest_moves_with_source_bytes_and_nothing_else(tmp_path):
     (root / "flows" / "ppo.py").write_text("")  # a new module counts at once, even an empty one
     assert source_digest(root) != base
     (root / "flows" / "ppo.py").unlink()
-    shutil.move(root / "tasks" / "cache.py", root / "tasks" / "keys.py")  # paths count, not only bytes
+    shutil.move(root / "orchestration" / "cache.py", root / "orchestration" / "keys.py")  # paths count, not only bytes
     assert source_digest(root) != base
-    shutil.move(root / "tasks" / "keys.py", root / "tasks" / "cache.py")
+    shutil.move(root / "orchestration" / "keys.py", root / "orchestration" / "cache.py")
 
     (root / "rlhf_core" / "__pycache__").mkdir(exist_ok=True)
     (root / "rlhf_core" / "__pycache__" / "losses.cpython-312.pyc").write_bytes(b"compiled")
     (root / "rlhf_core" / "notes.txt").write_text("not source")
-    (root / "tasks" / "reports.py").write_text("# only renders what the jobs wrote\n")
+    (root / "orchestration" / "reports.py").write_text("# only renders what the jobs wrote\n")
     assert source_digest(root) == base
 
 
@@ -487,7 +487,7 @@ def ppo_job_for(tmp_path, values=None, settings=None, **kw):
 
     from flows.jobs import ppo_job
     from flows.params import PipelinePPOConfig, PipelineSettings, PrepParams
-    from tasks.stages import _tags, stage_cache_key
+    from orchestration.stages import _tags, stage_cache_key
 
     prompts = tmp_path / "prep" / "data" / "prompts"
     prompts.mkdir(parents=True, exist_ok=True)
@@ -553,7 +553,7 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
 
 def test_ppo_gets_a_checkpoint_folder_it_resumes_from_only_under_its_own_key(tmp_path):
     from flows.params import PipelineSettings
-    from tasks.resume import MARKER, CheckpointMismatch, claim
+    from orchestration.resume import MARKER, CheckpointMismatch, claim
 
     job, key, _, cfg = ppo_job_for(tmp_path)
     folder = str(tmp_path / "run" / "checkpoints" / "ppo")
@@ -652,7 +652,7 @@ def test_one_eval_job_compares_every_policy_stage(tmp_path):
 def test_every_policy_registers_and_champion_moves_to_the_best_of_them_and_the_champion(tmp_path, monkeypatch):
     from flows import pipeline
     from flows.params import EvalParams
-    from tasks import lineage
+    from orchestration import lineage
 
     versions, aliases, tags = {}, {}, {}
 
@@ -704,7 +704,7 @@ def test_every_policy_registers_and_champion_moves_to_the_best_of_them_and_the_c
 
 
 def test_a_champion_of_the_old_metric_is_compared_under_its_old_name():
-    from tasks.lineage import recorded_value
+    from orchestration.lineage import recorded_value
 
     old = SimpleNamespace(tags={"rlhf.eval.eval/policy_exact_match": "0.95"})
     assert recorded_value(old, "greedy_accuracy") == 0.95 and recorded_value(old, "sampled_accuracy") is None
@@ -715,8 +715,8 @@ def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_
 
     from flows import online as online_flow
     from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
-    from tasks import lineage
-    from tasks.stages import StageOutcome
+    from orchestration import lineage
+    from orchestration.stages import StageOutcome
 
     prompts = tmp_path / "prep" / "data" / "prompts"
     prompts.mkdir(parents=True)
@@ -793,7 +793,7 @@ def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
 
 
 def test_the_error_tag_keeps_the_headline_and_the_end_of_a_long_error():
-    from tasks.stages import error_tag
+    from orchestration.stages import error_tag
 
     headline = "Ray job rlhf-sft-1 FAILED (exit code 1): rlhf: error: role 'train' rank 1: the actor died"
     error = RuntimeError(headline + "\n" + "x" * 20000 + "\nlast log line")
@@ -805,7 +805,7 @@ def test_the_error_tag_keeps_the_headline_and_the_end_of_a_long_error():
 
 def test_the_error_tag_redacts_before_it_cuts(monkeypatch):
     """A credential that the cut would split is still found: redaction runs on the whole text first."""
-    from tasks.stages import error_tag
+    from orchestration.stages import error_tag
 
     secret = "Zq8" + "v" * 40
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)

@@ -66,12 +66,12 @@ def _killed_child(code: str, uri: str, **env) -> str:
 def test_the_runs_of_killed_owners_are_closed_and_no_other(store):
     from mlflow import MlflowClient
 
-    from tasks import lineage
+    from orchestration import lineage
 
     client = MlflowClient(store["uri"])
     # A pipeline run created by a flow process that was then killed.
     created = _killed_child(
-        "from tasks.lineage import start_pipeline_run\n"
+        "from orchestration.lineage import start_pipeline_run\n"
         f"print(start_pipeline_run({store['experiment']!r}, 'p', {{}}, {{}}))", store["uri"])
     # A stage run created by a live process (this one) and attached to by a job driver that was killed.
     attached = lineage.start_stage_run(created, "sft", "sft", {})

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
+from orchestration.reports import stage_metrics_lines
 from rlhf_core.cli import main
 from rlhf_core.config import DataConfig, DPOConfig, build_config
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.models.loading import load_reward_model, load_tokenizer
 from rlhf_core.stages.pairs import PAIR_FRACTION, build_pairs
-from tasks.reports import stage_metrics_lines
 
 N_PROMPTS = 8
 

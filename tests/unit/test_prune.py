@@ -162,7 +162,7 @@ def test_dry_run_lists_exactly_the_unreferenced_and_deletes_nothing_then_yes_del
     assert code == 0, text
     assert _listed(text) == deleted, text
     assert "would delete 5 item(s)" in text and "--yes" in text
-    from tasks.prune import human
+    from orchestration.prune import human
 
     size = sum(f.stat().st_size for p in deleted for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
     assert f"total: {human(size)} to delete" in text and human(size).endswith("KiB")
@@ -221,7 +221,7 @@ def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
 def test_what_a_kept_output_was_trained_from_is_kept_whatever_role_named_it(tmp_path):
     """A registered DPO policy took its reference from an old run's SFT folder (`rlhf.input.reference`)
     and two datasets (one tag, comma-separated): all of them are kept with it."""
-    from tasks.prune import StoreView, references
+    from orchestration.prune import StoreView, references
 
     root = tmp_path / "pipelines"
     dpo, ref, d1, d2 = (root / "r2" / "dpo", root / "r1" / "sft", root / "r1" / "prep" / "a", root / "r1" / "prep" / "b")

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from tasks import ray_jobs
-from tasks.ray_jobs import ClusterUnreachable, RayJobRunner, Reachability, StageConfigError, job_env
+from orchestration import ray_jobs
+from orchestration.ray_jobs import ClusterUnreachable, RayJobRunner, Reachability, StageConfigError, job_env
 
 
 class Clock:

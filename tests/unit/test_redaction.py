@@ -151,8 +151,8 @@ def test_the_flow_refuses_inline_secrets_itself(monkeypatch):
     """A deployment run's parameters never pass through `rlhf pipeline run`: the flow checks them first."""
     from flows.cli import flow_parameters
     from flows.pipeline import rlhf
+    from orchestration import lineage
     from rlhf_core.infra.settings import ConfigError
-    from tasks import lineage
 
     started = []
     monkeypatch.setattr(lineage, "start_pipeline_run", lambda *a, **k: started.append(a))

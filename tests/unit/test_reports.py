@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tasks import lineage, reports
-from tasks.stages import StageOutcome
+from orchestration import lineage, reports
+from orchestration.stages import StageOutcome
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -92,7 +92,7 @@ def test_a_rewritten_data_folder_is_downloaded_again(remote, tmp_path):
 
 
 def test_dataset_digest_follows_a_rewritten_remote_folder(remote, tmp_path, monkeypatch):
-    from tasks.cache import dataset_digest
+    from orchestration.cache import dataset_digest
 
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "state"))
     fs, _ = remote

@@ -108,8 +108,8 @@ def test_a_store_that_answers_passes_the_check_at_once():
 
 
 def test_the_flow_fails_its_first_mlflow_record_within_the_bound_and_retries_the_stage(short_bounds, monkeypatch):
-    from tasks import lineage
-    from tasks.stages import _retry_infrastructure_only
+    from orchestration import lineage
+    from orchestration.stages import _retry_infrastructure_only
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     started = time.monotonic()

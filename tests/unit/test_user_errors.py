@@ -7,8 +7,8 @@ import pytest
 
 from flows import user_errors
 from flows.jobs import PipelineError
+from orchestration.ray_jobs import StageConfigError, StageJobError
 from rlhf_core.data.loading import DataError
-from tasks.ray_jobs import StageConfigError, StageJobError
 
 
 def record_of(error: BaseException) -> logging.LogRecord:

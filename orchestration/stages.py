@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass, field
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from orchestration import lineage
+from orchestration.cache import cache_key, dataset_digest
+from orchestration.ray_jobs import RayJobRunner, StageJobError, job_env
 from rlhf_core.infra import storage
 from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.reachability import StoreUnavailable
 from rlhf_core.infra.redaction import redact_text
-from tasks import lineage
-from tasks.cache import cache_key, dataset_digest
-from tasks.ray_jobs import RayJobRunner, StageJobError, job_env
 
 
 @dataclass
@@ -53,7 +53,7 @@ class PipelineContext:
         if requested == "fp32":
             return requested
         if self.hardware is None:
-            from tasks.hardware import probe_cluster
+            from orchestration.hardware import probe_cluster
 
             self.hardware = probe_cluster(self.ray_address, get_run_logger().info)
         return self.hardware["precision"][requested]
@@ -101,7 +101,7 @@ class StageJob:
     upstream: dict[str, StageOutcome] = field(default_factory=dict)  # role -> outcome
     external_inputs: dict[str, str] = field(default_factory=dict)  # role -> model/hub URI not made here
     num_gpus: float = 0  # for the job's driver (eval and pairs generate in-process)
-    checkpoint_uri: str | None = None  # a checkpoint folder the job resumes from (see tasks/resume.py)
+    checkpoint_uri: str | None = None  # a checkpoint folder the job resumes from (see orchestration/resume.py)
 
 
 def _tags(ctx: PipelineContext, job: StageJob, key: str) -> dict[str, str]:
@@ -160,7 +160,7 @@ def run_job_stage(ctx: PipelineContext, job: StageJob) -> StageOutcome:
 
     resuming = False
     if job.checkpoint_uri is not None:
-        from tasks.resume import claim
+        from orchestration.resume import claim
 
         resuming = claim(job.checkpoint_uri, key, job.name)  # CheckpointMismatch: not retried
         tags["rlhf.checkpoint_uri"] = job.checkpoint_uri

@@ -57,7 +57,7 @@ from rlhf_core.infra.storage import (
     tree_bytes,
 )
 
-STAGE_KEY = "rlhf-stage-key.json"  # tasks/resume.py: the cache key that claimed a checkpoint folder
+STAGE_KEY = "rlhf-stage-key.json"  # orchestration/resume.py: the cache key that claimed a checkpoint folder
 SUMMARY = "pipeline_summary.json"
 DAY_MS = 86_400_000
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids: the flow's `<output_root>/<pipeline run id>`
@@ -405,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
                           "MLFLOW_TRACKING_URI (or RLHF_HOME) to the store the pipeline runs recorded into")
     from mlflow.entities import ViewType
 
-    from tasks.lineage import client, close_orphans, orphaned_runs
+    from orchestration.lineage import client, close_orphans, orphaned_runs
 
     store = client()
     # A run left RUNNING by a process of this machine that was killed is not running (rlhf_core/infra/owner.py).

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
 
+from orchestration.stages import StageOutcome
 from rlhf_core.stages.pairs import PAIR_FRACTION
-from tasks.stages import StageOutcome
 
 # What each stage's own held-out evaluation says, shown after a pipeline run ("before -> after").
 KEY_METRICS = {
@@ -78,7 +78,7 @@ def publish_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome
     relatively), each stage's curves also to its own run; a Prefect markdown artifact carries the
     same report with the images embedded as data URIs (the embedded Prefect serves no image URLs).
     Returns the report file's markdown."""
-    from tasks import lineage
+    from orchestration import lineage
 
     client = lineage.client()
     report = None
@@ -253,7 +253,7 @@ def _image_markdown(title: str, url: str) -> str:
 
 def _log_artifacts(run_id: str, files: dict[str, bytes], artifact_path: str | None, client=None) -> None:
     """Write `files` (name -> bytes) to a temporary folder and log them to the MLflow run."""
-    from tasks import lineage
+    from orchestration import lineage
 
     client = client or lineage.client()
     with tempfile.TemporaryDirectory() as tmp:

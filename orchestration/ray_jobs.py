@@ -164,7 +164,7 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 _ACTIVE: dict[str, object] = {}  # submission id -> client, for the atexit safety net
 _ACTIVE_LOCK = threading.Lock()
 # Told (address, submission id) when a job on a cluster that outlives this process is submitted, and
-# (None, submission id) once it is over: tasks/lifeline.py listens, to stop the jobs of a flow
+# (None, submission id) once it is over: orchestration/lifeline.py listens, to stop the jobs of a flow
 # process that dies without its `finally` or atexit. (A local cluster's jobs end with its processes.)
 JOB_WATCHERS: list[Callable[[str | None, str], None]] = []
 
@@ -428,7 +428,7 @@ class LocalCluster:
     def start(self) -> None:
         import psutil
 
-        keeper = subprocess.Popen([sys.executable, "-c", "from tasks.ray_jobs import keep_local_ray; keep_local_ray()"],
+        keeper = subprocess.Popen([sys.executable, "-c", "from orchestration.ray_jobs import keep_local_ray; keep_local_ray()"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
         # Read by a thread for as long as the keeper lives: nothing it prints can block it, and no

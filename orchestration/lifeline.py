@@ -9,7 +9,7 @@ on with nobody to record them.
 process group does not reach it), holding the read end of a pipe whose write end the kernel closes
 when the flow's process dies. The watcher records the process's descendants once a second (with
 their start times, `owner.start_time`, so a reused pid is never signalled) and the Ray jobs it has
-running on clusters that outlive it (told by `tasks.ray_jobs`). On EOF without the leaving word
+running on clusters that outlive it (told by `orchestration.ray_jobs`). On EOF without the leaving word
 (`BYE`) it stops those jobs and ends the recorded processes still alive: SIGTERM, then SIGKILL
 after a grace period. A block left normally says `BYE`: the watcher exits and touches nothing.
 """
@@ -64,13 +64,13 @@ class Lifeline:
 def lifeline() -> Iterator[Lifeline]:
     """Watch this process for the block's duration (reentrant: an inner block shares the outer's)."""
     global _current
-    from tasks.ray_jobs import JOB_WATCHERS  # not at the top: the watcher process needs none of it
+    from orchestration.ray_jobs import JOB_WATCHERS  # not at the top: the watcher process needs none of it
 
     with _current_lock:
         outer = _current
         if outer is None:
             _current = Lifeline(subprocess.Popen(
-                [sys.executable, "-c", "from tasks.lifeline import watch; watch()", str(os.getpid())],
+                [sys.executable, "-c", "from orchestration.lifeline import watch; watch()", str(os.getpid())],
                 stdin=subprocess.PIPE, text=True, start_new_session=True))
         mine = _current
     if outer is None:
@@ -86,7 +86,7 @@ def lifeline() -> Iterator[Lifeline]:
 
 
 def _on_job(address: str | None, submission_id: str) -> None:
-    """tasks.ray_jobs' watcher hook: a job the watcher stops should this process die, or one that ended."""
+    """orchestration.ray_jobs' watcher hook: a job the watcher stops should this process die, or one that ended."""
     if _current is not None:
         _current.send(f"JOB {submission_id} {address}" if address else f"DONE {submission_id}")
 
@@ -122,7 +122,7 @@ def stop_jobs(jobs: dict[str, str]) -> None:
     stderr, which is all the watcher of a dead process can do about it."""
     if not jobs:
         return
-    from tasks.ray_jobs import timed_client
+    from orchestration.ray_jobs import timed_client
 
     for submission_id, address in jobs.items():
         try:

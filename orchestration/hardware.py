@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from orchestration.ray_jobs import RayJobRunner, job_env
 from rlhf_core.infra.precision import HARDWARE_PREFIX
-from tasks.ray_jobs import RayJobRunner, job_env
 
 
 def probe_cluster(address: str, log: Callable[[str], None]) -> dict:
