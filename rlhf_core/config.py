@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlhf_core.algos.names import DPOLossType, RewardLossType
 from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
 
@@ -179,22 +180,11 @@ class SFTConfig(TrainConfig):
     pretrain_mode: bool = Field(False, description="Continued pretraining: loss on every token")
 
 
-class RewardLossName(str, Enum):
-    SIGMOID = "sigmoid"
-    LOGEXP = "logexp"
-
-
 class RMConfig(TrainConfig):
     stage: Literal["rm"] = "rm"
     learning_rate: float = Field(9e-6, gt=0)
-    loss: RewardLossName = RewardLossName.SIGMOID
+    loss: RewardLossType = RewardLossType.SIGMOID
     value_head_prefix: str = Field("score", description="Name of the value head in the pretrained weights")
-
-
-class DPOLossName(str, Enum):
-    SIGMOID = "sigmoid"
-    IPO = "ipo"
-    HINGE = "hinge"
 
 
 class DPOConfig(TrainConfig):
@@ -202,18 +192,18 @@ class DPOConfig(TrainConfig):
     learning_rate: float = Field(5e-7, gt=0)
     ref_pretrain: str | None = Field(None, description="Reference model (default: --pretrain)")
     beta: float = Field(0.1, gt=0)
-    loss_type: DPOLossName = DPOLossName.SIGMOID
+    loss_type: DPOLossType = DPOLossType.SIGMOID
     ipo: bool = Field(False, description="Same as --loss_type ipo")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO epsilon")
     nll_loss_coef: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _resolve(self) -> DPOConfig:
-        if self.ipo and self.loss_type != DPOLossName.IPO:
-            object.__setattr__(self, "loss_type", DPOLossName.IPO)
+        if self.ipo and self.loss_type != DPOLossType.IPO:
+            object.__setattr__(self, "loss_type", DPOLossType.IPO)
         if self.ref_pretrain is None:
             object.__setattr__(self, "ref_pretrain", self.pretrain)
-        if self.label_smoothing and self.loss_type != DPOLossName.SIGMOID:
+        if self.label_smoothing and self.loss_type != DPOLossType.SIGMOID:
             raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only")
         return self
 

@@ -22,6 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
     ConfigError,
     RolloutBackend,
@@ -32,11 +33,6 @@ from rlhf_core.config import (
     flag_kwargs,
 )
 from rlhf_core.infra.precision import Precision
-
-AdvantageEstimator = Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo"]
-# Baselines from the other samples of a prompt: they need n_samples_per_prompt > 1 and use gamma 1.
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class Placement(StrictModel):
@@ -138,7 +134,7 @@ class VLLMConfig(StrictModel):
 
 
 class AdvantageConfig(StrictModel):
-    estimator: AdvantageEstimator = Field("gae", description="gae (PPO), reinforce (REINFORCE++), rloo, "
+    estimator: AdvantageEstimator = Field(AdvantageEstimator.GAE, description="gae (PPO), reinforce (REINFORCE++), rloo, "
                                           "reinforce_baseline, group_norm (GRPO), dr_grpo")
     gamma: float = Field(1.0, gt=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
@@ -149,14 +145,14 @@ class KLConfig(StrictModel):
     init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)")
     target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)")
     horizon: int = Field(10000, gt=0)
-    estimator: Literal["k1", "k2", "k3"] = "k1"
+    estimator: KLEstimator = KLEstimator.K1
     use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty")
 
 
 class AlgoConfig(StrictModel):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
-    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses reduce to one "
+    loss_agg_mode: LossAggMode = Field(LossAggMode.TOKEN_MEAN, description="How per-token losses reduce to one "
                                        "(docs/algorithms.md, Aggregation)")
     dynamic_filtering_enable: bool = Field(False, description="Keep only prompt groups whose mean score lies "
                                            "strictly inside dynamic_filtering_range")
@@ -276,7 +272,7 @@ class PPOConfig(StrictModel):
 
     @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage.estimator == "gae"
+        return self.algo.advantage.estimator.needs_critic
 
     @property
     def uses_ref(self) -> bool:
@@ -296,7 +292,7 @@ class PPOConfig(StrictModel):
             set_(actor, "eps_clip_low_high", (actor.eps_clip, actor.eps_clip))
 
         # Advantage estimator and the models it needs.
-        if adv.estimator in GROUP_ESTIMATORS:
+        if adv.estimator.is_group:
             if rollout.n_samples_per_prompt < 2:
                 problems.append(f"--algo.advantage.estimator {adv.estimator} needs --rollout.n_samples_per_prompt "
                                 f"> 1 (a baseline from the prompt's other samples; got {rollout.n_samples_per_prompt})")

@@ -41,11 +41,12 @@ Choices, and why:
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from rlhf_core.algos.names import AdvantageEstimator
 
 __all__ = [
     "GROUP_STD_EPS",
@@ -84,36 +85,6 @@ def _zero_outside(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # --- estimators -------------------------------------------------------------------------------
-
-
-class AdvantageEstimator(str, Enum):
-    """How advantages are estimated (OpenRLHF's `--algo.advantage.estimator` names)."""
-
-    GAE = "gae"  # PPO with a critic
-    REINFORCE = "reinforce"  # REINFORCE++: whitened cumulative returns
-    REINFORCE_BASELINE = "reinforce_baseline"  # group mean baseline, then whitened
-    RLOO = "rloo"  # leave-one-out group mean baseline
-    GROUP_NORM = "group_norm"  # GRPO: group mean and std
-    DR_GRPO = "dr_grpo"  # group mean only
-
-    @property
-    def needs_critic(self) -> bool:
-        """Whether the estimator needs value predictions (a critic model)."""
-        return self is AdvantageEstimator.GAE
-
-    @property
-    def is_group(self) -> bool:
-        """Whether the baseline comes from the other samples of the prompt: needs n > 1, γ = 1."""
-        return self in _GROUP_SHAPERS
-
-    @property
-    def whitens(self) -> bool:
-        """Whether advantages are whitened over the whole rollout batch."""
-        return self in (
-            AdvantageEstimator.GAE,
-            AdvantageEstimator.REINFORCE,
-            AdvantageEstimator.REINFORCE_BASELINE,
-        )
 
 
 def _rloo(r: Tensor, std_norm: bool) -> Tensor:

@@ -7,19 +7,17 @@ Choices, and why:
 - Inputs may be float32 or bfloat16 (or float16); every function upcasts to at least float32
   before doing arithmetic and returns float32. Log-probs of long sequences are sums of many small
   numbers, and sigmoids of small differences lose everything in bfloat16.
-- Nothing reduces over the batch unless reducing is the point (`sft_loss`): pairwise, DPO and KTO
-  losses come back per example, shape `(batch,)`, and the trainer aggregates them, because only
-  the trainer knows the global batch size across micro-batches and data-parallel ranks.
-- Token-level aggregation divides by a count the caller passes in (`num_tokens`, the number of
-  response tokens in the whole global batch). Summing the micro-batch losses of every rank then
-  equals the loss of one big batch, which a per-micro-batch mean does not when micro-batches hold
-  different numbers of tokens.
-- The RL terms (`policy_loss`, `value_loss`, `entropy_from_logits`) return per-token losses,
-  and `aggregate_loss` reduces them by a `LossAggMode`, dividing by a global unit count from
-  `loss_units` (tokens or sequences), by the same rule. Advantages, returns and the KL
-  controllers, which hold rollout-side state, are in rlhf_core/algos/advantages.py.
-- Variants are `str` enums (`DPOLossType`, ...) picked by name through small registries
-  (`DPO_LOSSES`, ...), so a config string selects a function and a typo fails loudly.
+- Nothing here divides by a batch size. Supervised and preference losses come back summed
+  (`sft_loss`) or per example (`(batch,)`: pairwise, DPO, KTO); the RL terms (`policy_loss`,
+  `value_loss`, `entropy_from_logits`) per token, summed by `aggregate_loss` in the units of a
+  `LossAggMode` (tokens or sequences, counted by `loss_units`). The one normaliser is the
+  trainer's (`trainers.loop.optimizer_step`): it divides by the units of the whole step, every
+  micro-batch of every rank, so the loss does not depend on how the step was split.
+- Advantages, returns and the KL controllers, which hold rollout-side state, are in
+  `advantages.py`.
+- Variants are named by the torch-free enums of `names.py` (`DPOLossType`, ...) and picked
+  through small registries (`DPO_LOSSES`, ...), so a config string selects a function and a typo
+  fails loudly.
 - Log-sigmoid and softplus are used instead of `log(sigmoid(x))` / `log(1 + exp(x))`: they stay
   finite for large |x|.
 """
@@ -27,20 +25,17 @@ Choices, and why:
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf_core.algos.names import DPOLossType, KLEstimator, LossAggMode, RewardLossType
+
 __all__ = [
     "DPO_LOSSES",
     "KL_ESTIMATORS",
     "REWARD_LOSSES",
-    "DPOLossType",
-    "KLEstimator",
-    "LossAggMode",
-    "RewardLossType",
     "aggregate_loss",
     "dpo_loss",
     "entropy_from_logits",
@@ -49,7 +44,6 @@ __all__ = [
     "kto_kl_estimate",
     "kto_loss",
     "loss_units",
-    "masked_mean",
     "masked_sum",
     "pairwise_reward_loss",
     "policy_loss",
@@ -120,48 +114,22 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return x.sum() if dim is None else x.sum(dim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of `x` over the positions where `mask` is set, over `dim` (all elements when None).
-
-    x, mask: same shape, e.g. `(batch, seq_len)`. An empty mask gives 0, not NaN.
-    """
-    count = _f32(mask).sum() if dim is None else _f32(mask).sum(dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1e-8)
-
-
 # --- supervised fine-tuning -------------------------------------------------------------------
 
 
-def sft_loss(token_logprobs: Tensor, loss_mask: Tensor, num_tokens: int | Tensor | None = None) -> Tensor:
-    """Token-level negative log-likelihood over response tokens.
+def sft_loss(token_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """Negative log-likelihood summed over response tokens: `−Σ mask·logp`, a float32 scalar.
 
     token_logprobs: `(batch, seq_len)` log-probs of the target tokens (`gather_token_logprobs`).
     loss_mask: `(batch, seq_len)`, 1 on response tokens, 0 on prompt and padding.
-    num_tokens: response-token count of the whole global batch (all micro-batches on all ranks);
-        None divides by this micro-batch's own count.
-    Returns a float32 scalar: `−Σ mask·logp / num_tokens`.
-
-    With the global count, summing this loss over micro-batches and ranks gives the mean NLL of
-    the global batch exactly, however it was split. An engine that itself scales the loss by
-    1/accumulation_steps or averages gradients over ranks must have that scaling undone by the
-    caller (multiply by the factor it divides by).
+    The trainer divides by the response tokens of the whole step, every micro-batch of every rank
+    (`trainers.loop.optimizer_step`), so the loss is the global batch's mean NLL however it is
+    split; a per-micro-batch mean is not when micro-batches hold different numbers of tokens.
     """
-    total = -masked_sum(token_logprobs, loss_mask)
-    if num_tokens is None:
-        count = _f32(loss_mask).sum()
-    else:
-        count = _f32(num_tokens).to(total.device)
-    return total / count.clamp(min=1)
+    return -masked_sum(token_logprobs, loss_mask)
 
 
 # --- reward model -----------------------------------------------------------------------------
-
-
-class RewardLossType(str, Enum):
-    """Pairwise (Bradley–Terry) reward-model loss variants."""
-
-    SIGMOID = "sigmoid"  # −log σ(r_c − r_r − margin)
-    LOGEXP = "logexp"  # log(1 + exp(r_r − r_c + margin)); equals SIGMOID mathematically
 
 
 def _sigmoid_reward_loss(delta: Tensor) -> Tensor:
@@ -198,19 +166,6 @@ def pairwise_reward_loss(
 
 
 # --- direct preference optimisation -----------------------------------------------------------
-
-
-class DPOLossType(str, Enum):
-    """DPO-family losses on the log-ratio margin z (docs/algorithms.md)."""
-
-    SIGMOID = "sigmoid"  # DPO, cDPO with label_smoothing > 0
-    IPO = "ipo"
-    HINGE = "hinge"  # SLiC
-
-    @property
-    def needs_reference_model(self) -> bool:
-        # All three compare against π_ref. Reference-free variants (SimPO, ORPO) would say False.
-        return True
 
 
 def _sigmoid_dpo_loss(z: Tensor, beta: float, label_smoothing: float) -> Tensor:
@@ -307,14 +262,6 @@ def kto_loss(
 
 
 # --- KL estimators ----------------------------------------------------------------------------
-
-
-class KLEstimator(str, Enum):
-    """Per-token estimators of KL(π ‖ π_ref) from samples of π (Schulman's k1, k2, k3)."""
-
-    K1 = "k1"  # Δ: unbiased, high variance, can be negative
-    K2 = "k2"  # Δ²/2: biased, low variance, gradient is that of KL for on-policy samples
-    K3 = "k3"  # exp(−Δ) − 1 + Δ: unbiased, non-negative
 
 
 # Each maps the clamped Δ = logπ − logπ_ref, (batch, seq_len), to per-token KL (batch, seq_len).
@@ -430,59 +377,39 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # --- RL: loss aggregation ---------------------------------------------------------------------
 
 
-class LossAggMode(str, Enum):
-    """How a per-token loss becomes the step's scalar (verl's `loss_agg_mode` names)."""
+def loss_units(lengths: Tensor, mode: LossAggMode | str) -> Tensor:
+    """What sequences of these response lengths add to the normaliser of `aggregate_loss`.
 
-    TOKEN_MEAN = "token-mean"  # Σ mask·L / global token count
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # mean over sequences of each token sum
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # mean over sequences of each token mean
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # mean over sequences of token sum / L_max
-
-    @property
-    def per_token(self) -> bool:
-        """Whether the global units are tokens (else sequences)."""
-        return self is LossAggMode.TOKEN_MEAN
-
-
-def loss_units(mask: Tensor, mode: LossAggMode | str) -> Tensor:
-    """What one micro-batch adds to the normaliser of `aggregate_loss`.
-
-    mask: `(B, T)` response-token mask (0/1 or float weights).
-    Returns a float32 scalar: for `token-mean` the mask sum (the number of response tokens); for
-    the seq-* modes the number of sequences with at least one response token. Rows without any
-    (a fully masked row) contribute no loss, so they are not counted either: a batch padded with
-    empty rows has the same loss as one without them (as in verl and OpenRLHF).
-    Sum this over every micro-batch of every rank of the optimizer step (an all-reduce) to get
-    `global_units`.
+    lengths: `(B,)` response tokens per sequence (a response mask's row sums; float weights too).
+    Returns a float32 scalar: for `token-mean` the sum of the lengths (the response tokens); for
+    the seq-* modes the number of sequences with at least one response token. A sequence without
+    any contributes no loss, so it is not counted either: a batch padded with empty rows has the
+    same loss as one without them (as in verl and OpenRLHF).
     """
-    m = _f32(mask)
+    n = _f32(lengths)
     if LossAggMode(mode).per_token:
-        return m.sum()
-    return (m.sum(-1) != 0).to(m.dtype).sum()
+        return n.sum()
+    return (n != 0).to(n.dtype).sum()
 
 
 def aggregate_loss(
     loss: Tensor,
     mask: Tensor,
     mode: LossAggMode | str,
-    global_units: int | float | Tensor,
     norm_length: int | float | None = None,
 ) -> Tensor:
-    """This micro-batch's share of the step's loss, already divided by the global normaliser.
+    """A micro-batch's loss summed in the units of `mode`, before the step's normaliser.
 
     loss: `(B, T)` per-token loss; mask: `(B, T)` response-token mask (0/1 or float weights).
-    global_units: the sum of `loss_units(mask, mode)` over every micro-batch of every rank in the
-        optimizer step.
     norm_length: the constant of `seq-mean-token-sum-norm` (the maximum response length,
         Dr.GRPO); required for that mode, unused otherwise.
     With s_b = Σ_t mask·L (a sequence's token sum) and n_b = Σ_t mask (its token count):
-      token-mean:              Σ_b s_b / global_units           (units: tokens)
-      seq-mean-token-sum:      Σ_b s_b / global_units           (units: sequences)
-      seq-mean-token-mean:     Σ_{b: n_b>0} (s_b / n_b) / global_units
-      seq-mean-token-sum-norm: Σ_b (s_b / norm_length) / global_units
-    Returns a float32 scalar. Summed over micro-batches and ranks it equals the loss of the whole
-    batch at once, whatever the split. An engine that divides by the accumulation steps or
-    averages gradients over ranks must have that undone by the caller (as for `sft_loss`).
+      token-mean, seq-mean-token-sum:  Σ_b s_b
+      seq-mean-token-mean:             Σ_{b: n_b>0} s_b / n_b
+      seq-mean-token-sum-norm:         Σ_b s_b / norm_length
+    Returns a float32 scalar. The trainer divides the step's sum by its `loss_units` over every
+    micro-batch of every rank (`trainers.loop.optimizer_step`): token-mean's units are tokens, the
+    seq-* modes' sequences, so the result is the whole batch's loss whatever the split.
     """
     mode = LossAggMode(mode)
     seq_sums = masked_sum(loss, mask, dim=-1)  # (B,)
@@ -493,5 +420,4 @@ def aggregate_loss(
         if norm_length is None or norm_length <= 0:
             raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the maximum response length)")
         seq_sums = seq_sums / norm_length
-    units = _f32(global_units).to(seq_sums.device)
-    return seq_sums.sum() / units.clamp(min=1e-8)
+    return seq_sums.sum()

@@ -35,8 +35,9 @@ import time
 
 import torch
 
-from rlhf_core.algos.advantages import AdvantageEstimator, compute_advantages, dynamic_filter_mask
+from rlhf_core.algos.advantages import compute_advantages, dynamic_filter_mask
 from rlhf_core.algos.losses import kl_penalty
+from rlhf_core.algos.names import AdvantageEstimator
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.rl import checkpoint

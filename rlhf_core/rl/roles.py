@@ -22,14 +22,15 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos.losses import (
-    LossAggMode,
     aggregate_loss,
     entropy_from_logits,
     gather_token_logprobs,
     kl_penalty,
+    loss_units,
     policy_loss,
     value_loss,
 )
+from rlhf_core.algos.names import LossAggMode
 from rlhf_core.distributed.engine import autocast, device, initialize, precision_of
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import lean_model
@@ -67,10 +68,8 @@ def engine_settings(cfg, section, world_size: int) -> EngineSettings:
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
-    """Loss units in `samples` under `mode`: response tokens for token-mean, else sequences."""
-    if LossAggMode(mode) == LossAggMode.TOKEN_MEAN:
-        return float(sum(s.response_len for s in samples))
-    return float(len(samples))
+    """Loss units in `samples` under `mode` (`loss_units`): response tokens, or non-empty sequences."""
+    return float(loss_units(torch.tensor([float(s.response_len) for s in samples]), mode))
 
 
 def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list[list]]:
@@ -182,7 +181,7 @@ class PolicyRole(_Checkpointed, _Role):
                 old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
             loss, clipped = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high, self.cfg.actor.dual_clip)
-            stats = {"policy_loss": aggregate_loss(loss, mask, mode, 1.0, norm_length).detach(),
+            stats = {"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),
                      "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
                      "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()}
             if algo.kl.use_loss:
@@ -197,7 +196,7 @@ class PolicyRole(_Checkpointed, _Role):
                 with torch.no_grad():
                     entropy = entropy_from_logits(logits.detach())
             stats["entropy_tokens"] = (entropy.detach() * mask).sum()
-            return aggregate_loss(loss, mask, mode, 1.0, norm_length), stats, int(batch.input_ids.numel())
+            return aggregate_loss(loss, mask, mode, norm_length), stats, int(batch.input_ids.numel())
 
         per_rank = train.batch_size // self.world_size
         totals: dict[str, float] = {}
@@ -271,7 +270,7 @@ class CriticRole(_Checkpointed, _Role):
             old = stack([s.values for s in chunk], width).to(self.device)
             returns = stack([s.returns for s in chunk], width).to(self.device)
             loss = value_loss(values, old, returns, self.cfg.critic.value_clip)
-            summed = aggregate_loss(loss, mask, mode, 1.0, norm_length)
+            summed = aggregate_loss(loss, mask, mode, norm_length)
             return summed, {"value_loss": summed.detach(), "value_tokens": (values.detach() * mask).sum(),
                             "tokens": mask.sum()}, int(batch.input_ids.numel())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from rlhf_core.algos.losses import sft_loss
 from rlhf_core.config import SFTConfig
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import initialize
@@ -49,7 +50,7 @@ class SFTRecipe:
 
     def micro_step(self, model, examples):
         batch = self.to_batch([e.seq for e in examples])
-        nll_sum = -(loss_token_logprobs(model, batch) * batch.loss_mask).sum()
+        nll_sum = sft_loss(loss_token_logprobs(model, batch), batch.loss_mask)
         return nll_sum, {"loss": nll_sum.detach()}, int((batch.seq_ids >= 0).sum())
 
     def train(self) -> dict:

@@ -8,7 +8,6 @@ import torch
 
 from rlhf_core.algos.advantages import (
     AdaptiveKLController,
-    AdvantageEstimator,
     FixedKLController,
     compute_advantages,
     cumulative_returns,
@@ -19,6 +18,7 @@ from rlhf_core.algos.advantages import (
     token_level_rewards,
     whiten,
 )
+from rlhf_core.algos.names import AdvantageEstimator
 
 E = AdvantageEstimator
 GROUP = [E.RLOO, E.REINFORCE_BASELINE, E.GROUP_NORM, E.DR_GRPO]

@@ -1,8 +1,9 @@
 import pytest
 import yaml
 
+from rlhf_core.algos.names import DPOLossType
 from rlhf_core.cli import main
-from rlhf_core.config import DPOConfig, DPOLossName, SFTConfig, build_config
+from rlhf_core.config import DPOConfig, SFTConfig, build_config
 from rlhf_core.infra.settings import ConfigError
 
 BASE = {"pretrain": "m", "save_path": "out", "dataset": "d.jsonl"}
@@ -33,7 +34,7 @@ def test_invalid_value_names_the_field():
 
 def test_dpo_variants_resolve():
     cfg = build_config(DPOConfig, BASE, {"ipo": True})
-    assert cfg.loss_type == DPOLossName.IPO and cfg.ref_pretrain == "m"
+    assert cfg.loss_type == DPOLossType.IPO and cfg.ref_pretrain == "m"
     with pytest.raises(ConfigError, match="label_smoothing"):
         build_config(DPOConfig, BASE, {"loss_type": "hinge", "label_smoothing": 0.1})
 

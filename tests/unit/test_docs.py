@@ -40,8 +40,7 @@ def test_the_algorithms_document_names_every_variant_the_registries_accept():
 
 
 def test_the_algorithms_document_names_every_rl_estimator_and_aggregation_mode():
-    from rlhf_core.algos.advantages import AdvantageEstimator
-    from rlhf_core.algos.losses import LossAggMode
+    from rlhf_core.algos.names import AdvantageEstimator, LossAggMode
 
     text = (ROOT / "docs/algorithms.md").read_text()
     for variant in (*AdvantageEstimator, *LossAggMode):

@@ -10,19 +10,16 @@ from rlhf_core.algos.losses import (
     DPO_LOSSES,
     KL_ESTIMATORS,
     REWARD_LOSSES,
-    DPOLossType,
-    KLEstimator,
-    RewardLossType,
     dpo_loss,
     gather_token_logprobs,
     kl_penalty,
     kto_kl_estimate,
     kto_loss,
-    masked_mean,
     masked_sum,
     pairwise_reward_loss,
     sft_loss,
 )
+from rlhf_core.algos.names import DPOLossType, KLEstimator, RewardLossType
 
 LN2 = math.log(2.0)
 
@@ -96,32 +93,28 @@ def test_gather_token_logprobs_ignores_out_of_range_labels_and_backprops():
 # --- masked reductions ------------------------------------------------------------------------
 
 
-def test_masked_sum_and_mean_hand_computed():
+def test_masked_sum_hand_computed():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
     assert_close(masked_sum(x, mask), 14.0)  # 1 + 2 + 5 + 6
-    assert_close(masked_mean(x, mask), 3.5)  # 14 / 4
     assert_close(masked_sum(x, mask, dim=1), [3.0, 11.0])  # 1+2, 5+6
-    assert_close(masked_mean(x, mask, dim=1), [1.5, 5.5])  # 3/2, 11/2
-    assert_close(masked_mean(x, mask, dim=0), [1.0, 3.5, 6.0])  # 1/1, (2+5)/2, 6/1
+    assert_close(masked_sum(x, mask, dim=0), [1.0, 7.0, 6.0])
 
 
-def test_masked_reductions_ignore_nonfinite_masked_values_and_empty_masks():
+def test_masked_sum_ignores_nonfinite_masked_values():
     x = torch.tensor([[1.0, float("inf")], [float("nan"), float("-inf")]])
     mask = torch.tensor([[True, False], [False, False]])
     assert_close(masked_sum(x, mask), 1.0)
-    assert_close(masked_mean(x, mask, dim=1), [1.0, 0.0])  # empty second row -> 0, not NaN
+    assert_close(masked_sum(x, mask, dim=1), [1.0, 0.0])  # empty second row -> 0, not NaN
 
 
-def test_masked_reductions_match_loop_reference_with_weights():
+def test_masked_sum_matches_loop_reference_with_weights():
     torch.manual_seed(3)
     x = torch.randn(4, 6)
     mask = torch.rand(4, 6) * (torch.rand(4, 6) > 0.4)  # float weights with zeros
     for b in range(4):
         s = sum(x[b, t].item() * mask[b, t].item() for t in range(6))
-        w = sum(mask[b, t].item() for t in range(6))
         assert_close(masked_sum(x, mask, dim=1)[b], s, atol=1e-5)
-        assert_close(masked_mean(x, mask, dim=1)[b], s / w, atol=1e-5)
 
 
 # --- sft_loss ---------------------------------------------------------------------------------
@@ -130,55 +123,24 @@ def test_masked_reductions_match_loop_reference_with_weights():
 def test_sft_loss_hand_computed():
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -4.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    # NLL over response tokens: 1 + 2 + 3 + 0.5 + 0.5 = 7, over 5 tokens = 1.4
-    # (the mean of per-sample means would be (6/3 + 1/2) / 2 = 1.25)
-    assert_close(sft_loss(logps, mask), 1.4)
-    assert_close(sft_loss(logps, mask, num_tokens=10), 0.7)  # 7 / 10
-    assert_close(sft_loss(logps, mask, num_tokens=torch.tensor(14)), 0.5)  # 7 / 14
-    # Prompt tokens (mask 0) do not count: only -3 and -0.5 -> 3.5 / 2 = 1.75
-    assert_close(sft_loss(logps, torch.tensor([[0, 0, 1], [1, 0, 0]])), 1.75)
+    # NLL over response tokens: 1 + 2 + 3 + 0.5 + 0.5 = 7 (the trainer divides by the step's tokens:
+    # tests/unit/test_optimizer_step.py)
+    assert_close(sft_loss(logps, mask), 7.0)
+    # Prompt tokens (mask 0) do not count: only -3 and -0.5
+    assert_close(sft_loss(logps, torch.tensor([[0, 0, 1], [1, 0, 0]])), 3.5)
+    assert sft_loss(logps.bfloat16(), mask).dtype == torch.float32
 
 
 def test_sft_loss_matches_loop_reference():
     torch.manual_seed(4)
     logps = -torch.rand(3, 8) * 5
     mask = torch.rand(3, 8) > 0.3
-    nll, count = 0.0, 0
+    nll = 0.0
     for b in range(3):
         for t in range(8):
             if mask[b, t]:
                 nll -= logps[b, t].item()
-                count += 1
-    assert_close(sft_loss(logps, mask), nll / count, atol=1e-5)
-
-
-def test_sft_loss_gradient_accumulation_equals_one_big_batch():
-    torch.manual_seed(5)
-    B, T, V = 4, 9, 13
-    logits = torch.randn(B, T, V, requires_grad=True)
-    labels = torch.randint(0, V, (B, T))
-    # Response lengths 8, 2, 5, 1: the two micro-batches hold 10 and 6 tokens.
-    lengths = torch.tensor([8, 2, 5, 1])
-    mask = torch.arange(T).unsqueeze(0) >= (T - lengths).unsqueeze(1)
-    num_tokens = int(mask.sum())
-
-    one_shot = sft_loss(gather_token_logprobs(logits, labels), mask)
-    (grad_one_shot,) = torch.autograd.grad(one_shot, logits)
-
-    micro_losses = [
-        sft_loss(gather_token_logprobs(logits[s], labels[s]), mask[s], num_tokens=num_tokens)
-        for s in (slice(0, 2), slice(2, 4))
-    ]
-    accumulated = sum(micro_losses)
-    (grad_accumulated,) = torch.autograd.grad(accumulated, logits)
-
-    assert_close(accumulated, one_shot.item(), atol=1e-6)
-    assert_close(grad_accumulated, grad_one_shot, atol=1e-7, rtol=1e-5)
-    # Guard against a vacuous split: averaging local means would give a different loss here.
-    local_means = [
-        sft_loss(gather_token_logprobs(logits[s], labels[s]), mask[s]) for s in (slice(0, 2), slice(2, 4))
-    ]
-    assert abs((sum(local_means) / 2).item() - one_shot.item()) > 1e-3
+    assert_close(sft_loss(logps, mask), nll, atol=1e-5)
 
 
 # --- pairwise reward loss ---------------------------------------------------------------------
@@ -392,7 +354,6 @@ def test_bfloat16_inputs_return_float32():
     mask = torch.ones(4, dtype=torch.bool)
     outputs = [
         masked_sum(x[0], mask),
-        masked_mean(x[0], mask),
         sft_loss(x[0].view(2, 2), mask.view(2, 2)),
         pairwise_reward_loss(x[0], x[1]),
         *dpo_loss(*x),

@@ -336,18 +336,31 @@ def test_a_resolved_config_validates_again_unchanged():
         assert PPOConfig.model_validate(dumped).model_dump(mode="json") == dumped
 
 
-def test_the_configs_variant_names_are_the_registries():
-    """rl_config spells the estimators and aggregation modes as Literals (the CLI parser and the
-    orchestration layer import it without torch); they must be exactly the enums the math uses."""
-    import typing
+def test_the_configs_choices_are_the_maths_enums_and_need_no_torch():
+    """The configs name estimators, KL estimators and aggregation modes with the enums the math is
+    registered under (`algos/names.py`), not copies; those parse from their spelling, print as it,
+    and load without torch (the CLI parser and `flows/` import the configs)."""
+    import subprocess
+    import sys
 
-    from rlhf_core import rl_config
-    from rlhf_core.algos.advantages import AdvantageEstimator
-    from rlhf_core.algos.losses import LossAggMode
+    from rlhf_core.algos import advantages, losses
+    from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
+    from rlhf_core.rl_config import AdvantageConfig, AlgoConfig, KLConfig
 
-    assert set(typing.get_args(rl_config.AdvantageEstimator)) == {e.value for e in AdvantageEstimator}
-    assert set(typing.get_args(rl_config.LossAggMode)) == {m.value for m in LossAggMode}
-    assert set(rl_config.GROUP_ESTIMATORS) == {e.value for e in AdvantageEstimator if e.is_group}
+    assert AdvantageConfig.model_fields["estimator"].annotation is AdvantageEstimator
+    assert KLConfig.model_fields["estimator"].annotation is KLEstimator
+    assert AlgoConfig.model_fields["loss_agg_mode"].annotation is LossAggMode
+    assert set(losses.KL_ESTIMATORS) == set(KLEstimator)
+    assert {e for e in AdvantageEstimator if e.is_group} == set(advantages._GROUP_SHAPERS)
+
+    cfg = AlgoConfig.model_validate({"advantage": {"estimator": "rloo"}, "loss_agg_mode": "seq-mean-token-sum"})
+    assert cfg.advantage.estimator is AdvantageEstimator.RLOO and cfg.advantage.estimator.is_group
+    assert f"{cfg.advantage.estimator}|{cfg.loss_agg_mode}|{AlgoConfig().kl.estimator}" == "rloo|seq-mean-token-sum|k1"
+    assert AlgoConfig().advantage.estimator is AdvantageEstimator.GAE  # defaults are members, not bare strings
+
+    code = "import sys, rlhf_core.rl_config, rlhf_core.config, flows.params; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
 
 
 def test_the_readmes_dotted_and_flat_grpo_commands_are_the_same_run():
