@@ -6,6 +6,7 @@ orchestration layer or Prefect, so a Ray job's `rlhf train` runs where Prefect i
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +137,12 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     graph, raw = import_graph()
     assert "rlhf_core.infra.settings" in graph["rlhf_core.infra.storage"], "function-local imports are read too"
     assert any(n.startswith("prefect") for n in raw["flows.pipeline"])
+
+
+def test_flows_and_orchestration_never_import_torch():
+    import subprocess
+
+    code = ("import sys, flows.pipeline, flows.cli, orchestration.stages; from rlhf_core.infra.manifests import code_version; "
+            "code_version(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,4 +1,4 @@
-"""What an RL run records in MLflow: every per-step metric the README lists, with values that
+"""What an RL run records in MLflow: every per-step metric docs/flags.md lists, with values that
 say the step happened (rewards with variance, groups dropped by dynamic filtering, a ratio near
 1, time spent), the held-out evaluation, the precision used, and a run marked finished (two GRPO
 steps with a KL loss and dynamic filtering, on the tiny base model)."""

@@ -129,3 +129,15 @@ def test_drain_gives_up_at_its_deadline_while_the_threads_batch_is_still_out():
     assert time.process_time() - cpu < 0.4, "drain spun while waiting"
     release.set()
     queue.stop()
+
+
+def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
+    from flows.params import PipelinePPOConfig
+    from rlhf_core.infra.tracking import redact_params
+    from rlhf_core.stages.provenance import params_off_default
+
+    cfg = PipelinePPOConfig.model_validate({"pretrain": "/m/sft", "reward_pretrain": "/m/rm", "save_path": "/o",
+                                            "prompt_data": "json@/d", "ckpt.path": "/c", "max_steps": 7})
+    shown = params_off_default("ppo", redact_params(cfg.model_dump(mode="json")))
+    assert shown["train.max_steps"] == "7" and shown["algo.advantage.lambd"] == "0.95"  # tuned, off the CLI default
+    assert not [k for k in shown if k.endswith(("model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"))]

@@ -1,0 +1,251 @@
+"""flows/jobs.py: the stages' jobs: settings hashes, cache keys, inputs, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.flow_helpers import flow_ctx, outcome, perturbed, ppo_job_for
+
+# ---------------------------------------------------------------------------------------------
+# Settings hashes of the flow's own stages (prep, eval; pairs in test_flow_iterative.py): every params
+# field counts unless it is excluded by name, with a reason, next to the hash.
+
+def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
+    from flows.jobs import train_job as _train_job
+    from flows.params import PipelineDPOConfig, PipelineSettings, PipelineSFTConfig
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+
+    def key(cfg, native_bf16):
+        return _train_job(flow_ctx(tmp_path, native_bf16), PipelineSettings(), cfg, upstream.__getitem__).config_hash
+
+    for cfg in (PipelineSFTConfig(), PipelineDPOConfig()):
+        assert cfg.param_dtype.value == "auto"
+        assert key(cfg, True) != key(cfg, False)  # bf16 on one cluster, fp32 on the other
+        fp32 = type(cfg).model_validate({**cfg.model_dump(), "param_dtype": "fp32"})
+        assert key(fp32, True) == key(fp32, False) == key(cfg, False)  # what runs is what counts
+        bf16 = type(cfg).model_validate({**cfg.model_dump(), "bf16": True})
+        assert key(bf16, True) == key(cfg, True) and key(bf16, False) == key(cfg, False)  # a request it falls back from
+
+    ctx = flow_ctx(tmp_path)
+    ctx.hardware = None  # fp32 is fp32 on every device: no need to ask the cluster
+    _train_job(ctx, PipelineSettings(), PipelineSFTConfig(param_dtype="fp32"), upstream.__getitem__)
+    assert ctx.hardware is None
+
+
+def test_perturbed_changes_exactly_one_field():
+    from flows.params import EvalParams, IterativeDPOParams, PrepParams
+
+    for model in (PrepParams(), EvalParams(), IterativeDPOParams(), IterativeDPOParams(seed=3)):
+        for name in type(model).model_fields:
+            other = perturbed(model, name)
+            changed = {k for k in type(model).model_fields if getattr(other, k) != getattr(model, k)}
+            assert changed == {name}
+
+
+def test_prep_key_moves_with_every_prep_field(tmp_path):
+    from flows.jobs import prep_job as _prep_job
+    from flows.params import PrepParams
+
+    ctx = flow_ctx(tmp_path)
+    key = _prep_job(ctx, PrepParams()).config_hash
+    assert _prep_job(ctx, PrepParams()).config_hash == key
+    assert _prep_job(flow_ctx(tmp_path / "elsewhere"), PrepParams()).config_hash == key  # not the output place
+    for name in PrepParams.model_fields:
+        assert _prep_job(ctx, perturbed(PrepParams(), name)).config_hash != key, name
+
+    class Later(PrepParams):  # a field added after this test was written counts without anyone listing it
+        new_knob: int = 0
+
+    assert _prep_job(ctx, Later()).config_hash != _prep_job(ctx, Later(new_knob=1)).config_hash
+
+
+def test_eval_key_moves_with_every_eval_field_and_the_task(tmp_path):
+    from flows.jobs import EVAL_NOT_IN_KEY, eval_job
+    from flows.params import EvalParams, PrepParams
+
+    assert EVAL_NOT_IN_KEY == {"promote_metric"}  # widening this needs a reason next to it
+
+    def key(prep=PrepParams(), params=EvalParams(), ctx=None):  # noqa: B008
+        prep_o, dpo, sft, rm = [outcome(n, tmp_path) for n in ("prep", "dpo", "sft", "rm")]
+        return eval_job(ctx or flow_ctx(tmp_path), prep, params, prep_o, {"dpo": dpo}, sft, rm, name="eval").config_hash
+
+    base = key()
+    assert key() == base and key(ctx=flow_ctx(tmp_path / "elsewhere")) == base
+    for name in EvalParams.model_fields:
+        moved = key(params=perturbed(EvalParams(), name)) != base
+        assert moved == (name not in EVAL_NOT_IN_KEY), name
+    assert key(prep=perturbed(PrepParams(), "task")) != base
+
+    class Later(EvalParams):  # a field added after this test was written counts without anyone listing it
+        new_knob: int = 0
+
+    assert key(params=Later()) != key(params=Later(new_knob=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training stages: a model named in the config rather than made upstream is an input by URI.
+
+def dpo_job(tmp_path, cfg=None, **values):
+    """The pipeline's DPO job (cache key, lineage tags) for `cfg` or `PipelineDPOConfig(**values)`."""
+    from flows.jobs import train_job as _train_job
+    from flows.params import PipelineDPOConfig, PipelineSettings
+    from orchestration.stages import _tags, stage_cache_key
+
+    data = tmp_path / "prep" / "data" / "preference"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+    ctx = flow_ctx(tmp_path)
+    job = _train_job(ctx, PipelineSettings(), cfg or PipelineDPOConfig(**values), upstream.__getitem__)
+    key = stage_cache_key(job)
+    return key, _tags(ctx, job, key), job
+
+
+def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path):
+    import yaml
+
+    base_key, base_tags, base = dpo_job(tmp_path)
+    assert "rlhf.input.reference" not in base_tags  # filled from the SFT model, already upstream
+    assert yaml.safe_load(base.config_yaml)["ref_pretrain"] == str(tmp_path / "sft")
+    key_a, tags_a, job_a = dpo_job(tmp_path, ref_pretrain="org/ref-a")
+    key_b, _, _ = dpo_job(tmp_path, ref_pretrain="org/ref-b")
+    assert len({base_key, key_a, key_b}) == 3
+    assert tags_a["rlhf.input.reference"] == "org/ref-a" and job_a.config_hash == base.config_hash
+    assert yaml.safe_load(job_a.config_yaml)["ref_pretrain"] == "org/ref-a"
+
+    # With an explicit pretrain, a reference equal to it, given or derived, adds nothing.
+    from flows.params import PipelineDPOConfig
+    from rlhf_core.config import with_updates
+
+    own_key, own_tags, _ = dpo_job(tmp_path, pretrain="org/base")
+    assert "rlhf.input.reference" not in own_tags and own_tags["rlhf.input.model"] == "org/base"
+    revalidated = PipelineDPOConfig.model_validate(PipelineDPOConfig(pretrain="org/base").model_dump())
+    assert "ref_pretrain" in revalidated.model_fields_set  # derived, yet now indistinguishable by the field
+    for same in (dict(cfg=revalidated), dict(cfg=with_updates(PipelineDPOConfig(pretrain="org/base"), beta=0.1)),
+                 dict(pretrain="org/base", ref_pretrain="org/base")):
+        assert dpo_job(tmp_path, **same)[0] == own_key, same
+    other_key, other_tags, _ = dpo_job(tmp_path, pretrain="org/base", ref_pretrain="org/other")
+    assert other_key != own_key and other_tags["rlhf.input.reference"] == "org/other"
+
+
+def test_given_reference_tells_a_named_reference_from_a_derived_one():
+    from flows.jobs import given_reference
+    from rlhf_core.config import DPOConfig, KTOConfig, SFTConfig
+
+    for cls in (DPOConfig, KTOConfig):
+        assert given_reference(cls()) is None
+        assert given_reference(cls(pretrain="a")) is None  # filled from pretrain by the validator
+        assert given_reference(cls(ref_pretrain="r")) == "r"
+        assert given_reference(cls(pretrain="a", ref_pretrain="r")) == "r"
+    assert given_reference(SFTConfig(pretrain="a")) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The PPO stage: inputs from SFT and the reward model, its cache key, resumable checkpoints.
+
+def test_ppo_takes_actor_and_reference_from_sft_reward_and_critic_from_the_reward_model(tmp_path):
+    from rlhf_core.rl_config import PPOConfig
+
+    job, _, tags, cfg = ppo_job_for(tmp_path)
+    assert job.args == ["train", "ppo", "--config", "{config}"] and job.stage == "ppo"
+    sft, rm, prep = (str(tmp_path / n) for n in ("sft", "rm", "prep"))
+    assert cfg["actor"]["model_name_or_path"] == sft and cfg["ref"]["model_name_or_path"] == sft
+    assert cfg["reward"]["model_name_or_path"] == rm and cfg["reward"]["normalize_enable"]
+    assert cfg["critic"]["model_name_or_path"] == rm  # OpenRLHF's critic init: the reward model
+    assert cfg["data"]["prompt_dataset"] == cfg["eval"]["dataset"] == f"json@{prep}/data/prompts"
+    assert cfg["eval"]["task"] == "sort" and cfg["rollout"]["max_new_tokens"] == 16  # derived from the task
+    assert cfg["ckpt"]["output_dir"] == str(tmp_path / "run" / "ppo")
+    for role, name in (("model", "sft"), ("reference", "sft"), ("reward", "rm"), ("critic", "rm"), ("data", "prep")):
+        assert tags[f"rlhf.upstream.{role}.run_id"] == f"run-{name}", role
+    PPOConfig.model_validate(cfg).check_complete()  # what the job reads is a complete `rlhf train ppo` config
+
+    # The verifier as the reward: no reward model upstream, the critic starts from SFT.
+    _, _, tags, cfg = ppo_job_for(tmp_path, {"reward.task": "sort"})
+    assert cfg["reward"]["model_name_or_path"] is None and cfg["critic"]["model_name_or_path"] == sft
+    assert "rlhf.upstream.reward.run_id" not in tags and tags["rlhf.upstream.critic.run_id"] == "run-sft"
+    # A reward file: an input whose bytes are in the key.
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text("def reward_func(**kw): pass\n")
+    job_a, key_a, tags, cfg = ppo_job_for(tmp_path, {"reward.remote_url": str(reward_file),
+                                                     "algo.advantage.estimator": "group_norm"})
+    assert tags["rlhf.input.reward"] == str(reward_file) and cfg["critic"]["model_name_or_path"] is None
+    reward_file.write_text("def reward_func(**kw): return None\n")
+    assert ppo_job_for(tmp_path, {"reward.remote_url": str(reward_file), "algo.advantage.estimator": "group_norm"}
+                       )[1] != key_a
+
+
+def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_path):
+    from flows.jobs import PPO_NOT_IN_KEY
+    from rlhf_core.rl_config import LEAVES
+
+    assert PPO_NOT_IN_KEY <= set(LEAVES)  # every excluded name is a real field
+    job, key, _, _ = ppo_job_for(tmp_path)
+    assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
+    for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},
+                   {"rollout.n_samples_per_prompt": 2}):
+        assert ppo_job_for(tmp_path, values)[1] != key, values
+    # `auto` enters as what the ranks train in: bf16 on a native-bf16 cluster, fp32 here
+    assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path, native_bf16=True))[1] != key
+    assert ppo_job_for(tmp_path, {"ds.param_dtype": "fp32"})[1] == key
+    for values in ({"logger.logging_steps": 5}, {"ckpt.max_num": 1}):
+        assert ppo_job_for(tmp_path, values)[1] == key, values
+    named, named_key, tags, _ = ppo_job_for(tmp_path, {"pretrain": "org/actor"})
+    assert named_key != key and tags["rlhf.input.model"] == "org/actor" and "rlhf.upstream.model.run_id" not in tags
+
+
+def test_ppo_gets_a_checkpoint_folder_it_resumes_from_only_under_its_own_key(tmp_path):
+    from flows.params import PipelineSettings
+    from orchestration.resume import MARKER, CheckpointMismatch, claim
+
+    job, key, _, cfg = ppo_job_for(tmp_path)
+    folder = str(tmp_path / "run" / "checkpoints" / "ppo")
+    assert job.checkpoint_uri == cfg["ckpt"]["path"] == folder
+    assert cfg["ckpt"]["save_steps"] == PipelineSettings().checkpoint_steps and cfg["ckpt"]["load_enable"]
+    assert ppo_job_for(tmp_path, settings=PipelineSettings(checkpoint_steps=0))[0].checkpoint_uri is None
+
+    assert claim(folder, key, "ppo") is False  # the first attempt starts from step 0
+    (tmp_path / "run" / "checkpoints" / "ppo" / "latest").write_text("global_step20")
+    assert claim(folder, key, "ppo") is True  # a retry of the same config resumes
+    other = ppo_job_for(tmp_path, {"train.max_steps": 81})[1]
+    with pytest.raises(CheckpointMismatch, match=r"(?s)another configuration.*Remove the folder"):
+        claim(folder, other, "ppo")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "latest").write_text("global_step5")
+    with pytest.raises(CheckpointMismatch, match=MARKER):
+        claim(str(stray), key, "ppo")
+
+
+def test_supervised_stages_get_a_checkpoint_folder_outside_their_cache_key(tmp_path):
+    import yaml
+
+    from flows.jobs import train_job
+    from flows.params import PipelineRMConfig, PipelineSettings, PipelineSFTConfig
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
+    for cfg in (PipelineSFTConfig(), PipelineRMConfig()):
+        job = train_job(flow_ctx(tmp_path), PipelineSettings(), cfg, upstream.__getitem__)
+        written = yaml.safe_load(job.config_yaml)
+        assert job.checkpoint_uri == written["ckpt_path"] == str(tmp_path / "run" / "checkpoints" / cfg.stage)
+        assert written["save_steps"] == PipelineSettings().supervised_checkpoint_steps and written["load_checkpoint"]
+        off = train_job(flow_ctx(tmp_path), PipelineSettings(supervised_checkpoint_steps=0), cfg, upstream.__getitem__)
+        assert off.checkpoint_uri is None and yaml.safe_load(off.config_yaml)["ckpt_path"] is None
+        assert off.config_hash == job.config_hash  # where and how often it saves is not what it trains
+
+
+def test_one_eval_job_compares_every_policy_stage(tmp_path):
+    """The flow side of `rlhf eval`'s multi-policy contract: `--pretrain A,B --policy_names dpo,ppo`."""
+    from flows.jobs import eval_job
+    from flows.params import EvalParams, PrepParams
+
+    prep_o, dpo, ppo, sft, rm = (outcome(n, tmp_path) for n in ("prep", "dpo", "ppo", "sft", "rm"))
+    job = eval_job(flow_ctx(tmp_path), PrepParams(), EvalParams(), prep_o, {"dpo": dpo, "ppo": ppo}, sft, rm, "eval")
+    args = dict(zip(job.args[1::2], job.args[2::2], strict=False))
+    assert job.args[0] == "eval"
+    assert args["--pretrain"] == f"{dpo.output_uri},{ppo.output_uri}" and args["--policy_names"] == "dpo,ppo"
+    assert args["--ref_pretrain"] == sft.output_uri and args["--reward_pretrain"] == rm.output_uri
+    assert args["--n_samples_per_prompt"] == "4" and args["--task"] == "sort"
+    assert {"policy-dpo", "policy-ppo", "reference", "reward", "data"} == set(job.upstream)
+    one = eval_job(flow_ctx(tmp_path), PrepParams(), EvalParams(), prep_o, {"ppo": ppo}, sft, rm, "eval")
+    assert one.config_hash != job.config_hash

@@ -1,0 +1,112 @@
+"""orchestration/ray_jobs.py: job commands and environments, the runner's log relay, failures and cleanup."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from orchestration.ray_jobs import RayJobRunner, StageConfigError, StageJobError, job_command, job_env
+
+
+def test_job_command_uses_this_interpreter_locally_and_the_installed_cli_on_a_cluster(monkeypatch):
+    monkeypatch.delenv("RLHF_JOB_COMMAND", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert job_command(["train", "sft", "--config", "/a b.yaml"]) == \
+        f"{sys.executable} -m rlhf_core.cli train sft --config '/a b.yaml'"
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert job_command(["prep"]) == "rlhf prep"
+    monkeypatch.setenv("RLHF_JOB_COMMAND", "/opt/venv/bin/rlhf")
+    assert job_command(["prep"]) == "/opt/venv/bin/rlhf prep"
+
+
+def test_job_env_forwards_the_allow_list_only(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijkl")
+    monkeypatch.setenv("RLHF_HOME", "/state")
+    env = job_env({"MLFLOW_RUN_ID": "r1"})
+    assert env["RLHF_HOME"] == "/state" and env["MLFLOW_RUN_ID"] == "r1"
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "HF_TOKEN" not in env
+
+
+class FakeJobs:
+    """An in-memory Jobs API: the job's log grows by one chunk per poll, then it ends."""
+
+    def __init__(self, chunks, status="SUCCEEDED", exit_code=0, hang=False):
+        self.chunks, self.final, self.exit_code, self.hang = list(chunks), status, exit_code, hang
+        self.log, self.stopped, self.submitted = "", [], []
+
+    def submit_job(self, **kwargs):
+        self.submitted.append(kwargs)
+        return kwargs["submission_id"]
+
+    def get_job_info(self, submission_id):
+        if self.hang:
+            raise KeyboardInterrupt  # the waiting task is interrupted (cancellation, Ctrl-C)
+        done = not self.chunks
+        if self.chunks:
+            self.log += self.chunks.pop(0)
+        status = SimpleNamespace(value=self.final if done else "RUNNING")
+        return SimpleNamespace(status=status, driver_exit_code=self.exit_code if done else None, message="boom",
+                               start_time=1000, end_time=3500)
+
+    def get_job_logs(self, submission_id):
+        return self.log
+
+    def get_job_status(self, submission_id):
+        return SimpleNamespace(value="STOPPED")
+
+    def stop_job(self, submission_id):
+        self.stopped.append(submission_id)
+
+
+def runner_with(fake) -> RayJobRunner:
+    runner = RayJobRunner.__new__(RayJobRunner)
+    runner.address, runner.client, runner.poll_seconds, runner.max_poll_seconds = "http://fake", fake, 0, 0
+    return runner
+
+
+def test_runner_relays_log_lines_and_reports_job_time():
+    fake = FakeJobs(["loading\nstep 1\r", "step 2\rst", "ep 3\ndone"])
+    lines = []
+    result = runner_with(fake).run("sft", ["train", "sft"], {"A": "1"}, lines.append)
+    assert lines[1:] == ["loading", "step 1", "step 2", "step 3", "done"]
+    assert result.seconds == 2.5 and result.submission_id.startswith("rlhf-sft-")
+    assert fake.submitted[0]["runtime_env"] == {"env_vars": {"A": "1"}} and not fake.stopped
+
+
+def test_runner_sees_a_job_end_at_once_but_fetches_its_log_less_and_less_often(monkeypatch):
+    fake = FakeJobs(["step\n"] * 40)
+    runner = runner_with(fake)
+    runner.poll_seconds, runner.max_poll_seconds = 0.5, 5.0
+    clock = [0.0]
+    fetched_at = []
+    monkeypatch.setattr("orchestration.ray_jobs.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr("orchestration.ray_jobs.time.monotonic", lambda: clock[0])
+    real_logs = fake.get_job_logs
+    monkeypatch.setattr(fake, "get_job_logs", lambda sid: fetched_at.append(clock[0]) or real_logs(sid))
+    lines = []
+    runner.run("sft", [], {}, lines.append)
+    assert lines[1:] == ["step"] * 40  # every line relayed: the final fetch comes when the job ends
+    assert clock[0] == 40 * 0.5  # status polled every 0.5 s: the end is seen on the first poll after it
+    gaps = [b - a for a, b in zip(fetched_at, fetched_at[1:-1], strict=False)]
+    assert gaps[:3] == [0.5, 1.0, 1.5] and max(gaps) <= 5.0 and len(fetched_at) < 15
+    assert all(a <= b for a, b in zip(gaps, gaps[1:], strict=False))
+
+
+def test_runner_types_failures_by_exit_code_and_keeps_the_log_tail():
+    with pytest.raises(StageConfigError) as err:
+        runner_with(FakeJobs(["rlhf: error: data.jsonl: row 2: missing key\n"], "FAILED", 2)).run(
+            "sft", [], {}, lambda line: None)
+    assert not err.value.retryable and "row 2" in str(err.value)
+    with pytest.raises(StageJobError) as err:
+        runner_with(FakeJobs(["Killed\n"], "FAILED", -9)).run("sft", [], {}, lambda line: None)
+    assert err.value.retryable and "Killed" in str(err.value) and err.value.exit_code == -9
+
+
+def test_runner_stops_its_job_when_the_wait_is_interrupted():
+    fake = FakeJobs([], hang=True)
+    with pytest.raises(KeyboardInterrupt):
+        runner_with(fake).run("dpo", [], {}, lambda line: None)
+    assert len(fake.stopped) == 1 and fake.stopped[0].startswith("rlhf-dpo-")
