@@ -134,7 +134,7 @@ def bar_panels_png(title: str, names: Sequence[str],
 
 # Per stage kind: (panel title, {series label: MLflow metric key}); a held-out series also takes the
 # stage's `eval_initial/` value at step 0 (its model before training). Keys as the trainers log them
-# (README "What is logged").
+# (docs/flags.md, "What is logged").
 STAGE_CURVES: dict[str, list[tuple[str, dict[str, str]]]] = {
     "sft": [("loss (response tokens)", {"train": "train/loss", "held-out": "eval/loss"})],
     "rm": [("loss", {"train": "train/loss", "held-out": "eval/loss"}),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SFT_EXACT_MATCH = 0.85  # held-out greedy exact match of rl_setting's SFT model (README: 0.98)
+SFT_EXACT_MATCH = 0.85  # held-out greedy exact match of rl_setting's SFT model (benchmarks/README.md: 0.98)
 
 
 @pytest.mark.timeout(2400)
@@ -16,7 +16,7 @@ SFT_EXACT_MATCH = 0.85  # held-out greedy exact match of rl_setting's SFT model 
 def test_sft_answers_held_out_prompts(rl_setting, tmp_path):
     """Held-out exact match (greedy, the task's verifier) by `rlhf eval`, of the SFT model that
     `rl_setting` trains (sort, 1000 steps, 30% of the demonstrations wrong; shared with the RL
-    tests): ~98% greedy per the README and conftest; the random base answers none; a trainer that learned only the
+    tests): ~98% greedy per benchmarks/README.md and conftest; the random base answers none; a trainer that learned only the
     format, or from the wrong tokens, stays far below the threshold."""
     from rlhf_core.cli import main
 
