@@ -10,8 +10,8 @@ the worker's own `deepspeed.init_distributed` in a later method: never in `__ini
 before the other ranks exist).
 
 The controller calls methods on the ranks: `call_all` (same arguments everywhere, results in rank
-order), `call_rank0`, `call_sharded` (a batch split into world_size equal contiguous shards, the
-results concatenated in rank order). Each has an `_async` twin returning a `PendingCall` (a list
+order), `call_rank0`, `call_each_async` (each rank its own arguments; how `rl/groups.RayGroup`
+shards a batch). Each has an `_async` twin returning a `PendingCall` (a list
 of ObjectRefs, so `ray.wait` takes it) to overlap roles; `.result()` or `gather_all` collect them.
 Every wait has a deadline (`timeout_s`): a rank that died, raised, or did not answer in time
 raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the first failure.
@@ -125,61 +125,6 @@ def actor_class(worker_cls: type):
     return _ACTOR_CLASSES[worker_cls]
 
 
-# -- batches: split into shards, concatenate results ------------------------------------------
-
-def batch_len(batch) -> int:
-    """Rows of a batch: a tensor (dim 0), a list/tuple, or a dict of those (all of one length)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            raise ValueError("a 0-dimensional tensor has no rows to split")
-        return batch.shape[0]
-    if isinstance(batch, (list, tuple)):
-        return len(batch)
-    if isinstance(batch, Mapping):
-        lengths = {k: batch_len(v) for k, v in batch.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"the batch's fields differ in length: {lengths}")
-        return next(iter(lengths.values()))
-    raise TypeError(f"cannot split a {type(batch).__name__}: pass a tensor, a list, or a dict of them")
-
-
-def _rows(batch, start: int, stop: int):
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop].clone()  # a view would ship the whole batch's storage to every rank
-    if isinstance(batch, (list, tuple)):
-        return batch[start:stop]
-    return {k: _rows(v, start, stop) for k, v in batch.items()}
-
-
-def split_batch(batch, n: int) -> list:
-    """`batch` in `n` equal contiguous shards (ValueError when its rows do not divide by `n`)."""
-    rows = batch_len(batch)
-    if rows % n:
-        raise ValueError(f"a batch of {rows} rows does not split into {n} equal shards")
-    k = rows // n
-    return [_rows(batch, i * k, (i + 1) * k) for i in range(n)]
-
-
-def concat_results(values: Sequence):
-    """Per-rank results joined in rank order: tensors concatenated on dim 0 (0-d ones stacked),
-    lists joined, dicts joined per key; all None gives None; anything else stays a list."""
-    import torch
-
-    if all(v is None for v in values):
-        return None
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
-    if all(isinstance(v, (list, tuple)) for v in values):
-        return [x for v in values for x in v]
-    if all(isinstance(v, Mapping) for v in values) and len({tuple(v) for v in values}) == 1:
-        return {k: concat_results([v[k] for v in values]) for k in values[0]}
-    return list(values)
-
-
 # -- waiting with deadlines ------------------------------------------------------------------
 
 class PendingCall(list):
@@ -193,8 +138,6 @@ class PendingCall(list):
     def finish(self, values: list):
         if self.mode == "rank0":
             return values[0]
-        if self.mode == "sharded":
-            return concat_results(values)
         return values
 
     def result(self, timeout_s: float | None = None):
@@ -382,26 +325,12 @@ class RoleGroup:
     def call_rank0_async(self, method: str, *args, **kwargs) -> PendingCall:
         return self._pending(method, "rank0", [0], [(args, kwargs)])
 
-    def call_sharded_async(self, method: str, batch, *args, **kwargs) -> PendingCall:
-        """`method(shard_i, *args, **kwargs)` on rank i, shard i being the i-th of world_size
-        equal contiguous parts of `batch` (a tensor, a list, or a dict of them)."""
-        try:
-            shards = split_batch(batch, self.world_size)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"role {self.name!r} ({self.world_size} ranks): {method}(): {e}") from None
-        args, kwargs = self._shared(args, kwargs)
-        return self._pending(method, "sharded", range(self.world_size), [((s, *args), kwargs) for s in shards])
-
     def call_all(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
         return self.call_all_async(method, *args, **kwargs).result()
 
     def call_rank0(self, method: str, *args, **kwargs):
         return self.call_rank0_async(method, *args, **kwargs).result()
-
-    def call_sharded(self, method: str, batch, *args, **kwargs):
-        """The batch split over the ranks, their results concatenated in rank order (`concat_results`)."""
-        return self.call_sharded_async(method, batch, *args, **kwargs).result()
 
     def init_process_group(self, backend: str | None = None) -> list[tuple[int, int]]:
         """Every rank joins the role's own process group; returns each rank's (rank, world size)."""

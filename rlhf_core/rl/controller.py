@@ -2,25 +2,20 @@
 PPO epochs over actor and critic -> weight sync, once per rollout step.
 
 It runs on the job's driver and owns the loop, the prompt order, the KL coefficient, the MLflow
-run and the checkpoints; the models live in role groups (`rl/groups.py`) that it calls on shards
-of a batch of `RolloutSample`s. The estimator decides what is built: a critic for `gae` only, a
-reference whenever a KL term is used (in the reward or in the loss).
+run and the checkpoints; the models live in role groups (`rl/groups.py`). Each step is planned
+once (`rl/plan.StepPlan`: the epochs' orders, each rank's share, the on-policy samples), and the
+experience passes and the roles' training read that plan; each pass returns its statistics.
+Rewards come from one interface (`rl/scoring.py`), whatever the source.
 
 Choices, and why:
-- Prompts are read once, formatted like the trainers' data (chat template or input template) and
-  visited in a seeded order per episode; the position is part of the checkpoint. Prompts longer
-  than `--data.prompt_max_len` tokens are left out (counted and reported), as OpenRLHF does.
-- The engine's log-probs are kept next to the trainer's recomputation of them (`old_logprobs`),
-  and their mean absolute difference per token is logged (`rollout/logprob_mismatch`): 0 up to
-  float noise for the transformers engine in fp32, a few hundredths for vLLM in bf16.
-- PPO epochs visit the rollout in a seeded permutation cut into global optimizer steps of
-  `--train.batch_size`; rank r of a trainable role takes its contiguous slice of every step, so
-  one rank and two ranks make the same updates. The permutation moves a prompt's samples
-  together where the steps hold whole groups, so each micro-batch computes a prompt once.
-- The experience passes run in the first epoch's training order (each chunk is then packed once for
-  every pass, `experience.collate`), and the old log-probs of the first optimizer step's samples
-  are left to that step's training forward where nothing reads them before (`on_policy`): the
-  policy that trains on them is the one that sampled them.
+- Prompts are read once, formatted like the trainers' data and visited in a seeded order per
+  episode; the position is part of the checkpoint. Prompts longer than `--data.prompt_max_len`
+  tokens are left out (counted and reported), as OpenRLHF does.
+- The engine's log-probs are kept next to the trainer's recomputation (`old_logprobs`), and their
+  mean absolute difference per token is logged (`rollout/logprob_mismatch`).
+- The experience passes run in the first epoch's training order, so a chunk is packed once for
+  every pass (`experience.collate`); the first optimizer step's old log-probs are left to its
+  training forward where nothing reads them before (`plan_step`).
 - Dynamic filtering drops prompts whose samples all score the same (no signal for a group
   estimator) and draws more prompts until the rollout is full, giving up after
   `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
@@ -42,6 +37,7 @@ from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.rl import checkpoint
 from rlhf_core.rl.experience import RolloutSample, stack, unstack
+from rlhf_core.rl.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +68,6 @@ class PromptStream:
         return out
 
 
-def arrange_for_ranks(samples: list, batch_size: int, world_size: int, seed: int, group_size: int = 1) -> list:
-    """A seeded permutation of `samples` cut into global steps of `batch_size`, reordered so that
-    contiguous equal shards give rank r its slice of every step, in step order.
-
-    With `group_size` n > 1 (a rollout of n samples per prompt, each prompt's samples next to each
-    other) whole groups are permuted when every rank's share of a step holds whole groups: a
-    micro-batch then packs each prompt once for its samples (`experience.collate`)."""
-    per_rank = batch_size // world_size
-    n = group_size if group_size > 1 and len(samples) % group_size == 0 and per_rank % group_size == 0 else 1
-    groups = torch.randperm(len(samples) // n, generator=torch.Generator().manual_seed(seed)).tolist()
-    order = [g * n + k for g in groups for k in range(n)]
-    steps = [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
-    arranged = [i for r in range(world_size) for step in steps for i in step[r * per_rank : (r + 1) * per_rank]]
-    return [samples[i] for i in arranged]
-
-
 def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
                      overlong_buffer_len: int | None, overlong_penalty_factor: float) -> torch.Tensor:
     """The source's rewards with DAPO's soft overlong penalty: a response longer than
@@ -102,12 +82,12 @@ def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: i
 
 class RLController:
     def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
-                 eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_model, reward_fn, tracker,
+                 eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_source, tracker,
                  kl_controller, rollout_steps: int):
         self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
         self.prompt_ids, self.labels = prompt_ids, labels
         self.eval_prompt_ids, self.eval_labels = eval_prompt_ids or [], eval_labels or []
-        self.actor, self.critic, self.ref, self.reward_model, self.reward_fn = actor, critic, ref, reward_model, reward_fn
+        self.actor, self.critic, self.ref, self.reward_source = actor, critic, ref, reward_source
         self.tracker, self.kl = tracker, kl_controller
         self.estimator = AdvantageEstimator(cfg.algo.advantage.estimator)
         self.prompts = PromptStream(len(prompt_ids), cfg.train.seed)
@@ -154,19 +134,19 @@ class RLController:
         times: dict[str, float] = {}
         t0 = time.perf_counter()
         samples, rollout_stats = self.rollout(times)
+        plan = self.plan_step(len(samples))
         t = time.perf_counter()
-        self.make_experience(samples)
+        experience_stats = self.make_experience(samples, plan)
         times["experience"] = time.perf_counter() - t
         t = time.perf_counter()
-        train_stats = self.train(samples)
+        train_stats = self.train(samples, plan)
         times["train"] = time.perf_counter() - t
         t = time.perf_counter()
         self.sync_weights()
         times["sync"] = time.perf_counter() - t
-        kl_now = train_stats["rollout/kl"]
-        self.kl.update(kl_now, len(samples))
+        self.kl.update(experience_stats["rollout/kl"], len(samples))
         elapsed = time.perf_counter() - t0
-        metrics = {**rollout_stats, **train_stats, "train/kl_coef": self.kl.value,
+        metrics = {**rollout_stats, **experience_stats, **train_stats, "train/kl_coef": self.kl.value,
                    **{f"time/{k}_s": v for k, v in times.items()}, "time/step_s": elapsed,
                    "perf/samples_per_s": len(samples) / elapsed}
         if (self.step + 1) % cfg.logger.logging_steps == 0 or self.step + 1 == self.rollout_steps:
@@ -223,17 +203,7 @@ class RLController:
         """Fill in each sample's score (the source's) and reward (with the overlong penalty);
         `labels`: of the prompts the samples index (default: the training prompts')."""
         cfg = self.cfg
-        labels = self.labels if labels is None else labels
-        if self.reward_model is not None:
-            raw = torch.tensor(self.reward_model.call_sharded("scores", samples), dtype=torch.float32)
-            scores = raw
-        else:
-            decode = self.tokenizer.decode
-            queries = [decode(s.prompt_ids + s.response_ids, skip_special_tokens=False) for s in samples]
-            prompts = [decode(s.prompt_ids, skip_special_tokens=False) for s in samples]
-            responses = [decode(s.response_ids, skip_special_tokens=True) for s in samples]
-            out = self.reward_fn(queries, prompts, [labels[s.prompt_index] for s in samples], responses=responses)
-            raw, scores = out.rewards.float(), out.scores.float()
+        raw, scores = self.reward_source.score(samples, self.labels if labels is None else labels)
         lengths = torch.tensor([s.response_len for s in samples])
         rewards = overlong_penalty(raw, lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer_len,
                                    cfg.reward.overlong_penalty_factor)
@@ -241,39 +211,51 @@ class RLController:
             s.reward, s.score = r, sc
 
     # -- experience -------------------------------------------------------------------------
-    def make_experience(self, samples: list[RolloutSample]) -> None:
-        """Old log-probs (actor), reference log-probs, values, then advantages and returns."""
+    def plan_step(self, count: int) -> StepPlan:
+        """This step's epoch orders, and whether the first optimizer step's old log-probs are left to
+        its training forward: only with one epoch (a later one revisits the samples after updates),
+        an actor that trains this step, the KL out of the reward (the reward needs the old log-probs
+        before training) and a second optimizer step whose samples keep the KL and mismatch metrics
+        measured."""
+        cfg = self.cfg
+        seeds = tuple(cfg.train.seed * 1_000_003 + self.step * 101 + e for e in range(cfg.train.max_epochs))
+        leave = (cfg.train.max_epochs == 1 and self.step >= cfg.critic.freezing_steps
+                 and count >= 2 * cfg.train.batch_size and (self.ref is None or cfg.algo.kl.use_loss))
+        return StepPlan(count, cfg.train.batch_size, cfg.rollout.n_samples_per_prompt, seeds, leave)
+
+    def make_experience(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:
+        """Old log-probs (actor), reference log-probs, values, then advantages and returns, set on
+        the samples; returns the step's KL and log-prob mismatch."""
         cfg = self.cfg
         # In the first epoch's training order: each role then computes on the micro-batches training
         # will use, and a chunk is packed once for the actor, the reference and training (`collate`).
-        order = self.experience_order(len(samples))
+        order = plan.experience_order(self.actor.world_size)
+        left = plan.on_policy(self.actor.world_size)
         arranged = [samples[i] for i in order]
-        skip = self.on_policy(order)
-        recomputed = [s for j, s in enumerate(arranged) if j not in skip]
-        futures = {"old": self.actor.call_sharded_async("logprobs", recomputed)}
+        recomputed = [i for i in order if i not in left]
+        futures = {"old": self.actor.call_sharded_async("logprobs", [samples[i] for i in recomputed])}
         if self.ref is not None:
             futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
             futures["values"] = self.critic.call_sharded_async("values", arranged)
         results = {k: pending.gather() for k, pending in futures.items()}
-        old_of = iter(results["old"])
+        old_of = dict(zip(recomputed, results["old"], strict=True))
         for j, i in enumerate(order):
             s = samples[i]
-            s.old_logprobs = None if j in skip else next(old_of)
+            s.old_logprobs = old_of.get(i)
             s.ref_logprobs = results["ref"][j] if "ref" in results else None
             s.values = results["values"][j] if "values" in results else None
         lengths = [s.response_len for s in samples]
         mask = stack([torch.ones(n) for n in lengths])
         # The KL and mismatch metrics are over the samples whose old log-probs were computed here: all
-        # of them, unless the first optimizer step's are left to training (`on_policy`).
+        # of them, unless the first optimizer step's are left to training.
         measured = [i for i, s in enumerate(samples) if s.old_logprobs is not None]
         width, seen = mask.shape[1], mask[measured]
         old = stack([samples[i].old_logprobs for i in measured], width)
-        kl = torch.zeros_like(mask)  # rows left out only where the KL is not in the reward (`on_policy`)
+        kl = torch.zeros_like(mask)  # rows left out only where the KL is not in the reward (`plan_step`)
         if self.ref is not None:
             kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
                                       "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
-        self._kl_stats = kl[measured].sum(-1).mean().item()
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
         advantages, returns = compute_advantages(
             self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
@@ -283,58 +265,25 @@ class RLController:
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
         rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
-        self._mismatch = ((rollout_lp - old).abs() * seen).sum().item() / seen.sum().item()
+        return {"rollout/kl": kl[measured].sum(-1).mean().item(),
+                "rollout/logprob_mismatch": ((rollout_lp - old).abs() * seen).sum().item() / seen.sum().item()}
 
     # -- training ---------------------------------------------------------------------------
-    def epoch_seed(self, epoch: int) -> int:
-        """The seed of this rollout step's `epoch`-th permutation of the samples (`arrange_for_ranks`)."""
-        return self.cfg.train.seed * 1_000_003 + self.step * 101 + epoch
+    def train(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:
+        """Every trainable role's PPO epochs: each rank gets its samples and epoch orders once and
+        loops over the epochs itself; the stats are rank 0's (every rank's are all-reduced)."""
+        calls = []
+        if self.step >= self.cfg.critic.freezing_steps:
+            calls.append(self._train_role(self.actor, samples, plan, kl_coef=self.kl.value))
+        if self.critic is not None:
+            calls.append(self._train_role(self.critic, samples, plan))
+        return {f"train/{k}": v for pending in calls for k, v in pending.first().items()}
 
-    def experience_order(self, count: int) -> list[int]:
-        """Sample indices in the order the actor trains on them in the first epoch (`train`), then
-        any it leaves out: the order of the experience passes (their results do not depend on it)."""
-        cfg = self.cfg
-        order = arrange_for_ranks(list(range(count)), cfg.train.batch_size, self.actor.world_size, self.epoch_seed(0),
-                                  cfg.rollout.n_samples_per_prompt)
-        seen = set(order)
-        return order + [i for i in range(count) if i not in seen]
-
-    def on_policy(self, order: list[int]) -> set[int]:
-        """Positions in `order` (`experience_order`) of the samples whose old log-probs training
-        computes itself: those of the rollout's first optimizer step, trained on by the policy that
-        sampled them, so their old log-probs are the training forward's own (detached; PPO's ratio
-        is exactly 1 there), and a no-grad pass over them would compute the same numbers again.
-        Only with one epoch (a later one revisits them after updates), an actor that trains this
-        step, the KL out of the reward (the reward needs old log-probs before training) and a
-        second optimizer step whose samples keep the KL and mismatch metrics measured."""
-        cfg = self.cfg
-        world, batch = self.actor.world_size, cfg.train.batch_size
-        if cfg.train.max_epochs != 1 or self.step < cfg.critic.freezing_steps or len(order) < 2 * batch \
-                or (self.ref is not None and not cfg.algo.kl.use_loss):
-            return set()
-        per_rank, share = batch // world, (len(order) // batch) * batch // world  # a rank's slice of every step
-        return {r * share + k for r in range(world) for k in range(per_rank)}
-
-    def train(self, samples: list[RolloutSample]) -> dict[str, float]:
-        cfg = self.cfg
-        stats: dict[str, float] = {"rollout/kl": self._kl_stats, "rollout/logprob_mismatch": self._mismatch}
-        actor_frozen = self.step < cfg.critic.freezing_steps
-        n = cfg.rollout.n_samples_per_prompt
-        sums: dict[str, float] = {}
-        for epoch in range(cfg.train.max_epochs):
-            seed = self.epoch_seed(epoch)
-            calls = []
-            if not actor_frozen:
-                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.actor.world_size, seed, n)
-                calls.append(self.actor.call_sharded_async("train_epoch", arranged, kl_coef=self.kl.value))
-            if self.critic is not None:
-                arranged = arrange_for_ranks(samples, cfg.train.batch_size, self.critic.world_size, seed, n)
-                calls.append(self.critic.call_sharded_async("train_epoch", arranged))
-            for pending in calls:  # every rank reports the same (all-reduced) numbers: rank 0's
-                for k, v in pending.first().items():
-                    sums[k] = sums.get(k, 0.0) + v / cfg.train.max_epochs
-        stats.update({f"train/{k}": v for k, v in sums.items()})
-        return stats
+    @staticmethod
+    def _train_role(group, samples: list[RolloutSample], plan: StepPlan, **kwargs):
+        work = plan.work(group.world_size)
+        return group.call_each_async("train_step", [(([samples[i] for i in w.samples], w.epochs), kwargs)
+                                                    for w in work])
 
     def sync_weights(self, force: bool = False) -> None:
         """Every rollout engine gets the actor's new weights (none while the actor is frozen;

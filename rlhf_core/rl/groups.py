@@ -1,4 +1,5 @@
-"""How the controller calls a role: on every rank, on rank 0, or on shards of a batch.
+"""How the controller calls a role: on every rank, on rank 0, on shards of a batch, or with each
+rank's own arguments.
 
 `LocalGroup` is one rank in the controller's own process (one CPU rank needs no Ray actor, as a
 single `deepspeed` process needs no launcher); `RayGroup` is a role's ranks as Ray actors (a
@@ -48,6 +49,10 @@ class LocalGroup:
     def call_sharded(self, method: str, items: list, **kwargs) -> list:
         return self.call_sharded_async(method, items, **kwargs).gather()
 
+    def call_each_async(self, method: str, per_rank: list[tuple[tuple, dict]]) -> Pending:
+        ((args, kwargs),) = per_rank
+        return Pending([getattr(self.worker, method)(*args, **kwargs)])
+
     def call_rank0(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
@@ -86,6 +91,10 @@ class RayGroup:
 
     def call_sharded(self, method: str, items: list, **kwargs) -> list:
         return self.call_sharded_async(method, items, **kwargs).gather()
+
+    def call_each_async(self, method: str, per_rank: list[tuple[tuple, dict]]) -> Pending:
+        """Rank r runs `method(*args_r, **kwargs_r)`: each rank its own work."""
+        return Pending(call=self.group.call_each_async(method, per_rank))
 
     def call_rank0(self, method: str, *args, **kwargs):
         return self.group.call_rank0(method, *args, **kwargs)

@@ -80,8 +80,8 @@ class RoleWorker(WeightSender):
     def scores(self, samples):
         return self.role.scores(samples)
 
-    def train_epoch(self, samples, **kwargs):
-        return self.role.train_epoch(samples, **kwargs)
+    def train_step(self, samples, epochs, **kwargs):
+        return self.role.train_step(samples, epochs, **kwargs)
 
     def weights(self):
         return self.role.weights()

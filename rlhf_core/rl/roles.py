@@ -72,6 +72,15 @@ def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
     return float(loss_units(torch.tensor([float(s.response_len) for s in samples]), mode))
 
 
+def mean_over_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
+    """Each statistic's mean over the epochs (an epoch without optimizer steps reports none)."""
+    totals: dict[str, float] = {}
+    for stats in epochs:
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v / len(epochs)
+    return totals
+
+
 def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list[list]]:
     """This rank's samples cut into optimizer steps of `per_rank_batch`, each into micro-batches."""
     return [[samples[i + j : i + j + micro] for j in range(0, per_rank_batch, micro)]
@@ -160,8 +169,12 @@ class PolicyRole(_Checkpointed, _Role):
         self.engine.eval()
         return self._logprobs(self.engine, samples)
 
-    def train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
-        """One pass over this rank's share of the rollout (already in step order): a few optimizer steps."""
+    def train_step(self, samples: list[RolloutSample], epochs: list[list[int]], kl_coef: float) -> dict[str, float]:
+        """This rank's PPO epochs over its samples (`plan.RankWork`); the stats averaged over epochs."""
+        return mean_over_epochs([self._train_epoch([samples[i] for i in order], kl_coef) for order in epochs])
+
+    def _train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
+        """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""
         algo, train = self.cfg.algo, self.cfg.train
         mode = LossAggMode(algo.loss_agg_mode)
         eps_low, eps_high = self.cfg.actor.eps_clip_low_high
@@ -173,7 +186,7 @@ class PolicyRole(_Checkpointed, _Role):
             logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index])
             width = mask.shape[1]
             # None: a sample of the rollout's first optimizer step, whose old policy is this one
-            # (`RLController.on_policy`): its old log-probs are this forward's, detached.
+            # (`StepPlan.on_policy`): its old log-probs are this forward's, detached.
             on_policy = torch.tensor([s.old_logprobs is None for s in chunk], device=self.device)
             old = stack([s.old_logprobs if s.old_logprobs is not None else torch.zeros(0) for s in chunk],
                         width).to(self.device)
@@ -258,7 +271,11 @@ class CriticRole(_Checkpointed, _Role):
             out += unstack(v, [s.response_len for s in chunk])
         return out
 
-    def train_epoch(self, samples: list[RolloutSample]) -> dict[str, float]:
+    def train_step(self, samples: list[RolloutSample], epochs: list[list[int]]) -> dict[str, float]:
+        """This rank's PPO epochs over its samples (`plan.RankWork`); the stats averaged over epochs."""
+        return mean_over_epochs([self._train_epoch([samples[i] for i in order]) for order in epochs])
+
+    def _train_epoch(self, samples: list[RolloutSample]) -> dict[str, float]:
         algo, train = self.cfg.algo, self.cfg.train
         mode = LossAggMode(algo.loss_agg_mode)
         norm_length = self.cfg.rollout.max_new_tokens

@@ -31,6 +31,7 @@ from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.groups import LocalGroup
 from rlhf_core.rl.roles import CriticRole, PolicyRole, ReferenceRole, RewardModelRole, total_optimizer_steps
+from rlhf_core.rl.scoring import RewardModelSource, TextRewardSource
 from rlhf_core.trainers.common import local_model_path, seed_everything
 
 # Sequences the transformers engine samples at once (a rollout step's prompts x samples, in chunks):
@@ -221,10 +222,11 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             roles = ray_roles(cfg, specs, actor_path, reward_paths)
         else:
             roles = local_roles(cfg, specs, actor_path)
-        reward_fn = None if reward_paths else build_reward_fn(cfg)
+        rewards = (RewardModelSource(roles.reward_model) if reward_paths
+                   else TextRewardSource(build_reward_fn(cfg), tokenizer))
         roles.engines.sync(roles.actor)
         controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, roles.engines,
-                                  roles.actor, roles.critic, roles.ref, roles.reward_model, reward_fn, tracker,
+                                  roles.actor, roles.critic, roles.ref, rewards, tracker,
                                   kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps)
         metrics = controller.run()
         manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision,

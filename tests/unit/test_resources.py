@@ -1,7 +1,6 @@
 """Devices from cluster resources, pools and shares for each colocation mode, batch shards."""
 
 import pytest
-import torch
 
 from rlhf_core.distributed.resources import (
     ClusterDevices,
@@ -10,7 +9,6 @@ from rlhf_core.distributed.resources import (
     colocation_groups,
     plan_layout,
 )
-from rlhf_core.distributed.role_group import concat_results, split_batch
 
 RL_ROLES = {"actor": 2, "ref": 2, "critic": 2, "reward": 2}
 
@@ -121,29 +119,6 @@ def test_bad_layouts_are_refused():
         plan_layout({"actor": 0}, devices=gpu_cluster())
     with pytest.raises(PlacementError, match="cannot be split"):
         plan_layout({"actor": 1}, devices=cpu_cluster(0))
-
-
-def test_split_batch_in_equal_contiguous_shards():
-    assert split_batch(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
-    shards = split_batch({"ids": torch.arange(8).view(4, 2), "text": ["a", "b", "c", "d"]}, 2)
-    assert shards[1]["ids"].tolist() == [[4, 5], [6, 7]] and shards[1]["text"] == ["c", "d"]
-    assert shards[0]["ids"].untyped_storage().size() == 4 * 8  # a copy: not the whole batch's storage
-    with pytest.raises(ValueError, match="5 rows does not split into 2"):
-        split_batch(list(range(5)), 2)
-    with pytest.raises(ValueError, match="differ in length"):
-        split_batch({"a": [1, 2], "b": [1]}, 1)
-    with pytest.raises(TypeError):
-        split_batch(object(), 1)
-
-
-def test_concat_results_in_rank_order():
-    assert concat_results([torch.tensor([1, 2]), torch.tensor([3])]).tolist() == [1, 2, 3]
-    assert concat_results([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]
-    assert concat_results([[1], [2, 3]]) == [1, 2, 3]
-    merged = concat_results([{"v": torch.ones(1), "n": [1]}, {"v": torch.zeros(1), "n": [2]}])
-    assert merged["v"].tolist() == [1.0, 0.0] and merged["n"] == [1, 2]
-    assert concat_results([None, None]) is None
-    assert concat_results([1, 2]) == [1, 2]
 
 
 def test_detect_devices_waits_for_the_cpus_a_finished_job_is_handing_back(monkeypatch):

@@ -1,8 +1,10 @@
-"""The RL controller's pure parts: prompt order, the rank arrangement of PPO epochs, reward shaping."""
+"""The RL controller's pure parts: prompt order, the step plan (PPO epochs, ranks, on-policy samples), reward shaping."""
 
+import pytest
 import torch
 
-from rlhf_core.rl.controller import PromptStream, arrange_for_ranks, overlong_penalty
+from rlhf_core.rl.controller import PromptStream, overlong_penalty
+from rlhf_core.rl.plan import StepPlan, rank_orders
 from rlhf_core.rl.roles import optimizer_steps
 
 
@@ -15,6 +17,11 @@ def test_prompt_stream_visits_every_prompt_once_per_episode_in_a_seeded_order():
     resumed = PromptStream(10, seed=3)
     resumed.position = 14
     assert resumed.take(6) == second[4:]
+
+
+def arrange_for_ranks(samples, batch_size, world_size, seed, group_size=1):
+    """The samples as the ranks' contiguous shards, rank after rank."""
+    return [samples[i] for rank in rank_orders(len(samples), batch_size, world_size, seed, group_size) for i in rank]
 
 
 def test_two_ranks_take_the_slices_of_the_same_global_steps_as_one():
@@ -43,6 +50,24 @@ def test_a_prompts_samples_stay_together_where_each_rank_takes_whole_groups():
     assert arrange_for_ranks(samples, 8, 4, seed=5, group_size=4) == arrange_for_ranks(samples, 8, 4, seed=5)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_each_rank_gets_its_samples_once_and_every_epochs_order(world, epochs):
+    plan = StepPlan(count=36, batch_size=8, group_size=4, epoch_seeds=tuple(range(7, 7 + epochs)), leave_first_step=False)
+    work = plan.work(world)
+    for e in range(epochs):
+        for r, w in enumerate(work):  # positions into the rank's samples give exactly its slice of the epoch
+            assert [w.samples[p] for p in w.epochs[e]] == plan.orders(e, world)[r]
+    for w in work:
+        assert len(set(w.samples)) == len(w.samples)  # each sample shipped once, however many epochs use it
+    # The epochs' permutations differ, and the 4 samples past the last whole step are left out.
+    orders = [sum(plan.orders(e, world), []) for e in range(epochs)]
+    if epochs == 1:  # one epoch: a rank gets only its own share, and no sample goes to two ranks
+        assert sorted(i for w in work for i in w.samples) == sorted(orders[0])
+    assert all(len(o) == 32 for o in orders) and len({tuple(o) for o in orders}) == epochs
+    assert plan.experience_order(world)[:32] == orders[0] and sorted(plan.experience_order(world)) == list(range(36))
+
+
 def test_optimizer_steps_cut_whole_steps_into_micro_batches():
     assert optimizer_steps(list(range(8)), 4, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
@@ -55,7 +80,7 @@ def test_overlong_penalty_grows_over_the_buffer_and_caps_at_the_factor():
     assert torch.equal(overlong_penalty(raw, lengths, 20, None, 2.0), raw)
 
 
-def _controller(world_size=1, max_epochs=1, use_loss=True, ref=True, step=0, freezing_steps=0, batch_size=8):
+def _plan(world_size=1, max_epochs=1, use_loss=True, ref=True, step=0, freezing_steps=0, batch_size=8, count=16):
     from types import SimpleNamespace
 
     from rlhf_core.rl.controller import RLController
@@ -66,25 +91,20 @@ def _controller(world_size=1, max_epochs=1, use_loss=True, ref=True, step=0, fre
         critic=SimpleNamespace(freezing_steps=freezing_steps), algo=SimpleNamespace(kl=SimpleNamespace(use_loss=use_loss)),
         rollout=SimpleNamespace(n_samples_per_prompt=4))
     controller.actor, controller.ref, controller.step = SimpleNamespace(world_size=world_size), ref or None, step
-    return controller
+    return controller.plan_step(count).on_policy(world_size)
 
 
 def test_the_first_optimizer_steps_samples_are_left_to_training_only_where_nothing_else_reads_them():
     for world in (1, 2):
-        controller = _controller(world_size=world)
-        order = controller.experience_order(16)
-        assert sorted(order) == list(range(16))
-        skipped = controller.on_policy(order)
-        share = 16 // world  # a rank's contiguous shard of the arranged samples, step after step
-        first_step = {p for r in range(world) for p in range(r * share, r * share + 8 // world)}
-        assert skipped == first_step
-        # Those are the samples every rank trains on in its first optimizer step (`train`).
-        arranged = arrange_for_ranks(list(range(16)), 8, world, controller.epoch_seed(0), 4)
-        ranks = [arranged[r * share : (r + 1) * share] for r in range(world)]
-        assert {order[p] for p in skipped} == {i for rank in ranks for i in optimizer_steps(rank, 8 // world, 1)[0][0]
-                                               + sum(optimizer_steps(rank, 8 // world, 1)[0][1:], [])}
-    assert _controller().on_policy(list(range(8))) == set()  # one optimizer step: the metrics need a second
-    assert _controller(max_epochs=2).on_policy(list(range(16))) == set()  # a later epoch revisits them
-    assert _controller(use_loss=False).on_policy(list(range(16))) == set()  # the KL in the reward reads them
-    assert _controller(use_loss=False, ref=False).on_policy(list(range(16)))  # no KL at all
-    assert _controller(freezing_steps=2, step=1).on_policy(list(range(16))) == set()  # the actor does not train
+        plan = StepPlan(16, 8, 4, (1 * 1_000_003,), True)
+        left = plan.on_policy(world)
+        assert left == _plan(world_size=world)
+        # Those are exactly the samples every rank trains on in its first optimizer step.
+        ranks = plan.orders(0, world)
+        assert left == {i for rank in ranks for micro in optimizer_steps(rank, 8 // world, 1)[0] for i in micro}
+        assert len(left) == 8
+    assert _plan(count=8) == set()  # one optimizer step: the metrics need a second
+    assert _plan(max_epochs=2) == set()  # a later epoch revisits them
+    assert _plan(use_loss=False) == set()  # the KL in the reward reads them
+    assert _plan(use_loss=False, ref=False)  # no KL at all
+    assert _plan(freezing_steps=2, step=1) == set()  # the actor does not train

@@ -39,19 +39,19 @@ def reward_func(queries, prompts, labels, **kwargs):
 def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
 
-    from rlhf_core.rl.controller import RLController
+    from rlhf_core.rl.plan import StepPlan
     from rlhf_core.rl.roles import PolicyRole
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD_FILE)
     recomputed = []
     logprobs = PolicyRole.logprobs
-    on_policy = RLController.on_policy
+    on_policy = StepPlan.on_policy
     weights = {}
     # all: every old log-prob from a separate pass; left: the first step's left to the training
     # forward; shifted (the control): all from a separate pass, each 0.2 off.
     for name, skip, shift in (("all", False, 0.0), ("left", True, 0.0), ("shifted", False, 0.2)):
-        monkeypatch.setattr(RLController, "on_policy", on_policy if skip else lambda self, order: set())
+        monkeypatch.setattr(StepPlan, "on_policy", on_policy if skip else lambda self, world: set())
         monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples, shift=shift: recomputed.append(len(samples))
                             or [lp + shift for lp in logprobs(self, samples)])
         recomputed.clear()
