@@ -1,32 +1,24 @@
 """Evaluation: policies side by side against a reference on held-out prompts (`rlhf eval`).
 
-Every model (each policy, and the reference when one is given) answers the same held-out prompts
-twice: greedily, and `K = n_samples_per_prompt` times at `temperature`. Per model, under
-`eval/<name>/<metric>` (the reference as `eval/reference/...`):
+Every model answers the same held-out prompts greedily and `K = n_samples_per_prompt` times at
+`temperature`. Per model, under `eval/<name>/<metric>` (the reference as `eval/reference/...`):
 - `greedy_accuracy`: the task's exact verifier on the greedy response;
 - `sampled_accuracy`: the verifier's mean over the K samples of every prompt;
-- `pass_at_<K>`: the share of prompts with at least one correct sample among the K (the unbiased
-  estimator 1 - C(n-c, k) / C(n, k) of Chen et al. (2021) reduces to this when n = k);
+- `pass_at_<K>`: share of prompts with at least one correct sample (Chen et al.'s unbiased
+  estimator with n = k);
 - `reward`: the reward model's mean score of the greedy responses;
 - `response_len`: mean greedy response length in generated tokens, EOS included;
 and for the policies only:
-- `win_rate`: how often the reward model scores the policy's greedy response above the
-  reference's on the same prompt, ties counting 1/2 (a model against itself scores exactly 0.5);
-- `kl`: KL(policy || reference), the k1 estimator on the K samples per prompt drawn from the
-  policy at temperature 1 (the very samples above when `temperature` is 1, else K more): the mean
-  over samples of the summed per-token log pi - log pi_ref. The log-probs are exact forward passes
-  of both models over the sampled ids (not the engine's generation scores), unclamped, so the
-  estimate is unbiased; a model against itself gives exactly 0.
+- `win_rate`: share of prompts where the RM scores the policy's greedy response above the
+  reference's, ties 1/2 (a model against itself: exactly 0.5);
+- `kl`: KL(policy || reference), k1 on K samples per prompt from the policy at temperature 1:
+  mean over samples of sum_t (log pi - log pi_ref), from exact forward passes of both models,
+  unclamped (unbiased; a model against itself: exactly 0).
 
-Generation runs one engine at a time (a vLLM engine holds its share of the GPU until closed): the
-policies first, each scoring its own KL samples before it is released, then the reference, which
-scores every policy's KL samples; then the reward model; a model given twice is generated once.
-Greedy decoding makes every number but the sampled ones deterministic, and every model samples
-with the same seed. Prompts are formatted like the training data (chat template by default),
-read from the `test` split when the dataset has one. The report goes to `save_path/eval.json`
-with a few sample rows; `format_eval_markdown` renders it for people, one column per model. This
-module imports torch only inside the functions that run models, so the orchestration layer can
-read and render reports without it.
+One engine at a time (a vLLM engine holds its GPU share until closed): the policies, each scoring
+its own KL samples, then the reference, scoring every policy's; then the reward model. Every model
+samples with the same seed. The report is `save_path/eval.json`; torch is imported only inside the
+functions that run models, so the orchestration layer can read and render reports without it.
 """
 
 from __future__ import annotations
@@ -132,9 +124,10 @@ def response_logprobs(model, prompt_ids: list[list[int]], response_ids: list[lis
 
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate, write `eval.json` + `stage.json` to `cfg.save_path`, log to MLflow; returns the manifest."""
+    from rlhf_core.infra.publishing import publish_output
     from rlhf_core.rollout import load_prompt_set
     from rlhf_core.rollout.prompts import held_out_split
-    from rlhf_core.rollout.stage import publish_stage, stage_run
+    from rlhf_core.rollout.stage import stage_run
 
     cfg.check_complete()
     policies = cfg.policies()
@@ -147,8 +140,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         inputs = {"pretrain": cfg.pretrain, "policies": [{"name": n, "uri": u} for n, u in policies],
                   "ref_pretrain": cfg.ref_pretrain, "reward_pretrain": cfg.reward_pretrain,
                   "datasets": prompts.sources}
-        return publish_stage(cfg, tracker, {REPORT: json.dumps(report, indent=2, ensure_ascii=False)},
-                             report["metrics"], inputs)
+        return publish_output(cfg, tracker, inputs, report["metrics"],
+                              files={REPORT: json.dumps(report, indent=2, ensure_ascii=False)})
 
 
 @dataclass

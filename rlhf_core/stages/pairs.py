@@ -1,15 +1,12 @@
 """Online / iterative DPO data (`rlhf pairs`): sample the current policy, score, pair best with worst.
 
-For each prompt the policy samples `n_samples_per_prompt` responses; a reward source (the
-task's verifier, or a reward model) scores them; the highest-scoring response becomes `chosen`
-and the lowest `rejected` (first one on ties, so the result is deterministic). A prompt whose
-best and worst scores are equal teaches nothing and is skipped, and so is a blank response: the
-preference loaders reject empty texts, and a DPO run must not fail on data this stage wrote.
+Per prompt, `n_samples_per_prompt` responses are scored by a reward source (verifier or reward
+model); the best becomes `chosen`, the worst `rejected` (first on ties: deterministic). A prompt
+whose scores are all equal is skipped, and blank responses never count: the preference loaders
+reject empty texts, and a DPO run must not fail on data this stage wrote.
 
-The output directory holds `train.jsonl` (`prompt`, `chosen`, `rejected`, `chosen_score`,
-`rejected_score`; prompts raw, as every trainer expects them) and `stage.json`, published
-atomically, so `rlhf train dpo --dataset json@<save_path>` trains on it directly (held-out
-pairs, if wanted, come from `--eval_dataset`).
+The output holds `train.jsonl` (`prompt`, `chosen`, `rejected`, `chosen_score`, `rejected_score`;
+prompts raw) and `stage.json`, published atomically, for `rlhf train dpo --dataset json@<save_path>`.
 """
 
 from __future__ import annotations
@@ -65,9 +62,10 @@ def reward_source(cfg: PairsConfig):
 
 def run_pairs(cfg: PairsConfig) -> dict:
     """Sample, score and pair; publish `train.jsonl` + `stage.json` to `cfg.save_path`; returns the manifest."""
+    from rlhf_core.infra.publishing import publish_output
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
-    from rlhf_core.rollout.stage import publish_stage, stage_run
+    from rlhf_core.rollout.stage import stage_run
     from rlhf_core.trainers.common import local_model_path
 
     cfg.check_complete()
@@ -99,4 +97,4 @@ def run_pairs(cfg: PairsConfig) -> dict:
                                "(--n_samples_per_prompt), raise --temperature, or use a reward model")
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         inputs = {"pretrain": cfg.pretrain, "reward_pretrain": cfg.reward_pretrain, "datasets": prompts.sources}
-        return publish_stage(cfg, tracker, {"train.jsonl": text}, metrics, inputs)
+        return publish_output(cfg, tracker, inputs, metrics, files={"train.jsonl": text})

@@ -6,10 +6,8 @@ stays readable top to bottom (setup -> train -> save), in the manner of torchtun
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,8 @@ import torch
 from rlhf_core.config import TrainConfig
 from rlhf_core.distributed.engine import device, init_distributed, precision_of
 from rlhf_core.infra import storage
-from rlhf_core.infra.manifests import code_version, stage_manifest
+from rlhf_core.infra.manifests import code_version
+from rlhf_core.infra.publishing import publish_output
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
@@ -163,7 +162,8 @@ def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
 
 def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict,
                config_updates: dict | None = None) -> dict | None:
-    """Write the stage output (HF model + tokenizer + stage.json) from rank 0; returns the manifest.
+    """Publish the stage output (HF model + tokenizer + stage.json, `publish_output`) from rank 0;
+    returns the manifest.
 
     Every rank must call this: ZeRO-3 parameters are gathered collectively.
     """
@@ -172,40 +172,19 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
     if ctx.is_main:
         for key, value in (config_updates or {}).items():
             setattr(model.config, key, value)
-        cfg = ctx.cfg
-        manifest = stage_manifest(cfg, inputs, metrics, ctx.tracker.run_id, precision=precision_of(cfg).value)
-        if ctx.resume is not None:
-            manifest["resume"] = ctx.resume
-        publish_model(cfg, model, tokenizer, manifest, ctx.tracker)
+        manifest = publish_output(ctx.cfg, ctx.tracker, inputs, metrics, write=model_writer(model, tokenizer),
+                                  precision=precision_of(ctx.cfg).value, resume=ctx.resume, trained=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return manifest
 
 
-def publish_model(cfg, model, tokenizer, manifest: dict, tracker: Tracker) -> None:
-    """Publish `model` + `tokenizer` + `manifest` (stage.json, written last) to `cfg.save_path`, and
-    record the output on the stage's MLflow run (tags, final metrics, stage.json as an artifact)."""
-    model.config.use_cache = True
-    manifest["output_uri"] = storage.normalize_uri(cfg.save_path)
-    local_parent = None if storage.is_remote(cfg.save_path) else Path(cfg.save_path).expanduser().resolve().parent
-    if local_parent is not None:
-        local_parent.mkdir(parents=True, exist_ok=True)
-    # Built in a temporary sibling (same filesystem), then published: a full disk (DiskFullError, exit 2)
-    # removes what was built and leaves an earlier output at save_path as it was.
-    with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp, storage.saving(
-            "--save_path", cfg.save_path, f"output of {cfg.stage}", "the previous output there is as it was"):
-        out = Path(tmp) / "model"
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        # The run must be able to record the output before it is published (RLHF_STORE_WAIT_S), and a
-        # record that fails after it withdraws it: nothing looks finished whose run did not finish.
-        tracker.await_store(f"nothing was published at {cfg.save_path}; checkpoints are kept"
-                            + (f" in {cfg.ckpt_path}" if getattr(cfg, "ckpt_path", None) else ""))
-        storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
-        tracker.published(manifest["output_uri"], cfg.stage)
-    tracker.set_tags({"rlhf.output_uri": manifest["output_uri"], "rlhf.config_hash": manifest["config_hash"]})
-    tracker.log_metrics({k.replace("/", "_") + "_final": v for k, v in manifest["metrics"].items()}, step=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / storage.MANIFEST
-        path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        tracker.log_artifact(str(path))
+def model_writer(model, tokenizer):
+    """`publish_output`'s `write` for a trained model: HF safetensors (with `use_cache` on) + the tokenizer."""
+
+    def write(folder: Path) -> None:
+        model.config.use_cache = True
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return write

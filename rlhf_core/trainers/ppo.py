@@ -26,7 +26,7 @@ import torch
 from rlhf_core.algos.advantages import kl_controller
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
-from rlhf_core.infra.manifests import code_version, stage_manifest
+from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.groups import LocalGroup
@@ -249,16 +249,14 @@ def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], track
                 resume: dict | None = None) -> dict:
     """The actor as the stage output: HF model + tokenizer + stage.json, published atomically.
     `resume`: where training started (`RLController.resume`), recorded in stage.json."""
+    from rlhf_core.infra.publishing import publish_output
     from rlhf_core.models.loading import load_causal_lm
-    from rlhf_core.trainers.common import publish_model
+    from rlhf_core.trainers.common import model_writer
 
     state = actor.call_all("export")[0]  # rank 0's; every rank takes part in a ZeRO-3 gather
     model = load_causal_lm(local_model_path(cfg.actor.model_name_or_path))
     model.load_state_dict(state, strict=True)
     inputs = {"pretrain": cfg.actor.model_name_or_path, "reward_pretrain": cfg.reward.model_name_or_path,
               "datasets": sources}
-    manifest = stage_manifest(cfg, inputs, metrics, tracker.run_id, precision=precision)
-    if resume is not None:
-        manifest["resume"] = resume
-    publish_model(cfg, model, tokenizer, manifest, tracker)
-    return manifest
+    return publish_output(cfg, tracker, inputs, metrics, write=model_writer(model, tokenizer), precision=precision,
+                          resume=resume, trained=True)
