@@ -1,34 +1,21 @@
 """Prefect's settings for the embedded default, in the environment before Prefect is imported.
 
-`rlhf pipeline run` with nothing set runs the flow against Prefect's ephemeral API: a server
-subprocess on 127.0.0.1 with a SQLite database. Prefect reads its settings once, at import, so
-`flows/__init__.py` applies these before any flow module imports Prefect:
+`rlhf pipeline run` with nothing set uses Prefect's ephemeral API (a server subprocess on
+127.0.0.1, SQLite). Prefect reads settings once, at import, so `flows/__init__.py` applies these first:
 
-- State under the project's state directory (`$RLHF_HOME/prefect`, made owner-only), not
-  `~/.prefect`, unless the user configured Prefect (`PREFECT_HOME`, `PREFECT_API_URL`, a
-  profile, `./prefect.toml`): their setup wins.
-- A startup budget that fits a busy machine. Prefect gives its ephemeral server 20 s; on 2
-  cores its start plus a trivial flow took 9-13 s when quiet and 38 s with the cores busy,
-  whether or not its database had to be created and migrated (the server's imports dominate),
-  so a first run next to other work failed. A server that dies at start is only reported once
-  the budget is spent, hence 3 minutes and not more.
-- No phoning home: Prefect's server analytics (on every start, an ERROR line when offline) and
-  SDK events, and MLflow's usage telemetry. Ray's usage stats are already off under `ray.init`.
+- State in `$RLHF_HOME/prefect` (owner-only), unless the user configured Prefect (`PREFECT_HOME`,
+  `PREFECT_API_URL`, a profile, `./prefect.toml`).
+- A 3-minute startup budget: Prefect's 20 s is too short on a busy machine (benchmarks/README.md),
+  and a server that dies at start is reported only once the budget is spent.
+- No phoning home: Prefect's analytics and SDK events, MLflow's telemetry off.
 
-A variable the user set is never changed. If Prefect is already imported, this does nothing:
-whoever imported it owns its settings (the test harness, a Prefect worker).
+A variable the user set is never changed; if Prefect is already imported, nothing is done.
 
-Two runs at once on one machine share these SQLite databases (a scheduled run while a manual one
-runs). Measured: two `rlhf pipeline run`s started together on a new state directory both
-migrated the new MLflow database, and one failed (`table _alembic_tmp_experiments already
-exists`); each run's ephemeral Prefect server migrates its database at start the same way.
-`prepare_stores` (before the flow starts) therefore creates or upgrades the MLflow store and
-creates a missing Prefect database one process at a time, under a file lock next to each
-database; a later process finds them current and migrates nothing. The MLflow database stays in
-SQLite's rollback-journal mode: in write-ahead-log mode a Ray job did not find the stage run its
-flow had just created (tests/integration/test_pipeline.py, after several flows in one process),
-so it is not used. Prefect waits up to 60 s for a lock, MLflow (pysqlite) 5 s, ample for their
-small transactions.
+Concurrent runs share these SQLite databases, and two runs migrating a new MLflow database at once
+fail (`table _alembic_tmp_experiments already exists`). So `prepare_stores` creates or upgrades
+them one process at a time under a file lock. The MLflow database stays in rollback-journal mode:
+under WAL a Ray job did not see the stage run its flow had just created
+(tests/integration/test_pipeline.py).
 """
 
 from __future__ import annotations
@@ -97,8 +84,7 @@ def sqlite_path(url: str) -> Path | None:
 
 def prepare_stores() -> None:
     """Create or upgrade the embedded MLflow store and create a missing Prefect database, one
-    process at a time (see the module's doc). Servers (`MLFLOW_TRACKING_URI` other than SQLite,
-    Prefect's API URL) are left alone."""
+    process at a time (module docstring). Servers are left alone."""
     from rlhf_core.infra.settings import tracking_uri
 
     uri = tracking_uri()

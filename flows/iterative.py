@@ -6,10 +6,9 @@ policy (which is also its reference) on those pairs -> `rlhf eval` of the new po
 SFT model -> registered as a new `rlhf-policy` version, promoted to `champion` when the promote
 metric beats the champion's. The next round continues from the champion.
 
-A scheduled run starts from the registered `champion` (or the SFT model when there is none, or
-when `start_from` is `sft`). Sampling is seeded per pipeline run unless `iterative.seed` pins it,
-so each scheduled run draws fresh pairs instead of hitting the cache of the previous run. Rounds
-are linked in the lineage: each round's stages name the previous policy as their upstream.
+A run starts from the `champion` (else SFT, or SFT with `start_from: sft`). Sampling is seeded per
+pipeline run unless `iterative.seed` pins it, so scheduled runs draw fresh pairs. Each round's
+stages name the previous policy as their upstream.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ from orchestration.stages import PipelineContext, StageJob
 from rlhf_core.config import DPOConfig, with_updates
 from rlhf_core.infra.manifests import params_hash
 
-# IterativeDPOParams fields that do not change a round's pairs: `rounds` (how many rounds follow
-# does not change this one; raising it must not resample round 1), `start_from` (it picks the
-# starting policy, which is in the key as the `policy` upstream), `seed` (replaced by the round's
-# own sampling seed). Every other field, present or future, is in the pairs cache key.
+# Fields that do not change a round's pairs: `rounds` (raising it must not resample round 1),
+# `start_from` (the policy is in the key as an upstream), `seed` (the round's seed is). Every other
+# field, present or future, is in the pairs cache key.
 PAIRS_NOT_IN_KEY = frozenset({"rounds", "start_from", "seed"})
 
 

@@ -1,14 +1,11 @@
 """Stage jobs of the `rlhf` flow: what each stage runs, on whose outputs, under which cache key.
 
-Pure builders: each turns a stage's parameters and its upstream `StageOutcome`s into a `StageJob`
-(the `rlhf` CLI arguments, the config written next to the output, the settings hash, the
-upstream roles that become lineage tags and cache-key inputs). Nothing here submits or waits;
-`flows/pipeline.py` and `flows/iterative.py` both build their jobs here and run them through
-`orchestration.stages.run_job_stage`.
+Pure builders: stage parameters and upstream `StageOutcome`s -> a `StageJob` (CLI arguments, the
+config, the settings hash, the upstream roles that become lineage tags and cache-key inputs).
+Nothing here submits or waits (`orchestration.stages.run_job_stage` does).
 
-Inputs a config names itself (a `pretrain`, a reference, a reward model or file) win over the
-upstream stage and enter the cache key by URI; inputs left empty are filled from upstream and
-enter it by the upstream's own cache key, so an unchanged upstream keeps the cache valid.
+Inputs a config names itself win over upstream and enter the cache key by URI; inputs left empty
+are filled from upstream and enter it by the upstream's cache key.
 """
 
 from __future__ import annotations
@@ -94,10 +91,9 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
 def given_reference(cfg: TrainConfig) -> str | None:
     """The reference model a DPO/KTO config names apart from its start model; None when derived.
 
-    Their validators fill `ref_pretrain` from `pretrain`, and `with_updates` (or any dump and
-    validate) turns that derived value into a set field, so the field alone cannot say who chose
-    it. A reference equal to `pretrain` is already in the cache key as the model; a missing one is
-    filled from the upstream model, also in the key. Only a different one is a further input.
+    Validators fill `ref_pretrain` from `pretrain`, and any dump-and-validate makes that a set
+    field, so the field alone cannot say who chose it. Only a reference other than `pretrain` is
+    a further cache-key input.
     """
     reference = getattr(cfg, "ref_pretrain", None)
     return reference if reference is not None and reference != cfg.pretrain else None

@@ -1,15 +1,10 @@
 """Online RL inside the `rlhf` flow: continue PPO from the champion policy on fresh prompts.
 
-One run of stage `online_rl`: `rlhf train ppo` with the registered `champion` as the actor (the
-SFT model when there is none, or with `start_from: sft`), the SFT model as the reference (the KL
-penalty keeps the policy near SFT however many runs have continued it), the run's reward model
-as the reward and the critic's start -> `rlhf eval` of the new policy against SFT -> registered as
-a new `rlhf-policy` version and promoted to `champion` only when `evaluation.promote_metric`
-beats the champion's. Nothing is promoted on a regression, so the schedule can run unattended.
-
-Fresh prompts: the training seed (prompt order and sampling) is drawn per pipeline run unless
-`online.seed` pins it, so each scheduled run trains on other prompts first and never hits the
-cache of the previous one; `train.max_steps` bounds how many it sees.
+`rlhf train ppo` from the `champion` (else SFT, or SFT with `start_from: sft`) with SFT as the
+reference (the KL keeps the policy near SFT however many runs continue it) and the run's reward
+model -> `rlhf eval` against SFT -> a new `rlhf-policy` version, promoted to `champion` only when
+`evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
+drawn per pipeline run unless `online.seed` pins it: fresh prompts, never the previous run's cache.
 """
 
 from __future__ import annotations

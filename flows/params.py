@@ -5,8 +5,8 @@ in `rlhf train sft --micro_train_batch_size 8`, in a YAML file and in the Prefec
 pipeline, `pretrain`, `save_path` and `dataset` may stay empty: the flow fills them from the
 upstream stage (prep's data and base model, SFT's model, ...). A value given wins.
 
-Defaults are sized for the embedded default: a 1M-parameter model on a 2-core CPU, where the
-whole pipeline finishes in minutes. Bad values are rejected by pydantic before anything runs.
+Defaults are sized for the embedded default (a 1M-parameter model on a small CPU, the pipeline in
+minutes). Bad values are rejected by pydantic before anything runs.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ from pydantic import Field, model_validator
 from rlhf_core.config import DataConfig, DPOConfig, RMConfig, SFTConfig, StrictModel
 from rlhf_core.rl_config import PPOConfig
 
-# Sized for a 1M-parameter model on 2 CPU cores: on the default task (sort) SFT needs ~1000
-# steps to reach 96-98.5% held-out exact match; the preference stages start from it and need far
-# fewer. The reward model's held-out accuracy after one epoch moved between 90.5% and 98.5% with
-# the rounding of the SFT model below it; two epochs reached 95.5% from the weaker of the two.
-# DPO keeps an NLL term on the chosen response (RPO): without it, DPO at this learning rate
-# widened the margin but cut held-out exact match from 99% to 79% (measured on reverse).
-# The default prep is the setting where RL has room: 30% of the SFT demonstrations are wrong, so
-# the SFT model answers held-out prompts right greedily but only ~65-70% of the time sampled at
-# temperature 1, and the reward model (trained on always-correct pairs) still ranks ~98% of pairs.
+# Tuned on the tiny model and the sort task (figures: benchmarks/README.md). The reward model
+# trains two epochs (one was unstable); DPO keeps an NLL term on the chosen response (RPO: without
+# it DPO hurt exact match). Prep makes 30% of SFT demonstrations wrong, so the SFT policy errs when
+# sampled and RL has room, while the reward model (always-correct pairs) still ranks well.
 PREP = {"n_train": 16000, "n_test": 200, "demo_error_rate": 0.3}
 COMMON = {"zero_stage": 2, "seed": 0,
           "data": {"apply_chat_template": True, "max_len": 64, "packing_samples": True}}
@@ -39,11 +34,9 @@ TUNED = {
             "lr_warmup_ratio": 0.05, "max_epochs": 1, "beta": 0.1, "nll_loss_coef": 1.0,
             "data": {**COMMON["data"], "max_samples": 4000}},
 }
-# PPO with a critic initialised from the reward model (OpenRLHF's default), rewards from the reward
-# model normalised by its stored mean/std (the flow turns normalisation on when it fills the reward
-# from the run's reward model; the validator refuses it without a model): the recipe that raised held-out sampled accuracy by
-# more than 10 points over this SFT setting (tests/learning/test_rl_stage.py). Dotted paths, as the
-# `rlhf train ppo` flags; `eval` measures held-out sampled and greedy accuracy before and after.
+# PPO, critic initialised from the reward model (OpenRLHF's default), rewards from the reward model
+# normalised by its stored mean/std (the flow turns that on when it fills in the run's reward model):
+# the recipe tests/learning/test_rl_stage.py guards. Dotted paths, as the `rlhf train ppo` flags.
 TUNED_PPO = {
     "algo.advantage.estimator": "gae", "algo.advantage.lambd": 0.95, "algo.kl.init_coef": 0.01,
     "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 32,
@@ -103,13 +96,11 @@ DERIVED_PPO_FIELDS = frozenset({"critic.model_name_or_path", "ref.model_name_or_
 class PipelinePPOConfig(PPOConfig):
     """`rlhf train ppo`'s config with the pipeline's tuned defaults under what a run gives.
 
-    Any spelling `rlhf train ppo` takes works here (nested sections, dotted paths, the flat flags
-    of OpenRLHF's earlier releases). Left empty, the flow fills the actor and the reference from
-    SFT, the prompts (and held-out prompts) from prep, the output from the run's output area, and
-    the reward from the run's reward model unless the section names another source
-    (`reward.task: sort` for the verifier, `reward.remote_url: file.py` for a reward file,
-    `reward.model_name_or_path` for another model). The critic (estimator gae) starts from the
-    reward model, as OpenRLHF's does, or from SFT when the reward is not a model.
+    Any spelling `rlhf train ppo` takes works (nested sections, dotted paths, OpenRLHF's flat
+    flags). Left empty, the flow fills actor and reference from SFT, prompts from prep, the output
+    from the run's area, and the reward from the run's reward model unless the section names
+    another source (`reward.task`, `reward.remote_url`, `reward.model_name_or_path`). The critic
+    (gae) starts from the reward model, or from SFT when the reward is not a model.
     """
 
     @model_validator(mode="before")
@@ -127,10 +118,9 @@ class PipelinePPOConfig(PPOConfig):
     def _open_until_filled(cls, values, handler):
         """Keep the fields `rlhf train ppo` derives from its inputs empty while the inputs are.
 
-        The critic, the reference, the generation budget (from the task) and `data.max_len` are
-        derived from the actor, the reward and the task, which the flow fills in later. Derived
-        from nothing now, they would be frozen (1024 new tokens, no critic) by every dump of the
-        parameters (Prefect stores a deployment's parameters as JSON) and never derived again.
+        `DERIVED_PPO_FIELDS` are derived from the actor, reward and task, which the flow fills in
+        later. Derived from nothing now, they would be frozen (1024 new tokens, no critic) by every
+        JSON dump of the parameters (Prefect stores deployments' so) and never derived again.
         """
         from rlhf_core.rl_config import _to_paths
 

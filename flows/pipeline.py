@@ -1,23 +1,19 @@
 """The `rlhf` flow: prep -> SFT -> reward model -> PPO and/or DPO -> evaluation (and iterative DPO rounds).
 
-Orchestration only: each stage is a task that submits the `rlhf` CLI as a Ray job (see
-`orchestration/stages.py`; the jobs themselves are built in `flows/jobs.py`); this module decides what
-runs, in which order, on whose outputs, and records the pipeline run in MLflow. Choices:
+Orchestration only: each stage is a task submitting the `rlhf` CLI as a Ray job
+(`orchestration/stages.py`, jobs built in `flows/jobs.py`); this module decides what runs, in which
+order, on whose outputs, and records the pipeline run in MLflow.
 
-- `settings.stages` picks the stages; they always run in lifecycle order. A stage that is not
-  run but is needed downstream comes from `settings.from_run` (an earlier pipeline run, by MLflow
-  parent run id or Prefect flow run id), so one stage can be rerun against earlier outputs,
-  which are read and never modified.
-- Stage outputs, prep's data and base model included, go to `<output_root>/<pipeline run
-  id>/<stage>` (local or s3://; jobs read s3:// data through a local cache).
-- Embedded default: a local Ray with its dashboard is started for the flow run and stopped at
-  the end; with `RAY_ADDRESS` the jobs go to that cluster.
-- Every policy stage of the run (DPO, PPO) trains from the same SFT model and reward model; one
-  `rlhf eval` job compares them all with the reference (SFT) on the same held-out prompts. Each
-  registers a version of `rlhf-policy` (`candidate`: the run's best); `champion` moves to the
-  best of them and the current champion by `evaluation.promote_metric`.
-- The return value and the parent run hold, per stage, the task's wall time and the Ray job's own
-  run time; their difference is the orchestration overhead.
+- `settings.stages` run in lifecycle order; a needed stage not run comes from `settings.from_run`
+  (read, never modified).
+- Outputs go to `<output_root>/<pipeline run id>/<stage>` (local or s3://).
+- Embedded default: a local Ray is started for the flow run and stopped at the end; with
+  `RAY_ADDRESS` the jobs go to that cluster.
+- Policy stages (DPO, PPO) train from the same SFT and reward model; one `rlhf eval` job compares
+  them with SFT. Each registers an `rlhf-policy` version; `champion` moves to the best of them and
+  the current champion by `evaluation.promote_metric`.
+- Per stage, the task's wall time and the Ray job's run time are recorded (the difference is the
+  orchestration overhead).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """What a flow starts dies with it, however the flow dies.
 
-A flow process that is SIGKILLed (the OOM killer, `kill -9`, a lost terminal) runs no `finally`
-and no atexit hook: its children (Prefect's ephemeral API server, the local Ray's keeper and
-cluster) are re-parented to init and live on, and its Ray jobs on a cluster of `RAY_ADDRESS` train
-on with nobody to record them.
+A SIGKILLed flow process runs no `finally` or atexit: its children (Prefect's server, the local
+Ray) live on, and its jobs on a `RAY_ADDRESS` cluster train on with nobody to record them.
 
-`lifeline()` starts a small watcher process in a session of its own (a signal to the flow's
-process group does not reach it), holding the read end of a pipe whose write end the kernel closes
-when the flow's process dies. The watcher records the process's descendants once a second (with
-their start times, `owner.start_time`, so a reused pid is never signalled) and the Ray jobs it has
-running on clusters that outlive it (told by `orchestration.ray_jobs`). On EOF without the leaving word
-(`BYE`) it stops those jobs and ends the recorded processes still alive: SIGTERM, then SIGKILL
-after a grace period. A block left normally says `BYE`: the watcher exits and touches nothing.
+`lifeline()` starts a watcher in a session of its own (out of reach of signals to the flow's
+process group), holding the read end of a pipe the kernel closes when the flow dies. It records
+the flow's descendants every second (with start times, so a reused pid is never signalled) and
+its jobs on clusters that outlive it (from `orchestration.ray_jobs`). On EOF without `BYE` it
+stops those jobs and SIGTERMs, then SIGKILLs, the recorded processes. A normal exit says `BYE`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,22 @@
 """MLflow lineage for pipeline runs: parent and child runs, cache lookups, the model registry.
 
-One parent run per pipeline run; one child run per stage, created here *before* its Ray job is
-submitted and handed to the job through `MLFLOW_RUN_ID`, so the job logs params, metrics and
-datasets into a run that already carries its lineage tags:
+One parent run per pipeline run; one child run per stage, created here before its Ray job is
+submitted and handed over through `MLFLOW_RUN_ID`, so the job logs into a run that already
+carries its lineage tags:
 
     rlhf.stage, rlhf.pipeline_run_id, rlhf.prefect_flow_run_id, rlhf.code_version,
     rlhf.cache_key, rlhf.upstream_run_ids (comma-separated), rlhf.upstream.<stage>.run_id,
     rlhf.upstream.<stage>.model_uri, rlhf.input.<role> (a model no stage of the run made: `model`,
     `reference`), rlhf.output_uri (set by the job), rlhf.cached_from
 
-Everything goes through `MlflowClient` with explicit run ids (no fluent "active run" state), so
-several stage tasks can talk to MLflow from one process without stepping on each other.
+Everything uses `MlflowClient` with explicit run ids (no fluent active run), so several stage
+tasks share one process safely.
 
-Registry: final models are registered as `rlhf-sft`, `rlhf-reward`, `rlhf-policy` (DPO and PPO
-policies alike; the version tag `rlhf.stage` tells them apart); the newest version gets alias
-`candidate`; `promote` moves `champion` only when the evaluation metric beats the current
-champion's. A model version's `source` is the stage output URI when it is remote
-(s3://); a tracking *server* refuses local paths outside a run's artifact folder, so a local
-output is registered as the run's `stage.json` artifact and its folder kept in the version tag
-`rlhf.output_uri`, which is what consumers read.
+Registry: `rlhf-sft`, `rlhf-reward`, `rlhf-policy` (DPO and PPO alike; tag `rlhf.stage` tells
+them apart); the newest version gets `candidate`; `promote` moves `champion` only when the metric
+beats the champion's. A version's `source` is the output URI when remote; a tracking server
+refuses local paths outside a run's artifacts, so a local output is registered as the run's
+`stage.json` artifact, its folder in the version tag `rlhf.output_uri` (what consumers read).
 """
 
 from __future__ import annotations
@@ -38,9 +36,8 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 
 def client():
-    """A client for the tracking store, once it answers (a server: within RLHF_STORE_CHECK_S, else
-    `StoreUnavailable`, which the stage task retries). Each request is bounded (`reachability.bound_mlflow_requests`)
-    and each call retried while the store fails, for up to RLHF_STORE_WAIT_S (`reachability.RetryingClient`)."""
+    """A client for the tracking store once it answers (a server within RLHF_STORE_CHECK_S, else
+    `StoreUnavailable`), every call retried up to RLHF_STORE_WAIT_S (`reachability.RetryingClient`)."""
     from mlflow import MlflowClient
 
     uri = tracking_uri()

@@ -1,37 +1,27 @@
 """`rlhf prune`: delete the pipeline outputs that nothing refers to any more.
 
-Every pipeline run keeps its stage outputs (full models), its checkpoints and its small files
-under `<output_root>/<pipeline run id>/`. `rlhf prune` looks there (the embedded default's
-`.rlhf/pipelines`, or `--output_root`, local only) and deletes an item only when all of these hold:
+Each pipeline run keeps its outputs, checkpoints and small files under `<output_root>/<run id>/`
+(default `.rlhf/pipelines`; local only). An item is deleted only when all of these hold:
 
-- it lies in a pipeline run's folder (named by its MLflow run id, as the flow names them) and
-  is something a stage or the flow wrote, recognised by its own marker: a stage output (a
-  folder with `stage.json`, or an unfinished one with `.rlhf-writing.json`), a checkpoint folder
-  (`rlhf-checkpoints.json` or the flow's `rlhf-stage-key.json`), a stage's config
-  `configs/<stage>.yaml` of a pipeline run the MLflow store knows, or `pipeline_summary.json`
-  naming its run. Anything else (a file or folder without a marker) is never deleted;
-- no registered MLflow model version points at it (tag `rlhf.output_uri`; with
-  `--keep_registered aliased` only versions that carry an alias, e.g. `champion`, count);
-- it is not a cache entry: for every cache key recorded under the current code version (the only
-  keys a run of this code can hit), the newest finished output the flow would reuse is kept
-  (`--keep_cache all`: under any code version; `none`: no cache entry is kept for being one);
-- it belongs to no recent run: the newest `--keep_last` pipeline runs, those started within
-  `--keep_days`, and every run still RUNNING in MLflow keep everything under their folder and
-  every output their stages used (a cached or reused output in an older run's folder). A run
-  left RUNNING by a process of this machine that is gone (killed) counts as ended, and `--yes`
-  marks it KILLED in MLflow (`rlhf_core/infra/owner.py`);
-- a run folder whose run the store does not know (deleted there, or another store) is recent by
-  its newest file's age.
+- it lies in a run folder named by an MLflow run id and carries a marker of ours: a stage output
+  (`stage.json`, or `.rlhf-writing.json` unfinished), a checkpoint folder (`rlhf-checkpoints.json`
+  or `rlhf-stage-key.json`), `configs/<stage>.yaml` of a run the store knows, or
+  `pipeline_summary.json` naming its run. Anything without a marker is never deleted;
+- no registered model version points at it (tag `rlhf.output_uri`; `--keep_registered aliased`:
+  only versions with an alias count);
+- it is not a cache entry: per cache key under the current code version, the newest finished
+  output is kept (`--keep_cache all`: any code version; `none`: none kept for being one);
+- it belongs to no recent run: the newest `--keep_last` runs, those within `--keep_days`, and
+  every RUNNING run keep their folder and every output their stages used. A run left RUNNING by a
+  dead process of this machine counts as ended (`--yes` marks it KILLED: `rlhf_core/infra/owner.py`);
+  a run folder the store does not know is recent by its newest file's age.
 
-What is kept keeps its inputs too: the upstream outputs its stage run names
-(`rlhf.upstream.<role>.model_uri`: the SFT model a policy started from, prep's data and base
-model), transitively, so a registered policy can still be evaluated and continued.
+What is kept keeps its upstream outputs (`rlhf.upstream.<role>.model_uri`), transitively, so a
+registered policy can still be evaluated and continued.
 
-By default it only prints what it would delete (path, size, why) and the total; `--yes` deletes.
-A stage output loses its `stage.json` first, so an output half-deleted by an interruption never
-looks finished. Folders left empty are removed. The MLflow records (runs, metrics, lineage tags)
-stay; MLflow's own artifacts are small and are left to MLflow (`mlflow gc` removes those of
-deleted runs).
+Without `--yes` it only prints what it would delete (path, size, why). A stage output loses its
+`stage.json` first, so a half-deleted output never looks finished. MLflow records and artifacts
+are left to MLflow (`mlflow gc`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Run one stage as a Ray job: submit through the Jobs API, stream its log, stop it on the way out.
 
-A stage task never trains in its own process. It submits the `rlhf` CLI as a Ray job, relays the
-job's log lines to a callback (the Prefect task logger), and waits for a terminal status. Choices:
+A stage task submits the `rlhf` CLI as a Ray job, relays its log lines (to the Prefect task
+logger) and waits for a terminal status.
 
-- Unique submission ids (`rlhf-<stage>-<8 hex>`), so a retry never collides with the attempt it
-  replaces; the attempt's own job is stopped in `finally`, whatever ended the wait (failure,
-  Prefect cancellation's TerminationSignal, Ctrl-C). An `atexit` hook stops any job still
-  registered when the interpreter exits, so a crashed flow leaves no orphan jobs.
-- Failures are typed by the job driver's exit code: 2 is the CLI's "configuration or data
-  error" (retrying cannot help), anything else is an infrastructure failure worth a retry.
-  Both carry the job's last log lines, so the task failure says what went wrong.
-- A cluster that stops answering never hangs a stage: every request to the Jobs API has a
-  deadline (`REQUEST_TIMEOUT_S`, at most the bound below), and once the cluster or its job agent
-  has failed every request for `RLHF_RAY_UNREACHABLE_S` seconds (default 60, counted from the
-  start of the first failed request) the attempt fails with `ClusterUnreachable`, a retryable
-  StageJobError. The job's driver and ranks get the same bound as Ray's GCS reconnect
-  timeout (`RAY_gcs_rpc_server_reconnect_timeout_s`), so they exit instead of outliving the wait.
-- The embedded default starts a local Ray with its dashboard (the Jobs API lives there) for the
-  duration of a flow run and shuts it down after: on 127.0.0.1 with token authentication
-  (`rlhf_core/distributed/local_ray.py`). The cluster's driver is a small keeper process, not the flow's own:
-  a Ray driver whose GCS is gone is terminated by Ray, and the flow must outlive its cluster to
-  fail the stage cleanly. Before every job the keeper's processes are checked; a cluster that
-  died is replaced by a fresh one, so a retried attempt can complete. With `RAY_ADDRESS` (the
-  dashboard's `http://host:8265`) the same code submits to a real cluster.
+- Submission ids are unique (`rlhf-<stage>-<8 hex>`), so a retry never collides; the attempt's job
+  is stopped in `finally` whatever ended the wait, and an `atexit` hook stops any job left.
+- Exit code 2 is the CLI's configuration or data error (`StageConfigError`, not retried); anything
+  else is an infrastructure failure worth a retry. Both carry the job's last log lines.
+- A silent cluster never hangs a stage: every Jobs API request has a deadline, and once every
+  request has failed for `RLHF_RAY_UNREACHABLE_S` (60 s) the attempt fails with the retryable
+  `ClusterUnreachable`. Jobs get the same bound as Ray's GCS reconnect timeout, so they exit too.
+- The embedded default starts a local Ray (127.0.0.1, token auth: `rlhf_core/distributed/local_ray.py`)
+  for the flow run. Its driver is a keeper process, not the flow: Ray terminates a driver whose GCS
+  is gone, and the flow must outlive its cluster to fail the stage cleanly. A cluster found dead
+  before a job is replaced, so a retry can complete. With `RAY_ADDRESS` the jobs go to that cluster.
 """
 
 from __future__ import annotations
@@ -314,13 +305,10 @@ class RayJobRunner:
             return False
 
     def _wait(self, submission_id: str, log: Callable[[str], None]):
-        """Relay the job's log lines until it ends. The status (small) is polled every
-        `poll_seconds`, so the end of a job is seen at once. The Jobs API serves only the whole
-        log, so the log is fetched less and less often (x1.5 from `poll_seconds` up to
-        `max_poll_seconds`): a long job's growing log is not downloaded twice a second for hours.
-
-        A poll that fails (refused, timed out, an error answer) is retried; once every poll has
-        failed for `RLHF_RAY_UNREACHABLE_S` seconds the wait ends with ClusterUnreachable.
+        """Relay the job's log lines until it ends. The status is polled every `poll_seconds`; the
+        Jobs API serves only the whole log, so it is fetched less and less often (x1.5 up to
+        `max_poll_seconds`). Failed polls are retried; after `RLHF_RAY_UNREACHABLE_S` of nothing
+        but failures, ClusterUnreachable.
         """
         log_delay = self.poll_seconds
         next_fetch = time.monotonic()
@@ -388,7 +376,7 @@ def _is_connection_error(e: BaseException) -> bool:
 # -- the embedded default: a local cluster kept by a small process of its own ------------------
 
 READY_PREFIX = "RLHF_LOCAL_RAY "
-KEEPER_START_S = 300.0  # Ray's own start on a busy 2-core machine takes 10-40 s
+KEEPER_START_S = 300.0  # Ray's own start is slow on a busy machine (benchmarks/README.md)
 _LOCAL: dict[str, LocalCluster] = {}  # the address ray_cluster() yielded -> the cluster serving it now
 # The dashboard's module processes (`ray-dashboard-<Module>-0`) are not among them: the head restarts
 # one that dies, so its death says nothing about the cluster.

@@ -1,12 +1,10 @@
 """What a pipeline run shows people: the evaluation, the pipeline's report, a timing table.
 
-The evaluation becomes a Prefect markdown artifact (its table, samples and comparison chart). The
-pipeline report answers "did RLHF help, by how much, at what KL cost" in one markdown document:
-a headline (the best policy against the SFT reference on the promote metric, the difference in
-points, its KL), the evaluation's table and chart, and every training stage's curves read back
-from its MLflow run. Its images are PNGs (`rlhf_core.stages.plots`): files next to the report in the
-parent run's MLflow artifacts, and data URIs in the Prefect artifact, because the embedded Prefect
-serves no image URLs.
+The evaluation becomes a Prefect markdown artifact. The pipeline report answers "did RLHF help,
+by how much, at what KL cost": a headline (best policy vs SFT on the promote metric, with its
+KL), the evaluation, and every training stage's curves from MLflow. Images (`rlhf_core.stages.plots`)
+are files beside the report in MLflow, and data URIs in the Prefect artifact (the embedded
+Prefect serves no image URLs).
 """
 
 from __future__ import annotations

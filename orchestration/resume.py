@@ -1,12 +1,9 @@
 """Checkpoint folders a stage may resume from: only the stage config that wrote them may read them.
 
-The flow gives long stages (RL first) a checkpoint folder in the run's output area and
-`--ckpt.load_enable`, so a retried attempt of the stage (same flow run, same folder) continues
-from its newest checkpoint instead of step 0. Before every attempt the folder is claimed with the
-stage's cache key (config hash, upstream keys, dataset digests, code version) in
-`rlhf-stage-key.json`: an attempt whose key differs from the one that wrote the checkpoints is
-refused, naming both keys and the folder, rather than continuing someone else's training state.
-Local folders only (the RL checkpoints themselves are local files).
+A retried attempt of a long stage resumes from its newest checkpoint in the run's output area.
+Before every attempt the folder is claimed with the stage's cache key in `rlhf-stage-key.json`;
+an attempt with another key is refused (naming both keys and the folder) rather than continue
+another configuration's training state. Local folders only.
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@ Both layouts carry `seq_ids (rows, T)`: the index of the sample each token belon
 padding. Per-sample sums (sequence log-probs, last-token scores) are computed from `seq_ids`
 alone, so losses never care which layout produced them.
 
-Packing concatenates a micro-batch into one row with no attention mask; position ids restart at
-0 for each sample. transformers reads sample boundaries from those restarts (for SDPA, eager and
-flash-attn alike, when no KV cache is used), so attention stays inside each sample.
+Packing puts a micro-batch in rows with no attention mask; position ids restart at 0 for each
+sample, and transformers reads sample boundaries from those restarts (SDPA, eager, flash-attn; no
+KV cache), so attention stays inside each sample.
 
-The global order of an epoch is a seeded permutation cut into global batches; rank r takes its
-slice of each, then its micro-batches. Resuming at (epoch, step) replays exactly the same data,
-and the union of what all ranks see in one step does not depend on the number of ranks.
+An epoch's order is a seeded permutation cut into global batches; rank r takes its slice of each.
+Resuming at (epoch, step) replays the same data, and a step's data does not depend on world size.
 """
 
 from __future__ import annotations
@@ -72,12 +71,10 @@ def pack_batch(seqs: list[list[int]], loss_masks: list[list[int]], row_capacity:
                pad_id: int = 0) -> Batch:
     """Pack sequences into rows, attention confined to each sample by restarting position ids.
 
-    `row_capacity=None` puts everything in one row `(1, sum(len))` (best with flash-attn's
-    variable-length kernels). With a capacity (e.g. max_len), sequences are placed first-fit
-    into rows of at most that many tokens: SDPA/eager attention builds a dense mask per row, so
-    short rows keep its cost linear in the batch instead of quadratic. The row width, at most
-    `row_capacity`, is picked per batch to waste few slots (`least_padded_rows`). Leftover row ends are
-    padding with their own restarted positions, `seq_ids` -1 and no loss.
+    `row_capacity=None`: one row `(1, sum(len))` (flash-attn's variable-length kernels). With a
+    capacity, rows of at most that many tokens (`least_padded_rows`): SDPA/eager build a dense mask
+    per row, so short rows keep attention linear in the batch, not quadratic. Row ends are padding
+    with restarted positions, `seq_ids` -1 and no loss.
     """
     lengths = [len(s) for s in seqs]
     rows = first_fit_rows(lengths, None) if row_capacity is None else least_padded_rows(lengths, row_capacity)
@@ -131,14 +128,10 @@ WIDTH_CANDIDATES = 16
 
 
 def least_padded_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit rows, at the width (of up to WIDTH_CANDIDATES spread from the longest sample to
-    `capacity`) whose packing has the fewest slots (rows x width, padding included); the narrower
-    on ties (cheaper attention). Not always the best width (that would take every width and an
-    exact bin packing), but close: 3-4% padding on the sort task's batches.
-
-    Rows of exactly `capacity` leave the last row mostly empty: 800 tokens of 16-35-token
-    samples fill 14 rows of 64 (896 slots), but 11 rows of 74 would not fit while 13 rows of 62
-    (806) might.
+    """First-fit rows at the width (of WIDTH_CANDIDATES from the longest sample to `capacity`) with
+    the fewest slots (rows x width); the narrower on ties (cheaper attention). A heuristic, not an
+    exact bin packing. Why not just `capacity`: 800 tokens of 16-35-token samples take 14 rows of 64
+    (896 slots), where 13 rows of 62 (806) might do.
     """
     longest = max(lengths)
     if longest >= capacity:
@@ -167,10 +160,9 @@ def shared_prefix_len(a: list[int], b: list[int], mask_a: list[int], mask_b: lis
 
 def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], chosen_masks: list[list[int]],
                rejected_masks: list[list[int]], row_capacity: int, pad_id: int = 0) -> Batch:
-    """Chosen and rejected sequences packed with their shared prompt computed once
-    (`pack_shared_prefix` with groups `[i, n + i]`): chosen i is sample i, rejected i is sample
-    n + i, as in `pack_batch(chosen + rejected)`. The prompt's forward and backward run once
-    instead of twice (a quarter of a pair's tokens when prompt and responses are as long)."""
+    """Chosen and rejected packed with their shared prompt computed once (`pack_shared_prefix`,
+    groups `[i, n + i]`): chosen i is sample i, rejected i is sample n + i, as in
+    `pack_batch(chosen + rejected)`."""
     n = len(chosen)
     return pack_shared_prefix(chosen + rejected, chosen_masks + rejected_masks, [[i, n + i] for i in range(n)],
                               row_capacity, pad_id)
@@ -180,15 +172,13 @@ def pack_shared_prefix(seqs: list[list[int]], loss_masks: list[list[int]], group
                        row_capacity: int, pad_id: int = 0) -> Batch:
     """Sequences packed so that each group's common prompt is computed once.
 
-    `groups` partitions the sample indices; a group (a DPO pair, an RL prompt's samples) becomes
-    one segment `[prompt | response 1 | response 2 | ...]`, its prompt being the longest start all
-    members share that carries no loss in any. Every response attends to the prompt and to itself,
-    never to its siblings, and its positions continue from the prompt's, so under causal
-    attention every token sees exactly what it sees in its own sequence: log-probs and last-token
-    scores are those of the sequences packed apart. The first token of a later response is
-    predicted by the prompt's last position (`Batch.predecessors`). Prompt tokens belong to the
-    group's first sample (they carry no loss). Segments are placed first-fit in rows of up to
-    `row_capacity` tokens (`least_padded_rows`); padding attends only to itself.
+    `groups` partitions the sample indices; a group (a DPO pair, an RL prompt's samples) becomes one
+    segment `[prompt | response 1 | response 2 | ...]`, the prompt being the longest loss-free start
+    all members share. A response attends to the prompt and itself, never its siblings, with
+    positions continuing the prompt's, so every token sees what it sees in its own sequence: log-probs
+    and scores equal those packed apart. A later response's first token is predicted by the prompt's
+    last position (`Batch.predecessors`). Prompt tokens belong to the group's first sample. Segments
+    go in rows of up to `row_capacity` (`least_padded_rows`); padding attends only to itself.
     """
     shared = []
     for members in groups:

@@ -1,14 +1,11 @@
 """Read training data through the `datasets` library and check it row by row.
 
-Sources, comma-separated in `--dataset`: a local `.jsonl`/`.json`/`.parquet` file, `json@DIR`
-(splits from DIR/train.jsonl and DIR/test.jsonl), a local directory holding such files, the same
-on object storage (`s3://bucket/data/train.jsonl`, `json@s3://bucket/data`: downloaded once into
-the bounded cache of `storage.local_copy`), or a hub dataset name (where a network allows). Several sources are mixed with `--dataset_probs`
-through `datasets.interleave_datasets`.
+Sources, comma-separated in `--dataset`: a `.jsonl`/`.json`/`.parquet` file, `json@DIR`
+(DIR/train.jsonl, DIR/test.jsonl), a directory of such files, the same on `s3://` (downloaded once
+into `storage.local_copy`'s cache), or a hub dataset name; several are mixed by `--dataset_probs`.
 
-Every row is checked before any training starts: a missing key, a wrong type, an empty text
-raise `DataError` naming the source, the 1-based row number and the key, so the CLI can exit
-non-zero with a message a user can act on.
+Every row is checked before training: a missing key, wrong type or empty text is a `DataError`
+naming the source, the 1-based row and the key (the CLI exits 2 with it).
 """
 
 from __future__ import annotations
@@ -140,9 +137,7 @@ def _json_kind(value) -> str:
 
 def diagnose_json_file(path: str) -> str | None:
     """Why a local JSON/JSON-lines file cannot be read as one table: the first line that is not
-    UTF-8, not JSON or not an object, or no rows at all.
-    None when none of these is found. Run only after the `datasets` reader failed (the error
-    path), so reading the file twice costs nothing when the data is good."""
+    UTF-8, not JSON or not an object, or no rows; None if none. Only on the error path."""
     import json
 
     with open(path, "rb") as f:

@@ -1,34 +1,18 @@
 """Built-in synthetic tasks: deterministic generators with exact verifiers.
 
-Every stage of the lifecycle has to run, and be shown to *learn*, on a machine with no network
-and no GPU. Synthetic tasks make that possible: a generator writes (prompt, answer) pairs from a
-seeded ``random.Random``, and the verifier is exact string match, so SFT accuracy, reward-model
-accuracy, DPO win rate and RL reward are all measurable without a judge model.
+Every stage has to run, and be shown to learn, with no network and no GPU: a generator writes
+(prompt, answer) pairs from a seeded ``random.Random`` and the verifier is exact match, so SFT
+accuracy, RM accuracy, DPO win rate and RL reward need no judge model.
 
-Choices:
-- Prompts are short text with lowercase template words (``"add 47+385="``, ``"reverse: KQZM"``,
-  ``"sort: QBQA"``); the payload is digits or UPPERCASE letters, which the tiny tokenizer
-  (``rlhf_core.models.tiny``) keeps as one token per character. Per-character tokens make the
-  tasks learnable by a model with four layers: it has to learn the algorithm, not a vocabulary.
-- Difficulty is tuned on the "tiny" model, SFT with AdamW (lr 1e-3, batch 32) on 2 CPU cores:
-  addition (1-3 digit operands) ends at about 30% held-out exact match after ~2200 steps with a
-  constant learning rate and about 80% with cosine decay; reverse (8-20 letters) and sort (5-15
-  letters, repeats allowed) reach 96-98.5% after 1000 steps. Each leaves room for the
-  preference and RL stages.
-- What a reward model (score read at the last token) can learn differs between them. For sort,
-  every near miss breaks something a position can check against its neighbour or the prompt
-  (order, counts), and the tiny RM ranks 90-98.5% of held-out pairs after 250 steps (95.5%
-  after 500). For reverse, it learns only the length-changing edits (about 62-78%): catching a
-  substituted letter needs the letter predicted one position earlier, which a 4-layer model
-  does not learn to carry to the last token in that budget. So sort is the pipeline's default.
-- ``near_miss`` makes the rejected side of preference pairs: one small edit of the right answer
-  (a character changed, two neighbours swapped, one dropped or doubled; for addition also the
-  off-by-one-carry errors ±1 and ±10). Hard negatives teach a reward model more than random text.
-- Train and test are drawn from separate random streams (``(seed, "test")`` and
-  ``(seed, "train")``), test first, and train skips test prompts: the test set does not move when
-  ``n_train`` changes, and no test prompt is ever seen in training.
-- Nothing touches global random state; str seeds to ``random.Random`` are hashed with SHA-512, so
-  results do not depend on ``PYTHONHASHSEED``.
+- Payloads are digits or UPPERCASE letters, one tiny-tokenizer token per character
+  (``rlhf_core.models.tiny``), so a 4-layer model learns the algorithm, not a vocabulary.
+- Sort is the pipeline's default: each of its near misses breaks order or counts, which a
+  last-token reward model can check; on reverse it learns only the length-changing edits.
+- ``near_miss`` (the rejected side of pairs) is one small edit of the right answer, plus ±1/±10
+  carry errors for addition: hard negatives teach a reward model more than random text.
+- Test is drawn first from its own stream and train skips its prompts: the test set does not move
+  with ``n_train`` and is never trained on. No global random state; str seeds are hashed with
+  SHA-512, so nothing depends on ``PYTHONHASHSEED``.
 """
 
 from __future__ import annotations
@@ -224,11 +208,10 @@ def build_splits(
     right answer, rejected a near miss), prompt rows ``{prompt, answer}``. Prompts are raw task
     text; stages apply the chat template themselves.
 
-    ``demo_error_rate`` makes that fraction of the *training* demonstrations near misses (drawn
-    from their own stream): the setting where RL has room. Imitation copies the mistakes, so a
-    policy sampled at temperature 1 answers wrongly about that often, while the verifier, the
-    preference pairs (always right vs near miss) and the test split stay correct. Rows with a
-    training row says whether its demonstration is right (``"demo_correct"``), so a reader can tell.
+    ``demo_error_rate`` makes that fraction of the *training* demonstrations near misses (own
+    stream), so a sampled SFT policy errs about that often and RL has room; the verifier, the
+    preference pairs and the test split stay correct. Each training row's ``"demo_correct"`` says
+    whether its demonstration is right.
     """
     if not 0.0 <= demo_error_rate < 1.0:
         raise ValueError(f"demo_error_rate must be in [0, 1), got {demo_error_rate}")

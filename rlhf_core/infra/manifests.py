@@ -1,16 +1,10 @@
 """What identifies a run's code and configuration: the package version + a source digest, and a config hash.
 
-Both are cheap and torch-free, so the orchestration layer computes cache keys with the same
-functions the trainers write into `stage.json`.
-
-The code version is a digest of the source files themselves, not a git commit: a commit says
-nothing about uncommitted edits (which would then reuse outputs of other code), and there is no
-git checkout in a `pip install .` or a cluster image (where the package version alone would let
-every build share one cache). The digest covers every `.py` file of `rlhf_core` (what the jobs
-run), `flows` and `orchestration` (what builds each job's arguments, configs and environment: e.g. a
-flag `_eval_job` adds is in no params hash), less the few modules that only record or report
-runs and never shape a job (`NOT_IN_CODE_VERSION`). A new module counts until someone excludes it
-with a reason. Reading ~50 small files takes about 2 ms, once per process.
+Cheap and torch-free, so the orchestration layer computes cache keys with the same functions the
+trainers write into `stage.json`. The code version digests the source files, not a git commit: a
+commit misses uncommitted edits, and a `pip install .` or cluster image has no checkout. It covers
+every `.py` of `rlhf_core`, `flows` and `orchestration` (these build jobs' arguments and environment,
+which no params hash covers), less `NOT_IN_CODE_VERSION`; a new module counts until excluded with a reason.
 """
 
 from __future__ import annotations
@@ -49,10 +43,9 @@ def config_hash(cfg) -> str:
 def params_hash(params, exclude: frozenset[str] = frozenset(), **extra) -> str:
     """sha256 of every field of a pydantic model but the `exclude`d ones, plus `extra` values.
 
-    For settings models that are not stage configs (prep, evaluation, iterative rounds): no
-    field is dropped by name as in `config_hash`, so a field added to the model counts at once;
-    leaving one out takes an explicit `exclude`. `extra` adds what the stage also depends on
-    beyond the model (the task, a round's seed), apart from its fields so no name can shadow one.
+    For settings that are not stage configs (prep, evaluation, iterative rounds): unlike
+    `config_hash` nothing is dropped by name, so a new field counts at once. `extra` (the task, a
+    round's seed) is hashed apart from the fields so no name can shadow one.
     """
     return values_hash({"params": params.model_dump(mode="json", exclude=set(exclude)), "extra": extra})
 
@@ -61,8 +54,8 @@ def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None,
                    precision: str | None = None) -> dict:
     """The `stage.json` of a stage run from `cfg` (secrets redacted); callers add `output_uri`.
 
-    `precision`: what a trainer actually trained in (`param_dtype` resolved on its hardware); it
-    replaces `auto` in the config hash, so outputs of different precisions never share a hash.
+    `precision`: the `param_dtype` a trainer resolved on its hardware; it replaces `auto` in the
+    config hash, so outputs of different precisions never share a hash.
     """
     import time
 

@@ -1,16 +1,10 @@
 """Which process owns an MLflow run, and whether that process is gone.
 
-A process that is killed (SIGKILL, the OOM killer, a closed laptop lid that ends the session) can
-not mark its run FAILED: the run stays RUNNING in MLflow forever, and `rlhf prune` keeps
-everything a RUNNING pipeline run wrote. So every run this project creates or attaches to carries
-`rlhf.owner` = `<machine>|<pid>|<start>`: the machine (host name, boot id and PID namespace,
-so two containers on one host or a host after a reboot are told apart), the owning process's
-id and its start time. On the same machine a later process can tell for certain whether that
-owner still runs: a PID that no longer exists, or exists with another start time (reused), means
-the owner is gone. A run owned on another machine is never judged from here.
-
-Linux reads `/proc`; elsewhere psutil (a dependency of Ray's) answers when it is installed, and
-without either no owner is recorded (such runs are never judged gone).
+A killed process (SIGKILL, OOM) cannot mark its run FAILED, and `rlhf prune` keeps everything a
+RUNNING pipeline run wrote. So every run carries `rlhf.owner` = `<machine>|<pid>|<start>`; the
+machine (host name, boot id, PID namespace) tells containers and reboots apart, and the start time
+tells a reused PID. Only owners on this machine are judged. Linux reads `/proc`, elsewhere psutil
+(if installed); with neither no owner is recorded, and such runs are never judged gone.
 """
 
 from __future__ import annotations

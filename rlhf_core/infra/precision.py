@@ -1,19 +1,11 @@
 """Training precision: asked for by the user (`--param_dtype`, or the older `--bf16`), decided by the hardware.
 
-Half precision only pays where the device computes it natively. On a CPU without native bf16
-(AVX2 only, oneDNN reports no bf16 support) a bf16 matmul ran at 0.6 GFLOP/s against 87 in
-fp32 and a bf16-autocast training step was ~27x slower; on one with AMX, bf16 was ~3x faster.
-So `auto` (the default) means bf16 where the device has it (a CUDA device with bf16, a CPU whose
-oneDNN reports bf16) and fp32 elsewhere, and an explicit half-precision request on hardware
-without it falls back to fp32 with one warning instead of running that much slower.
-`RLHF_ALLOW_EMULATED_HALF=1` keeps an explicit request as it is (tests of the emulated path).
-
-fp16 is a GPU precision here: DeepSpeed's fp16 mode scales the loss; the CPU path (autocast over
-fp32 master weights) has no loss scaling, so on CPU an fp16 request falls back like above.
-
-The precision is resolved where the model runs (every rank), since a job's driver and its
-workers may be different machines; the resolved value is what `stage.json`, MLflow and cache
-keys record, never `auto`.
+Half precision pays only where the device computes it natively; emulated bf16 is many times slower
+than fp32. So `auto` means bf16 where native (CUDA with bf16, a CPU whose oneDNN reports bf16) and
+fp32 elsewhere, and an explicit half request on hardware without it falls back to fp32 with one
+warning (`RLHF_ALLOW_EMULATED_HALF=1` keeps it, for tests). fp16 is GPU-only: the CPU path
+(autocast over fp32 master weights) has no loss scaling. Each rank resolves on its own device
+(driver and workers may differ); records and cache keys hold the resolved value, never `auto`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """Is the tracking server or the object store there? Bounded waits for MLflow and S3.
 
-A stage talks to two stores that live elsewhere: the MLflow tracking server (`MLFLOW_TRACKING_URI`
-http(s)://) and S3 (`s3://` inputs and outputs, endpoint from the AWS settings). Their clients
-retry for minutes on their own (MLflow: 7 retries with backoff and a 120 s timeout a request;
-botocore and s3fs: several layers of retries), so an unreachable store used to look like a hung
-stage. Here every wait for a store has a bound, and its end is one clear error, `StoreUnavailable`,
-naming the store (its URI redacted), the bound and the setting that moves it:
+The MLflow and S3 clients retry for minutes on their own, so an unreachable store would look like a
+hung stage. Here every wait has a bound, and its end is one `StoreUnavailable` naming the store
+(URI redacted), the bound and its setting:
 
-- `RLHF_STORE_CHECK_S` (default 30 s): at the start of a stage (the CLI, before any model or data
-  is read; the flow, before it opens an MLflow run) each store the stage uses must answer an HTTP
-  request within this time, retried with backoff.
-- `RLHF_STORE_WAIT_S` (default 300 s): when a stage must record its output (flush its metrics,
-  tag and finish its MLflow run, upload to S3) it waits this long for the store to come back.
-  Every MLflow request a stage makes also has its own timeout (`MLFLOW_HTTP_REQUEST_TIMEOUT`, set
-  to 20 s and `MLFLOW_HTTP_REQUEST_MAX_RETRIES` to 0 unless you set them: the retrying is ours),
-  so the wait ends at most one request's timeout after the bound.
-- `RLHF_METRICS_BUFFER` (default 100000 values): metrics logged while MLflow is away are held in
-  memory, retried with backoff, and sent when it answers again; beyond this many the oldest are
-  dropped, with a warning (see `tracking.Tracker`).
+- `RLHF_STORE_CHECK_S` (30 s): at a stage's start (before anything is read, or the flow opens a
+  run) each store it uses must answer an HTTP request, retried with backoff.
+- `RLHF_STORE_WAIT_S` (300 s): how long recording an output (metrics, tags, run end, S3 upload)
+  waits for a store. MLflow requests get `MLFLOW_HTTP_REQUEST_TIMEOUT=20` and 0 retries of their
+  own unless set (the retrying is ours), so a wait ends at most one request after the bound.
+- `RLHF_METRICS_BUFFER` (100000 values): metrics held while MLflow is away; beyond it the oldest
+  are dropped with a warning (`tracking.Tracker`).
 
-An unreachable store is an infrastructure failure, not bad input: `rlhf` exits with status 1
-(never 2), so the pipeline retries the stage after its retry delay, and a store that comes back
-in time lets the retry finish. A wrong host name is retried the same way (a few attempts, each
-failing within the bound with the same message), which costs less than refusing to retry a store
-that was briefly down.
+An unreachable store is an infrastructure failure: exit 1 (never 2), so the pipeline retries the
+stage. A wrong host name is retried too: cheaper than never retrying a briefly-down store.
 """
 
 from __future__ import annotations
@@ -190,8 +180,8 @@ REQUEST_TAG = "rlhf.request_id"  # a run's creation request, so a retried create
 
 def create_run_once(client, run_name: str | None, tags: dict):
     """`call(experiment_id)` creating one run however often it is retried: the run carries a request
-    id of its own, and every try after the first looks for it first (a create whose answer was lost
-    may have made it; trying blindly again would leave a second run RUNNING forever)."""
+    id, and every later try looks for it first (a create whose answer was lost may have made it; a
+    blind second create would leave a run RUNNING forever)."""
     import uuid
 
     from rlhf_core.infra.owner import OWNER_TAG, owner_tag

@@ -1,18 +1,14 @@
 """Redaction: what leaves a process for a record (MLflow, stage.json, Prefect, job logs) carries no secret.
 
-One set of rules, applied at every boundary where text becomes a record:
-- values of fields whose *name* says secret (`hf_token`, `api_key`, `aws_secret_access_key`,
-  `password`, ...). The name's last word decides, so data-column fields (`input_key`,
-  `chosen_key`) and counts (`max_new_tokens`, `pad_token_id`) keep their values;
-- credentials inside text: URL userinfo (`s3://user:pass@bucket`), token-like query parameters
-  (`?token=`, `&api_key=`, AWS presigned `X-Amz-Signature=` ...), well-known token shapes
-  (`hf_...`, `sk-...`, `ghp_...`, `AKIA...`);
-- the value of every credential environment variable of the process (`AWS_SECRET_ACCESS_KEY`,
-  `RLHF_RM_TOKEN`, `MLFLOW_TRACKING_PASSWORD`, ...), wherever it appears in the text.
+One set of rules at every boundary where text becomes a record:
+- values of fields whose name's last word says secret (`hf_token`, `api_key`, `password`), so
+  `input_key` or `max_new_tokens` keep theirs;
+- credentials inside text: URL userinfo, token-like query parameters (`?token=`,
+  `X-Amz-Signature=`), well-known token shapes (`hf_...`, `sk-...`, `ghp_...`, `AKIA...`);
+- the value of every credential environment variable of the process, wherever it appears.
 
-`inline_secrets` finds the same things in parameters *before* they are stored anywhere, so the
-orchestration layer can refuse them (Prefect stores a flow run's parameters before any of our
-code runs: a secret belongs in an environment variable or a Prefect Secret block).
+`inline_secrets` finds the same in parameters before they are stored, so the orchestration layer
+can refuse them: Prefect stores a flow run's parameters before any of our code runs.
 """
 
 from __future__ import annotations

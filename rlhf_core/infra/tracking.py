@@ -5,9 +5,7 @@ under the project's state directory. `MLFLOW_TRACKING_URI` points at a server in
 orchestrator hands a pre-created run through `MLFLOW_RUN_ID`; a parent pipeline run through
 `--mlflow_parent_run_id`.
 
-Everything a Tracker sends (params, tags, text artifacts) passes `rlhf_core.infra.redaction` first, so
-tokens, passwords and the values of credential environment variables never reach the tracking
-server, whichever code path produced them.
+Everything a Tracker sends (params, tags, text artifacts) passes `rlhf_core.infra.redaction` first.
 """
 
 from __future__ import annotations
@@ -65,13 +63,10 @@ FAILED_STATUS_WAIT_S = 10.0  # a failing stage tries this long to mark its run F
 class MetricQueue:
     """Metric values on their way to the store: never raises into the caller.
 
-    `add` only appends (under a lock) and wakes a background thread, which sends in batches every
-    `FLUSH_SECONDS` (one write a step cost a SQLite transaction, about 13 ms, per step: 7 s of a
-    500-step CPU SFT run that trains in 30 s). A failed send keeps the values, warns once per
-    outage and tries again with exponential backoff (up to `MAX_BACKOFF_SECONDS`); when the store
-    answers again the held values go first. At most `capacity` values are held: beyond, the
-    oldest are dropped, counted in `dropped`, with one warning per outage. `drain` sends
-    everything from the caller's thread within a deadline.
+    `add` appends and a background thread sends batches every `FLUSH_SECONDS` (a write per step
+    would cost a SQLite transaction per step). A failed send keeps the values, warns once per outage
+    and retries with backoff (up to `MAX_BACKOFF_SECONDS`), held values first. Beyond `capacity` the
+    oldest are dropped (counted in `dropped`). `drain` sends everything from the caller's thread.
     """
 
     def __init__(self, send, capacity: int, store: str):
@@ -200,12 +195,11 @@ def _warn(message: str) -> None:
 class Tracker:
     """Rank-0 MLflow run for one stage; every method is a no-op on other ranks or when disabled.
 
-    Faults (bounds in `rlhf_core/infra/reachability.py`): opening the run waits at most `RLHF_STORE_CHECK_S`
-    for the store; metrics never raise into training (`MetricQueue`); recording the output
-    (`await_store`, `set_tags`, `log_artifact`, `finish`) waits at most `RLHF_STORE_WAIT_S` and
-    then raises `StoreUnavailable`. An output published before its record failed is withdrawn
-    (`storage.withdraw`): a stage whose MLflow run did not finish leaves nothing that looks finished.
-    Every call names its run (`MlflowClient`, no fluent active run), so a background thread can send.
+    Faults (bounds in `rlhf_core/infra/reachability.py`): opening the run waits at most
+    `RLHF_STORE_CHECK_S`; metrics never raise into training; recording the output (`await_store`,
+    `set_tags`, `log_artifact`, `finish`) waits at most `RLHF_STORE_WAIT_S`, then `StoreUnavailable`,
+    and an output published before its record failed is withdrawn (`storage.withdraw`). Every call
+    names its run (`MlflowClient`, no fluent active run), so a background thread can send.
     """
 
     def __init__(self, enabled: bool, experiment: str, run_name: str | None, parent_run_id: str | None,
@@ -373,10 +367,9 @@ class Tracker:
                          lambda: self.client.log_text(self.run_id, text, source.name))
 
     def finish(self, status: str = "FINISHED") -> None:
-        """End the run. FINISHED: every metric sent and the status recorded within RLHF_STORE_WAIT_S, else
-        StoreUnavailable (and a published output withdrawn). Any other status: a published output is
-        withdrawn (nothing looks finished whose run did not finish), the status tried for a few
-        seconds; never raises, since the stage's own error is the one to report."""
+        """End the run. FINISHED: metrics and status recorded within RLHF_STORE_WAIT_S, else
+        StoreUnavailable (a published output withdrawn). Any other status: a published output is
+        withdrawn and the status tried for a few seconds; never raises (the stage's own error matters)."""
         if not self.enabled:
             return
         from rlhf_core.infra.reachability import StoreUnavailable, store_wait_s

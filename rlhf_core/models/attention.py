@@ -1,22 +1,17 @@
 """`rlhf_sdpa`: PyTorch SDPA, except where its CPU kernel's backward is slow.
 
-PyTorch's CPU flash-attention kernel (what SDPA runs on CPU) has a backward pass that is several
-times slower than plain matmul attention when rows are short and the dtype is bf16/fp16, the
-shape of CPU fine-tuning runs with packed rows of a few dozen to a few hundred tokens. Measured
-(torch 2.13, 2 threads, bf16, forward+backward of one layer's attention, 14 rows of 64 tokens, 8
-heads of 32): 12 ms with SDPA, 2.6 ms with matmul attention; from about 512 keys on, SDPA is the
-faster one. So this implementation runs matmul attention on CPU in half precision for rows of at
-most `SHORT_ROWS` keys and hands everything else (long rows, fp32, GPUs, masks or options it
-does not reproduce exactly) unchanged to transformers' own SDPA function.
+SDPA's CPU flash-attention backward is several times slower than matmul attention for short rows in
+bf16/fp16 (packed CPU fine-tuning; benchmarks/README.md). So on CPU in half precision, rows of at
+most `SHORT_ROWS` keys get matmul attention; everything else (long rows, fp32, GPUs, masks or
+options it does not reproduce exactly) goes unchanged to transformers' SDPA function.
 
-The choice depends on device, dtype and shapes only, never on grad mode: a frozen reference
-model and the policy it was copied from run the same kernel, so their log-ratio starts at
-exactly 0 (DPO, KTO and PPO ratios rely on it).
+The choice depends on device, dtype and shapes, never on grad mode: a frozen reference and the
+policy it was copied from run the same kernel, so their log-ratio starts at exactly 0 (DPO, KTO
+and PPO rely on it).
 
-It is registered with transformers' attention and mask interfaces under `NAME`, so a model
-loaded with `attn_implementation=NAME` gets SDPA's masks (boolean, or None for plain causal) and
-this dispatch. The name lives in the loaded model only (transformers does not save the
-attention implementation), so saved models load anywhere without this module.
+Registered with transformers' attention and mask interfaces under `NAME` (SDPA's masks: boolean,
+or None for plain causal). Transformers does not save the attention implementation, so saved
+models load anywhere without this module.
 """
 
 from __future__ import annotations

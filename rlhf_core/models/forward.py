@@ -35,11 +35,8 @@ def token_logprobs(model, batch: Batch) -> torch.Tensor:
 
 def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
     """`token_logprobs` where `batch.loss_mask` is nonzero (on real tokens), 0 elsewhere: `(rows, T)`
-    float32. What the supervised losses read (they multiply by the loss mask), at a fraction of
-    the cost for a Llama model: the lean forward (`models/lean_train.py`) runs the last layer's
-    MLP, the final norm, the LM head and the log-softmax only at the positions that predict a
-    loss token. Other models (and LoRA, gradient checkpointing, ZeRO-3: see `lean.lean_model`)
-    run `token_logprobs`, masked the same way."""
+    float32, for the supervised losses. Llama models run the lean forward (`models/lean_train.py`:
+    head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`."""
     lean = lean_model(model)
     keep = (batch.loss_mask != 0) & (batch.seq_ids >= 0)
     if lean is None:
@@ -116,12 +113,11 @@ def predicting_index(batch: Batch, index: torch.Tensor) -> torch.Tensor:
 def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The logits that predict each response token, divided by `temperature`: `(num_samples, T, vocab)`.
 
-    Only the positions that predict response tokens (`predicting_index`) go through the LM head,
-    never the prompts' or the padding's, and no `(rows, T, vocab)` log-softmax is formed. Llama
-    models run the lean forward (`models/lean.py`: the same math in fewer ops), others transformers'.
+    Only the positions that predict response tokens (`predicting_index`) go through the LM head; no
+    `(rows, T, vocab)` log-softmax is formed. Llama models run the lean forward (`models/lean.py`).
     """
     lean = lean_model(model)
-    if lean is not None:  # transformers' Llama math in fewer ops (models/lean.py)
+    if lean is not None:
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
         return _tempered(lean.logits(hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]),
                          temperature)

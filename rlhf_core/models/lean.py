@@ -1,36 +1,18 @@
 """A lean forward for Llama-architecture causal LMs: transformers' `LlamaForCausalLM` math on the
 same weights, in a fraction of the operations.
 
-On a CPU and with a small model, the time of a forward pass is the number of operations it
-dispatches, not their arithmetic: transformers' Llama runs about sixty small ops per layer
-(separate q/k/v and gate/up projections, a rotary table recomputed every call, `rotate_half`'s
-slices and cat, the mask built again each forward, autocast casting every weight at every
-linear) plus several layers of Python wrappers. This module computes the same function with:
+On a CPU with a small model, a forward's time is the number of ops it dispatches; transformers'
+Llama runs about sixty small ops per layer. This module computes the same function with fused
+q/k/v and gate/up projections, a rotary table computed once by the model's own rotary module
+(bit-identical entries; `rotate_half(x) * sin` as `roll(x) * sin_signed`), one additive mask per
+forward, matmul attention (`models/attention.py`), autocast as explicit casts (so no-grad passes
+cast the weights once: `reusing_weights`), and a static KV cache for generation.
 
-- fused projections: one matmul for q, k and v and one for gate and up (the weights
-  concatenated: the same dot products, the same results);
-- a rotary table computed once by the model's own rotary module (so its entries are bit for bit
-  the ones transformers computes per call), looked up by position, and the rotation as
-  `x * cos + roll(x) * sin_signed` (`rotate_half(x) * sin` with the sign moved into the table:
-  the same products);
-- the attention mask built once per forward from the batch (the layouts `data/batching.py`
-  makes: padded, packed with restarted positions, shared-prefix masks) as an additive mask, and
-  attention as two matmuls and a softmax (SDPA's CPU kernel was ten times slower for a decoded
-  token and its backward is slow in half precision, see `models/attention.py`);
-- autocast reproduced with explicit casts (linears and attention in autocast's dtype, norms,
-  rotary and the residual stream in fp32), so where the weights do not change (a no-grad pass
-  over a rollout, a generation) they are concatenated and cast once for the whole pass
-  (`LeanLlama.reusing_weights`) instead of at every linear of every forward;
-- for generation, a static KV cache (one buffer per layer for keys and for values, written in
-  place) and a key mask updated by one column per token.
-
-Nothing here changes what is computed, up to rounding: tests compare logits and gradients with
-transformers' forward in fp32 and under bf16 autocast, and sampled tokens with the sampler on
-transformers' forward. Every RL pass of a model (generation aside) runs the same lean forward,
-so a policy and its frozen copy still give exactly equal log-probs. `lean_model(model)` returns
-None, and callers use transformers' forward, for anything else: other architectures, LoRA
-(peft) models, ZeRO-3 partitioned weights, gradient checkpointing, rotary scaling, biases.
-`RLHF_LEAN_FORWARD=0` turns it off (to compare, or to rule it out).
+Same results up to rounding (tests compare logits, gradients and sampled tokens with
+transformers'). Every RL pass (generation aside) runs it, so a policy and its frozen copy give
+exactly equal log-probs. `lean_model` returns None (callers use transformers' forward) for other
+architectures, LoRA, ZeRO-3, gradient checkpointing, rotary scaling, biases;
+`RLHF_LEAN_FORWARD=0` turns it off.
 """
 
 from __future__ import annotations
@@ -237,9 +219,8 @@ class LeanLlama:
     def attention(self, q, k, v, bias: torch.Tensor) -> torch.Tensor:
         """Softmax attention `(B, H, Tq, D)` -> `(B, Tq, H * D)` in the dtype of `v` (the matmuls'),
         with an additive mask `bias` (0 where a query sees a key, the dtype's lowest value
-        elsewhere; every query sees at least itself). Three kernels (two matmuls and a softmax)
-        and two in-place passes: SDPA's CPU kernel took ten times as long for one decoded token
-        and its backward is slow in half precision (`models/attention.py`)."""
+        elsewhere; every query sees at least itself). Not SDPA: its CPU kernel is slow for a decoded
+        token and in half-precision backward (`models/attention.py`)."""
         mm = v.dtype
         q, k = q.to(mm), k.to(mm)
         b, _, t, _ = q.shape
@@ -247,8 +228,8 @@ class LeanLlama:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(bias)
-        # An fp32 softmax rounded once to the matmuls' dtype, as the reference attention does
-        # (`models/attention.py`): on CPU the bf16 softmax kernel was up to 4x slower at these widths.
+        # fp32 softmax rounded once to the matmuls' dtype, as `models/attention.py` does (and
+        # faster than the bf16 softmax kernel on CPU).
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(mm)
         return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
@@ -321,10 +302,9 @@ class LeanLlama:
             h = F.embedding(input_ids, w.embed)
             keys, values = [], []
             for layer in w.layers:
-                # Keys are rotated in the activations' dtype and attention casts them to the matmuls':
-                # cached in that dtype, they are the same numbers, not cast again (the whole cache) at every token.
-                # Zeros, not garbage: decoding attends over the whole buffer with the unwritten
-                # positions masked, and a masked NaN would still poison the softmax.
+                # Cached in the matmul dtype attention casts keys to: same numbers, not recast per token.
+                # Zeros, not garbage: decoding attends over the whole buffer, and a masked NaN
+                # would still poison the softmax.
                 keys.append(torch.zeros((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
                 values.append(torch.zeros((b, self.kv_heads, capacity, self.head_dim), dtype=mm, device=device))
                 h = self.layer(h, layer, cos, sin, bias, mm, cache=(keys[-1], values[-1], 0, length))
@@ -346,9 +326,8 @@ class LeanLlama:
         if start >= state.key_mask.shape[-1]:
             raise RuntimeError(f"KV cache of {state.key_mask.shape[-1]} positions is full")
         state.key_mask[:, 0, 0, start] = torch.where(attends, 0.0, torch.finfo(state.key_mask.dtype).min)
-        # Attention over the whole cache, the positions not written yet masked (their weights are
-        # exactly 0): a matmul over a contiguous buffer took a third of the time of one over the
-        # filled part, a strided view that the kernel copied first (one decoded token of 128 rows).
+        # Attention over the whole cache, unwritten positions masked (weight exactly 0): the filled
+        # part would be a strided view the matmul kernel copies first.
         bias = state.key_mask
         with _no_autocast(device):
             w = self.weights(mm)
@@ -371,11 +350,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
 
 
 class _RMSNorm(torch.autograd.Function):
-    """RMSNorm (fp32) with its backward written out in seven kernels: autograd's backward of the
-    forward's pow, mean, rsqrt and two broadcast products took ten times the forward's time (its
-    broadcast products reduce their gradients back to `(rows, 1)` and `(hidden,)` separately),
-    about a sixth of a training backward of the tiny model. dx = r * (g w - x_hat * mean(g w x_hat)),
-    dweight = sum over rows of g * x_hat."""
+    """RMSNorm (fp32) with a hand-written backward (autograd's, through pow/mean/rsqrt and two
+    broadcast products, is many times the forward's cost):
+    dx = r * (g w - x_hat * mean(g w x_hat)), dweight = sum over rows of g * x_hat."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):

@@ -1,21 +1,15 @@
 """The lean Llama forward (`models/lean.py`) for the supervised passes (SFT, DPO, KTO): hidden
 states only where a loss token is predicted.
 
-A supervised loss reads the log-prob of each loss-masked token, which the position before it (or
-the one `Batch.predecessors` names) predicts. Every position's keys and values are needed by the
-attention of every layer, but in the last layer a position that predicts no loss token is read by
-nothing after its keys and values: its attention output projection, its MLP, the final norm and
-the LM head are dead work. `selected_hidden` runs the layers before the last one as `LeanLlama`
-does and the last one's q/k/v and attention over all positions, then gathers the selected
-positions and runs the rest of the last layer, the final norm and the LM head on those alone.
-With prompts a third to a half of the tokens, that removes a share of the last layer's matmuls
-and the log-softmax over prompt positions. Rows are independent in every op after the gather,
-so the selected positions' values are the full forward's, up to matmul rounding (tests compare
-log-probs and gradients with transformers: tests/unit/test_lean_train.py).
+In the last layer, a position that predicts no loss token is needed only for its keys and values:
+its output projection, MLP, final norm and LM head are dead work. `selected_hidden` runs every
+layer's attention over all positions, then gathers the selected positions and runs the rest of
+the last layer, the norm and the head on those alone. Rows are independent after the gather, so
+the values equal the full forward's up to matmul rounding (tests/unit/test_lean_train.py
+compares log-probs and gradients with transformers).
 
-This module only reads `LeanLlama`'s weights and pieces; `lean_model` decides where the lean
-forward applies (plain Llama, no LoRA, no gradient checkpointing, no ZeRO-3 partitioning...),
-and callers fall back to transformers' forward elsewhere.
+`lean_model` decides where the lean forward applies (plain Llama, no LoRA, no gradient
+checkpointing, no ZeRO-3...); callers fall back to transformers' forward elsewhere.
 """
 
 from __future__ import annotations
@@ -33,10 +27,8 @@ def selected_hidden(lean: LeanLlama, input_ids: torch.Tensor, position_ids: torc
     device = input_ids.device
     act, mm = lean.dtypes(device)
     mask = batch_mask(attention_mask, position_ids)
-    # fp32: SDPA, what transformers' forward runs in fp32 (`rlhf_sdpa` hands fp32 to it), and the
-    # faster kernel there (one layer's forward and backward, 16 packed rows of 52 tokens, one
-    # thread: 45 ms against 50 ms with matmul attention). Half precision: LeanLlama's matmul
-    # attention (SDPA's CPU backward is slow there, see models/attention.py).
+    # fp32: SDPA, as transformers' forward (`rlhf_sdpa` hands fp32 to it), and the faster kernel
+    # there. Half precision: matmul attention (SDPA's CPU backward is slow: models/attention.py).
     bias = None if mm == torch.float32 else additive(mask, mm)
     with _no_autocast(device):
         w = lean.weights(mm)

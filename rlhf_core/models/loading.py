@@ -1,14 +1,10 @@
 """Load policies and reward models in Hugging Face format, apply LoRA, export for saving.
 
-Reward models are plain `*ForSequenceClassification` with one label, so a saved one is scored
-by `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` with nothing of ours
-imported: the head is the architecture's own `score` layer and the score is read at the last
-non-pad token, exactly where our trainer reads it. `value_head_prefix` lets us start from reward
-models whose head is stored under another name (OpenRLHF saves `value_head.*`).
-
-Attention: flash-attn 2 when asked for and installed on a GPU; otherwise PyTorch SDPA (with a
-one-line notice when flash-attn was asked for), through `rlhf_sdpa` (models/attention.py), which
-swaps in matmul attention where SDPA's CPU backward is slow: half precision on CPU, short rows.
+Reward models are plain one-label `*ForSequenceClassification`, so a saved one scores the same
+in plain transformers (the architecture's `score` head, read at the last non-pad token, as our
+trainer reads it). `value_head_prefix` maps a head stored under another name (OpenRLHF's
+`value_head.*`). Attention: flash-attn 2 when asked for and available on a GPU, else `rlhf_sdpa`
+(models/attention.py).
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ def _first_line(e: BaseException) -> str:
 
 def check_pretrained(location: str, flag: str, tokenizer: bool = False) -> None:
     """ConfigError naming `flag` unless `location` can be loaded as a model (and, with `tokenizer`,
-    holds a tokenizer): run before anything is loaded, so `--pretrain /no/such/dir` or a folder
-    that is not a model fails in a second with one line, not with a traceback from the hub client
-    or the tokenizer converter minutes later. s3:// models are checked when they are downloaded."""
+    holds a tokenizer): run before anything is loaded, so a bad path fails at once in one line.
+    s3:// models are checked when they are downloaded."""
     from pathlib import Path
 
     from rlhf_core.infra.settings import ConfigError
@@ -108,11 +103,9 @@ def give_reward_model_its_own_pad(model, tokenizer) -> bool:
     """Add a pad token to a reward model whose tokenizer pads with EOS; True when it did.
 
     A `*ForSequenceClassification` reads its score at the last token that is not
-    `config.pad_token_id`. Tokenizers without a pad token (Llama 3, Mistral, ...) are padded with
-    EOS, and then plain `transformers` would read the token *before* EOS, while the trainer reads
-    EOS: a saved reward model would score differently outside this project. A pad token of its
-    own (a new embedding row unless the vocabulary has spare rows; never attended to) makes both
-    read the same token.
+    `config.pad_token_id`; with EOS as pad (Llama 3, Mistral, ...) plain transformers would read the
+    token before EOS while the trainer reads EOS. A pad token of its own (a new embedding row
+    unless there are spare rows) makes both read the same token.
     """
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
         return False

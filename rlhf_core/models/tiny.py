@@ -1,29 +1,19 @@
 """The tiny-model factory: a BPE tokenizer trained on task text and a small random Llama.
 
-With no model hub, ``rlhf prep`` still has to hand the pipeline a model and tokenizer that plain
-``transformers`` loads (``AutoTokenizer`` / ``AutoModelForCausalLM``), small enough to train on a
-laptop CPU in a minute or two, and shaped so the synthetic tasks are learnable.
+With no model hub, ``rlhf prep`` still hands the pipeline a model and tokenizer that plain
+``transformers`` loads, small enough to train on a laptop CPU in minutes.
 
-Tokenizer choices:
-- Byte-level BPE (``ByteLevel`` pre-tokenizer without its GPT-2 regex, ``ByteLevel`` decoder,
-  all 256 bytes in the initial alphabet): any text encodes without an unknown token and
-  ``decode(encode(t)) == t`` exactly, spaces included.
-- Before the byte mapping, every digit and every uppercase letter is split off into its own
-  pre-token, so each is exactly one token: the payload of the synthetic tasks is per-character,
-  and a tiny model can learn carries and reversals only when it sees characters. Lowercase
-  template words ("add", "reverse: ", "sort: ") are free to merge.
-- Special tokens ``<|pad|> <|bos|> <|eos|> <|user|> <|assistant|>`` get ids 0-4. Encoding does
-  not add BOS by itself: the chat template writes it, so templated text must be encoded with
-  ``add_special_tokens=False`` (as ``apply_chat_template`` does) and raw text stays raw.
-- The chat template renders ``<|bos|><|user|>PROMPT<|assistant|>RESPONSE<|eos|>``. With
-  ``add_generation_prompt=True`` a user-only conversation renders as the exact prefix that ends
-  in ``<|assistant|>``, and the boundary sits on a special token, so the token ids of the prompt
-  are also a prefix of the ids of the full conversation: response-only loss masks rely on it.
-
-Model choices: a standard ``LlamaForCausalLM`` (RMSNorm, RoPE, SwiGLU) so every engine we run
-(DeepSpeed, vLLM, peft) knows the architecture; tied embeddings because the vocabulary is tiny
-relative to the model; initialised under a forked torch RNG so building a model neither depends
-on nor disturbs the caller's random state.
+- Byte-level BPE (no GPT-2 regex, all 256 bytes in the alphabet): no unknown token, and
+  ``decode(encode(t)) == t`` exactly.
+- Every digit and uppercase letter is its own pre-token, so one token: a tiny model learns
+  carries and reversals only when it sees characters. Lowercase template words may merge.
+- Special tokens ``<|pad|> <|bos|> <|eos|> <|user|> <|assistant|>`` are ids 0-4. Encoding adds no
+  BOS; the chat template writes it, so templated text is encoded with ``add_special_tokens=False``.
+- The template renders ``<|bos|><|user|>PROMPT<|assistant|>RESPONSE<|eos|>``; the prompt ends on a
+  special token, so its ids are a prefix of the full conversation's (response-only loss masks
+  rely on it).
+- A standard ``LlamaForCausalLM`` so DeepSpeed, vLLM and peft know it; tied embeddings (tiny
+  vocabulary); built under a forked torch RNG, leaving the caller's random state alone.
 """
 
 from __future__ import annotations
@@ -52,7 +42,7 @@ CHAT_TEMPLATE = (
 )
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    # ~1.05M parameters besides embeddings: ~40 ms per batch-32 step (bf16) on 2 CPU cores.
+    # ~1.05M parameters besides embeddings.
     "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
     # ~6.3M parameters besides embeddings: for machines with more cores, or a GPU.
     "small": {

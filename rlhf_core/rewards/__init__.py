@@ -1,16 +1,12 @@
 """Reward sources.
 
-Per sample (eval, pairs): `score(prompts, responses, answers) -> list[float]`. Prompts are raw
-(each source formats them as it was trained to), responses are decoded text, answers are the
-reference answers (None where a source does not need them). Built-in verifiers check answers
-exactly; reward models score the formatted conversation at its last token.
+Per sample (eval, pairs): `score(prompts, responses, answers) -> list[float]`, prompts raw (each
+source formats them as it was trained to), answers None where not needed.
 
 Batched (the RL stage, OpenRLHF's convention; see `base`): `source(queries, prompts, labels,
-**kwargs) -> RewardOutput`, built by `build_reward_source` from a reward file, a remote reward
-server (`rlhf serve-rm`), reward models or a task verifier.
+**kwargs) -> RewardOutput`, from `build_reward_source`.
 
-Names load on first use: `rlhf_core.rewards.cli` (the `serve-rm` flags) is imported by the CLI's
-parser and must not bring torch with it.
+Names load on first use: the CLI's parser imports `rlhf_core.rewards.cli`, which must not bring torch.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The per-sample reward sources (`score(prompts, responses, answers)`) as batched RL sources,
 and several sources combined into one.
 
-- `VerifierSource`: the task verifier needs the raw responses: call it with `responses=` (the
-  decoded responses, special tokens skipped); the labels are the reference answers.
-- `RewardModelSource`: a reward model scores exactly the tokens its trainer built when the call
-  carries `raw_prompts=` and `responses=` (it formats the raw prompts with its own chat template).
-  Without them (a batch that came over HTTP), it tokenizes each formatted prompt as it is and
-  the response as its query minus that prompt, as OpenRLHF's reward server scores queries.
-- `CombinedReward`: several reward models (`--reward_pretrain a,b`) give one reward per sample,
-  their sum by default as in OpenRLHF (`reward_fn = torch.stack(rewards).sum(dim=0)`), or their
-  mean; each source's rewards are also logged as `extra_logs["reward_{i}"]`.
+- `VerifierSource`: needs `responses=` (decoded, special tokens skipped); labels are the answers.
+- `RewardModelSource`: with `raw_prompts=` and `responses=`, scores exactly the tokens its trainer
+  built (its own chat template); without them (a batch over HTTP), the formatted prompt as it is
+  and the response as query minus prompt, as OpenRLHF's reward server does.
+- `CombinedReward`: several reward models, summed as in OpenRLHF (or averaged); each source's
+  rewards are also logged as `extra_logs["reward_{i}"]`.
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ A `BatchRewardSource` is called once per rollout batch:
 - `queries`: each prompt + response decoded WITH special tokens (what the policy saw and wrote),
 - `prompts`: each formatted prompt text (chat template applied), a prefix of its query,
 - `labels`: the dataset's label column (reference answers; None where there is none),
-- kwargs the controller may add: `responses` (decoded responses without the prompt; the
-  verifier needs them) and `raw_prompts` (the dataset's prompts before formatting: a reward
-  model then formats them with its own template, exactly as it was trained). Sources ignore
+- kwargs the controller may add: `responses` (decoded, without the prompt; for verifiers) and
+  `raw_prompts` (before formatting, so a reward model applies its own template). Sources ignore
   kwargs they do not use.
 
-Every source's answer goes through `as_reward_output`, which turns a dict, a tensor, a list or a
-numpy array into a `RewardOutput` of float32 CPU tensors of shape (B,), or raises `RewardError`
-naming the source: the wrong length, a non-number, NaN or inf never reach an advantage.
+Every answer goes through `as_reward_output`: a `RewardOutput` of float32 CPU tensors `(B,)`, or a
+`RewardError` naming the source, so a wrong length, non-number, NaN or inf never reaches an advantage.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ def to_vector(value: Any, n: int, what: str, where: str) -> torch.Tensor:
 
 def as_reward_output(value: Any, n: int, where: str) -> RewardOutput:
     """Check and convert a source's answer for a batch of `n`: a `RewardOutput`, a dict
-    `{"rewards", "scores"?, "extra_logs"?}`, or the bare rewards (tensor/list/numpy, as releases of
-    OpenRLHF before mid-2025 returned)."""
+    `{"rewards", "scores"?, "extra_logs"?}`, or bare rewards (tensor/list/numpy: older OpenRLHF's form)."""
     if isinstance(value, RewardOutput):
         value = {"rewards": value.rewards, "scores": value.scores, "extra_logs": value.extra_logs}
     if isinstance(value, dict):

@@ -1,18 +1,14 @@
 """Client of a remote reward server (`--reward.remote_url http://HOST:PORT/get_reward`).
 
-`RemoteReward` posts OpenRLHF's `{"query", "prompts", "labels"}` to `/get_reward` and checks the
-`{"rewards", "scores", "extra_logs"}` answer (keys, one number per sample, no NaN) with errors that
-name the URL. The batch goes in one request, or in chunks of `chunk_size`; several URLs
-(comma-separated, as OpenRLHF's `--remote_rm_url`) share the chunks round-robin, in parallel.
-Connection errors, timeouts and 5xx answers are retried with exponential backoff; a 4xx is not
-(a 401 says to set RLHF_RM_TOKEN).
+`RemoteReward` posts OpenRLHF's `{"query", "prompts", "labels"}` and checks the answer with
+errors naming the URL. The batch goes whole or in `chunk_size` chunks, shared round-robin and in
+parallel by several comma-separated URLs. Connection errors, timeouts and 5xx are retried with
+backoff; a 4xx is not.
 
-The bearer token is never stored: each request reads it from the environment (`RLHF_RM_TOKEN`,
-else the file named by `RLHF_RM_TOKEN_FILE`), so no config, repr, log line or error holds it.
-Ranks of a Ray job get it without it entering a job entrypoint or runtime_env: the driver calls
-`token_for_ranks()` and passes the redacted `RankToken` as an actor method argument, and the
-rank calls `.install()` (it sets RLHF_RM_TOKEN in that process only); or, with a filesystem the
-ranks share, RLHF_RM_TOKEN_FILE (a path, not a secret) can be forwarded instead.
+The bearer token is never stored: each request reads `RLHF_RM_TOKEN` (else the file
+`RLHF_RM_TOKEN_FILE` names), so no config, repr, log or error holds it. Ray ranks get it without
+it entering an entrypoint or runtime_env: the driver passes `token_for_ranks()`'s redacted
+`RankToken` as an actor method argument and the rank `.install()`s it in its own process.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A reward function in a Python file (`--reward.remote_url reward.py`, flat `--remote_rm_url`).
 
-The file defines `reward_func(queries, prompts, labels, **kwargs)` (OpenRLHF's signature) and
-returns `{"rewards": Tensor, "scores": Tensor, "extra_logs": {name: Tensor}}` (`scores` optional:
-the rewards then), or, as OpenRLHF releases before mid-2025, the rewards alone; lists and numpy
-arrays are accepted as well. It is called once per batch with the whole batch. Problems loading
-the file are `ConfigError`s naming it; a call that raises or answers something unusable is a
-`RewardError` naming the file (with the original exception's message).
+The file defines `reward_func(queries, prompts, labels, **kwargs)` (OpenRLHF's signature), called
+once per batch, returning `{"rewards", "scores"?, "extra_logs"?}` or the bare rewards (tensors,
+lists or numpy arrays; `base.as_reward_output`). A file that cannot be loaded is a `ConfigError`;
+a call that raises or answers something unusable is a `RewardError`; both name the file.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """A trained reward model as a reward source, loaded with nothing but `transformers`.
 
-The model is `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` and its
-tokenizer, i.e. what `rlhf train rm` saves. Each (prompt, response) becomes the token ids the
-trainer built: the prompt formatted by the trainers' `PromptFormatter` (chat template or not),
-then the response tokenized on its own plus EOS. Sequences are right-padded in batches and the
-score is the head's value at each row's last real token, found from the attention mask: the
-classifier's own pooling looks for the pad token id in the inputs, which breaks when pad == EOS.
-`normalize=True` applies the training set's reward mean/std stored in the model config.
+The model is what `rlhf train rm` saves, loaded as a one-label `AutoModelForSequenceClassification`.
+Each (prompt, response) becomes the token ids the trainer built (`PromptFormatter` prompt, then
+the response plus EOS). The score is read at each row's last real token, found from the attention
+mask: the classifier's own pooling looks for the pad id, which breaks when pad == EOS.
+`normalize=True` applies the reward mean/std stored in the model config.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A reward source behind OpenRLHF's HTTP API, with a bearer token.
 
-`POST /get_reward` with `{"query": [...], "prompts": [...], "labels": [...]}` answers
-`{"rewards": [...], "scores": [...], "extra_logs": {name: [...]}}`; `GET /health` answers
-`{"status": "ok"}` (no token needed, nothing about the source). Every `/get_reward` needs
-`Authorization: Bearer <token>` (401 otherwise, compared in constant time). The token is the
-`token` argument, else RLHF_RM_TOKEN, else a new one (`secrets.token_urlsafe`) written to a file
-only the user can read (0600; `--token_file`, default `<state dir>/rm_token`) whose path, never
-the token, is printed. A body that is not JSON, lacks a key or has columns of different lengths
-is a 400 with the reason; a reward source that fails is a 500 with its message. Requests are
-logged by their request line only: neither the token nor any header is ever logged.
+`POST /get_reward` `{"query", "prompts", "labels"}` -> `{"rewards", "scores", "extra_logs"}`, with
+`Authorization: Bearer <token>` (401 otherwise, constant-time compare); `GET /health` needs no
+token. The token is the `token` argument, else RLHF_RM_TOKEN, else a new one written to a 0600 file
+(`--token_file`) whose path, never the token, is printed. A bad body is a 400 with the reason, a
+failing source a 500. Only request lines are logged, never headers.
 
-The standard library's `ThreadingHTTPServer` rather than FastAPI + uvicorn: uvicorn is not a
-dependency of this project (only of mlflow and prefect), scoring is synchronous torch work that
-an event loop would not speed up (calls into the source are serialised by a lock: one model, one
-device), and a plain server runs in a thread on a free port in tests, with its logging in our hands.
+`ThreadingHTTPServer`, not FastAPI + uvicorn: uvicorn is not our dependency, scoring is synchronous
+torch work behind a lock (one model, one device), and a plain server runs in a test thread.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The generation interface every rollout engine implements, and where inference runs.
 
-Engines speak token ids: `generate_ids` takes prompt token ids and returns, per prompt, `n`
-`Sample`s: the response token ids as sampled (up to and including the EOS token when one was
-generated) and the log-prob the engine gave each of them at the sampling temperature. RL trains
-on those ids and compares those log-probs with the trainer's own; `generate` is the text view of
-the same call for `rlhf eval` and `rlhf pairs` (formatted prompts in, decoded text out, special
-tokens stripped). Temperature 0 means greedy decoding; otherwise the model's own distribution at
-that temperature, with no top-k/top-p shaping, so samples are draws from the policy itself.
-
-An engine that serves a policy being trained also takes new weights (`update_weights`, after
-every optimizer step) and can give its memory back while the trainer runs (`sleep` / `wake_up`).
+`generate_ids` takes prompt token ids and returns, per prompt, `n` `Sample`s: response ids as
+sampled (through EOS, if generated) and the engine's log-prob of each at the sampling
+temperature, which RL compares with the trainer's own. `generate` is its text view (`rlhf eval`,
+`rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature
+with no top-k/top-p, so samples are draws from the policy itself. A policy's engine also takes
+new weights (`update_weights`) and frees its memory while the trainer runs (`sleep` / `wake_up`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Rollouts on CPU or GPU with a loaded `transformers` causal LM and our own sampling loop.
 
-Prompts arrive as token ids and are left-padded into batches of at most `batch_size` sequences
-(prompts x samples); `rollout/sampling.py` draws the responses with a KV cache and records each
-token's log-prob. Greedy decoding (temperature 0) runs once per prompt and repeats the result.
-Batch b is sampled with a generator seeded `seed + b`, so a seed gives the same samples on CPU
-and the caller's random state is left alone. No checkpoint `generation_config` is consulted: hub
-models ship top-k/top-p/penalty defaults there, which must not reshape the policy's distribution.
+Prompts are left-padded into batches of at most `batch_size` sequences (prompts x samples) for
+`rollout/sampling.py`. Greedy decoding runs once per prompt and repeats the result. Batch b uses a
+generator seeded `seed + b`. No checkpoint `generation_config` is consulted: hub models' top-k/
+top-p/penalty defaults must not reshape the policy's distribution.
 
-`autocast_dtype` (the RL stage passes its training precision's half dtype) runs the forward
-under autocast: matmuls in bf16 over the loaded fp32 weights, the rest in fp32, which is what the
-trainer's forward computes, so the sampler's log-probs are the trainer's (the rollout/trainer
-mismatch metric stays at rounding) and its matmuls run at the half-precision speed. A Llama's
-lean forward (`models/lean.py`) casts the weights once per batch of generation, not per token.
-
-On a GPU, `sleep` moves the weights to host memory and `wake_up` brings them back, so a trainer
-colocated with the engine has the device to itself in between; on CPU there is nothing to free.
+`autocast_dtype` (the RL stage's half dtype) runs the forward under autocast over the fp32
+weights, as the trainer's forward does, so the sampler's log-probs are the trainer's (mismatch
+at rounding). On a GPU, `sleep`/`wake_up` move the weights to host memory and back, so a
+colocated trainer has the device to itself; on CPU there is nothing to free.
 """
 
 from __future__ import annotations

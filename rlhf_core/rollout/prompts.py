@@ -1,10 +1,8 @@
 """Prompt sets for generation: rows of (prompt, answer) read and checked like training data.
 
-Sources are what `--dataset` accepts everywhere (jsonl/json/parquet files, json@DIR, several
-comma-separated) and go through the same loader, so a bad row fails with the same DataError
-naming the file, the 1-based row and the key. Answers are required only where a verifier needs
-them. Prompts are formatted by the trainers' own `PromptFormatter`, so a model is asked exactly
-what it was trained on.
+Sources are what `--dataset` accepts, through the same loader and DataErrors. Answers are
+required only where a verifier needs them. Prompts are formatted by the trainers'
+`PromptFormatter`, so a model is asked exactly what it was trained on.
 """
 
 from __future__ import annotations

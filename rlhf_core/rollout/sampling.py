@@ -1,31 +1,21 @@
 """Autoregressive sampling with a KV cache that returns each sampled token's log-prob.
 
-RL needs, for every response, the token ids exactly as sampled and the log-prob the sampler gave
-each one (the engine side of the rollout/trainer mismatch check). `transformers.generate` can
-return per-step logits, but only by keeping a `(steps, batch, vocab)` copy and running its
-logits-processor machinery each step; this loop does the one thing a rollout needs:
+RL needs each response's ids exactly as sampled and the sampler's log-prob of each (the engine
+side of the rollout/trainer mismatch check); `transformers.generate` gives per-step logits only
+through a `(steps, batch, vocab)` copy and its logits processors. This loop:
 
-- Prompts are left-padded; position ids come from the attention mask, so a padded row computes
-  exactly what it would alone.
-- `repeats` samples per prompt share one prefill: the prompt forward runs once per prompt and its
-  KV cache and last logits are repeated for the prompt's samples (a group of 8 costs one prompt
-  forward, not 8); the draws are the same as with the prompts repeated beforehand.
-- Temperature T > 0 samples from softmax(logits / T): the policy's own distribution at T, no
-  top-k/top-p. The log-prob recorded is log softmax(logits / T) of the drawn token, the quantity
-  the trainer recomputes (its forward divides the logits by the same T). T = 0 is greedy, with
-  log-probs of the untempered softmax.
-- The KV cache is written in place into buffers sized for prompt + `max_new_tokens` (`kv_cache`),
-  and a token is drawn by inverse CDF from one uniform number per row (`inverse_cdf_draw`): the
-  growing cache's per-step concatenation and `torch.multinomial`'s per-entry exponentials were a
-  third of a small model's rollout time.
-- A Llama runs its lean forward (`models/lean.py`: transformers' math in fewer ops, a static
-  cache, the weights prepared once per call); any other model runs its own forward with the
-  preallocated cache below. Both draw the same tokens (tests/unit/test_lean_forward.py).
-- Draws use a `torch.Generator` seeded per call: the same seed gives the same samples, and the
-  caller's global random state is left alone.
-- A row stops at its first EOS (kept in the response). Finished rows are fed padding, and once a
-  quarter of the running batch has finished those rows leave it (their cache rows too), so the
-  long tail of a rollout does not pay for the responses that already ended.
+- left-pads prompts, position ids from the attention mask (a padded row computes what it would alone);
+- runs one prefill per prompt and repeats its cache and logits for the `repeats` samples (the
+  same draws as repeating the prompts first);
+- samples T > 0 from softmax(logits / T), no top-k/top-p, recording log softmax(logits / T) of the
+  drawn token, which the trainer recomputes with the same T; T = 0 is greedy (untempered log-probs);
+- writes the KV cache in place (`kv_cache`) and draws by inverse CDF (`inverse_cdf_draw`), both
+  cheaper than the per-step cat and `torch.multinomial`;
+- runs a Llama's lean forward (`models/lean.py`), others their own; both draw the same tokens
+  (tests/unit/test_lean_forward.py);
+- seeds a `torch.Generator` per call (same seed, same samples; global RNG untouched);
+- stops a row at its first EOS (kept); finished rows get padding and, once a quarter of the
+  running batch has finished, leave it with their cache rows.
 """
 
 from __future__ import annotations
@@ -40,10 +30,9 @@ from rlhf_core.models.lean import lean_model
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer that writes each step's keys and values into buffers allocated once
-    (`capacity` positions), instead of `DynamicLayer`'s `torch.cat` of the whole cache every step:
-    the cat copied the cache 2 x layers times per token and took a quarter of a sort rollout's
-    CPU time (tiny model, 128 rows, 16 new tokens). Attention reads a view of the filled part."""
+    """A KV-cache layer writing each step's keys and values into buffers of `capacity` positions,
+    not `DynamicLayer`'s `torch.cat` of the whole cache every step. Attention reads a view of the
+    filled part."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -98,8 +87,7 @@ def kv_cache(model, capacity: int):
 def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of `probs (B, V)`: the first index whose cumulative probability reaches a
     uniform u in (0, 1] (scaled by the row's total, so rounding never runs past the end). Exact
-    sampling from the row's distribution, one uniform number per row: `torch.multinomial` draws an
-    exponential per vocabulary entry, a tenth of a small model's rollout time."""
+    sampling with one uniform per row, where `torch.multinomial` draws one per vocabulary entry."""
     cdf = probs.cumsum(-1)
     u = 1.0 - torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)

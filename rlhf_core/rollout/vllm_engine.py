@@ -1,31 +1,20 @@
 """Rollouts with vLLM (GPU only; `pip install 'rlhf-lifecycle[gpu]'`), behind the same interface.
 
-vllm is imported when an engine is built, never at module import, so CPU machines never need it.
-Prompts are tokenized by our tokenizer and handed over as token ids: vLLM's own text path adds
-the tokenizer's special tokens, which would put a second BOS in front of a chat-templated prompt.
-Each prompt gets its own sampling seed (`seed + index`), so results do not depend on how vLLM
-schedules the batch; greedy requests run once per prompt and are repeated, like the transformers
-engine. `generation_config="vllm"` keeps a checkpoint's sampling defaults out, as there.
+vllm is imported only when an engine is built. Prompts go in as our token ids: vLLM's text path
+would add a second BOS before a chat-templated prompt. Each prompt has its own seed
+(`seed + index`), so results do not depend on vLLM's scheduling; greedy runs once per prompt and
+is repeated; `generation_config="vllm"` keeps checkpoint sampling defaults out.
 
-Each sampled token comes back with its log-prob after temperature (`logprobs_mode=
-"processed_logprobs"`), the quantity the trainer recomputes. `update_weights` loads the policy's
-weights into the engine's model in place (`LLM.apply_model`, which needs the engine core in this
-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built); `sleep` /
-`wake_up` are vLLM's own (level 1: weights to host memory, KV cache dropped), enabled with
-`enable_sleep=True`.
+Log-probs are after temperature (`processed_logprobs`), what the trainer recomputes.
+`update_weights` loads in place via `LLM.apply_model`, which needs the engine core in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built). `sleep`/`wake_up` are vLLM's
+level 1 (`enable_sleep=True`).
 
-Tensor parallelism (`tensor_parallel_size` > 1): inside a Ray placement group, as the RL stage runs
-its engines, the engine's actor holds no GPU and vLLM's Ray executor starts one worker per GPU in
-the bundles the actor was given (`VLLM_RAY_BUNDLE_INDICES`), each taking the actor's share of its
-bundle's GPU (`VLLM_RAY_PER_WORKER_GPUS`: a fraction when colocated with the trainers), as OpenRLHF
-runs them (`tensor_parallel_setup`). Outside a placement group vLLM picks its own executor.
-
-The RL weight sync's broadcast and CUDA IPC transports (`rl/weight_sync.py`) reach each of the
-engine's workers (one per tensor-parallel rank) through `LLM.collective_rpc` and the worker
-extension `WeightSyncExtension` (vLLM's `worker_extension_cls`, the hook OpenRLHF uses too): each
-worker joins the sync group as its own rank and loads what it receives with the model's own
-`load_weights` (which shards a full tensor for its rank), bucket by bucket. The receiving code is
-the one the transformers engine runs on CPU over gloo.
+Tensor parallelism inside a Ray placement group: the actor holds no GPU; vLLM's Ray executor starts
+one worker per bundle given (`VLLM_RAY_BUNDLE_INDICES`), each taking `VLLM_RAY_PER_WORKER_GPUS` of
+its GPU (`tensor_parallel_setup`). The RL weight sync (`rl/weight_sync.py`) reaches every worker
+through `LLM.collective_rpc` and `WeightSyncExtension`: each joins the sync group as its own rank
+and loads buckets with the model's `load_weights` (which shards for its rank).
 """
 
 from __future__ import annotations

@@ -1,33 +1,24 @@
 """Weight sync: after every training step, every rollout engine takes the actor's new weights.
 
-One interface (`WeightSync`: `sync(actor, engines, timeout_s)`, set up on its first call) with
-three transports, picked by `resolve_sync_backend` from `--vllm.sync_backend` and what the
-engines turn out to be:
+`WeightSync.sync(actor, engines, timeout_s)` (set up on first call) has three transports, picked
+by `resolve_sync_backend` from `--vllm.sync_backend` and the engines:
 
-- `object_store`: rank 0's state dict is put in Ray's object store once and every engine reads it
-  from there (never through the driver). The default for transformers engines.
-- `nccl` / `gloo`: a process group of its own (a `TCPStore` on actor rank 0 and a
-  `ProcessGroupNCCL`/`ProcessGroupGloo` built on it, so neither the actor's DeepSpeed group nor
-  vLLM's own groups are touched) whose rank 0 is actor rank 0 and whose other ranks are every
-  engine worker (each tensor-parallel worker of a vLLM engine is one). Rank 0 broadcasts a header
-  (names, dtypes, shapes), then the weights packed in buckets: tensors of one dtype concatenated
-  into flat buffers of at most `bucket_mb`, so a sync is a few large collectives, not one per
-  parameter with a Ray round trip each. NCCL between GPUs; gloo is the same code on CPU (what the
-  CPU tests run) or across hosts without NCCL. Tied weights travel once under all their names.
-- `ipc` (colocated vLLM engines, GPU only): NCCL cannot join two ranks on one GPU, so each actor
-  rank packs a bucket on its own GPU and hands out a CUDA IPC handle; the engine worker on that
-  GPU (matched by device UUID) maps it and loads from it, bucket after bucket.
+- `object_store`: rank 0's state dict is put in Ray's object store once; engines read it from
+  there, never through the driver. `auto` for transformers engines.
+- `nccl` / `gloo`: a process group of its own (a `TCPStore` on actor rank 0; the DeepSpeed and vLLM
+  groups are untouched): rank 0 is actor rank 0, the others every engine worker (one per
+  tensor-parallel rank). Rank 0 broadcasts a header (names, dtypes, shapes), then buckets of
+  same-dtype tensors packed into flat buffers of at most `bucket_mb`: a few large collectives, not
+  one per parameter. Tied weights travel once. gloo is the same code on CPU (the CPU tests).
+  `auto` for vLLM engines on GPUs of their own.
+- `ipc` (colocated vLLM, GPU only; NCCL cannot join two ranks on one GPU): each actor rank packs a
+  bucket on its GPU and hands a CUDA IPC handle to the worker on that GPU (matched by device UUID).
+  `auto` for colocated vLLM, and what `nccl` means there (as in OpenRLHF).
 
-`auto` (the default) is `ipc` for vLLM engines that share the actor's GPUs, `nccl` for vLLM
-engines on GPUs of their own, and `object_store` for transformers engines. As in OpenRLHF,
-`nccl` with engines on the actor's GPUs means CUDA IPC. Floating tensors travel in the engines'
-dtype when they all share one (bf16 vLLM engines get bf16, not the fp32 of a ZeRO-3 gather).
-
-Every sync is bounded (`RLHF_SYNC_TIMEOUT_S`, default 600 s; the process group's own timeout is 1.5
-times that): an engine that raises or dies fails the sync at once with `EngineSyncError` naming it,
-one that does not answer by the deadline is named when the deadline passes; never a hang. Before
-each broadcast the engines are asked whether they are free, so an engine still stuck in an earlier
-call is named alone, not with every engine it would leave waiting inside the collective.
+Floating tensors travel in the engines' dtype when they share one. Every sync is bounded
+(`RLHF_SYNC_TIMEOUT_S`, 600 s; the group's own timeout is 1.5x): an engine that raises, dies or
+misses the deadline is named in an `EngineSyncError`, never a hang. Engines are asked whether they
+are free before each broadcast, so one stuck in an earlier call is named alone.
 """
 
 from __future__ import annotations
@@ -380,13 +371,14 @@ class WeightSender:
 
 def await_sync(actor_call, engine_call, timeout_s: float, what: str = "weight sync",
                limit_s: float | None = None) -> list:
-    """Wait for the actor's and the engines' side of one sync step (PendingCalls); the engines'
-    results in engine order. An engine that raised or died fails it at once, naming the engine
-    (unless its input, the actor's result, failed first; an engine that raised while another died
-    within DEATH_GRACE_S names the dead one, the root cause); engines without an answer at the
-    deadline are named then, unless every engine and the actor are late (then the actor is stuck,
-    and named). A failure of the actor is the actor's own error (RoleError): its group timeout runs
-    past the driver's deadline, so it cannot be an engine's absence showing."""
+    """Wait for both sides of one sync step (PendingCalls); the engines' results in engine order.
+    Who is named on failure:
+    - an engine that raised or died, at once (but the actor if its result, the engines' input,
+      failed first; and a dead engine over one that raised within DEATH_GRACE_S of its death);
+    - engines without an answer at the deadline, unless all of them and the actor are late: then
+      the actor is stuck;
+    - the actor's own error is its RoleError (its group timeout outlasts the driver's deadline, so
+      it is never an engine's absence showing)."""
     import ray
 
     from rlhf_core.distributed.role_group import (

@@ -35,10 +35,9 @@ class StageFailed(RuntimeError):
 
 
 def trains_in_process(cfg: TrainConfig) -> bool:
-    """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank, as
-    a single `deepspeed` process would be, instead of a local Ray started for one actor (about
-    10 s of a short run on 2 cores). Several ranks, and every stage a pipeline submits as a Ray
-    job (Ray sets `RAY_ADDRESS` there), run as a worker group."""
+    """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank,
+    sparing a local Ray started for one actor. Several ranks, and every stage a pipeline submits
+    as a Ray job (Ray sets `RAY_ADDRESS`), run as a worker group."""
     return cfg.world_size == 1 and not os.environ.get("RAY_ADDRESS")
 
 
@@ -59,7 +58,7 @@ def run_stage(cfg: TrainConfig) -> dict:
             return run_recipe(cfg, data)
         except Exception as e:
             raise StageFailed(e) from e
-    import ray  # about 1.5 s to import: only where a worker group runs
+    import ray  # slow to import: only where a worker group runs
 
     from rlhf_core.distributed.role_group import RoleError
     from rlhf_core.trainers.worker_group import WorkerGroup

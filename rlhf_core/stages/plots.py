@@ -1,12 +1,10 @@
 """Figures for people: training curves of a stage and the evaluation's policies side by side, as PNG bytes.
 
-Pure functions, data in and PNG bytes out: the caller reads MLflow and decides where the images go
-(MLflow artifacts, a Prefect markdown artifact as data URIs). matplotlib is imported inside the
-functions, so importing this module costs nothing, and only its object-oriented API is used (a
-`Figure` drawn on an Agg canvas): no pyplot, no global backend or figure state, nothing that
-needs a display, safe in worker threads. Figures are small (about 3.4 x 2.5 inches a panel at 100
-dpi, at most three panels a row) with fonts of 8-9 points, so a report of five of them stays a few
-hundred kilobytes and each reads on a laptop screen without zooming.
+Pure functions, data in and PNG bytes out; the caller reads MLflow and decides where images go.
+matplotlib is imported inside the functions, and only its object-oriented API (a `Figure` on an
+Agg canvas): no pyplot, no global backend or figure state, no display, safe in worker threads.
+Panels are small (3.4 x 2.5 inches at 100 dpi, at most three a row) so a report stays light and
+reads on a laptop screen.
 """
 
 from __future__ import annotations

@@ -8,15 +8,11 @@ Writes under ``out_dir``::
     tokenizer/                          byte-level BPE trained on the train split's text
     base/                               random tiny Llama + its tokenizer (safetensors)
 
-Choices:
-- Deterministic: the same arguments give byte-identical jsonl files and identical weights, so
-  the pipeline's cache keys (config hash + dataset digests) hit on a rerun.
-- Every file and folder is written under a temporary name in its final directory and moved into
-  place with ``os.replace``: a crash leaves a stray temp entry, never a half-written file under a
-  real name that a later stage, or a cache check, would take for finished output.
-- The tokenizer learns only from the train split: the test split is held out everywhere.
-- Defaults (4000 train / 200 test) are sized so each stage trains in a minute or two on
-  CPU; the test split stays at a size where greedy decoding for evaluation is a few seconds.
+- Deterministic: the same arguments give byte-identical jsonl files and weights, so the
+  pipeline's cache keys (config hash + dataset digests) hit on a rerun.
+- Every file and folder is written under a temporary name and ``os.replace``d into place: a crash
+  never leaves a half-written file under a real name.
+- The tokenizer learns only from the train split.
 """
 
 from __future__ import annotations
@@ -143,14 +139,10 @@ def check_prep_params(params: dict) -> None:
 
 
 def run_prep(out_dir: str | os.PathLike, **params) -> dict:
-    """`rlhf prep`: `prepare`, then write `stage.json` last, and log to the orchestrator's MLflow run.
-
-    `out_dir` must be new, empty, or an earlier (or unfinished) prep output (`storage.check_destination`,
-    ConfigError otherwise, before anything is built).
-
-    The manifest records the parameters (all of them, defaults included, and their hash) and the
-    sha256 of every data file; it is written only after everything else is in place, so its
-    presence means the prep output is complete.
+    """`rlhf prep`: `prepare`, then `stage.json` last (its presence means the output is complete),
+    logged to the orchestrator's MLflow run. The manifest holds every parameter (defaults included),
+    their hash and each data file's sha256. `out_dir` must be new, empty or an earlier prep output
+    (`storage.check_destination`, checked before anything is built).
     """
     from rlhf_core.infra import storage
 
