@@ -1,8 +1,9 @@
 """The models of an RL stage, one class per role: policy (actor), critic, reference, reward model.
 
-Each role is one rank of its worker group: the same class runs in the controller's process (one
-local rank) or as a Ray actor (several ranks, possibly sharing devices with other roles), and the
-controller only ever calls its methods on shards of a batch of `RolloutSample`s. Trainable roles
+Each role is one rank of its group, hosted directly: the same class runs in the controller's
+process (one local rank) or as a Ray actor of a `RoleGroup` (several ranks, possibly sharing
+devices with other roles). Construction has two phases: `__init__` keeps the configuration,
+`setup()` builds the model once every rank exists (their process group needs them all). Trainable roles
 (policy, critic) hold a DeepSpeed engine and run their PPO epochs with the same optimizer-step
 primitive as the supervised trainers (`trainers.loop.optimizer_step`): each optimizer step's loss
 is normalised by the global count of loss units (tokens or sequences, `--algo.loss_agg_mode`), so
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +33,12 @@ from rlhf_core.algos.losses import (
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
-from rlhf_core.distributed.engine import autocast, device, initialize, precision_of
+from rlhf_core.distributed.engine import autocast, device, init_distributed, initialize, precision_of
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
+from rlhf_core.rollout.weight_sync import WeightSender
+from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
 
@@ -92,10 +96,25 @@ class _Role:
 
     def __init__(self, cfg, pad_id: int, rank: int = 0, world_size: int = 1):
         self.cfg, self.pad_id, self.rank, self.world_size = cfg, pad_id, rank, world_size
-        self.device = device()
         self.precision = precision_of(cfg.ds)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.packing = True
+
+    def setup(self, join: bool = False) -> None:
+        """Build the model (and engine): the second phase, once every rank of the role exists.
+        `join`: a rank of a Ray group (`RoleGroup`) first joins the role's process group from the
+        variables the group set, and seeds itself with `--train.seed` as the in-process run does."""
+        if join:
+            env = os.environ
+            init_distributed(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                             local_rank=int(env["LOCAL_RANK"]))
+            seed_everything(self.cfg.train.seed)
+            self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.device = device()
+        self._build()
+
+    def _build(self) -> None:
+        raise NotImplementedError
 
     def _collate(self, samples: list[RolloutSample]):
         batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity)
@@ -149,20 +168,25 @@ class _Checkpointed:
         set_rng_state(torch.load(Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", weights_only=False))
 
 
-class PolicyRole(_Checkpointed, _Role):
-    """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out weights."""
+class PolicyRole(WeightSender, _Checkpointed, _Role):
+    """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out
+    weights (and, on Ray, sends them to the rollout engines: `WeightSender`)."""
 
     name = "actor"
 
     def __init__(self, cfg, pad_id: int, total_optimizer_steps: int, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
+        self.total_optimizer_steps = total_optimizer_steps
+
+    def _build(self) -> None:
         from rlhf_core.models.loading import load_causal_lm
 
+        cfg = self.cfg
         model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds.flash_attn)
         if cfg.actor.gradient_checkpointing_enable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        self.engine = initialize(model, engine_settings(cfg, cfg.actor, world_size), total_optimizer_steps)
+        self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -245,6 +269,32 @@ class PolicyRole(_Checkpointed, _Role):
             return _gathered_state_dict(module, self.rank) or {}
         return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
 
+    # the weight sync's sources (`WeightSender`): every rank calls them
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        return self.weights()
+
+    def _sync_state_local(self) -> dict[str, torch.Tensor]:
+        """The full weights on this rank's own device (each rank feeds the engine on its GPU)."""
+        from rlhf_core.models.loading import _is_partitioned
+
+        module = self.engine.module
+        if not _is_partitioned(module):
+            return {k: v.detach() for k, v in module.state_dict().items()}
+        import deepspeed
+
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            names_of.setdefault(id(tensor), []).append(name)
+        state = {}
+        for _, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                full = param.detach().clone()
+            for name in names_of.get(id(param), []):
+                state[name] = full
+        for name, tensor in module.state_dict().items():  # buffers
+            state.setdefault(name, tensor.detach().to(torch.device("cuda", torch.cuda.current_device())))
+        return state
+
 
 class CriticRole(_Checkpointed, _Role):
     """The value model: values before each response token, trained towards the returns (clipped)."""
@@ -254,11 +304,15 @@ class CriticRole(_Checkpointed, _Role):
     def __init__(self, cfg, pad_id: int, model_path: str, total_optimizer_steps: int, rank: int = 0,
                  world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
+        self.model_path, self.total_optimizer_steps = model_path, total_optimizer_steps
+
+    def _build(self) -> None:
         from rlhf_core.models.loading import load_reward_model
 
-        model = load_reward_model(model_path, pad_id, flash_attn=cfg.ds.flash_attn)
+        model = load_reward_model(self.model_path, self.pad_id, flash_attn=self.cfg.ds.flash_attn)
         model.config.use_cache = False
-        self.engine = initialize(model, engine_settings(cfg, cfg.critic, world_size), total_optimizer_steps)
+        self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size),
+                                 self.total_optimizer_steps)
 
     @torch.no_grad()
     def values(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -306,10 +360,14 @@ class ReferenceRole(_Role):
 
     def __init__(self, cfg, pad_id: int, model_path: str, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
+        self.model_path = model_path
+
+    def _build(self) -> None:
         from rlhf_core.distributed.engine import initialize_frozen
         from rlhf_core.models.loading import load_causal_lm
 
-        self.model = initialize_frozen(load_causal_lm(model_path, cfg.ds.flash_attn), engine_settings(cfg, cfg.actor, world_size))
+        self.model = initialize_frozen(load_causal_lm(self.model_path, self.cfg.ds.flash_attn),
+                                       engine_settings(self.cfg, self.cfg.actor, self.world_size))
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -321,15 +379,19 @@ class RewardModelRole(_Role):
 
     def __init__(self, cfg, pad_id: int, model_paths: list[str], rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
+        self.model_paths = model_paths
+
+    def _build(self) -> None:
         from rlhf_core.distributed.engine import initialize_frozen
         from rlhf_core.models.loading import load_reward_model
 
+        cfg = self.cfg
         self.models, self.stats = [], []
-        for path in model_paths:
-            model = load_reward_model(path, pad_id, flash_attn=cfg.ds.flash_attn)
+        for path in self.model_paths:
+            model = load_reward_model(path, self.pad_id, flash_attn=cfg.ds.flash_attn)
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
                                path))
-            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, world_size)))
+            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, self.world_size)))
         if cfg.reward.normalize_enable:
             missing = [p for mean, std, p in self.stats if mean is None or not std]
             if missing:
@@ -354,6 +416,10 @@ class RewardModelRole(_Role):
                 scores = (scores - mean) / std
             total += scores
         return total.tolist()
+
+
+# The classes a role's group hosts, by role (`trainers/ppo.py` builds them in process or on Ray).
+ROLE_CLASSES = {"actor": PolicyRole, "critic": CriticRole, "ref": ReferenceRole, "reward": RewardModelRole}
 
 
 def total_optimizer_steps(rollout_steps: int, cfg) -> int:

@@ -30,7 +30,7 @@ from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.groups import LocalGroup
-from rlhf_core.rl.roles import CriticRole, PolicyRole, ReferenceRole, RewardModelRole, total_optimizer_steps
+from rlhf_core.rl.roles import ROLE_CLASSES, total_optimizer_steps
 from rlhf_core.rl.scoring import RewardModelSource, TextRewardSource
 from rlhf_core.trainers.common import local_model_path, seed_everything
 
@@ -122,8 +122,11 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
 
     if not torch.distributed.is_initialized():
         init_distributed(0, 1, "127.0.0.1", None)
-    classes = {"actor": PolicyRole, "critic": CriticRole, "ref": ReferenceRole, "reward": RewardModelRole}
-    made = {kind: LocalGroup(classes[kind](*args)) for kind, args in specs.items()}
+    made = {}
+    for kind, args in specs.items():
+        role = ROLE_CLASSES[kind](*args)
+        role.setup()
+        made[kind] = LocalGroup(role)
     half = precision_of(cfg.ds) == Precision.BF16 and not torch.cuda.is_available()  # sample as the trainer computes
     engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32, batch_size=GENERATION_BATCH,
                                                 autocast_dtype=torch.bfloat16 if half else None)
@@ -145,7 +148,7 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
     from rlhf_core.distributed.role_group import RoleGroup, gather_all
     from rlhf_core.rl.engines import EngineWorker, RayEngines
     from rlhf_core.rl.groups import RayGroup
-    from rlhf_core.rl.ray_roles import RoleWorker, rl_layout
+    from rlhf_core.rl.ray_roles import rl_layout
     from rlhf_core.trainers.worker_group import stage_timeout_s
 
     backend, options = engine_options(cfg)
@@ -155,12 +158,14 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
     try:
         for kind, args in [*specs.items(), ("rollout", None)]:
             place = layout.roles[kind]
-            worker, worker_args = (RoleWorker, (kind, *args)) if args is not None \
+            worker, worker_args = (ROLE_CLASSES[kind], args) if args is not None \
                 else (EngineWorker, (backend, actor_path, options))
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
                                    args=worker_args, timeout_s=stage_timeout_s(),
                                    bundles_per_rank=place.bundles_per_rank)
-        gather_all([group.call_all_async("setup") for group in made.values()])  # models load in parallel
+        # Models load in parallel; a model role's ranks first join its process group.
+        gather_all([group.call_all_async("setup", join=True) if kind in specs else group.call_all_async("setup")
+                    for kind, group in made.items()])
     except BaseException:
         for group in made.values():
             group.shutdown()
