@@ -7,13 +7,13 @@ single `deepspeed` process needs no launcher); `RayGroup` is a role's ranks as R
 `gather()` concatenates the ranks' results in rank order and whose `first()` is rank 0's, so the
 controller can start several roles before waiting on any.
 
-A batch is sharded into equal contiguous parts, one per rank: a batch that does not divide is
-padded by repeating its last item and the padding's results are dropped, so every rank runs the
-same number of forward passes (ZeRO-3 ranks gather parameters together and must not fall out of
-step) and the results are those of the unpadded batch.
+A batch is sharded by `distributed.sharding.shards(..., pad=True)`: equal contiguous parts, the
+last padded with the last item, the padding's results dropped.
 """
 
 from __future__ import annotations
+
+from rlhf_core.distributed.sharding import shards
 
 
 class Pending:
@@ -66,15 +66,6 @@ class LocalGroup:
         self.worker = None
 
 
-def padded_shards(items: list, world_size: int) -> list[list]:
-    """`items` in `world_size` equal contiguous shards, the last item repeated to fill the last ones."""
-    if not items:
-        raise ValueError("an empty batch has nothing to shard")
-    size = -(-len(items) // world_size)
-    padded = list(items) + [items[-1]] * (size * world_size - len(items))
-    return [padded[r * size : (r + 1) * size] for r in range(world_size)]
-
-
 class RayGroup:
     """A role's ranks as Ray actors (`RoleGroup`), called like a `LocalGroup`. Errors of a rank
     (it raised, died or hung past the group's timeout) surface as `RoleError` naming role and rank."""
@@ -85,8 +76,8 @@ class RayGroup:
         self.name = group.name
 
     def call_sharded_async(self, method: str, items: list, **kwargs) -> Pending:
-        shards = padded_shards(items, self.world_size)
-        call = self.group.call_each_async(method, [((shard,), kwargs) for shard in shards])
+        parts = shards(items, self.world_size, pad=True)
+        call = self.group.call_each_async(method, [((part,), kwargs) for part in parts])
         return Pending(call=call, keep=len(items))
 
     def call_sharded(self, method: str, items: list, **kwargs) -> list:

@@ -39,6 +39,7 @@ import torch
 from rlhf_core.data.batching import BatchPlan
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 from rlhf_core.distributed.failures import FollowOnError
+from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
 
 
@@ -128,10 +129,7 @@ class TrainLoop:
     @torch.no_grad()
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
         """Held-out metrics, averaged over the recipe's units across all ranks."""
-        # Equal contiguous shards (ZeRO-3 needs lockstep): with a shard a multiple of the micro-batch,
-        # the micro-batches are those of one rank, so metrics of a micro-batch agree with 1 rank's.
-        per_rank = len(self.eval_examples) // self.world_size
-        mine = self.eval_examples[self.rank * per_rank : (self.rank + 1) * per_rank]
+        mine = share(self.eval_examples, self.rank, self.world_size)  # distributed/sharding.py
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()

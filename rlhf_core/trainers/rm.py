@@ -15,6 +15,7 @@ from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import RMConfig
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize, precision_of
+from rlhf_core.distributed.sharding import share
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
 from rlhf_core.trainers.common import (
@@ -80,8 +81,7 @@ class RewardModelRecipe:
         """Mean and std of the rewards of all training sequences (chosen and rejected)."""
         self.engine.eval()
         world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.micro_train_batch_size
-        usable = len(self.data.train) - len(self.data.train) % world
-        mine = self.data.train[rank:usable:world]
+        mine = share(self.data.train, rank, world)  # as the loop's evaluation shards (distributed/sharding.py)
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(mine), micro):
             chunk = mine[i : i + micro]

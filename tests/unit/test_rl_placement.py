@@ -4,8 +4,8 @@ how batches and prompts are split over ranks and engines."""
 import pytest
 
 from rlhf_core.distributed.resources import ClusterDevices
+from rlhf_core.distributed.sharding import shards, share
 from rlhf_core.rl.engines import prompt_shards
-from rlhf_core.rl.groups import padded_shards
 from rlhf_core.rl.ray_roles import rl_layout, role_world_sizes
 from rlhf_core.rl_config import build_ppo_config
 
@@ -53,10 +53,12 @@ def test_gpu_placement_counts_gpus_and_refuses_what_does_not_fit():
         rl_layout(config("algo.advantage.estimator", "gae", "actor.num_gpus_per_node", "8"), [], GPU8)
 
 
-def test_padded_shards_are_equal_and_repeat_the_last_item():
-    assert padded_shards([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5, 5]]
-    assert padded_shards([1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
-    assert padded_shards([1], 3) == [[1], [1], [1]]
+def test_shards_are_equal_and_contiguous_padded_with_the_last_item_or_cut_short():
+    assert shards([1, 2, 3, 4, 5], 2, pad=True) == [[1, 2, 3], [4, 5, 5]]
+    assert shards([1, 2, 3, 4], 2, pad=True) == [[1, 2], [3, 4]]
+    assert shards([1], 3, pad=True) == [[1], [1], [1]]
+    assert shards([1, 2, 3, 4, 5], 2, pad=False) == [[1, 2], [3, 4]]  # the remainder goes to nobody
+    assert [share(list(range(7)), r, 3) for r in range(3)] == shards(list(range(7)), 3, pad=False)
 
 
 def test_prompts_split_over_engines_in_contiguous_parts():
