@@ -13,7 +13,7 @@ from __future__ import annotations
 from flows.params import EvalParams, PipelineSettings, PrepParams
 from orchestration.stages import PipelineContext, StageJob, StageOutcome
 from rlhf_core.config import TrainConfig, with_updates
-from rlhf_core.infra.manifests import config_hash, params_hash, values_hash
+from rlhf_core.infra.manifests import config_hash, params_hash, semantic_values, values_hash
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl_config import PPOConfig
 
@@ -99,26 +99,11 @@ def given_reference(cfg: TrainConfig) -> str | None:
     return reference if reference is not None and reference != cfg.pretrain else None
 
 
-# PPO fields that say where inputs and outputs are or how the run is watched and checkpointed,
-# not what is trained: the models and datasets enter the cache key as upstream keys, URIs or
-# digests instead. Every other field, present or future, is in the key.
-PPO_NOT_IN_KEY = frozenset({
-    "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
-    "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
-    "ckpt.max_num", "ckpt.load_enable", "logger.logging_steps", "mlflow_experiment", "mlflow_run_name",
-    "mlflow_parent_run_id", "use_mlflow"})
-
 
 def ppo_config_hash(cfg: PPOConfig, precision: str, reward_file_digest: str | None = None) -> str:
     """The settings part of a PPO stage's cache key: every semantic field, the precision the ranks
     train in (never `auto`), and the content of a local reward file."""
-    values = cfg.model_dump(mode="json")
-    for path in PPO_NOT_IN_KEY:
-        *sections, leaf = path.split(".")
-        node = values
-        for section in sections:
-            node = node[section]
-        node.pop(leaf, None)
+    values = semantic_values(cfg)  # models and datasets enter the key as upstream keys, URIs or digests
     values["ds"]["param_dtype"] = precision
     return values_hash({"ppo": values, "reward_file": reward_file_digest})
 

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
+from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
 
@@ -42,10 +43,12 @@ class DataConfig(StrictModel):
     """Where the examples come from and how they become token ids."""
 
     dataset: str | None = Field(None, description="Comma-separated datasets: jsonl/json/parquet files, json@DIR, or "
-                                "hub names (required; a pipeline fills it from the upstream stage)")
+                                "hub names (required; a pipeline fills it from the upstream stage)",
+                                json_schema_extra=NOT_SEMANTIC)
     dataset_probs: str | None = Field(None, description="Comma-separated mixing probabilities, one per dataset")
     dataset_split: str = "train"
-    eval_dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it has one")
+    eval_dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it has one",
+                                     json_schema_extra=NOT_SEMANTIC)
     eval_split: str = "test"
     input_key: str = "prompt"
     output_key: str = "response"
@@ -91,8 +94,10 @@ class TrainConfig(StrictModel):
     """What every trainer shares: model, engine, optimisation, checkpoints, tracking."""
 
     # Required to train; None in a pipeline's parameters means "filled in from the upstream stage".
-    pretrain: str | None = Field(None, description="Model to start from (HF directory, s3:// URI or hub name)")
-    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI")
+    pretrain: str | None = Field(None, description="Model to start from (HF directory, s3:// URI or hub name)",
+                                 json_schema_extra=NOT_SEMANTIC)
+    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI",
+                                  json_schema_extra=NOT_SEMANTIC)
     data: DataConfig = Field(default_factory=DataConfig)
 
     # Engine and parallelism.
@@ -126,18 +131,20 @@ class TrainConfig(StrictModel):
     target_modules: str = Field("all-linear", description="Comma-separated module names or 'all-linear'")
 
     # Checkpoints and evaluation.
-    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)")
-    ckpt_path: str | None = None
-    max_ckpt_num: int = Field(3, gt=0)
-    load_checkpoint: bool = False
-    eval_steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
-    logging_steps: int = Field(1, gt=0)
+    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
+                            json_schema_extra=NOT_SEMANTIC)
+    ckpt_path: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    max_ckpt_num: int = Field(3, gt=0, json_schema_extra=NOT_SEMANTIC)
+    load_checkpoint: bool = Field(False, json_schema_extra=NOT_SEMANTIC)
+    eval_steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)",
+                            json_schema_extra=NOT_SEMANTIC)
+    logging_steps: int = Field(1, gt=0, json_schema_extra=NOT_SEMANTIC)
 
     # Tracking.
-    mlflow_experiment: str = "rlhf"
-    mlflow_run_name: str | None = None
-    mlflow_parent_run_id: str | None = None
-    use_mlflow: bool = True
+    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
+    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
@@ -190,7 +197,8 @@ class RMConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     stage: Literal["dpo"] = "dpo"
     learning_rate: float = Field(5e-7, gt=0)
-    ref_pretrain: str | None = Field(None, description="Reference model (default: --pretrain)")
+    ref_pretrain: str | None = Field(None, description="Reference model (default: --pretrain)",
+                                     json_schema_extra=NOT_SEMANTIC)
     beta: float = Field(0.1, gt=0)
     loss_type: DPOLossType = DPOLossType.SIGMOID
     ipo: bool = Field(False, description="Same as --loss_type ipo")
@@ -211,7 +219,7 @@ class DPOConfig(TrainConfig):
 class KTOConfig(TrainConfig):
     stage: Literal["kto"] = "kto"
     learning_rate: float = Field(5e-7, gt=0)
-    ref_pretrain: str | None = None
+    ref_pretrain: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
     beta: float = Field(0.1, gt=0)
     desirable_loss_weight: float = Field(1.0, gt=0)
     undesirable_loss_weight: float = Field(1.0, gt=0)
@@ -455,10 +463,12 @@ class RolloutStageConfig(StrictModel):
     """What eval and pairs share: a policy, prompts (with answers), generation and tracking."""
 
     # Required to run; None in a pipeline's parameters means "filled in from the upstream stage".
-    pretrain: str | None = Field(None, description="Policy model: local HF directory or s3:// URI")
+    pretrain: str | None = Field(None, description="Policy model: local HF directory or s3:// URI",
+                                 json_schema_extra=NOT_SEMANTIC)
     dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet with prompt (and answer) keys, "
-                                "or json@DIR")
-    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI")
+                                "or json@DIR", json_schema_extra=NOT_SEMANTIC)
+    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI",
+                                  json_schema_extra=NOT_SEMANTIC)
     input_key: str = "prompt"
     label_key: str = Field("answer", description="Reference answer column (the verifier's input)")
     apply_chat_template: bool = True
@@ -468,10 +478,10 @@ class RolloutStageConfig(StrictModel):
     seed: int = 42
     rollout_backend: RolloutBackend = RolloutBackend.AUTO
 
-    mlflow_experiment: str = "rlhf"
-    mlflow_run_name: str | None = None
-    mlflow_parent_run_id: str | None = None
-    use_mlflow: bool = True
+    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
+    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
 
     @model_validator(mode="after")
     def _resolve_generation_budget(self) -> RolloutStageConfig:
@@ -503,11 +513,13 @@ class EvalConfig(RolloutStageConfig):
 
     stage: Literal["eval"] = "eval"
     pretrain: str | None = Field(None, description="Policy model(s), comma-separated: local HF directories or "
-                                 "s3:// URIs, evaluated side by side")
+                                 "s3:// URIs, evaluated side by side", json_schema_extra=NOT_SEMANTIC)
     policy_names: str | None = Field(None, description="Comma-separated names of the --pretrain policies, in "
                                      "order (default: policy, or policy1,policy2,... for several)")
-    ref_pretrain: str | None = Field(None, description="Reference model (usually the SFT model)")
-    reward_pretrain: str | None = Field(None, description="Reward model (scores, win rate)")
+    ref_pretrain: str | None = Field(None, description="Reference model (usually the SFT model)",
+                                     json_schema_extra=NOT_SEMANTIC)
+    reward_pretrain: str | None = Field(None, description="Reward model (scores, win rate)",
+                                        json_schema_extra=NOT_SEMANTIC)
     normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
     n_samples_per_prompt: int = Field(4, ge=1, description="Samples per prompt at --temperature: sampled accuracy, "
                                       "pass@k, and the KL estimate (drawn at temperature 1)")
@@ -572,7 +584,8 @@ class PairsConfig(RolloutStageConfig):
 
     stage: Literal["pairs"] = "pairs"
     reward: RewardSourceName = RewardSourceName.VERIFIER
-    reward_pretrain: str | None = Field(None, description="Reward model (with --reward reward_model)")
+    reward_pretrain: str | None = Field(None, description="Reward model (with --reward reward_model)",
+                                        json_schema_extra=NOT_SEMANTIC)
     normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
     n_samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)

@@ -32,6 +32,7 @@ from rlhf_core.config import (
     check_input_template,
     flag_kwargs,
 )
+from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 
 
@@ -58,7 +59,7 @@ class CriticAdam(ActorAdam):
 
 class ActorConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Policy to start from (HF directory, s3:// URI or "
-                                           "hub name; required)")
+                                           "hub name; required)", json_schema_extra=NOT_SEMANTIC)
     adam: ActorAdam = Field(default_factory=ActorAdam)
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -73,7 +74,8 @@ class ActorConfig(Placement):
 
 class CriticConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Critic to start from (gae only); default: the "
-                                           "first reward model, else the actor")
+                                           "first reward model, else the actor",
+                                           json_schema_extra=NOT_SEMANTIC)
     adam: CriticAdam = Field(default_factory=CriticAdam)
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -85,13 +87,15 @@ class CriticConfig(Placement):
 
 
 class RefConfig(Placement):
-    model_name_or_path: str | None = Field(None, description="Reference model (default: the actor's)")
+    model_name_or_path: str | None = Field(None, description="Reference model (default: the actor's)",
+                                           json_schema_extra=NOT_SEMANTIC)
 
 
 class RewardConfig(Placement):
-    model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated")
+    model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated",
+                                           json_schema_extra=NOT_SEMANTIC)
     remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
-                                   "Python file defining reward_func")
+                                   "Python file defining reward_func", json_schema_extra=NOT_SEMANTIC)
     task: str | None = Field(None, description="Built-in task whose exact verifier scores responses")
     normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
     clip_range: tuple[float, float] = (-10.0, 10.0)
@@ -172,7 +176,8 @@ class TrainSection(StrictModel):
 
 
 class EvalSection(StrictModel):
-    dataset: str | None = Field(None, description="Held-out prompts (evaluated every eval.steps)")
+    dataset: str | None = Field(None, description="Held-out prompts (evaluated every eval.steps)",
+                                json_schema_extra=NOT_SEMANTIC)
     split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'")
     steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
     temperature: float = Field(0.6, gt=0)
@@ -182,7 +187,7 @@ class EvalSection(StrictModel):
 
 
 class LoggerSection(StrictModel):
-    logging_steps: int = Field(1, gt=0)
+    logging_steps: int = Field(1, gt=0, json_schema_extra=NOT_SEMANTIC)
 
 
 class DSConfig(StrictModel):
@@ -196,7 +201,7 @@ class DSConfig(StrictModel):
 
 class PromptDataConfig(StrictModel):
     prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
-                                       "names, comma-separated (required)")
+                                       "names, comma-separated (required)", json_schema_extra=NOT_SEMANTIC)
     prompt_split: str = "train"
     input_key: str = "prompt"
     label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)")
@@ -211,11 +216,14 @@ class PromptDataConfig(StrictModel):
 
 class CkptConfig(StrictModel):
     output_dir: str | None = Field(None, description="Stage output (the trained policy): local directory or "
-                                   "s3:// URI (required)")
-    path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)")
-    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)")
-    max_num: int = Field(3, gt=0)
-    load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path")
+                                   "s3:// URI (required)", json_schema_extra=NOT_SEMANTIC)
+    path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)",
+                             json_schema_extra=NOT_SEMANTIC)
+    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
+                            json_schema_extra=NOT_SEMANTIC)
+    max_num: int = Field(3, gt=0, json_schema_extra=NOT_SEMANTIC)
+    load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
+                              json_schema_extra=NOT_SEMANTIC)
 
 
 class PPOConfig(StrictModel):
@@ -236,10 +244,10 @@ class PPOConfig(StrictModel):
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
 
-    mlflow_experiment: str = "rlhf"
-    mlflow_run_name: str | None = None
-    mlflow_parent_run_id: str | None = None
-    use_mlflow: bool = True
+    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
+    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
 
     # The names every stage config answers to (storage's destination checks, manifests, pipelines).
     @property

@@ -20,10 +20,41 @@ SOURCE_PACKAGES = ("rlhf_core", "flows", "orchestration")
 # themselves), the summary/markdown reports and the MLflow bookkeeping of the flow.
 NOT_IN_CODE_VERSION = frozenset({"rlhf_core/stages/provenance.py", "flows/cli.py", "orchestration/reports.py", "orchestration/lineage.py"})
 
-# Fields that say where things go or how they are watched, not what is trained.
-NON_SEMANTIC = {"pretrain", "ref_pretrain", "save_path", "ckpt_path", "save_steps", "max_ckpt_num",
-                "load_checkpoint", "logging_steps", "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id",
-                "use_mlflow", "eval_steps", "dataset", "eval_dataset"}
+# A config field's `json_schema_extra` when it says where things go or how a run is watched, not
+# what is trained (input and output paths, checkpoint cadence, tracking): config hashes leave it
+# out (inputs enter cache keys by content or upstream key instead), and so does `rlhf lineage`'s
+# list of changed settings. One marker on the field, whatever the config or section.
+NOT_SEMANTIC = {"semantic": False}
+
+
+def is_semantic(field) -> bool:
+    extra = field.json_schema_extra
+    return not (isinstance(extra, dict) and extra.get("semantic") is False)
+
+
+def semantic_values(cfg) -> dict:
+    """`cfg.model_dump(mode="json")` without its `NOT_SEMANTIC` fields, in every section."""
+    return _semantic(cfg, cfg.model_dump(mode="json"))
+
+
+def _semantic(model, values: dict) -> dict:
+    out = {}
+    for name, field in type(model).model_fields.items():
+        if is_semantic(field):
+            value = getattr(model, name)
+            out[name] = _semantic(value, values[name]) if hasattr(type(value), "model_fields") else values[name]
+    return out
+
+
+def not_semantic_paths(config_cls) -> set[str]:
+    """The dotted names (`save_path`, `actor.model_name_or_path`) of a config class's `NOT_SEMANTIC` fields."""
+    out = set()
+    for name, field in config_cls.model_fields.items():
+        if not is_semantic(field):
+            out.add(name)
+        elif isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+            out |= {f"{name}.{sub}" for sub in not_semantic_paths(field.annotation)}
+    return out
 
 
 def values_hash(values: dict) -> str:
@@ -33,11 +64,7 @@ def values_hash(values: dict) -> str:
 
 def config_hash(cfg) -> str:
     """sha256 of a config's semantic fields (inputs and outputs are hashed separately, by content)."""
-    values = cfg.model_dump(mode="json")
-    values = {k: v for k, v in values.items() if k not in NON_SEMANTIC}
-    if isinstance(values.get("data"), dict):
-        values["data"] = {k: v for k, v in values["data"].items() if k not in NON_SEMANTIC}
-    return values_hash(values)
+    return values_hash(semantic_values(cfg))
 
 
 def params_hash(params, exclude: frozenset[str] = frozenset(), **extra) -> str:

@@ -19,12 +19,6 @@ from dataclasses import dataclass, field
 from rlhf_core.infra import storage
 from rlhf_core.infra.settings import tracking_uri
 
-# Params the tree shows in other forms (parents, output, datasets) or that say nothing about the model.
-HIDDEN_PARAMS = {"pretrain", "ref_pretrain", "reward_pretrain", "save_path", "ckpt_path", "dataset", "eval_dataset",
-                 "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow",
-                 # `rlhf train ppo`'s sectioned names of the same things (`actor.model_name_or_path`, ...)
-                 "model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"}
-
 
 class LineageError(ValueError):
     """The reference matches no run."""
@@ -151,13 +145,15 @@ def params_off_default(stage: str, params: dict[str, str]) -> dict[str, str]:
     Stages without a config class (prep) show every param. Params of another code version that
     the config no longer has are shown too: they differ from what a default run would log."""
     from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, STAGE_CONFIGS
+    from rlhf_core.infra.manifests import not_semantic_paths
     from rlhf_core.infra.tracking import redact_params
     from rlhf_core.rl_config import PPOConfig
 
     config_cls = STAGE_CONFIGS.get(stage) or ROLLOUT_STAGE_CONFIGS.get(stage) or {"ppo": PPOConfig}.get(stage)
     defaults = redact_params(config_cls.model_construct().model_dump(mode="json")) if config_cls else {}
-    return {k: v for k, v in params.items()
-            if k.split(".")[-1] not in HIDDEN_PARAMS and k not in HIDDEN_PARAMS and defaults.get(k) != v}
+    # Paths and tracking (NOT_SEMANTIC fields) are the tree's parents, outputs and datasets, or noise.
+    hidden = not_semantic_paths(config_cls) if config_cls else set()
+    return {k: v for k, v in params.items() if k not in hidden and defaults.get(k) != v}
 
 
 def _upstream_tags(tags: dict) -> dict[str, str]:

@@ -176,10 +176,15 @@ def test_ppo_takes_actor_and_reference_from_sft_reward_and_critic_from_the_rewar
 
 
 def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_path):
-    from flows.jobs import PPO_NOT_IN_KEY
-    from rlhf_core.rl_config import LEAVES
+    from rlhf_core.infra.manifests import not_semantic_paths
+    from rlhf_core.rl_config import PPOConfig
 
-    assert PPO_NOT_IN_KEY <= set(LEAVES)  # every excluded name is a real field
+    # What the fields' NOT_SEMANTIC marker leaves out of the key: places, cadence and tracking only.
+    assert not_semantic_paths(PPOConfig) == {
+        "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
+        "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
+        "ckpt.max_num", "ckpt.load_enable", "logger.logging_steps", "mlflow_experiment", "mlflow_run_name",
+        "mlflow_parent_run_id", "use_mlflow"}
     job, key, _, _ = ppo_job_for(tmp_path)
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
     for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},

@@ -82,3 +82,29 @@ def test_code_version_is_the_digest_of_the_running_source_outside_git(tmp_path):
     path = root / "rlhf_core" / "trainers" / "dpo.py"
     path.write_text(path.read_text() + "\n# an uncommitted edit\n")
     assert version_there() != first
+
+
+def test_the_not_semantic_marker_keeps_places_and_tracking_out_of_config_hashes_at_every_depth():
+    from pydantic import BaseModel, Field
+
+    from rlhf_core.config import SFTConfig
+    from rlhf_core.infra.manifests import NOT_SEMANTIC, config_hash, not_semantic_paths, semantic_values
+
+    class Section(BaseModel):
+        lr: float = 1.0
+        path: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+
+    class Config(BaseModel):
+        section: Section = Field(default_factory=Section)
+        seed: int = 1
+        out: str = Field("o", json_schema_extra=NOT_SEMANTIC)
+
+    assert semantic_values(Config()) == {"section": {"lr": 1.0}, "seed": 1}
+    assert not_semantic_paths(Config) == {"section.path", "out"}
+    assert config_hash(Config(out="x", section=Section(path="p"))) == config_hash(Config())
+    assert config_hash(Config(section=Section(lr=2.0))) != config_hash(Config())  # a semantic field moves it
+
+    sft = SFTConfig(pretrain="/m", save_path="/o", data={"dataset": "json@/d"})
+    assert config_hash(sft) == config_hash(SFTConfig(pretrain="/n", save_path="/p", use_mlflow=False,
+                                                     data={"dataset": "json@/e"}))
+    assert config_hash(sft) != config_hash(sft.model_copy(update={"learning_rate": 1e-3}))
