@@ -89,14 +89,14 @@ def ppo_parameters(values: dict):
     from pydantic import ValidationError
 
     from flows.params import PipelinePPOConfig
-    from rlhf_core.config import _format_validation_error
-    from rlhf_core.rl_config import _flag_name
+    from rlhf_core.flags import format_validation_error
+    from rlhf_core.rl_config import SPELLINGS
 
     try:
         return PipelinePPOConfig.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(f"--config section ppo: {_format_validation_error(e, 'the ppo section', _flag_name)}") \
-            from None
+        raise ConfigError(f"--config section ppo: {format_validation_error(e, 'the ppo section', SPELLINGS.flag_name)}"
+                          ) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -108,10 +108,10 @@ class PipelinePPOConfig(PPOConfig):
     def _tuned(cls, values):
         if not isinstance(values, dict):
             return values
-        from rlhf_core.rl_config import _nest, _to_paths
+        from rlhf_core.rl_config import SPELLINGS
 
-        given = _to_paths(values, "ppo")
-        return _nest({**TUNED_PPO, **given})
+        given = SPELLINGS.to_paths(values, "ppo")
+        return SPELLINGS.nest({**TUNED_PPO, **given})
 
     @model_validator(mode="wrap")
     @classmethod
@@ -122,9 +122,9 @@ class PipelinePPOConfig(PPOConfig):
         later. Derived from nothing now, they would be frozen (1024 new tokens, no critic) by every
         JSON dump of the parameters (Prefect stores deployments' so) and never derived again.
         """
-        from rlhf_core.rl_config import _to_paths
+        from rlhf_core.rl_config import SPELLINGS
 
-        given = {k for k, v in _to_paths(values, "ppo").items() if v is not None} if isinstance(values, dict) \
+        given = {k for k, v in SPELLINGS.to_paths(values, "ppo").items() if v is not None} if isinstance(values, dict) \
             else None
         cfg = handler(values)
         if given is not None and cfg.actor.model_name_or_path is None:

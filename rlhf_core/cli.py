@@ -51,12 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     add_ppo_flags(stages.add_parser("ppo", argument_default=argparse.SUPPRESS, help="PPO-family RL (PPO, "
                                     "REINFORCE++, RLOO, GRPO, Dr.GRPO): OpenRLHF's dotted or flat flags"))
 
-    from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, add_flat_config_flags
+    from rlhf_core.config import ROLLOUT_STAGE_CONFIGS
 
-    add_flat_config_flags(sub.add_parser("eval", argument_default=argparse.SUPPRESS, help="Evaluate a policy "
+    add_config_flags(sub.add_parser("eval", argument_default=argparse.SUPPRESS, help="Evaluate a policy "
                                          "against a reference: reward, exact match, win rate, KL"),
                           ROLLOUT_STAGE_CONFIGS["eval"])
-    add_flat_config_flags(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
+    add_config_flags(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
                                          "score, keep (best, worst) per prompt: online DPO data"),
                           ROLLOUT_STAGE_CONFIGS["pairs"])
 
@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0
         if args.command in ("eval", "pairs"):
-            from rlhf_core.config import ROLLOUT_STAGE_CONFIGS, build_flat_config
+            from rlhf_core.config import ROLLOUT_STAGE_CONFIGS
             from rlhf_core.stages.evaluation import run_eval
             from rlhf_core.stages.pairs import NoPairsError, run_pairs
 
             values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-            cfg = build_flat_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
+            cfg = build_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
                                     else None, values)
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain",

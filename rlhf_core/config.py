@@ -9,6 +9,7 @@ Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors eve
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from enum import Enum
@@ -17,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
+from rlhf_core.flags import Spellings
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
@@ -242,54 +244,6 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
 # ---------------------------------------------------------------------------------------------
 # Flags and YAML -> config. Flags are the flat field names; data fields may be given flat too.
 
-def _parse_bool(text: str) -> bool:
-    lowered = str(text).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def flag_kwargs(annotation, description: str | None) -> dict | None:
-    """argparse keyword arguments for a field of this type (None: the type has no flag form).
-
-    Booleans take an optional value (`--flag`, `--flag false`), tuples one value per element,
-    enums and literals their choices. The default is SUPPRESS: only flags given reach the config.
-    """
-    import argparse
-    import types
-    import typing
-
-    ann = annotation
-    origin = typing.get_origin(ann)
-    args = [a for a in typing.get_args(ann) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType) and len(args) == 1:
-        ann, origin = args[0], typing.get_origin(args[0])
-    kwargs: dict = {"default": argparse.SUPPRESS, "help": description}
-    if ann is bool:
-        kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
-    elif origin is tuple:
-        kwargs.update(nargs=len(typing.get_args(ann)), type=typing.get_args(ann)[0])
-    elif origin is typing.Literal:
-        kwargs.update(choices=list(typing.get_args(ann)), type=type(typing.get_args(ann)[0]))
-    elif isinstance(ann, type) and issubclass(ann, Enum):
-        kwargs.update(choices=[m.value for m in ann])
-    elif ann in (int, float, str):
-        kwargs.update(type=ann)
-    else:
-        return None
-    return kwargs
-
-
-def _add_field_flags(parser, model_cls: type[BaseModel], skip: set[str],
-                     aliases: dict[str, tuple[str, ...]] | None = None) -> None:
-    for name, field in model_cls.model_fields.items():
-        kwargs = None if name in skip else flag_kwargs(field.annotation, field.description)
-        if kwargs is not None:
-            parser.add_argument(f"--{name}", *(aliases or {}).get(name, ()), dest=name, **kwargs)
-
-
 # The trainers' fields under OpenRLHF's dotted flag names (its CLI since 2026-04: train_sft.py,
 # train_rm.py, train_dpo.py), so a script of either era runs. A field's flat name stays its flag.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -342,48 +296,23 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "max_len": ("--data.max_len",),
     "packing_samples": ("--ds.packing_samples",),
 }
-_DOTTED_KEYS = {alias[2:]: name for name, spellings in FLAG_ALIASES.items() for alias in spellings}
 
 
-def add_config_flags(parser, config_cls: type[TrainConfig]) -> None:
-    """Register one flag per config field (and per data field) on an argparse parser."""
-    parser.add_argument("--config", default=None, help="YAML file with any of these fields")
-    _add_field_flags(parser, config_cls, skip={"data", "stage"}, aliases=FLAG_ALIASES)
-    _add_field_flags(parser, DataConfig, skip=set(), aliases=FLAG_ALIASES)
+def _train_spellings(config_cls: type[TrainConfig]) -> Spellings:
+    """A trainer config's spellings: data fields by their flat name (`--max_len`) and their path
+    (`--data.max_len`), every field by OpenRLHF's dotted name in `FLAG_ALIASES`."""
+    paths = {name: (f"data.{name}" if name in DataConfig.model_fields else name)
+             for name in [*config_cls.model_fields, *DataConfig.model_fields]}
+    aliases = {name: (f"data.{name}",) for name in DataConfig.model_fields}
+    for name, flags in FLAG_ALIASES.items():
+        if name in paths:
+            aliases.update({flag[2:]: (paths[name],) for flag in flags if flag[2:] != paths[name]})
+    return Spellings(config_cls, aliases)
 
 
-def _nest_data_fields(values: dict) -> dict:
-    values = {_DOTTED_KEYS.get(k, k): v for k, v in values.items()}  # YAML may use the dotted names too
-    data = dict(values.pop("data", None) or {})
-    for key in list(values):
-        if key in DataConfig.model_fields:
-            data[key] = values.pop(key)
-    values["data"] = data
-    return values
-
-
-def _flat_flag_name(loc: tuple) -> str | None:
-    """A trainer config's flag for an error location: data fields are flat (`--max_len`)."""
-    parts = [str(p) for p in loc if p != "data"]
-    return "--" + ".".join(parts) if parts else None
-
-
-def _format_validation_error(err, source: str, flag_name=_flat_flag_name) -> str:
-    """One line per pydantic error, each naming its flag (`flag_name(loc)`, None: a check across fields)."""
-    lines = [f"invalid configuration ({source}):"]
-    for e in err.errors():
-        name = flag_name(e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {name or '(config)'}: unknown field")
-        elif e["type"] == "missing":
-            lines.append(f"  {name or '(config)'}: required")
-        elif name is None:  # a check across fields: its message names them; the input is the whole config
-            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
-        else:
-            lines.append(f"  {name}: {e['msg']} (got {e.get('input')!r})")
-    if len(lines) == 2 and "\n" not in lines[1]:  # one problem: one line
-        return f"{lines[0]} {lines[1].strip()}"
-    return "\n".join(lines)
+def add_config_flags(parser, config_cls: type[BaseModel]) -> None:
+    """Register `--config` and every field's flags on an argparse parser (`flags.Spellings`)."""
+    spellings_of(config_cls).add_flags(parser, "YAML file with any of these fields (flat, dotted or nested)")
 
 
 def load_yaml(path: str | os.PathLike) -> dict:
@@ -412,26 +341,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return loaded
 
 
-def build_config(config_cls: type[TrainConfig], yaml_values: dict | None, flag_values: dict,
-                 complete: bool = True) -> TrainConfig:
-    """Merge YAML (lower precedence) and flags into a validated config, or raise ConfigError.
-
-    `complete=False` allows leaving out pretrain/save_path/dataset (a pipeline fills them in).
+def build_config(config_cls: type[BaseModel], yaml_values: dict | None, flag_values: dict,
+                 complete: bool = True):
+    """Merge YAML (lower precedence) and flags, in any spelling, into a validated config, or raise
+    ConfigError. `complete=False` allows leaving out pretrain/save_path/dataset (a pipeline fills them in).
     """
-    from pydantic import ValidationError
-
-    merged = _nest_data_fields(yaml_values or {})
-    flags = _nest_data_fields(flag_values)
-    merged_data = {**merged.pop("data"), **flags.pop("data")}
-    merged.update(flags)
-    merged["data"] = merged_data
-    try:
-        cfg = config_cls.model_validate(merged)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, "flags and --config")) from None
-    if complete:
-        cfg.check_complete()
-    return cfg
+    return spellings_of(config_cls).build(yaml_values, flag_values, complete)
 
 
 def with_updates(cfg: TrainConfig, **updates) -> TrainConfig:
@@ -604,21 +519,8 @@ class PairsConfig(RolloutStageConfig):
 ROLLOUT_STAGE_CONFIGS: dict[str, type[RolloutStageConfig]] = {"eval": EvalConfig, "pairs": PairsConfig}
 
 
-def add_flat_config_flags(parser, config_cls: type[BaseModel]) -> None:
-    """One flag per field of a flat config (no `data` section), plus `--config FILE.yaml`."""
-    parser.add_argument("--config", default=None, help="YAML file with any of these fields")
-    _add_field_flags(parser, config_cls, skip={"stage"})
-
-
-def build_flat_config(config_cls: type[RolloutStageConfig], yaml_values: dict | None, flag_values: dict,
-                      complete: bool = True) -> RolloutStageConfig:
-    """`build_config` for flat configs: YAML < flags, validated, ConfigError naming the field."""
-    from pydantic import ValidationError
-
-    try:
-        cfg = config_cls.model_validate({**(yaml_values or {}), **flag_values})
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, "flags and --config")) from None
-    if complete:
-        cfg.check_complete()
-    return cfg
+@functools.cache
+def spellings_of(config_cls: type[BaseModel]) -> Spellings:
+    """A stage config's spellings (`flags.Spellings`): a trainer's with OpenRLHF's names, eval's and
+    pairs' their field names only (also for subclasses, e.g. a pipeline's sections)."""
+    return _train_spellings(config_cls) if issubclass(config_cls, TrainConfig) else Spellings(config_cls, {})

@@ -16,22 +16,13 @@ reference's starting models, `rollout.max_new_tokens`, `data.max_len`, `actor.ep
 
 from __future__ import annotations
 
-import argparse
 from typing import Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import Field, model_validator
 
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
-from rlhf_core.config import (
-    ConfigError,
-    RolloutBackend,
-    StrictModel,
-    _format_validation_error,
-    _parse_bool,
-    check_input_template,
-    flag_kwargs,
-)
+from rlhf_core.config import ConfigError, RolloutBackend, StrictModel, check_input_template
+from rlhf_core.flags import Spellings
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 
@@ -556,150 +547,19 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "load_checkpoint": ("ckpt.load_enable",),
 }
 # `--bf16` (OpenRLHF before 2026-01) is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
-BF16 = "bf16"
-
-
-def _leaves(model_cls: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
-    out: dict[str, FieldInfo] = {}
-    for name, field in model_cls.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(_leaves(ann, f"{prefix}{name}."))
-        else:
-            out[prefix + name] = field
-    return out
-
-
-LEAVES: dict[str, FieldInfo] = _leaves(PPOConfig)  # dotted path -> field, e.g. "actor.adam.lr"
-SECTIONS: frozenset[str] = frozenset(p.rsplit(".", i)[0] for p in LEAVES for i in range(1, p.count(".") + 1))
+SPELLINGS = Spellings(PPOConfig, ALIASES, transforms={
+    "bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else None,
+             "Older spelling of --ds.param_dtype bf16")})
+LEAVES = SPELLINGS.leaves  # dotted path -> field, e.g. "actor.adam.lr"
 
 
 def _flat_spelling(path: str) -> str | None:
     return next((name for name, targets in ALIASES.items() if path in targets and "." not in name), None)
 
 
-def spellings(path: str) -> list[str]:
-    """Every flag of a field: its dotted path first, then its other spellings."""
-    return [f"--{path}"] + [f"--{name}" for name, targets in ALIASES.items() if path in targets]
-
-
-class _SetFields(argparse.Action):
-    """Store a flag's value under each of its target fields; a field given two different values
-    (by two of its spellings, or one flag twice) is an argparse error naming the flag."""
-
-    def __init__(self, option_strings, dest, targets=(), transform=None, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.targets, self.transform = tuple(targets) or (dest,), transform
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if self.transform is not None:
-            values = self.transform(values)
-            if values is None:
-                return
-        for target in self.targets:
-            before = getattr(namespace, target, _UNSET)
-            if before is not _UNSET and before != values:
-                others = spellings(target) + ([f"--{BF16}"] if target == "ds.param_dtype" else [])
-                raise argparse.ArgumentError(self, f"--{target} was already set to {before!r} (by this flag or "
-                                             f"another of its spellings: {', '.join(others)}): give it once")
-            setattr(namespace, target, values)
-
-
-_UNSET = object()
-
-
 def add_ppo_flags(parser) -> None:
-    """Register `--config` and every field's flags: its dotted path and its other spellings. The
-    value lands under the dotted path (`vars(args)["actor.adam.lr"]`); build_ppo_config takes it."""
-    parser.add_argument("--config", default=None, help="YAML file with any of these fields (nested, dotted or flat)")
-    for path, field in LEAVES.items():
-        kwargs = flag_kwargs(field.annotation, field.description)
-        if kwargs is None or path == "stage":
-            continue
-        others = [f"--{name}" for name, targets in ALIASES.items() if targets == (path,)]
-        parser.add_argument(f"--{path}", *others, dest=path, action=_SetFields, **kwargs)
-    for name, targets in ALIASES.items():
-        if len(targets) > 1:
-            kwargs = flag_kwargs(LEAVES[targets[0]].annotation, "Sets " + " and ".join(f"--{t}" for t in targets))
-            kwargs.setdefault("metavar", name.upper())
-            parser.add_argument(f"--{name}", dest=targets[0], action=_SetFields, targets=targets, **kwargs)
-    parser.add_argument(f"--{BF16}", dest="ds.param_dtype", action=_SetFields, default=argparse.SUPPRESS,
-                        nargs="?", const=True, type=_parse_bool, metavar="BOOL",
-                        transform=lambda on: Precision.BF16.value if on else None,
-                        help="Older spelling of --ds.param_dtype bf16")
-
-
-def _flatten(values: dict, prefix: str = "") -> list[tuple[str, object]]:
-    """(key as written, dotted where nested; value) for every leaf of a YAML/flag mapping."""
-    out = []
-    for key, value in values.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and path in SECTIONS:
-            out.extend(_flatten(value, f"{path}."))
-        else:
-            out.append((path, value))
-    return out
-
-
-def _same_value(path: str, a, b) -> bool:
-    if a == b:
-        return True
-    adapter = TypeAdapter(LEAVES[path].annotation)
-    try:
-        return adapter.validate_python(a) == adapter.validate_python(b)
-    except ValidationError:
-        return False
-
-
-def _to_paths(values: dict, where: str) -> dict[str, object]:
-    """Any mix of nested, dotted and flat keys -> {dotted path: value}; ConfigError for an unknown key
-    or for one field given different values by two of its spellings."""
-    out: dict[str, tuple[str, object]] = {}
-    unknown = []
-    for key, value in _flatten(values):
-        if key == BF16:
-            if not _parse_bool(value):
-                continue
-            targets, value = ("ds.param_dtype",), Precision.BF16.value
-        elif key in LEAVES:
-            targets = (key,)
-        elif key in ALIASES:
-            targets = ALIASES[key]
-        else:
-            unknown.append(key)
-            continue
-        for target in targets:
-            if target in out and not _same_value(target, out[target][1], value):
-                first, before = out[target]
-                raise ConfigError(f"invalid configuration ({where}): --{first} ({before!r}) and --{key} ({value!r}) "
-                                  f"set --{target} to different values: give one")
-            out[target] = (key, value)
-    if unknown:
-        if len(unknown) == 1:
-            raise ConfigError(f"invalid configuration ({where}): --{unknown[0]}: unknown field")
-        raise ConfigError(f"invalid configuration ({where}):\n" + "\n".join(f"  --{k}: unknown field"
-                                                                             for k in unknown))
-    return {path: value for path, (_, value) in out.items()}
-
-
-def _nest(paths: dict[str, object]) -> dict:
-    nested: dict = {}
-    for path, value in paths.items():
-        *sections, name = path.split(".")
-        node = nested
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return nested
-
-
-def _flag_name(loc: tuple) -> str | None:
-    """An error location's flags, e.g. `--actor.adam.lr (--actor_learning_rate)`; None: a check across fields."""
-    path = ".".join(str(p) for p in loc if not isinstance(p, int))
-    if not path:
-        return None
-    names = spellings(path)
-    return names[0] + (f" ({', '.join(names[1:])})" if len(names) > 1 else "")
+    """`--config` and every field's flags (`flags.Spellings.add_flags`)."""
+    SPELLINGS.add_flags(parser)
 
 
 def build_ppo_config(yaml_values: dict | None, flag_values: dict, complete: bool = True) -> PPOConfig:
@@ -708,11 +568,4 @@ def build_ppo_config(yaml_values: dict | None, flag_values: dict, complete: bool
     Both may use any spelling: nested sections, dotted paths, flat names. `complete=False` allows
     leaving out the actor, the prompts, the output and the reward source (a pipeline fills them in).
     """
-    merged = {**_to_paths(yaml_values or {}, "--config"), **_to_paths(flag_values, "flags")}
-    try:
-        cfg = PPOConfig.model_validate(_nest(merged))
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, "flags and --config", _flag_name)) from None
-    if complete:
-        cfg.check_complete()
-    return cfg
+    return SPELLINGS.build(yaml_values, flag_values, complete)

@@ -58,3 +58,51 @@ def test_cli_bad_choice_exits_2(capsys):
         main(["train", "rm", "--pretrain", "m", "--save_path", "o", "--dataset", "d", "--loss", "hinge"])
     assert exc.value.code == 2
     assert "--loss" in capsys.readouterr().err
+
+
+def test_every_stage_reads_its_spellings_by_one_rule():
+    """The trainers, eval and pairs read flags and YAML as `rlhf train ppo` does (`flags.Spellings`):
+    flat, dotted or nested spellings give one config; two spellings that disagree are an error
+    naming both; one flag twice keeps the last."""
+    import argparse
+    import shlex
+
+    from rlhf_core.config import EvalConfig, add_config_flags
+
+    def parse(cls, line):
+        parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, exit_on_error=False)
+        add_config_flags(parser, cls)
+        values = vars(parser.parse_args(shlex.split(line)))
+        values.pop("config", None)
+        return values
+
+    flat = build_config(SFTConfig, None, parse(SFTConfig, "--pretrain m --save_path o --dataset d --learning_rate 1e-3 "
+                                                          "--max_len 96 --train_batch_size 16"))
+    dotted = build_config(SFTConfig, None, parse(SFTConfig, "--model.model_name_or_path m --ckpt.output_dir o "
+                                                            "--data.dataset d --adam.lr 1e-3 --data.max_len 96 "
+                                                            "--train.batch_size 16"))
+    nested = build_config(SFTConfig, yaml.safe_load("""
+model: {model_name_or_path: m}
+ckpt: {output_dir: o}
+data: {dataset: d, max_len: 96}
+adam: {lr: 1.0e-3}
+train: {batch_size: 16}
+"""), {})
+    assert flat.model_dump() == dotted.model_dump() == nested.model_dump()
+    assert flat.learning_rate == 1e-3 and flat.data.max_len == 96
+
+    with pytest.raises(argparse.ArgumentError, match="--learning_rate already set --learning_rate to 0.001; give one "
+                                                     "of its spellings \\(--learning_rate, --adam.lr\\)"):
+        parse(SFTConfig, "--learning_rate 1e-3 --adam.lr 2e-3")
+    assert parse(SFTConfig, "--max_len 64 --max_len 12")["data.max_len"] == 12  # the same flag again: the last
+    assert parse(SFTConfig, "--max_len 64 --data.max_len 64")["data.max_len"] == 64  # equal values agree
+    with pytest.raises(ConfigError, match="--max_len \\(64\\) and --data.max_len \\(12\\) set --data.max_len"):
+        build_config(SFTConfig, {**BASE, "max_len": 64, "data.max_len": 12}, {})
+    with pytest.raises(ConfigError, match="--data.max_len \\(--max_len\\): Input should be greater than 1"):
+        build_config(SFTConfig, BASE, {"max_len": 1})
+
+    cfg = build_config(EvalConfig, {"pretrain": "p", "dataset": "d", "save_path": "o", "task": "sort"},
+                       parse(EvalConfig, "--temperature 0.5"))
+    assert cfg.temperature == 0.5
+    with pytest.raises(ConfigError, match="--bogus: unknown field"):
+        build_config(EvalConfig, {"bogus": 1}, {})

@@ -15,7 +15,7 @@ PACKAGES = ("rlhf_core", "flows", "orchestration")
 LAYERS = (
     ("pure math", ("rlhf_core.algos",)),
     ("infrastructure", ("rlhf_core.infra",)),
-    ("configuration, data and models", ("rlhf_core.config", "rlhf_core.rl_config", "rlhf_core.data",
+    ("configuration, data and models", ("rlhf_core.flags", "rlhf_core.config", "rlhf_core.rl_config", "rlhf_core.data",
                                         "rlhf_core.models")),
     ("distributed", ("rlhf_core.distributed",)),
     ("rollout and rewards", ("rlhf_core.rollout", "rlhf_core.rewards")),

@@ -13,7 +13,7 @@ import yaml
 from rlhf_core.cli import _parser
 from rlhf_core.config import STAGE_CONFIGS, build_config
 from rlhf_core.infra.settings import ConfigError
-from rlhf_core.rl_config import ALIASES, LEAVES, SECTIONS, PPOConfig, add_ppo_flags, build_ppo_config
+from rlhf_core.rl_config import ALIASES, LEAVES, SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
 
 # --- the supervised trainers ------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ def _ppo(flags: str = "", yaml_values: dict | None = None, complete: bool = True
 def test_every_spelling_names_a_field_and_no_two_fields_share_a_flag():
     assert not set(ALIASES) & set(LEAVES)
     assert all(target in LEAVES for targets in ALIASES.values() for target in targets)
-    assert "actor.adam.lr" in LEAVES and "algo.kl.init_coef" in LEAVES and "actor" in SECTIONS
+    assert "actor.adam.lr" in LEAVES and "algo.kl.init_coef" in LEAVES and "actor" in SPELLINGS.sections
     _ppo_parser()  # argparse refuses a flag registered twice
 
 
