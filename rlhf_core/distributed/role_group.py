@@ -34,6 +34,7 @@ from typing import Any
 import ray
 
 from rlhf_core.distributed.failures import FollowOnError
+from rlhf_core.distributed.pending import PendingCall
 from rlhf_core.distributed.resources import (
     ClusterDevices,
     ResourcePool,
@@ -126,27 +127,6 @@ def actor_class(worker_cls: type):
 
 
 # -- waiting with deadlines ------------------------------------------------------------------
-
-class PendingCall(list):
-    """The ObjectRefs of one call on a role, in rank order. `ray.get`/`ray.wait` take it as a
-    list; `result()` collects it with the role's deadline and error naming."""
-
-    def __init__(self, refs, *, role: str, method: str, ranks: Sequence[int], mode: str, timeout_s: float):
-        super().__init__(refs)
-        self.role, self.method, self.ranks, self.mode, self.timeout_s = role, method, list(ranks), mode, timeout_s
-
-    def finish(self, values: list):
-        if self.mode == "rank0":
-            return values[0]
-        return values
-
-    def result(self, timeout_s: float | None = None):
-        return gather_all([self], timeout_s=timeout_s)[0]
-
-    def per_rank(self, timeout_s: float | None = None) -> list:
-        """Every rank's own result, in rank order, whatever the call's mode."""
-        return gather_all([self], timeout_s=timeout_s, finish=False)[0]
-
 
 def gather_all(calls: Sequence[PendingCall], timeout_s: float | None = None, finish: bool = True) -> list:
     """Results of several calls (on several roles) at once, failing at the first rank that
@@ -301,7 +281,8 @@ class RoleGroup:
 
     def _pending(self, method: str, mode: str, ranks: Sequence[int], calls: Sequence[tuple[tuple, dict]]):
         refs = [self._method(self.actors[r], method).remote(*a, **kw) for r, (a, kw) in zip(ranks, calls, strict=True)]
-        return PendingCall(refs, role=self.name, method=method, ranks=ranks, mode=mode, timeout_s=self.timeout_s)
+        return PendingCall(refs, role=self.name, method=method, ranks=ranks, mode=mode, timeout_s=self.timeout_s,
+                           wait=gather_all)
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Arguments every rank gets: in the object store once, not once per rank (an ObjectRef

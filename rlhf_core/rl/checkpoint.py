@@ -8,9 +8,9 @@ Layout under `--ckpt.path`:
     latest                           the newest complete tag, written last
 
 A tag is written as `.global_step<N>.partial` and renamed when whole, so `latest` never names a
-half-written checkpoint and a failed save (a full disk) leaves the earlier ones as they were. A resumed run restores all of it and pushes the
-actor's restored weights to the rollout engines before its first rollout: it then makes exactly
-the updates an uninterrupted run makes (`torch.equal` in fp32 on CPU; tests/unit/test_rl_resume.py).
+half-written checkpoint and a failed save leaves the earlier ones as they were. A resumed run
+pushes the restored actor weights to the engines before its first rollout, so it makes exactly
+the updates of an uninterrupted run (`torch.equal` in fp32 on CPU; tests/unit/test_rl_resume.py).
 Rotation (`--ckpt.max_num`) removes only this run's own tags (`trainers/checkpoints.py`).
 """
 
@@ -47,11 +47,8 @@ def latest_tag(ckpt: str | os.PathLike) -> str | None:
 
 
 def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
-    """Write the checkpoint of `controller`'s current step; returns this run's id (for rotation).
-
-    Whole or not at all: every role writes into `.<tag>.partial`, renamed to the tag when all of it
-    is there; then `latest`, the record, rotation. A full disk removes the partial folder and raises
-    DiskFullError (exit 2), the earlier checkpoints and `latest` as they were."""
+    """Write the checkpoint of `controller`'s current step, whole or not at all; returns this run's
+    id (for rotation). A full disk removes the partial folder and raises DiskFullError (exit 2)."""
     from rlhf_core.infra import storage
     from rlhf_core.trainers import checkpoints
 
@@ -62,7 +59,7 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
         directory = checkpoints.begin(ckpt, tag)
         roles = [g for g in (controller.actor, controller.critic) if g is not None]
         for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
-            pending.all()
+            pending.per_rank()
         state = {"step": controller.step, "prompt_position": controller.prompts.position,
                  "kl": controller.kl.state_dict(), "rng": rng_state()}
         torch.save(state, directory / CONTROLLER)
@@ -89,7 +86,7 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     directory = ckpt / tag
     roles = [g for g in (controller.actor, controller.critic) if g is not None]
     for pending in [g.call_all_async("load_checkpoint", str(directory)) for g in roles]:
-        pending.all()
+        pending.per_rank()
     state = torch.load(directory / CONTROLLER, weights_only=False)
     controller.step = int(state["step"])
     controller.prompts.position = int(state["prompt_position"])

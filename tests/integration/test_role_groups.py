@@ -105,7 +105,7 @@ def test_a_batch_is_sharded_over_the_ranks_and_gathered_in_order(roles):
     assert ref.call_sharded("scale", [1.0, 2.0, 3.0, 4.0, 5.0], factor=2.0) == \
         [(2.0, 0), (4.0, 0), (6.0, 0), (8.0, 1), (10.0, 1)]
     each = ref.call_each_async("scale", [(([1.0],), {"factor": 3.0}), (([1.0, 2.0],), {})])
-    assert each.all() == [[(3.0, 0)], [(1.0, 1), (2.0, 1)]]  # each rank its own arguments
+    assert each.per_rank() == [[(3.0, 0)], [(1.0, 1), (2.0, 1)]]  # each rank its own arguments
 
 
 def test_devices_come_from_the_cluster(cluster):
