@@ -1,16 +1,15 @@
-"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto|ppo`, `serve-rm`, `eval`, `pairs`, `pipeline run`, `prune`, `lineage`,
-`hardware`.
+"""The `rlhf` command: `prep`, `train sft|rm|dpo|kto|ppo`, `serve-rm`, `eval`, `pairs`,
+`pipeline run`, `prune`, `lineage`, `hardware`.
 
-Flags are the stage config's field names (OpenRLHF's), `--config FILE.yaml` supplies any of
-them, flags win. Configuration and data problems print one clear message naming the flag, file,
-row or key, and exit with status 2 before anything trains (models given as inputs and reward
-files are checked before any data or weights are read); so does `rlhf pairs` when every
-prompt's samples score the same (deterministic for a seed: a retry would only repeat it, the
-message says which flag to change), and an RL stage whose reward file or reward server answers
-something unusable (tests/unit/test_bad_input.py holds every case). A failed stage exits 1,
-including a reward server that stayed unreachable (a retry may succeed), and so does a stage whose
-MLflow server or S3 endpoint does not answer in time (`rlhf_core/infra/reachability.py`): checked before any
-model or data is read.
+Flags are the stage config's field names (OpenRLHF's); `--config FILE.yaml` supplies any of them,
+flags win. Exit status (tests/unit/test_bad_input.py holds every case of 2):
+
+- 2, bad input, one message naming the flag, file, row or key: configuration and data problems
+  (models and reward files are checked before any data or weights are read), `rlhf pairs` when
+  every prompt's samples score the same (a retry would repeat it), a reward file or server
+  answering something unusable.
+- 1, a failed stage, which a retry may fix: a reward server that stayed unreachable, an MLflow
+  server or S3 endpoint that did not answer in time (`rlhf_core/infra/reachability.py`).
 """
 
 from __future__ import annotations
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 def _add_orchestration_commands(sub) -> None:
     """The commands the orchestration layer registers (`pipeline`, `prune`) under the entry-point
     group COMMAND_GROUP: a module with HELP, add_arguments(parser) and run(args). The library never
-    imports that layer, so a Ray job's `rlhf train` runs where Prefect is not installed."""
+    imports that layer, so `rlhf train` runs where Prefect is not installed."""
     from importlib.metadata import entry_points
 
     for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name):

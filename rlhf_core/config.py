@@ -2,9 +2,8 @@
 
 The same models are the parameters of the Prefect flows (so the UI renders forms) and the
 arguments of the `rlhf` CLI. Flag names are the field names, which follow OpenRLHF
-(`--pretrain`, `--micro_train_batch_size`, `--zero_stage`, ...), so its users feel at home.
-Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors everywhere
-(`extra="forbid"`), never silently ignored.
+(`--pretrain`, `--micro_train_batch_size`, `--zero_stage`, ...). Precedence: defaults <
+`--config FILE.yaml` < flags. Unknown keys are errors everywhere (`extra="forbid"`).
 """
 
 from __future__ import annotations
@@ -150,7 +149,7 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
-        if self.bf16:  # the older spelling folds into param_dtype, which alone says what was asked for
+        if self.bf16:  # an alias: folded into param_dtype, which alone says what was asked for
             if self.param_dtype not in (Precision.AUTO, Precision.BF16):
                 raise ValueError(f"--bf16 contradicts --param_dtype {self.param_dtype.value}: give one of them")
             object.__setattr__(self, "param_dtype", Precision.BF16)
@@ -244,8 +243,8 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
 # ---------------------------------------------------------------------------------------------
 # Flags and YAML -> config. Flags are the flat field names; data fields may be given flat too.
 
-# The trainers' fields under OpenRLHF's dotted flag names (its CLI since 2026-04: train_sft.py,
-# train_rm.py, train_dpo.py), so a script of either era runs. A field's flat name stays its flag.
+# The trainers' fields under OpenRLHF's dotted flag names (train_sft.py, train_rm.py, train_dpo.py),
+# besides the flat names, which stay their flags.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "pretrain": ("--model.model_name_or_path",),
     "ref_pretrain": ("--ref.model_name_or_path",),

@@ -2,9 +2,9 @@
 
 A config is a pydantic model whose leaf fields have dotted paths (`actor.adam.lr`, `data.max_len`,
 `learning_rate`). A field's spellings are its path and the other names a `Spellings` table gives
-it (OpenRLHF's flat flags of earlier releases, its dotted ones of later releases); a name may set
-several fields at once (`--adam_betas` sets the actor's and the critic's). Flags, `--config` YAML
-(nested sections, dotted or flat keys) and a pipeline's parameters are all read by `to_paths`:
+it (OpenRLHF's flat and dotted flags); a name may set several fields (`--adam_betas` sets the
+actor's and the critic's). Flags, `--config` YAML (nested sections, dotted or flat keys) and a
+pipeline's parameters are all read by `to_paths`:
 
 - unknown keys are errors;
 - one field given two different values by two of its spellings in one place is an error naming

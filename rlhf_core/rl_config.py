@@ -1,17 +1,16 @@
 """`rlhf train ppo`: the configuration of the RL stage (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO).
 
-Sectioned like OpenRLHF's CLI since 2026-04: one model per section (`actor`, `critic`, `ref`,
-`reward`, `rollout`, `vllm`, `algo`, `train`, `eval`, `logger`, `ds`, `data`, `ckpt`), and a
-field's flag is its dotted path (`--actor.adam.lr`, `--algo.kl.init_coef`). The flat flags of
-OpenRLHF's earlier releases (`--pretrain`, `--actor_learning_rate`, `--init_kl_coef`, ...) are
-aliases of the same fields (`ALIASES`); a few set two fields (`--adam_betas`, `--l2`, ... for the
-actor and the critic, as they did). YAML may give a field nested (`actor: {adam: {lr: ...}}`),
-dotted (`actor.adam.lr: ...`) or flat (`actor_learning_rate: ...`).
+Sectioned like OpenRLHF's CLI: one model per section (`actor`, `critic`, `ref`, `reward`,
+`rollout`, `vllm`, `algo`, `train`, `eval`, `logger`, `ds`, `data`, `ckpt`), and a field's flag
+is its dotted path (`--actor.adam.lr`, `--algo.kl.init_coef`). OpenRLHF's flat flags
+(`--pretrain`, `--actor_learning_rate`, `--init_kl_coef`, ...) are aliases (`ALIASES`); a few set
+two fields (`--adam_betas`, `--l2`, ... for the actor and the critic). YAML may give a field
+nested (`actor: {adam: {lr: ...}}`), dotted (`actor.adam.lr: ...`) or flat (`actor_learning_rate: ...`).
 
 Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors; so is one field
-given two different values in one place (two spellings on the command line, or in one file).
-Derived defaults are resolved here, so the controller reads plain values: the critic's and the
-reference's starting models, `rollout.max_new_tokens`, `data.max_len`, `actor.eps_clip_low_high`.
+given two different values in one place (`flags.py`). Derived defaults are resolved here, so the
+controller reads plain values: the critic's and the reference's starting models,
+`rollout.max_new_tokens`, `data.max_len`, `actor.eps_clip_low_high`.
 """
 
 from __future__ import annotations
@@ -431,8 +430,8 @@ class PPOConfig(StrictModel):
 
 # ---------------------------------------------------------------------------------------------
 # Spellings. Every leaf field's dotted path is its flag and YAML key; the names below are other
-# spellings of the same fields: OpenRLHF's flat flags before 2026-04 (and ours: --task,
-# --rollout_backend, --max_steps, ...). A name with two targets sets both.
+# spellings of the same fields: OpenRLHF's flat flags (and ours: --task, --rollout_backend,
+# --max_steps, ...). A name with two targets sets both.
 
 ALIASES: dict[str, tuple[str, ...]] = {
     # actor
@@ -546,7 +545,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "max_ckpt_num": ("ckpt.max_num",),
     "load_checkpoint": ("ckpt.load_enable",),
 }
-# `--bf16` (OpenRLHF before 2026-01) is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
+# `--bf16` is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
 SPELLINGS = Spellings(PPOConfig, ALIASES, transforms={
     "bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else None,
              "Older spelling of --ds.param_dtype bf16")})

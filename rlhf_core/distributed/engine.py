@@ -1,11 +1,11 @@
 """DeepSpeed ZeRO engine setup, the same on GPU (NCCL) and CPU (gloo).
 
-Each rank is one process (a Ray actor, or the current process for a single local rank) that
-has RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before
-`deepspeed.init_distributed`. The precision (`precision_of`: `--param_dtype` resolved on this
-rank's hardware, see rlhf_core/infra/precision.py) means, on CPU, bf16 autocast around the forward pass
-with fp32 master weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU, DeepSpeed's own
-bf16 or fp16 (with its dynamic loss scaling).
+Each rank is one process (a Ray actor, or the current process for a single local rank) with
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set before `deepspeed.init_distributed`.
+The precision (`precision_of`: `--param_dtype` resolved on this rank's hardware,
+rlhf_core/infra/precision.py) is, on CPU, bf16 autocast around the forward with fp32 master
+weights (DeepSpeed's bf16 optimizer is a GPU path); on GPU, DeepSpeed's bf16 or fp16 (with its
+dynamic loss scaling).
 
 The LR schedule (docs/algorithms.md): linear warmup, then cosine down to `min_lr_ratio` x LR.
 """
@@ -46,10 +46,9 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
 
 @contextlib.contextmanager
 def _no_shm_op_for_one_cpu_rank(world_size: int):
-    """DeepSpeed's CPU backend compiles and loads a shared-memory all-reduce extension when the
-    process group starts (a C++ build of minutes on a cold 2-core machine's first run, a library
-    load on every later one). It speeds up collectives between ranks on one host; one rank has
-    none, so there it is not built (DeepSpeed then uses torch.distributed's gloo, as without it)."""
+    """DeepSpeed's CPU backend builds and loads a shared-memory all-reduce extension when the
+    process group starts (a C++ build on the first run). It speeds up collectives between ranks on
+    one host; one rank has none, so there it is not built (DeepSpeed then uses gloo)."""
     import importlib
 
     try:  # the submodule (`from deepspeed.comm import torch` is the torch package itself)
@@ -79,13 +78,12 @@ def cosine_schedule(step: int, total_steps: int, warmup_steps: int, min_ratio: f
 def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu: bool = False) -> int:
     """The ZeRO stage DeepSpeed is given.
 
-    ZeRO-1/2 partition optimizer state and gradients across ranks; on a single CPU rank there is
-    nothing to partition, and their flattening and bucketing cost about a fifth of a small model's
-    step, so one CPU rank trains with stage 0: the same math (weights after a few steps of SFT
-    and KTO match a real ZeRO-2 to float tolerance: `test_one_cpu_rank_at_stage_0_trains_like_zero_2`
-    in tests/unit/test_trainers.py). Kept as asked for:
-    several ranks, GPUs (DeepSpeed's bf16 path differs between stages there), CPU Adam offload
-    (it needs a ZeRO stage), and stage 3.
+    ZeRO-1/2 partition optimizer state and gradients across ranks; a single CPU rank has nothing
+    to partition and would pay only for their flattening and bucketing, so it trains with stage 0:
+    the same math (weights match a real ZeRO-2 to float tolerance:
+    `test_one_cpu_rank_at_stage_0_trains_like_zero_2` in tests/unit/test_trainers.py).
+    Kept as asked for: several ranks, GPUs (DeepSpeed's bf16 path differs between stages there),
+    CPU Adam offload (it needs a ZeRO stage), and stage 3.
     """
     if world_size == 1 and stage in (1, 2) and not adam_offload and not on_gpu:
         return 0
@@ -143,17 +141,16 @@ def initialize(model, cfg, total_steps: int):
                                       config=deepspeed_config(cfg))
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         # Stage 0 all-reduces gradients after every backward, on one rank too: it flattens them,
-        # "reduces" over a group of one and copies them back (about 3% of a tiny model's step).
+        # "reduces" over a group of one and copies them back.
         engine.enable_backward_allreduce = False
         if not (engine.fp16_enabled() or engine.bfloat16_enabled()) and cfg.max_norm > 0:
             # Its fp32 clipping takes one norm kernel per parameter and an all-reduce over the
             # group of one; torch's does the same math (the global 2-norm, grads scaled by
-            # min(1, max_norm / (norm + 1e-6))) in a few multi-tensor kernels: 8 ms to ~2 ms a
-            # step of the small benchmark model.
+            # min(1, max_norm / (norm + 1e-6))) in a few multi-tensor kernels.
             engine.clip_fp32_gradients = _fast_clip(engine, cfg.max_norm)
         if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
             # Its stage-0 zero_grad walks named_parameters() (every module) after every step to
-            # set each grad to None: the same on a list taken once (~1 ms of a tiny model's step).
+            # set each grad to None: the same on a list taken once.
             params = list(engine.module.parameters())
 
             def zero_grad() -> None:

@@ -1,37 +1,22 @@
 """The local Ray a run starts when RAY_ADDRESS is unset: on 127.0.0.1, token authentication on.
 
-- Loopback. Ray's services bind the address the node advertises; when that is the machine's
-  address, the GCS, raylet and workers listen on all interfaces. On Linux Ray silently replaces a
-  loopback `_node_ip_address` (or `ray start --node-ip-address 127.0.0.1`) with the machine's
-  address unless its cluster mode (named for Windows/macOS) is off, so it is switched off while
-  `ray.init` starts the node's processes, which keep it. Measured with `ss -ltnp` during a
-  pipeline run: every Ray process then listens on 127.0.0.1 only (in a training stage, rank 0's
-  torch.distributed rendezvous store still listens on all interfaces: torch binds it so).
-- Token authentication (RAY_AUTH_MODE=token) unless the user chose a mode. Ray turns it on by
-  default as well, but says "set RAY_AUTH_MODE=disabled to opt out"; a user who did disable it
-  gets one warning instead.
-- A token before Ray starts. Ray would write ~/.ray/auth_token readable by every local user (0644
-  under the usual umask); we write it owner-only, and warn when an existing one is not. The file
-  appears whole (written aside, then linked into place), so a second run starting at the same
-  moment never reads it empty.
-- Several on one machine. Every port of the node is chosen free when it starts, so two runs
-  (a scheduled one while a manual one runs) each have a cluster of their own. `ray.init` picks
-  free ports for everything but the dashboard agent's HTTP port (the Jobs API's agent), which it
-  fixes at Ray's default 52365: a second cluster's agent then failed to bind and that cluster
-  never ran a job. Ray's own node parameters accept 0 there (the agent binds a free port and
-  publishes it in the cluster's node table, where the job supervisor reads it; Ray's multi-node
-  test clusters start their nodes so), but `ray.init` has no argument, environment variable or
-  `_system_config` entry for it, so the node parameters `ray.init` builds get that default
-  replaced while it starts (`_agent_port_chosen_at_start`; checked against Ray 2.60, the version
-  the project pins). The dashboard itself takes 8265, or the next free port when taken.
-  And a temp dir of its own (`/tmp/rlhf-ray-<pid>`, not the machine's shared `/tmp/ray`) holding
-  its address in `ray_current_cluster`: Ray's job supervisor resolves the cluster address it hands
-  a job's driver through that file, and when it is missing (`ray.init` never writes it, only
-  `ray start` does) through any Ray it finds running on the machine. Measured before this: with
-  two runs going, both runs' SFT jobs connected to the same cluster (one of them to none of its
-  own), and one failed for want of free CPUs.
-  Such a dir (~5 MB of session logs) outlives its cluster; starting a cluster removes those of
-  clusters that ended, but the newest three (`remove_stale_temp_dirs`).
+What each step guards (docs/reliability.md: "Security: what a run opens", "Two runs at once on
+one machine"):
+
+- Loopback. Ray's services listen on the address the node advertises, and on Linux Ray replaces a
+  loopback one with the machine's unless its cluster mode (named for Windows/macOS) is off; so it
+  is off while `ray.init` starts the node's processes, which keep it.
+- Token authentication (RAY_AUTH_MODE=token) unless the user chose a mode; one who disabled it
+  gets a warning. The token is written before Ray starts, owner-only (Ray's own would be 0644),
+  and appears whole (written aside, then linked), so a run starting beside it never reads it empty.
+- Two clusters on one machine. `ray.init` fixes the dashboard agent's port (the Jobs API) at
+  52365, so a second cluster's agent could not bind; Ray's node parameters accept 0 (a free port)
+  but `ray.init` has no option for it, so they are patched while it starts
+  (`_agent_port_chosen_at_start`; checked against Ray 2.60, the version the project pins). Each
+  cluster also gets a temp dir of its own (`/tmp/rlhf-ray-<pid>`) holding its address in
+  `ray_current_cluster` (written here; `ray.init` does not): without it the job supervisor hands a
+  job's driver whichever Ray it finds on the machine. Temp dirs of ended clusters are removed
+  but the newest three (`remove_stale_temp_dirs`).
 """
 
 from __future__ import annotations
@@ -134,10 +119,9 @@ KEEP_OLD_TEMP_DIRS = 3  # the newest temp dirs of ended clusters stay, with thei
 
 def remove_stale_temp_dirs(parent: str | None = None, keep: int = KEEP_OLD_TEMP_DIRS) -> list[str]:
     """Remove the `rlhf-ray-<pid>` temp dirs (under `parent`, the system temp dir) of clusters that
-    ended, but the newest `keep`: returns what it removed. Each run leaves one (~5 MB of session
-    logs), so a scheduled pipeline would fill /tmp over weeks. Only a folder of this user named so,
-    holding a Ray session (`session_latest` or `session_*`), whose process is gone, is removed;
-    anything else under that name is not ours and stays."""
+    ended, but the newest `keep`; returns what it removed. Each run leaves one (~5 MB of session
+    logs), so a scheduled pipeline would fill /tmp. Only a folder of this user, so named, holding
+    a Ray session (`session_*`), whose process is gone, is removed; anything else is not ours."""
     import shutil
 
     from rlhf_core.infra.owner import start_time  # None: no such process

@@ -5,15 +5,13 @@
 - A `ResourcePool` is one placement group of `n` equal bundles ({"GPU": 1, "CPU": c} on GPU,
   {"CPU": c} on CPU). Bundle i hosts rank i of every role placed in the pool; each role takes a
   `share` of every bundle it uses (`num_gpus = share`, `num_cpus = share * c`), so colocated roles
-  (OpenRLHF's `--colocate_all_models`, `--colocate_actor_ref`, `--colocate_critic_reward`) sit on
-  the same GPUs, and a role placed alone gets a pool of its own with share 1.
+  sit on the same GPUs, and a role placed alone gets a pool of its own with share 1.
 - `plan_layout` (pure) turns role world sizes and colocation groups into pools and shares. On CPU
-  the whole job fits in the cluster's CPUs: they are divided evenly among all bundles of all pools
-  (whole cores when there are enough, else fractions), so an RL job's four roles fit in 2 cores.
-- A rank may span several bundles (`bundles_per_rank`): a tensor-parallel vLLM engine is one rank
-  (a Ray actor) that drives one worker per GPU of its own. `rank_bundle_groups` (pure) gives each
-  such rank its bundles, all on one node when the pool's nodes allow it (Ray does not number a
-  placement group's bundles node by node).
+  the cluster's CPUs are divided evenly among all bundles of all pools, so an RL job's four roles
+  fit in 2 cores.
+- A tensor-parallel vLLM engine is one rank (a Ray actor) spanning several bundles, one worker
+  per GPU. `rank_bundle_groups` (pure) gives each such rank its bundles, on one node when the
+  pool's nodes allow it (Ray does not number a placement group's bundles node by node).
 """
 
 from __future__ import annotations
@@ -63,9 +61,9 @@ RELEASE_WAIT_S = 15.0  # how long a driver waits for CPUs a finished job is stil
 def detect_devices(release_wait_s: float = RELEASE_WAIT_S) -> ClusterDevices:
     """The devices of the cluster this driver is connected to.
 
-    Ray hands back the CPUs of a finished job's placement groups and actors asynchronously: a
-    job started right after another saw 0.0002 of 2 CPUs free and could not place its roles. So
-    while less than one CPU is free of a cluster that has more, wait (up to `release_wait_s`)."""
+    Ray hands back the CPUs of a finished job's placement groups and actors asynchronously, so a
+    job started right after another may find almost none free: while less than one CPU is free of
+    a cluster that has more, wait (up to `release_wait_s`)."""
     import time
 
     import ray
@@ -139,11 +137,10 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
     """Pure: pools and per-rank shares for roles of the given world sizes.
 
     Each colocation group becomes one pool (named "a+b") of as many bundles as its largest role
-    uses (world size x `bundles_per_rank`, default 1: a tensor-parallel engine of tp GPUs is one
-    rank of tp bundles); every role not in a group gets a pool of its own. A role in a group of k
-    takes 1/k of each bundle it uses. On GPU a bundle is one GPU and `cpus_per_gpu` CPUs (less when the
-    cluster has fewer CPUs than that per bundle); on CPU the available CPUs are split evenly over
-    all bundles of the job: whole cores when each gets at least one, else equal fractions.
+    uses (world size x `bundles_per_rank`, default 1); every other role gets a pool of its own. A
+    role in a group of k takes 1/k of each bundle it uses. On GPU a bundle is one GPU and
+    `cpus_per_gpu` CPUs (fewer when the cluster lacks them); on CPU the available CPUs are split
+    evenly over all bundles of the job: whole cores when each gets at least one, else fractions.
     """
     sizes = dict(world_sizes)
     for role, n in sizes.items():
@@ -291,9 +288,8 @@ class ResourcePool:
 
     def scheduling(self, index: int, capture_child_tasks: bool = False):
         """The scheduling strategy that puts an actor (or task) in bundle `index`; with
-        `capture_child_tasks` the actors and tasks it starts without a placement of their own are
-        in this placement group too (a tensor-parallel vLLM engine's, as OpenRLHF and vLLM's
-        examples place them; its workers name their bundles)."""
+        `capture_child_tasks` the actors and tasks it starts without a placement of their own join
+        this placement group too (a tensor-parallel vLLM engine's workers)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index,

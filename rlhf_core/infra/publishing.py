@@ -2,10 +2,8 @@
 
 The output is built in a temporary sibling of `save_path` (same filesystem), then handed to
 `storage.publish_dir`, which renames or uploads it and writes `stage.json` last, so nothing
-half-written ever looks finished. The stage's MLflow run must be able to record the output before
-it is published, and a record that fails after it withdraws it (`Tracker.published`): nothing
-looks finished whose run did not finish. Model weights come in through a `write` callback, so this
-module needs nothing above infra.
+half-written looks finished. Model weights come in through a `write` callback, so this module
+needs nothing above infra.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ def publish_output(cfg, tracker: Tracker, inputs: dict, metrics: dict, *,
     `rlhf.config_hash`, the manifest's metrics at step 0, and `stage.json` and any `.json` of
     `files` as artifacts.
 
-    `trained`: a trainer's output. When nothing is published the error says its checkpoints are
-    kept, and since its metrics were logged step by step under the same names, their final values
-    go to the run as `<name, / as _>_final`.
+    `trained`: a trainer's output. A failure says its checkpoints are kept, and the final metrics
+    go to the run as `<name, / as _>_final` (the step-by-step ones have the plain names).
     """
     files = files or {}
     manifest = stage_manifest(cfg, inputs, metrics, tracker.run_id, precision=precision)
@@ -48,8 +45,7 @@ def publish_output(cfg, tracker: Tracker, inputs: dict, metrics: dict, *,
     if trained:
         ckpt_path = getattr(cfg, "ckpt_path", None)
         not_published += "; checkpoints are kept" + (f" in {ckpt_path}" if ckpt_path else "")
-    # Built in a temporary sibling (same filesystem), then published: a full disk (DiskFullError, exit 2)
-    # removes what was built and leaves an earlier output at save_path as it was.
+    # A full disk (DiskFullError, exit 2) removes what was built and leaves an earlier output as it was.
     with tempfile.TemporaryDirectory(dir=local_parent, prefix=".rlhf-save-") as tmp, storage.saving(
             "--save_path", cfg.save_path, f"output of {cfg.stage}", "the previous output there is as it was"):
         out = Path(tmp) / ("model" if trained else "out")
@@ -59,7 +55,7 @@ def publish_output(cfg, tracker: Tracker, inputs: dict, metrics: dict, *,
         for name, text in files.items():
             (out / name).write_text(text, encoding="utf-8")
         # The run must be able to record the output before it is published (RLHF_STORE_WAIT_S), and a
-        # record that fails after it withdraws it: nothing looks finished whose run did not finish.
+        # record that fails withdraws it (`Tracker.published`): nothing looks finished whose run did not.
         tracker.await_store(not_published)
         storage.publish_dir(out, cfg.save_path, manifest, storage.stage_inputs(cfg))
         tracker.published(manifest["output_uri"], cfg.stage)

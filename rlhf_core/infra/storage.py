@@ -1,25 +1,19 @@
 """Stage outputs on local disk or object storage (s3:// through s3fs, via fsspec).
 
-A stage is finished when its `stage.json` exists, and `stage.json` is always written last:
-locally the whole directory is built under a temporary name and renamed into place; on S3 the
-files are uploaded first and the manifest after them. So a crash never leaves something that
-looks like a finished stage.
+A stage is finished when its `stage.json` exists, and `stage.json` is always written last
+(locally the directory is built aside and renamed into place; on S3 it is uploaded after the
+files), so a crash never leaves something that looks finished.
 
-Nothing is removed that a stage did not write. `check_destination` holds the rules for where a
-stage may write; the driver runs it before anything trains and the publish step again before it
-replaces anything. A location is replaced only when it is an earlier output of the same stage
-kind (its `stage.json`), an unfinished one (its `.rlhf-writing.json` marker, put there before
-anything is written in place and removed after `stage.json`), or an empty folder.
+Nothing is removed that a stage did not write: `check_destination` (run by the driver before
+anything trains, and again before publishing) lets a stage replace only an earlier output of the
+same stage kind (its `stage.json`), an unfinished one (its `.rlhf-writing.json` marker, written
+before anything else and removed after `stage.json`), or an empty folder.
 
-Saving: a full disk (or quota) while a checkpoint or an output is written raises `DiskFullError`
-(exit 2) naming the flag and path; everything is written beside its final place and renamed in
-only when whole, so what was there before stays as it was (`saving`, `trainers/checkpoints.py`).
-
-Reading: remote inputs are downloaded into `$RLHF_HOME/cache/downloads/<key>/` (`local_copy`), a
-cache bounded by `RLHF_CACHE_MAX_GB` and `RLHF_CACHE_MAX_AGE_DAYS` (`cache_bounds`, `evict_cache`).
-
-S3 endpoints and credentials come from the usual AWS variables (`AWS_ENDPOINT_URL`,
-`AWS_ACCESS_KEY_ID`, ...), which s3fs reads itself; they never pass through our configs.
+A full disk (or quota) while saving raises `DiskFullError` (exit 2) naming the flag and path;
+everything is written beside its place and renamed in when whole, so what was there stays as it
+was (`saving`, `trainers/checkpoints.py`). Remote inputs are downloaded into a bounded cache,
+`$RLHF_HOME/cache/downloads/<key>/` (`local_copy`, `cache_bounds`, `evict_cache`). S3 endpoints
+and credentials come from the AWS variables, which s3fs reads itself, never our configs.
 """
 
 from __future__ import annotations
@@ -122,10 +116,9 @@ def check_destination(uri: str, stage: str, inputs: Iterable[tuple[str, str]] = 
                       replaces: Iterable[str] | None = None) -> Destination:
     """Whether `stage` may write its output at `uri`; ConfigError (exit 2) naming `flag` when not.
 
-    Refused: a file; a folder that is not an output of `stage` (other content, another stage's
-    output or one being written by another stage, other outputs inside it); a location that is or
-    contains one of `inputs` (`(flag, location)` pairs, see `stage_inputs`); an output a
-    registered MLflow model version points at. Nothing is read beyond what these rules need.
+    Refused: a file; a folder that is not an output of `stage` (`destination_state`); a location
+    that is or contains one of `inputs` (`(flag, location)` pairs, `stage_inputs`); an output a
+    registered MLflow model version points at. Reads nothing beyond what these rules need.
     """
     target = normalize_uri(uri)
     for name, location in inputs:
@@ -327,9 +320,9 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
                 flag: str = "--save_path") -> str:
     """Move/upload a finished local directory to `uri`, then write its manifest (`stage`: whose output) last.
 
-    Checks `uri` again (`check_destination`) and replaces only what the check found to be this
-    stage's own; the previous output's files go, none else. Locally the old folder is moved aside,
-    checked once more where nobody else writes, and removed after the new one is in place.
+    Checks `uri` again (`check_destination`) and removes only the files the check found to be this
+    stage's own. Locally the old folder is moved aside, checked once more where nobody else
+    writes, and removed after the new one is in place.
     """
     local_dir = Path(local_dir)
     (local_dir / MANIFEST).unlink(missing_ok=True)
@@ -406,8 +399,8 @@ NEARLY_FULL_BYTES = 16 << 20
 
 class DiskFullError(ConfigError):
     """A save ran out of disk space (ENOSPC) or quota (EDQUOT). Exit status 2, not retried: the
-    attempt's partial files are removed, so a retry sees the same free space, trains as long and
-    fails at the same save; freeing space (or another location) is for a person to choose."""
+    partial files are removed, so a retry would fail at the same save; freeing space (or another
+    location) is for a person to choose."""
 
 
 def _chain(e: BaseException | None):
@@ -508,15 +501,14 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
     """A local path with the contents of `uri` (itself when local; else a cached download): a folder
     for a prefix, a file (under its own name) for a single object such as `s3://b/data/train.jsonl`.
 
-    The cache key is the URI plus the remote listing of everything under it (relative path,
-    size, ETag or modification time), so a prefix rewritten in place, e.g. a data folder with
-    no `stage.json`, is downloaded again instead of served stale. A download is built under a
-    temporary name and renamed into place with a `.complete` marker; when the listing changes
-    while files are being fetched (a writer is at work), the mixed copy is dropped and fetched again.
+    The cache key is the URI plus the remote listing (relative path, size, ETag or modification
+    time), so a prefix rewritten in place is downloaded again, not served stale. A download is
+    built aside and renamed into place with a `.complete` marker; if the listing changed during
+    the fetch (a writer at work), the mixed copy is dropped and fetched again.
 
-    The cache is bounded (`cache_bounds`): each use marks an entry recently used and pins it for
-    the life of this process (a shared lock on its marker), and after each new download the least
-    recently used entries that no process has pinned go until the cache is within its bounds.
+    Each use pins the entry for the life of this process (a shared lock on its marker) and marks
+    it recently used; after each new download, unpinned entries go, least recently used first,
+    until the cache is within `cache_bounds`.
     """
     if not is_remote(uri):
         return str(Path(uri.removeprefix("file://")).expanduser())
@@ -646,8 +638,8 @@ def _pin(dest: Path) -> bool:
 
 
 def release_cache_pins() -> None:
-    """Unpin every cache entry this process used (done at exit anyway: a process that lives on after
-    its stage, such as a long-running worker, may call this so its entries can be evicted)."""
+    """Unpin every cache entry this process used (done at exit anyway; for a process that outlives
+    its stage, so its entries can be evicted)."""
     while _PINS:
         os.close(_PINS.popitem()[1])
 
@@ -667,12 +659,11 @@ def tree_bytes(path: Path) -> int:
 
 
 def evict_cache(cache_root: str | Path, keep: Iterable[Path] = (), everything: bool = False) -> list[str]:
-    """Remove download-cache entries beyond the bounds (`cache_bounds`), least recently used first,
-    never one that a process has pinned (is reading) or one in `keep`; returns the keys removed.
-    `everything`: every entry that may go (a download found the disk full).
-
-    An entry is renamed away under an exclusive lock of its marker (so a reader never sees it half
-    removed) and deleted after. Temporary folders of crashed downloads go after a day."""
+    """Remove download-cache entries beyond `cache_bounds`, least recently used first, never one a
+    process has pinned or one in `keep`; returns the keys removed. `everything`: every entry that
+    may go (a download found the disk full). An entry is renamed away under an exclusive lock of
+    its marker (no reader sees it half removed), then deleted; leftovers of crashed downloads go
+    after a day."""
     import fcntl
 
     max_bytes, max_age = cache_bounds()

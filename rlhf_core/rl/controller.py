@@ -213,10 +213,9 @@ class RLController:
     # -- experience -------------------------------------------------------------------------
     def plan_step(self, count: int) -> StepPlan:
         """This step's epoch orders, and whether the first optimizer step's old log-probs are left to
-        its training forward: only with one epoch (a later one revisits the samples after updates),
-        an actor that trains this step, the KL out of the reward (the reward needs the old log-probs
-        before training) and a second optimizer step whose samples keep the KL and mismatch metrics
-        measured."""
+        its training forward. Only with one epoch (a later one revisits the samples after updates),
+        an actor that trains this step, the KL outside the reward (which needs them before
+        training), and a second optimizer step to keep the KL and mismatch metrics measured."""
         cfg = self.cfg
         seeds = tuple(cfg.train.seed * 1_000_003 + self.step * 101 + e for e in range(cfg.train.max_epochs))
         leave = (cfg.train.max_epochs == 1 and self.step >= cfg.critic.freezing_steps
@@ -227,8 +226,7 @@ class RLController:
         """Old log-probs (actor), reference log-probs, values, then advantages and returns, set on
         the samples; returns the step's KL and log-prob mismatch."""
         cfg = self.cfg
-        # In the first epoch's training order: each role then computes on the micro-batches training
-        # will use, and a chunk is packed once for the actor, the reference and training (`collate`).
+        # In the first epoch's training order, so each chunk is packed once for every pass (`collate`).
         order = plan.experience_order(self.actor.world_size)
         left = plan.on_policy(self.actor.world_size)
         arranged = [samples[i] for i in order]

@@ -1,23 +1,19 @@
 """The rollout engines of an RL stage, as the controller sees them: generate, take the actor's new
 weights, give memory back between rollouts.
 
-- `LocalEngines`: one engine in the controller's process (a transformers engine with its own copy
-  of the policy), refreshed from the local actor.
-- `RayEngines`: `--vllm.num_engines` vLLM engines (or one transformers engine when there are none)
-  as Ray actors in the rollout pool. Prompts are split over the engines in contiguous parts
-  (engine i samples with seed `seed + i * ENGINE_SEED_STRIDE`, so one engine reproduces the local
-  run). After every training step each engine takes the actor's weights by the transport of
-  `rollout/weight_sync.py`: Ray's object store (transformers engines by default), an NCCL or gloo
-  broadcast from actor rank 0 over a group of its own, or CUDA IPC for engines on the actor's
-  GPUs (`--vllm.sync_backend`, `auto` by default). The transport is chosen and set up on the first
-  sync, from what the engines and the actor ranks report (vLLM or not, CUDA, which GPU).
+- `LocalEngines`: one transformers engine in the controller's process, with its own copy of the
+  policy, refreshed from the local actor.
+- `RayEngines`: `--vllm.num_engines` vLLM engines (or one transformers engine) as Ray actors in
+  the rollout pool. Prompts are split in contiguous parts; engine i samples with seed
+  `seed + i * ENGINE_SEED_STRIDE`, so one engine reproduces the local run. The weight transport
+  (`--vllm.sync_backend`, `rollout/weight_sync.py`: object store, NCCL/gloo broadcast from actor
+  rank 0, or CUDA IPC to engines on the actor's GPUs) is set up on the first sync, from what the
+  engines and the actor ranks report (vLLM or not, CUDA, which GPU).
 
 Every sync has a deadline (`RLHF_SYNC_TIMEOUT_S`, default 600 s): a stuck or dead engine fails the
-step with `EngineSyncError` naming the engine, never a hang. Generation is bounded by the same
-group timeout as the roles' calls (`RLHF_STAGE_TIMEOUT_S`), and a dead engine fails it at once.
-
-With `--vllm.enable_sleep` (colocated engines) the engines sleep while the models train: after a
-rollout's generation, and wake up again before the weight sync that precedes the next one.
+step with `EngineSyncError` naming it, never a hang. Generation has the roles' call timeout
+(`RLHF_STAGE_TIMEOUT_S`), and a dead engine fails it at once. With `--vllm.enable_sleep` the
+engines sleep from the end of a rollout's generation to the weight sync before the next.
 """
 
 from __future__ import annotations
@@ -210,9 +206,8 @@ def check_engine_workers(infos: list[dict]) -> None:
 
 class RayEngines(_Sleeping):
     """`group`: a RoleGroup of EngineWorker. `sync_backend`: `--vllm.sync_backend` (auto, nccl, gloo,
-    ipc, object_store), resolved on the first sync; `bucket_mb`: the broadcast's bucket size. The
-    object store needs nothing from the workers but `update_weights`, and is what a caller that
-    names no transport gets."""
+    ipc, object_store), resolved on the first sync; the default, object_store, needs nothing from
+    the workers but `update_weights`. `bucket_mb`: the broadcast's bucket size."""
 
     def __init__(self, group, enable_sleep: bool = False, timeout_s: float | None = None,
                  sync_backend: str = "object_store", bucket_mb: int = DEFAULT_BUCKET_MB):

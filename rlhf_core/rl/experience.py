@@ -1,14 +1,13 @@
 """What one rollout produces and what the roles compute on it, sample by sample.
 
-A `RolloutSample` is one response to one prompt: the token ids (prompt and response), the rollout
-engine's log-probs, and, filled in as the controller goes, the reward, the old policy's and the
-reference's log-probs, the critic's values, the advantages and returns. Per-token tensors have
-one entry per response token, `(T_i,)`, so a list of samples shards across ranks by plain
-slicing and nothing depends on how a batch was padded.
+A `RolloutSample` is one response to one prompt: the token ids, the engine's log-probs and,
+filled in by the controller, the reward, the old policy's and the reference's log-probs, the
+critic's values, the advantages and returns. Per-token tensors are `(T_i,)`, one entry per
+response token, so samples shard across ranks by plain slicing and nothing depends on padding.
 
 `collate` turns samples into a training `Batch` (padded, or packed with each prompt computed once
-for all of its samples) plus the `(N, T_max)` layout of their response tokens
-(`models.forward.response_index`), and `stack` pads per-sample tensors into the same layout.
+per group) plus the `(N, T_max)` layout of their response tokens (`models.forward.response_index`);
+`stack` pads per-sample tensors into that layout.
 """
 
 from __future__ import annotations
@@ -51,10 +50,8 @@ def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
     return list(groups.values())
 
 
-# The last few collated micro-batches, by content: a rollout's chunks are collated for the actor's
-# log-probs, again for the reference's and again for training (the controller runs the experience
-# passes in the first epoch's training order, so the chunks are the same); packing them in Python
-# took ~2.5 ms a chunk of 32 samples, 5% of a sort GRPO step.
+# The last few collated micro-batches, by content: the actor's log-probs, the reference's and
+# training collate the same chunks (`StepPlan.experience_order`), so each is packed once.
 _COLLATED: OrderedDict = OrderedDict()
 COLLATE_CACHE_SIZE = 32
 
@@ -64,15 +61,13 @@ def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capaci
     """`(batch, index, mask)`: the samples' prompt+response sequences with the response tokens
     under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`).
 
-    The result depends only on the samples' tokens and prompt indices and the arguments, and the
-    same samples collated again (the next pass over a chunk) get the same tensors back from a
-    small cache: callers must not modify them.
+    Cached by content (tokens, prompt indices, arguments): the same samples collated again get
+    the same tensors back, which callers must not modify.
 
-    Packed, the samples of one prompt share its tokens (`pack_shared_prefix`): a group of n
-    samples computes its prompt once, not n times. Rows are at most twice the longest segment
-    wide (and at most `row_capacity`): attention is dense within a row, so one row of a whole
-    micro-batch would cost far more than the padding it saves (the tiny model's forward and
-    backward on 32 sort samples: 0.27 s in one row of 734 tokens, 0.13 s in rows of 47, fp32).
+    Packed, the samples of one prompt share its tokens (`pack_shared_prefix`), so a group computes
+    its prompt once. Rows are at most twice the longest segment wide (and at most `row_capacity`):
+    attention is dense within a row, so one row of a whole micro-batch costs more than the
+    padding it saves.
     """
     key = (pad_id, packing, row_capacity,
            tuple((s.prompt_index, tuple(s.prompt_ids), tuple(s.response_ids)) for s in samples))

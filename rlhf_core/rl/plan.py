@@ -69,9 +69,9 @@ class StepPlan:
         return order + [i for i in range(self.count) if i not in seen]
 
     def on_policy(self, world_size: int) -> set[int]:
-        """The samples of the first global optimizer step when `leave_first_step`: trained on by the
-        policy that sampled them, so their old log-probs are the training forward's own (detached;
-        PPO's ratio is exactly 1 there) and a separate no-grad pass would compute them again."""
+        """The samples of the first global optimizer step when `leave_first_step`: the policy that
+        sampled them trains on them, so their old log-probs are the training forward's own,
+        detached (PPO's ratio is exactly 1 there), with no separate no-grad pass."""
         if not self.leave_first_step:
             return set()
         per_rank = self.batch_size // world_size

@@ -1,11 +1,11 @@
-"""An RL stage's roles as Ray worker groups: where each runs, and one rank of each.
+"""Where an RL stage's roles and rollout engines run on Ray.
 
 `rl_layout` (pure) turns the config into pools: `--{actor,critic,ref,reward}.num_nodes x
-num_gpus_per_node` ranks per role, `--vllm.num_engines` rollout engines of
-`--vllm.tensor_parallel_size` GPUs each (one transformers engine when there are none), and OpenRLHF's colocation flags (`--train.colocate_all` puts every model and
-the engines on the actor's devices, `--train.colocate_actor_ref`, `--train.colocate_critic_reward`).
-Devices come from the cluster, not the driver; on CPU the whole job shares the cluster's cores.
-
+num_gpus_per_node` ranks per role, `--vllm.num_engines` engines of `--vllm.tensor_parallel_size`
+GPUs each (one transformers engine when there are none), and the colocation flags
+(`--train.colocate_all`: every model and the engines on the actor's devices;
+`--train.colocate_actor_ref`, `--train.colocate_critic_reward`). Devices come from the cluster,
+not the driver; on CPU the whole job shares the cluster's cores.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The models of an RL stage, one class per role: policy (actor), critic, reference, reward model.
 
-Each role is one rank of its group, hosted directly: the same class runs in the controller's
-process (one local rank) or as a Ray actor of a `RoleGroup` (several ranks, possibly sharing
-devices with other roles). Construction has two phases: `__init__` keeps the configuration,
-`setup()` builds the model once every rank exists (their process group needs them all). Trainable roles
-(policy, critic) hold a DeepSpeed engine and run their PPO epochs with the same optimizer-step
-primitive as the supervised trainers (`trainers.loop.optimizer_step`): each optimizer step's loss
-is normalised by the global count of loss units (tokens or sequences, `--algo.loss_agg_mode`), so
-the update does not depend on the micro-batch or rank split.
+An instance is one rank of its role: in the controller's process (one local rank) or a Ray actor
+of a `RoleGroup`. `__init__` keeps the configuration; `setup()` builds the model once every rank
+exists (their process group needs them all). Trainable roles (policy, critic) hold a DeepSpeed
+engine and train with the supervised trainers' `trainers.loop.optimizer_step`: the loss is
+normalised by the global count of loss units (`--algo.loss_agg_mode`), so the update does not
+depend on the micro-batch or rank split.
 
-Log-probs are computed at the rollout temperature (logits / T), for the policy and the reference
-alike: the policy being optimised is the one that samples.
+Log-probs are at the rollout temperature (logits / T), for policy and reference alike: the policy
+optimised is the one that samples.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What the in-process generation stages (`rlhf eval`, `rlhf pairs`) share around their work.
 
-They run in the calling process (under an orchestrator, that process is already a Ray job's
-driver): no worker group, no DeepSpeed. Like the trainers they open one MLflow run (resuming
-the orchestrator's `MLFLOW_RUN_ID` when there is one) and publish their output as every stage
-does (`rlhf_core.infra.publishing.publish_output`). `stage_run` first checks that the output may
-go to `save_path` (`storage.check_stage_output`).
+They run in the calling process (under an orchestrator, already a Ray job's driver): no worker
+group, no DeepSpeed. Like the trainers they open one MLflow run (resuming the orchestrator's
+`MLFLOW_RUN_ID` when there is one) and publish with `rlhf_core.infra.publishing.publish_output`.
 """
 
 from __future__ import annotations

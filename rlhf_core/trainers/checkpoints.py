@@ -1,16 +1,14 @@
 """Which checkpoint tags under a `--ckpt_path` each training run wrote, so rotation removes only its own.
 
 `rlhf-checkpoints.json` in the checkpoint folder maps a tag (`global_step<N>`) to the run that
-wrote it: `{"tags": {tag: {"run": id, "stage": ..., "step": N}}}`. A run that starts fresh has a
-new id; a run that resumes (`--load_checkpoint`) continues the id of the tag it loaded (a tag no
-record lists, e.g. one written before records existed, is taken over by the run resuming from it),
-so `--max_ckpt_num` counts the checkpoints of the whole run across restarts. Tags of other runs and
-folders the record does not list are never removed. Rank 0 writes the record, atomically.
+wrote it: `{"tags": {tag: {"run": id, "stage": ..., "step": N}}}`. A fresh run has a new id; a
+resumed run (`--load_checkpoint`) continues the id of the tag it loaded (and takes over a tag no
+record lists), so `--max_ckpt_num` counts a run's checkpoints across restarts. Other runs' tags
+and unlisted folders are never removed. Rank 0 writes the record, atomically.
 
 A checkpoint is written under `.<tag>.partial` and renamed to its tag only when every rank has
-written all of it; `latest` then names it, the record lists it, and rotation runs, in that order.
-So a save that fails (a full disk, a killed rank) leaves the earlier checkpoints and `latest` as
-they were, and a resume never meets a half-written tag.
+written all of it; then `latest` names it, the record lists it, and rotation runs. A failed save
+(a full disk, a killed rank) leaves the earlier checkpoints and `latest` as they were.
 """
 
 from __future__ import annotations

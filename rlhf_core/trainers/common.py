@@ -142,9 +142,9 @@ def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
 def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     """`(chosen, rejected) -> Batch` of 2n samples (chosen i is sample i, rejected i is n + i).
 
-    Packed with dense masks (SDPA/eager), each pair's shared prompt is computed once
-    (`pack_pairs`, in rows of up to two max_len); padded, or packed into one flash-attn row,
-    whose masks cannot express a shared prompt, it is `batch_builder` on chosen + rejected.
+    Packed with dense masks (SDPA/eager), each pair's shared prompt is computed once (`pack_pairs`,
+    rows of up to 2 x max_len). Padded, or in one flash-attn row (whose masks cannot express a
+    shared prompt), it is `batch_builder` on chosen + rejected.
     """
     from rlhf_core.data.batching import pack_pairs
 
@@ -163,10 +163,7 @@ def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
 def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict,
                config_updates: dict | None = None) -> dict | None:
     """Publish the stage output (HF model + tokenizer + stage.json, `publish_output`) from rank 0;
-    returns the manifest.
-
-    Every rank must call this: ZeRO-3 parameters are gathered collectively.
-    """
+    returns the manifest. Every rank must call this: ZeRO-3 parameters are gathered collectively."""
     model = export_model(module, ctx.rank)
     manifest = None
     if ctx.is_main:

@@ -1,25 +1,18 @@
 """The optimisation loop every supervised/preference recipe shares.
 
-A recipe says how to count the loss units of some examples (tokens for SFT, pairs for RM/DPO,
-examples for KTO) and how to compute the *sum* of the loss over a micro-batch. The loop divides
-by the global count of units in the optimizer step (all ranks, all micro-batches), so the loss
-and its gradient are the same whether a batch runs at once, in micro-batches or on several
-ranks. DeepSpeed divides by the accumulation steps and averages over ranks; the loop multiplies
-both back.
+A recipe counts the loss units of some examples (tokens for SFT, pairs for RM/DPO, examples for
+KTO) and computes the *sum* of the loss over a micro-batch; `optimizer_step` divides by the global
+count of units in the step, so loss and gradient do not depend on micro-batching or ranks.
 
-Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's own format), the
-step (which fixes the data position, see `BatchPlan`) and every rank's RNG states, so a resumed
-run ends with the same weights as an uninterrupted one. `--max_ckpt_num` rotates only the tags
-this run (resumes included) wrote, as `checkpoints.py` records them.
+Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's format), the step
+(which fixes the data position, `BatchPlan`) and every rank's RNG states, so a resumed run ends
+with the weights of an uninterrupted one; `--max_ckpt_num` rotates only this run's tags
+(`checkpoints.py`). `resume` (`{"requested", "checkpoint", "start_step"}`, into `stage.json`) and
+the summary's `train/start_step` and `train/steps_run` show where a run started, so a
+`--load_checkpoint` that loaded nothing shows; with no checkpoint yet it starts at step 0.
 
-A run says where it started: `resume` (`{"requested", "checkpoint", "start_step"}`, written into
-`stage.json`) and the summary's `train/start_step` and `train/steps_run` (the optimizer steps this
-process executed), so a `--load_checkpoint` that found nothing, or loaded nothing, shows. With no
-checkpoint yet it starts at step 0, as OpenRLHF does, and says so in the log and in `stage.json`.
-
-`RLHF_TEST_KILL_AT_STEP=N[:RANK]` (fault-injection hook for tests, unset in normal use) makes the
-rank (default every rank) SIGKILL itself in the middle of optimizer step N: after the forward of the
-step's last micro-batch, with the earlier micro-batches' gradients accumulated and no update made.
+`RLHF_TEST_KILL_AT_STEP=N[:RANK]` (a test hook) makes the rank (default: every rank) SIGKILL itself
+in optimizer step N, after the forward of its last micro-batch: gradients accumulated, no update.
 """
 
 from __future__ import annotations
@@ -247,16 +240,15 @@ class TrainLoop:
 
 def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: int, precision
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
-    """One optimizer step of `engine` over this rank's micro-batches, with the loss normalised by
-    the global count of loss units: the primitive every trainer (supervised, preference, RL) uses.
+    """One optimizer step of `engine` over this rank's micro-batches, the loss normalised by the
+    global count of loss units; every trainer (supervised, preference, RL) uses it.
 
-    `count(micro_batch)` is the number of loss units in a micro-batch (tokens, pairs, samples...);
-    `micro_step(engine, micro_batch)` returns `(loss summed over its units, metric sums, tokens)`.
-    The sum is divided by the units of the whole step, all micro-batches of all ranks, so the
-    gradient does not depend on how the step is split. DeepSpeed divides by its accumulation
-    steps and averages over ranks; the scale multiplies both back (`len(micro_batches)` must be
-    the engine's accumulation steps, so its last backward steps the optimizer).
-    Returns `(metric sums over all ranks, global units, global tokens)`.
+    `count(micro_batch)`: its loss units (tokens, pairs, samples...); `micro_step(engine,
+    micro_batch)`: `(loss summed over its units, metric sums, tokens)`. The sum is divided by the
+    units of all micro-batches of all ranks, so the gradient does not depend on the split.
+    DeepSpeed divides by its accumulation steps and averages over ranks; the scale multiplies both
+    back (`len(micro_batches)` must be the engine's accumulation steps, so its last backward steps
+    the optimizer). Returns `(metric sums over all ranks, global units, global tokens)`.
     """
     units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches))))
     scale = world_size * len(micro_batches) / units.clamp(min=1.0)

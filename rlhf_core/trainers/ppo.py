@@ -1,18 +1,16 @@
 """`rlhf train ppo`: the PPO family (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO) as one stage.
 
-The job's driver is the single controller (`rl/controller.py`); this module sets it up and
-tears it down: prompts, tokenizer, the roles the estimator needs (actor always; a critic for
-`gae`; a reference when a KL term is used; reward models when the reward comes from them), the
-rollout engine, the reward source, the MLflow run, and at the end the actor saved as the stage
-output (a plain `transformers` causal LM + tokenizer + `stage.json`), exactly like the other
-trainers' outputs.
+The job's driver is the single controller (`rl/controller.py`); this module builds what it calls
+(prompts, tokenizer, the roles the estimator needs, the rollout engine, the reward source, the
+MLflow run) and saves the actor as the stage output, a plain `transformers` causal LM like the
+other trainers'. Roles: always the actor; a critic for `gae`; a reference with a KL term; reward
+models when they give the reward.
 
-Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join, every role
-lives in this process and the rollout engine is a transformers engine holding its own copy of the
-policy. Otherwise each role is a Ray worker group (`rl/ray_roles.py`) placed by OpenRLHF's
-placement and colocation flags, and the engines are Ray actors (`rl/engines.py`): vLLM on GPU
-with `--vllm.num_engines`, else one transformers engine. Either way the engines get the actor's
-weights after every training step, and the controller and the saved model are the same.
+Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join, in this
+process, with a transformers engine holding its own copy of the policy. Otherwise each role is a
+Ray worker group placed by the colocation flags (`rl/ray_roles.py`) and the engines are Ray actors
+(`rl/engines.py`: vLLM with `--vllm.num_engines`, else one transformers engine). Either way the
+controller and the saved model are the same.
 """
 
 from __future__ import annotations

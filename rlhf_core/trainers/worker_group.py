@@ -1,9 +1,8 @@
 """A supervised stage's ranks: one role ("train") of Ray actors, one DeepSpeed rank each.
 
-The RoleGroup (distributed/role_group.py) gives every rank RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
-before DeepSpeed starts (gloo on CPU, NCCL on GPU) and its own placement group sized from the
-cluster's devices: one GPU per rank when the cluster has GPUs, else an equal share of the cores
-(as torch threads).
+The RoleGroup (distributed/role_group.py) sets every rank's RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT before DeepSpeed starts and places it from the cluster's devices: one GPU
+per rank when the cluster has GPUs, else an equal share of the cores (as torch threads).
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import ray
 from rlhf_core.distributed.resources import ClusterDevices, detect_devices
 from rlhf_core.distributed.role_group import RoleGroup
 
-# A stage trains for as long as it trains; a rank that dies fails the wait at once whatever this
-# says, and this bounds a rank that hangs alive. RLHF_STAGE_TIMEOUT_S overrides it.
+# Bounds a rank that hangs alive (a rank that dies fails the wait at once); RLHF_STAGE_TIMEOUT_S overrides it.
 DEFAULT_STAGE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
