@@ -154,7 +154,7 @@ class FakeRoles:
         (Path(directory) / "actor").mkdir(parents=True, exist_ok=True)
         (Path(directory) / "actor" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
         error = RoleError("actor", [1], method, "raised OSError", cause=full_disk(Path(directory) / "actor" / "x.pt"))
-        return SimpleNamespace(all=lambda: (_ for _ in ()).throw(error) if self.fail else None)
+        return SimpleNamespace(per_rank=lambda: (_ for _ in ()).throw(error) if self.fail else None)
 
 
 def test_rl_checkpoint_on_a_full_disk_keeps_the_earlier_one_and_latest(tmp_path, monkeypatch):
