@@ -10,7 +10,7 @@ groups are permuted together and a micro-batch computes each prompt once (`exper
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,9 +45,15 @@ class StepPlan:
     group_size: int  # samples per prompt, next to each other
     epoch_seeds: tuple[int, ...]  # one permutation per PPO epoch
     leave_first_step: bool  # the first optimizer step's old log-probs come from its training forward
+    _orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (epoch, world) -> orders
 
     def orders(self, epoch: int, world_size: int) -> list[list[int]]:
-        return rank_orders(self.count, self.batch_size, world_size, self.epoch_seeds[epoch], self.group_size)
+        """Each rank's sample indices in `epoch`'s training order (drawn once per plan and world size)."""
+        key = (epoch, world_size)
+        if key not in self._orders:
+            self._orders[key] = rank_orders(self.count, self.batch_size, world_size, self.epoch_seeds[epoch],
+                                            self.group_size)
+        return [list(rank) for rank in self._orders[key]]
 
     def work(self, world_size: int) -> list[RankWork]:
         """Each rank's samples and epoch orders for a role of `world_size` ranks."""
