@@ -169,7 +169,7 @@ def run_ours(args) -> dict:
     setup = {"packing": args.packing, "zero_stage": recipe.engine.zero_optimization_stage(), **probe,
              "optimizer": f"{type(recipe.engine.optimizer).__name__}({type(inner).__name__})",
              "attention": recipe.engine.module.config._attn_implementation,
-             "gradient_checkpointing": cfg.gradient_checkpointing}
+             "gradient_checkpointing": cfg.model.gradient_checkpointing_enable}
     return summarize(args, ends, tokens, setup, torch.get_num_threads())
 
 

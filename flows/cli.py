@@ -79,24 +79,8 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
             params[name] = build_config(cls, None, config.get(name) or {}, complete=False)
         except ConfigError as e:
             raise ConfigError(f"--config section {name}: {e}") from None
-    params["ppo"] = ppo_parameters(config.get("ppo") or {})
     refuse_inline_secrets({name: p.model_dump(mode="json") for name, p in params.items()}, "--config")
     return params
-
-
-def ppo_parameters(values: dict):
-    """The `ppo` section as `rlhf train ppo` reads its YAML (nested, dotted or flat keys), inputs open."""
-    from pydantic import ValidationError
-
-    from flows.params import PipelinePPOConfig
-    from rlhf_core.flags import format_validation_error
-    from rlhf_core.rl_config import SPELLINGS
-
-    try:
-        return PipelinePPOConfig.model_validate(values)
-    except ValidationError as e:
-        raise ConfigError(f"--config section ppo: {format_validation_error(e, 'the ppo section', SPELLINGS.flag_name)}"
-                          ) from None
 
 
 def run(args: argparse.Namespace) -> int:

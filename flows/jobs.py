@@ -80,12 +80,12 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
                        load_checkpoint=True)
     filled = with_updates(cfg, **updates)
     filled.check_complete()
-    datasets = ",".join(d for d in (filled.data.dataset, filled.data.eval_dataset) if d)
+    datasets = ",".join(d for d in (filled.data.dataset, filled.eval.dataset) if d)
     # The key holds the precision the ranks will train in, never `auto`; the job gets the config as asked.
     hashed = with_updates(filled, param_dtype=ctx.precision(filled.param_dtype))
     return StageJob(stage, name, ["train", stage, "--config", "{config}"], filled.save_path, config_hash(hashed),
                     yaml.safe_dump(filled.model_dump(mode="json"), sort_keys=True), datasets, upstream, external,
-                    checkpoint_uri=filled.ckpt_path if filled.load_checkpoint else None)
+                    checkpoint_uri=filled.ckpt_path if filled.ckpt.load_enable else None)
 
 
 def given_reference(cfg: TrainConfig) -> str | None:

@@ -15,51 +15,48 @@ from enum import Enum
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config import DataConfig, DPOConfig, RMConfig, SFTConfig, StrictModel
+from rlhf_core.config import DPOConfig, RMConfig, SFTConfig, StrictModel, spellings_of
 from rlhf_core.rl_config import PPOConfig
 
-# Tuned on the tiny model and the sort task (figures: benchmarks/README.md). The reward model
-# trains two epochs (one was unstable); DPO keeps an NLL term on the chosen response (RPO: without
-# it DPO hurt exact match). Prep makes 30% of SFT demonstrations wrong, so the SFT policy errs when
-# sampled and RL has room, while the reward model (always-correct pairs) still ranks well.
+# Tuned on the tiny model and the sort task (figures: benchmarks/README.md), as dotted paths. The
+# reward model trains two epochs (one was unstable); DPO keeps an NLL term on the chosen response
+# (RPO: without it DPO hurt exact match). Prep makes 30% of SFT demonstrations wrong, so the SFT
+# policy errs when sampled and RL has room, while the reward model (always-correct pairs) still
+# ranks well.
 PREP = {"n_train": 16000, "n_test": 200, "demo_error_rate": 0.3}
-COMMON = {"zero_stage": 2, "seed": 0,
-          "data": {"apply_chat_template": True, "max_len": 64, "packing_samples": True}}
+COMMON = {"ds.zero_stage": 2, "train.seed": 0, "data.apply_chat_template": True, "data.max_len": 64,
+          "ds.packing_samples": True, "lr_warmup_ratio": 0.05}
 TUNED = {
-    "sft": {**COMMON, "train_batch_size": 32, "micro_train_batch_size": 32, "learning_rate": 1e-3,
-            "lr_warmup_ratio": 0.05, "max_epochs": 2},
-    "rm": {**COMMON, "train_batch_size": 64, "micro_train_batch_size": 32, "learning_rate": 1e-3,
-           "lr_warmup_ratio": 0.05, "max_epochs": 2},
-    "dpo": {**COMMON, "train_batch_size": 64, "micro_train_batch_size": 32, "learning_rate": 1e-4,
-            "lr_warmup_ratio": 0.05, "max_epochs": 1, "beta": 0.1, "nll_loss_coef": 1.0,
-            "data": {**COMMON["data"], "max_samples": 4000}},
-}
-# PPO, critic initialised from the reward model (OpenRLHF's default), rewards from the reward model
-# normalised by its stored mean/std (the flow turns that on when it fills in the run's reward model):
-# the recipe tests/learning/test_rl_stage.py guards. Dotted paths, as the `rlhf train ppo` flags.
-TUNED_PPO = {
-    "algo.advantage.estimator": "gae", "algo.advantage.lambd": 0.95, "algo.kl.init_coef": 0.01,
-    "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 32,
-    "rollout.micro_batch_size": 64, "train.batch_size": 64, "train.micro_batch_size": 32,
-    "actor.adam.lr": 5e-5, "critic.adam.lr": 2e-4, "critic.freezing_steps": 10, "train.max_steps": 80,
-    "train.seed": 0, "eval.temperature": 1.0, "eval.n_samples_per_prompt": 2, "ds.zero_stage": 2,
-    "data.apply_chat_template": True,
+    "sft": {**COMMON, "train.batch_size": 32, "train.micro_batch_size": 32, "adam.lr": 1e-3, "train.max_epochs": 2},
+    "rm": {**COMMON, "train.batch_size": 64, "train.micro_batch_size": 32, "adam.lr": 1e-3, "train.max_epochs": 2},
+    "dpo": {**COMMON, "train.batch_size": 64, "train.micro_batch_size": 32, "adam.lr": 1e-4, "train.max_epochs": 1,
+            "model.beta": 0.1, "model.nll_loss_coef": 1.0, "data.max_samples": 4000},
+    # PPO, critic initialised from the reward model (OpenRLHF's default), rewards from the reward
+    # model normalised by its stored mean/std (the flow turns that on when it fills in the run's
+    # reward model): the recipe tests/learning/test_rl_stage.py guards.
+    "ppo": {
+        "algo.advantage.estimator": "gae", "algo.advantage.lambd": 0.95, "algo.kl.init_coef": 0.01,
+        "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 32,
+        "rollout.micro_batch_size": 64, "train.batch_size": 64, "train.micro_batch_size": 32,
+        "actor.adam.lr": 5e-5, "critic.adam.lr": 2e-4, "critic.freezing_steps": 10, "train.max_steps": 80,
+        "train.seed": 0, "eval.temperature": 1.0, "eval.n_samples_per_prompt": 2, "ds.zero_stage": 2,
+        "data.apply_chat_template": True,
+    },
 }
 
 
-def with_tuned_defaults(stage: str, values):
-    """`values` (a partial stage section, flat or with `data`) over the pipeline's tuned defaults.
+def with_tuned_defaults(cls, values):
+    """`values` (a partial stage section, in any spelling the stage's flags take) over the
+    pipeline's tuned defaults for `cls`'s stage, as dotted paths.
 
     Prefect replaces a whole parameter when a run overrides part of it, so the defaults have to
     be merged where the section is validated, not only in the parameter's default value.
     """
     if not isinstance(values, dict):
         return values
-    tuned = TUNED[stage]
-    data = {**tuned["data"], **(values.get("data") or {})}
-    flat = {k: v for k, v in values.items() if k != "data"}
-    data.update({k: flat.pop(k) for k in list(flat) if k in DataConfig.model_fields})
-    return {**{k: v for k, v in tuned.items() if k != "data"}, **flat, "data": data}
+    spellings = spellings_of(cls)
+    stage = cls.model_fields["stage"].default
+    return spellings.nest({**TUNED[stage], **spellings.to_paths(values, stage)})
 
 
 class PipelineSFTConfig(SFTConfig):
@@ -68,7 +65,7 @@ class PipelineSFTConfig(SFTConfig):
     @model_validator(mode="before")
     @classmethod
     def _tuned(cls, values):
-        return with_tuned_defaults("sft", values)
+        return with_tuned_defaults(cls, values)
 
 
 class PipelineRMConfig(RMConfig):
@@ -77,7 +74,7 @@ class PipelineRMConfig(RMConfig):
     @model_validator(mode="before")
     @classmethod
     def _tuned(cls, values):
-        return with_tuned_defaults("rm", values)
+        return with_tuned_defaults(cls, values)
 
 
 class PipelineDPOConfig(DPOConfig):
@@ -86,7 +83,7 @@ class PipelineDPOConfig(DPOConfig):
     @model_validator(mode="before")
     @classmethod
     def _tuned(cls, values):
-        return with_tuned_defaults("dpo", values)
+        return with_tuned_defaults(cls, values)
 
 
 DERIVED_PPO_FIELDS = frozenset({"critic.model_name_or_path", "ref.model_name_or_path", "rollout.max_new_tokens",
@@ -106,12 +103,7 @@ class PipelinePPOConfig(PPOConfig):
     @model_validator(mode="before")
     @classmethod
     def _tuned(cls, values):
-        if not isinstance(values, dict):
-            return values
-        from rlhf_core.rl_config import SPELLINGS
-
-        given = SPELLINGS.to_paths(values, "ppo")
-        return SPELLINGS.nest({**TUNED_PPO, **given})
+        return with_tuned_defaults(cls, values)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -122,10 +114,9 @@ class PipelinePPOConfig(PPOConfig):
         later. Derived from nothing now, they would be frozen (1024 new tokens, no critic) by every
         JSON dump of the parameters (Prefect stores deployments' so) and never derived again.
         """
-        from rlhf_core.rl_config import SPELLINGS
-
-        given = {k for k, v in SPELLINGS.to_paths(values, "ppo").items() if v is not None} if isinstance(values, dict) \
-            else None
+        spellings = spellings_of(cls)
+        given = {k for k, v in spellings.to_paths(values, "ppo").items() if v is not None} \
+            if isinstance(values, dict) else None
         cfg = handler(values)
         if given is not None and cfg.actor.model_name_or_path is None:
             for path in DERIVED_PPO_FIELDS - given:
@@ -269,4 +260,4 @@ class PipelineSettings(StrictModel):
                                              "local output_root only)")
 
 
-STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig}
+STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig, "ppo": PipelinePPOConfig}

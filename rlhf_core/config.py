@@ -1,8 +1,10 @@
 """Stage configurations: one pydantic model per stage, filled from YAML and from flags.
 
 The same models are the parameters of the Prefect flows (so the UI renders forms) and the
-arguments of the `rlhf` CLI. Flag names are the field names, which follow OpenRLHF
-(`--pretrain`, `--micro_train_batch_size`, `--zero_stage`, ...). Precedence: defaults <
+arguments of the `rlhf` CLI. The trainers are sectioned as OpenRLHF's CLI is (`model`, `ds`,
+`train`, `adam`, `data`, `eval`, `ckpt`, `logger`; `rl_config` adds the RL roles), from section
+classes shared by every stage: a field added to `DSConfig` is a flag of every stage. A field's
+flags are its dotted path and the flat names on it (`flags.flat`). Precedence: defaults <
 `--config FILE.yaml` < flags. Unknown keys are errors everywhere (`extra="forbid"`).
 """
 
@@ -12,12 +14,12 @@ import functools
 import math
 import os
 from enum import Enum
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
-from rlhf_core.flags import Spellings
+from rlhf_core.flags import Spellings, flat
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
@@ -40,17 +42,118 @@ def check_input_template(template: str | None, name: str) -> None:
                          "write literal braces as {{ and }}") from None
 
 
+class StageConfig(StrictModel):
+    """What every stage's config shares: tracking, and validation from any of its spellings.
+
+    A config validates from nested sections, dotted paths and flat names alike (`flags.Spellings`),
+    so a YAML file, a pipeline's parameters and keyword arguments all read as the flags do.
+    `ALIASES` names the spellings that are neither a field's path nor on the field (`flags.flat`).
+    """
+
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
+    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
+    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_any_spelling(cls, values):
+        if not isinstance(values, dict):
+            return values
+        spellings = spellings_of(cls)
+        stage = cls.model_fields["stage"].default if "stage" in cls.model_fields else cls.__name__
+        return spellings.nest(spellings.to_paths(values, str(stage)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections every stage that trains shares (OpenRLHF's `adam`, `ds`, `ckpt`, `logger`, `train`).
+# A field added here is a flag of every stage that has the section.
+
+class AdamConfig(StrictModel):
+    """AdamW."""
+
+    lr: float = Field(5e-6, gt=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), json_schema_extra=flat("adam_betas"))
+    weight_decay: float = Field(0.0, ge=0, json_schema_extra=flat("l2"))
+
+
+class Schedule(StrictModel):
+    """The learning-rate schedule (linear warmup, cosine to `min_lr_ratio`) and gradient clipping
+    of one optimiser."""
+
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1, json_schema_extra=flat("lr_warmup_ratio"))
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, json_schema_extra=flat("min_lr_ratio"))
+    max_norm: float = Field(1.0, gt=0, json_schema_extra=flat("max_norm"))
+
+
+class DSConfig(StrictModel):
+    """DeepSpeed and the numerics of training."""
+
+    zero_stage: int = Field(2, ge=0, le=3, json_schema_extra=flat("zero_stage"))
+    param_dtype: Precision = Field(Precision.AUTO, description="Training precision: auto (bf16 where the device "
+                                   "computes it natively, else fp32), bf16, fp16 (GPU) or fp32",
+                                   json_schema_extra=flat("param_dtype"))
+    adam_offload: bool = Field(False, json_schema_extra=flat("adam_offload"))
+    flash_attn: bool = Field(False, json_schema_extra=flat("flash_attn"))
+
+
+class ValueHead(StrictModel):
+    value_head_prefix: str = Field("score", description="Name of the value head in reward/critic weights",
+                                   json_schema_extra=flat("value_head_prefix"))
+
+
+class CkptConfig(StrictModel):
+    output_dir: str | None = Field(None, description="Stage output: local directory or s3:// URI (required; a "
+                                   "pipeline fills it in)", json_schema_extra=flat("save_path", **NOT_SEMANTIC))
+    path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)",
+                             json_schema_extra=flat("ckpt_path", **NOT_SEMANTIC))
+    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
+                            json_schema_extra=flat("save_steps", **NOT_SEMANTIC))
+    max_num: int = Field(3, gt=0, json_schema_extra=flat("max_ckpt_num", **NOT_SEMANTIC))
+    load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
+                              json_schema_extra=flat("load_checkpoint", **NOT_SEMANTIC))
+
+    def problems(self) -> list[str]:
+        return [f"--ckpt.{name} needs --ckpt.path (--ckpt_path)" for name, on in
+                (("save_steps", self.save_steps > 0), ("load_enable", self.load_enable)) if on and not self.path]
+
+
+class LoggerConfig(StrictModel):
+    logging_steps: int = Field(1, gt=0, json_schema_extra=flat("logging_steps", **NOT_SEMANTIC))
+
+
+class TrainLoopConfig(StrictModel):
+    """Batches, epochs and the seed of a training loop."""
+
+    batch_size: int = Field(32, gt=0, description="Global batch: micro x accumulation x ranks",
+                            json_schema_extra=flat("train_batch_size"))
+    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank",
+                                  json_schema_extra=flat("micro_train_batch_size"))
+    max_epochs: int = Field(1, ge=1, json_schema_extra=flat("max_epochs"))
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps",
+                                  json_schema_extra=flat("max_steps"))
+    seed: int = Field(42, json_schema_extra=flat("seed"))
+
+
+# `--bf16` is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
+BF16 = {"bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else None,
+                 "Older spelling of --ds.param_dtype bf16")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The supervised trainers: `rlhf train sft|rm|dpo|kto`, in OpenRLHF's sections.
+
 class DataConfig(StrictModel):
-    """Where the examples come from and how they become token ids."""
+    """Where the examples come from and how they become token ids (each field also has its bare
+    name as a flat flag: `--max_len` is `--data.max_len`)."""
 
     dataset: str | None = Field(None, description="Comma-separated datasets: jsonl/json/parquet files, json@DIR, or "
                                 "hub names (required; a pipeline fills it from the upstream stage)",
                                 json_schema_extra=NOT_SEMANTIC)
     dataset_probs: str | None = Field(None, description="Comma-separated mixing probabilities, one per dataset")
     dataset_split: str = "train"
-    eval_dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it has one",
-                                     json_schema_extra=NOT_SEMANTIC)
-    eval_split: str = "test"
     input_key: str = "prompt"
     output_key: str = "response"
     prompt_key: str = "prompt"
@@ -65,7 +168,6 @@ class DataConfig(StrictModel):
     max_eval_samples: int = Field(100_000_000, gt=0)
     max_len: int = Field(512, gt=1)
     truncate: bool = Field(False, description="Truncate rows longer than max_len instead of failing")
-    packing_samples: bool = False
 
     @model_validator(mode="after")
     def _check_probs(self) -> DataConfig:
@@ -91,145 +193,206 @@ class DataConfig(StrictModel):
         return [v / sum(values) for v in values]
 
 
-class TrainConfig(StrictModel):
-    """What every trainer shares: model, engine, optimisation, checkpoints, tracking."""
+class HeldOutConfig(StrictModel):
+    """A trainer's held-out data and how often it is evaluated."""
 
-    # Required to train; None in a pipeline's parameters means "filled in from the upstream stage".
-    pretrain: str | None = Field(None, description="Model to start from (HF directory, s3:// URI or hub name)",
-                                 json_schema_extra=NOT_SEMANTIC)
-    save_path: str | None = Field(None, description="Stage output: local directory or s3:// URI",
-                                  json_schema_extra=NOT_SEMANTIC)
+    dataset: str | None = Field(None, description="Held-out data; default: the 'test' split of --dataset when it "
+                                "has one", json_schema_extra=flat("eval_dataset", **NOT_SEMANTIC))
+    split: str = Field("test", json_schema_extra=flat("eval_split"))
+    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)",
+                       json_schema_extra=flat("eval_steps", **NOT_SEMANTIC))
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters, merged into the base weights on save (rank 0: off)."""
+
+    rank: int = Field(0, ge=0, json_schema_extra=flat("lora_rank"))
+    alpha: int = Field(16, gt=0, json_schema_extra=flat("lora_alpha"))
+    dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=flat("lora_dropout"))
+    target_modules: str = Field("all-linear", description="Comma-separated module names or 'all-linear'",
+                                json_schema_extra=flat("target_modules"))
+
+
+class TrainerDSConfig(DSConfig):
+    packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
+                                  json_schema_extra=flat("packing_samples"))
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class RMDSConfig(TrainerDSConfig, ValueHead):
+    pass
+
+
+class TrainerLoopConfig(TrainLoopConfig):
+    num_nodes: int = Field(1, ge=1, json_schema_extra=flat("num_nodes"))
+    num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)",
+                                   json_schema_extra=flat("num_gpus_per_node"))
+
+
+class ModelConfig(StrictModel):
+    model_name_or_path: str | None = Field(None, description="Model to start from (HF directory, s3:// URI or hub "
+                                           "name; required, a pipeline fills it in)",
+                                           json_schema_extra=flat("pretrain", **NOT_SEMANTIC))
+    gradient_checkpointing_enable: bool = Field(False, json_schema_extra=flat("gradient_checkpointing"))
+
+
+class RefModelConfig(StrictModel):
+    model_name_or_path: str | None = Field(None, description="Reference model (default: the trained model's start)",
+                                           json_schema_extra=flat("ref_pretrain", **NOT_SEMANTIC))
+
+
+class TrainConfig(StageConfig, Schedule):
+    """What every supervised trainer shares. Flags: each field's dotted path (`--adam.lr`), and
+    OpenRLHF's flat names (`--learning_rate`)."""
+
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "learning_rate": ("adam.lr",),
+        **{name: (f"data.{name}",) for name in DataConfig.model_fields},
+        # where these fields were before they had sections (YAML files and pipeline parameters)
+        "data.packing_samples": ("ds.packing_samples",),
+        "data.eval_dataset": ("eval.dataset",),
+        "data.eval_split": ("eval.split",),
+    }
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    ds: TrainerDSConfig = Field(default_factory=TrainerDSConfig)
+    train: TrainerLoopConfig = Field(default_factory=TrainerLoopConfig)
+    adam: AdamConfig = Field(default_factory=AdamConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-
-    # Engine and parallelism.
-    zero_stage: int = Field(2, ge=0, le=3)
-    adam_offload: bool = False
-    param_dtype: Precision = Field(Precision.AUTO, description="Training precision: auto (bf16 where the device "
-                                   "computes it natively, else fp32), bf16, fp16 (GPU) or fp32")
-    bf16: bool = Field(False, description="Older spelling of --param_dtype bf16")
-    gradient_checkpointing: bool = False
-    flash_attn: bool = False
-    num_nodes: int = Field(1, ge=1)
-    num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)")
-
-    # Optimisation (docs/algorithms.md defaults).
-    train_batch_size: int = Field(32, gt=0, description="Global batch: micro x accumulation x ranks")
-    micro_train_batch_size: int = Field(8, gt=0)
-    learning_rate: float = Field(5e-6, gt=0)
-    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    l2: float = Field(0.0, ge=0, description="Weight decay")
-    max_norm: float = Field(1.0, gt=0)
-    max_epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps")
-    seed: int = 42
-
-    # LoRA (merged into the base weights on save).
-    lora_rank: int = Field(0, ge=0)
-    lora_alpha: int = Field(16, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: str = Field("all-linear", description="Comma-separated module names or 'all-linear'")
-
-    # Checkpoints and evaluation.
-    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
-                            json_schema_extra=NOT_SEMANTIC)
-    ckpt_path: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    max_ckpt_num: int = Field(3, gt=0, json_schema_extra=NOT_SEMANTIC)
-    load_checkpoint: bool = Field(False, json_schema_extra=NOT_SEMANTIC)
-    eval_steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)",
-                            json_schema_extra=NOT_SEMANTIC)
-    logging_steps: int = Field(1, gt=0, json_schema_extra=NOT_SEMANTIC)
-
-    # Tracking.
-    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
-    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
+    eval: HeldOutConfig = Field(default_factory=HeldOutConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
-        if self.bf16:  # an alias: folded into param_dtype, which alone says what was asked for
-            if self.param_dtype not in (Precision.AUTO, Precision.BF16):
-                raise ValueError(f"--bf16 contradicts --param_dtype {self.param_dtype.value}: give one of them")
-            object.__setattr__(self, "param_dtype", Precision.BF16)
-            object.__setattr__(self, "bf16", False)
-        per_step = self.micro_train_batch_size * self.world_size
-        if self.train_batch_size % per_step:
+        per_step = self.train.micro_batch_size * self.world_size
+        if self.train.batch_size % per_step:
             raise ValueError(
-                f"train_batch_size ({self.train_batch_size}) must be a multiple of "
-                f"micro_train_batch_size x ranks ({self.micro_train_batch_size} x {self.world_size})"
+                f"--train.batch_size (--train_batch_size) ({self.train.batch_size}) must be a multiple of "
+                f"--train.micro_batch_size (--micro_train_batch_size) x ranks ({self.train.micro_batch_size} x "
+                f"{self.world_size})"
             )
-        if self.save_steps > 0 and not self.ckpt_path:
-            raise ValueError("save_steps needs ckpt_path")
-        if self.load_checkpoint and not self.ckpt_path:
-            raise ValueError("load_checkpoint needs ckpt_path")
+        problems = self.ckpt.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def check_complete(self) -> None:
         """Raise ConfigError naming every input/output a run still needs (pretrain, save_path, dataset)."""
-        missing = [f"--{name}" for name, value in (("pretrain", self.pretrain), ("save_path", self.save_path),
-                                                  ("dataset", self.data.dataset)) if not value]
+        missing = [spellings_of(type(self)).flag_name((path,)) for path, value in
+                   (("model.model_name_or_path", self.pretrain), ("ckpt.output_dir", self.save_path),
+                    ("data.dataset", self.data.dataset)) if not value]
         if missing:
             raise ConfigError(f"{self.stage}: " + "; ".join(f"{name}: required" for name in missing))
 
+    # The names every stage config answers to (storage's destination checks, manifests, pipelines).
+    @property
+    def pretrain(self) -> str | None:
+        return self.model.model_name_or_path
+
+    @property
+    def save_path(self) -> str | None:
+        return self.ckpt.output_dir
+
+    @property
+    def ckpt_path(self) -> str | None:
+        return self.ckpt.path
+
+    @property
+    def param_dtype(self) -> Precision:
+        return self.ds.param_dtype
+
     @property
     def world_size(self) -> int:
-        return self.num_nodes * self.num_gpus_per_node
+        return self.train.num_nodes * self.train.num_gpus_per_node
 
     @property
     def accumulation_steps(self) -> int:
-        return self.train_batch_size // (self.micro_train_batch_size * self.world_size)
+        return self.train.batch_size // (self.train.micro_batch_size * self.world_size)
+
+
+class SFTModelConfig(ModelConfig):
+    pretrain_mode_enable: bool = Field(False, description="Continued pretraining: loss on every token",
+                                       json_schema_extra=flat("pretrain_mode"))
+
+
+class SFTAdam(AdamConfig):
+    lr: float = Field(1e-5, gt=0)
 
 
 class SFTConfig(TrainConfig):
     stage: Literal["sft"] = "sft"
-    learning_rate: float = Field(1e-5, gt=0)
-    pretrain_mode: bool = Field(False, description="Continued pretraining: loss on every token")
+    model: SFTModelConfig = Field(default_factory=SFTModelConfig)
+    adam: SFTAdam = Field(default_factory=SFTAdam)
+
+
+class RMModelConfig(ModelConfig):
+    loss_type: RewardLossType = Field(RewardLossType.SIGMOID, json_schema_extra=flat("loss"))
+
+
+class RMAdam(AdamConfig):
+    lr: float = Field(9e-6, gt=0)
 
 
 class RMConfig(TrainConfig):
     stage: Literal["rm"] = "rm"
-    learning_rate: float = Field(9e-6, gt=0)
-    loss: RewardLossType = RewardLossType.SIGMOID
-    value_head_prefix: str = Field("score", description="Name of the value head in the pretrained weights")
+    model: RMModelConfig = Field(default_factory=RMModelConfig)
+    ds: RMDSConfig = Field(default_factory=RMDSConfig)
+    adam: RMAdam = Field(default_factory=RMAdam)
 
 
-class DPOConfig(TrainConfig):
-    stage: Literal["dpo"] = "dpo"
-    learning_rate: float = Field(5e-7, gt=0)
-    ref_pretrain: str | None = Field(None, description="Reference model (default: --pretrain)",
-                                     json_schema_extra=NOT_SEMANTIC)
-    beta: float = Field(0.1, gt=0)
-    loss_type: DPOLossType = DPOLossType.SIGMOID
-    ipo: bool = Field(False, description="Same as --loss_type ipo")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO epsilon")
-    nll_loss_coef: float = Field(0.0, ge=0)
+class PreferenceAdam(AdamConfig):
+    lr: float = Field(5e-7, gt=0)
+
+
+class PreferenceConfig(TrainConfig):
+    """DPO and KTO: a policy trained against a frozen reference."""
+
+    ref: RefModelConfig = Field(default_factory=RefModelConfig)
+    adam: PreferenceAdam = Field(default_factory=PreferenceAdam)
+
+    @property
+    def ref_pretrain(self) -> str | None:
+        return self.ref.model_name_or_path
 
     @model_validator(mode="after")
-    def _resolve(self) -> DPOConfig:
-        if self.ipo and self.loss_type != DPOLossType.IPO:
+    def _default_reference(self) -> PreferenceConfig:
+        if self.ref.model_name_or_path is None:
+            object.__setattr__(self.ref, "model_name_or_path", self.model.model_name_or_path)
+        return self
+
+
+class DPOModelConfig(ModelConfig):
+    beta: float = Field(0.1, gt=0, json_schema_extra=flat("beta"))
+    loss_type: DPOLossType = Field(DPOLossType.SIGMOID, json_schema_extra=flat("loss_type"))
+    ipo_enable: bool = Field(False, description="Same as --loss_type ipo", json_schema_extra=flat("ipo"))
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO epsilon",
+                                   json_schema_extra=flat("label_smoothing"))
+    nll_loss_coef: float = Field(0.0, ge=0, json_schema_extra=flat("nll_loss_coef"))
+
+    @model_validator(mode="after")
+    def _resolve(self) -> DPOModelConfig:
+        if self.ipo_enable and self.loss_type != DPOLossType.IPO:
             object.__setattr__(self, "loss_type", DPOLossType.IPO)
-        if self.ref_pretrain is None:
-            object.__setattr__(self, "ref_pretrain", self.pretrain)
         if self.label_smoothing and self.loss_type != DPOLossType.SIGMOID:
             raise ValueError("label_smoothing (cDPO) applies to the sigmoid loss only")
         return self
 
 
-class KTOConfig(TrainConfig):
-    stage: Literal["kto"] = "kto"
-    learning_rate: float = Field(5e-7, gt=0)
-    ref_pretrain: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    beta: float = Field(0.1, gt=0)
-    desirable_loss_weight: float = Field(1.0, gt=0)
-    undesirable_loss_weight: float = Field(1.0, gt=0)
+class DPOConfig(PreferenceConfig):
+    stage: Literal["dpo"] = "dpo"
+    model: DPOModelConfig = Field(default_factory=DPOModelConfig)
 
-    @model_validator(mode="after")
-    def _resolve(self) -> KTOConfig:
-        if self.ref_pretrain is None:
-            object.__setattr__(self, "ref_pretrain", self.pretrain)
-        return self
+
+class KTOModelConfig(ModelConfig):
+    beta: float = Field(0.1, gt=0, json_schema_extra=flat("beta"))
+    desirable_loss_weight: float = Field(1.0, gt=0, json_schema_extra=flat("desirable_loss_weight"))
+    undesirable_loss_weight: float = Field(1.0, gt=0, json_schema_extra=flat("undesirable_loss_weight"))
+
+
+class KTOConfig(PreferenceConfig):
+    stage: Literal["kto"] = "kto"
+    model: KTOModelConfig = Field(default_factory=KTOModelConfig)
 
 
 STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
@@ -240,78 +403,9 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Flags and YAML -> config. Flags are the flat field names; data fields may be given flat too.
-
-# The trainers' fields under OpenRLHF's dotted flag names (train_sft.py, train_rm.py, train_dpo.py),
-# besides the flat names, which stay their flags.
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {
-    "pretrain": ("--model.model_name_or_path",),
-    "ref_pretrain": ("--ref.model_name_or_path",),
-    "save_path": ("--ckpt.output_dir",),
-    "zero_stage": ("--ds.zero_stage",),
-    "adam_offload": ("--ds.adam_offload",),
-    "param_dtype": ("--ds.param_dtype",),
-    "gradient_checkpointing": ("--model.gradient_checkpointing_enable",),
-    "train_batch_size": ("--train.batch_size",),
-    "micro_train_batch_size": ("--train.micro_batch_size",),
-    "learning_rate": ("--adam.lr",),
-    "adam_betas": ("--adam.betas",),
-    "l2": ("--adam.weight_decay",),
-    "max_epochs": ("--train.max_epochs",),
-    "seed": ("--train.seed",),
-    "lora_rank": ("--ds.lora.rank",),
-    "lora_alpha": ("--ds.lora.alpha",),
-    "lora_dropout": ("--ds.lora.dropout",),
-    "target_modules": ("--ds.lora.target_modules",),
-    "save_steps": ("--ckpt.save_steps",),
-    "ckpt_path": ("--ckpt.path",),
-    "max_ckpt_num": ("--ckpt.max_num",),
-    "load_checkpoint": ("--ckpt.load_enable",),
-    "eval_steps": ("--eval.steps",),
-    "logging_steps": ("--logger.logging_steps",),
-    "pretrain_mode": ("--model.pretrain_mode_enable",),  # sft
-    "loss": ("--model.loss_type",),  # rm
-    "value_head_prefix": ("--ds.value_head_prefix",),  # rm
-    "beta": ("--model.beta",),  # dpo (kto)
-    "ipo": ("--model.ipo_enable",),  # dpo
-    "label_smoothing": ("--model.label_smoothing",),  # dpo
-    "nll_loss_coef": ("--model.nll_loss_coef",),  # dpo
-    # data
-    "dataset": ("--data.dataset",),
-    "dataset_probs": ("--data.dataset_probs",),
-    "dataset_split": ("--data.dataset_split",),
-    "eval_dataset": ("--eval.dataset",),
-    "eval_split": ("--eval.split",),
-    "input_key": ("--data.input_key",),
-    "output_key": ("--data.output_key",),
-    "prompt_key": ("--data.prompt_key",),
-    "chosen_key": ("--data.chosen_key",),
-    "rejected_key": ("--data.rejected_key",),
-    "input_template": ("--data.input_template",),
-    "apply_chat_template": ("--data.apply_chat_template",),
-    "tokenizer_chat_template": ("--data.tokenizer_chat_template",),
-    "max_samples": ("--data.max_samples",),
-    "max_len": ("--data.max_len",),
-    "packing_samples": ("--ds.packing_samples",),
-}
-
-
-def _train_spellings(config_cls: type[TrainConfig]) -> Spellings:
-    """A trainer config's spellings: data fields by their flat name (`--max_len`) and their path
-    (`--data.max_len`), every field by OpenRLHF's dotted name in `FLAG_ALIASES`."""
-    paths = {name: (f"data.{name}" if name in DataConfig.model_fields else name)
-             for name in [*config_cls.model_fields, *DataConfig.model_fields]}
-    aliases = {name: (f"data.{name}",) for name in DataConfig.model_fields}
-    for name, flags in FLAG_ALIASES.items():
-        if name in paths:
-            aliases.update({flag[2:]: (paths[name],) for flag in flags if flag[2:] != paths[name]})
-    return Spellings(config_cls, aliases)
-
-
 def add_config_flags(parser, config_cls: type[BaseModel]) -> None:
     """Register `--config` and every field's flags on an argparse parser (`flags.Spellings`)."""
-    spellings_of(config_cls).add_flags(parser, "YAML file with any of these fields (flat, dotted or nested)")
+    spellings_of(config_cls).add_flags(parser)
 
 
 def load_yaml(path: str | os.PathLike) -> dict:
@@ -348,12 +442,12 @@ def build_config(config_cls: type[BaseModel], yaml_values: dict | None, flag_val
     return spellings_of(config_cls).build(yaml_values, flag_values, complete)
 
 
-def with_updates(cfg: TrainConfig, **updates) -> TrainConfig:
-    """A copy of `cfg` with top-level or data fields replaced, validated again (derived defaults follow)."""
-    values = cfg.model_dump()
-    values["data"].update({k: updates.pop(k) for k in list(updates) if k in DataConfig.model_fields})
-    values.update(updates)
-    return type(cfg).model_validate(values)
+def with_updates(cfg: StageConfig, **updates) -> StageConfig:
+    """A copy of `cfg` with fields replaced, named by any spelling (`pretrain`, `ckpt.output_dir`),
+    validated again (derived defaults follow)."""
+    spellings = spellings_of(type(cfg))
+    values = spellings.to_paths(cfg.model_dump(), cfg.stage)
+    return type(cfg).model_validate(spellings.nest({**values, **spellings.to_paths(updates, cfg.stage)}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +467,7 @@ class RewardSourceName(str, Enum):
     REWARD_MODEL = "reward_model"
 
 
-class RolloutStageConfig(StrictModel):
+class RolloutStageConfig(StageConfig):
     """What eval and pairs share: a policy, prompts (with answers), generation and tracking."""
 
     # Required to run; None in a pipeline's parameters means "filled in from the upstream stage".
@@ -391,11 +485,6 @@ class RolloutStageConfig(StrictModel):
     max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS")
     seed: int = 42
     rollout_backend: RolloutBackend = RolloutBackend.AUTO
-
-    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
-    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
 
     @model_validator(mode="after")
     def _resolve_generation_budget(self) -> RolloutStageConfig:
@@ -519,7 +608,7 @@ ROLLOUT_STAGE_CONFIGS: dict[str, type[RolloutStageConfig]] = {"eval": EvalConfig
 
 
 @functools.cache
-def spellings_of(config_cls: type[BaseModel]) -> Spellings:
-    """A stage config's spellings (`flags.Spellings`): a trainer's with OpenRLHF's names, eval's and
-    pairs' their field names only (also for subclasses, e.g. a pipeline's sections)."""
-    return _train_spellings(config_cls) if issubclass(config_cls, TrainConfig) else Spellings(config_cls, {})
+def spellings_of(config_cls: type[StageConfig]) -> Spellings:
+    """A stage config's spellings (`flags.Spellings`): its paths, the flat names on its fields and
+    its `ALIASES`; `--bf16` where it has a `ds` section."""
+    return Spellings(config_cls, config_cls.ALIASES, transforms=BF16 if "ds" in config_cls.model_fields else None)

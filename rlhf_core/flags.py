@@ -1,9 +1,11 @@
 """Flags and YAML keys of every stage's config: one builder, one reader, one rule, one error format.
 
 A config is a pydantic model whose leaf fields have dotted paths (`actor.adam.lr`, `data.max_len`,
-`learning_rate`). A field's spellings are its path and the other names a `Spellings` table gives
-it (OpenRLHF's flat and dotted flags); a name may set several fields (`--adam_betas` sets the
-actor's and the critic's). Flags, `--config` YAML (nested sections, dotted or flat keys) and a
+`max_norm`). A field's spellings are its path, the flat names on the field (`flat(...)`: OpenRLHF's
+flat flags) and the names its config's table gives it (where a section class serves several
+sections under different flat names: `--actor_num_nodes`, `--critic_num_nodes`). A name may set
+several fields: a flat name on a field of a class used twice sets both (`--adam_betas`, the actor's
+and the critic's optimiser). Flags, `--config` YAML (nested sections, dotted or flat keys) and a
 pipeline's parameters are all read by `to_paths`:
 
 - unknown keys are errors;
@@ -25,6 +27,12 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from rlhf_core.infra.settings import ConfigError
+
+
+def flat(*names: str, **extra) -> dict:
+    """A field's `json_schema_extra` naming its flat spellings, e.g. `Field(2, json_schema_extra=flat("zero_stage"))`;
+    `extra` adds other markers (`**NOT_SEMANTIC`)."""
+    return {"flat": list(names), **extra}
 
 
 def parse_bool(text: str) -> bool:
@@ -97,7 +105,8 @@ _UNSET = object()
 
 
 class Spellings:
-    """The spellings of one config class: its leaf paths, and `aliases` (name -> the paths it sets).
+    """The spellings of one config class: its leaf paths, the flat names on its fields (`flat`), and
+    `aliases` (name -> the paths it sets).
 
     `transforms`: names whose value is mapped before it is stored (None: the name says nothing),
     e.g. `--bf16` -> `ds.param_dtype bf16`.
@@ -108,13 +117,20 @@ class Spellings:
                  skip: frozenset[str] = frozenset({"stage"})):
         self.config_cls, self.skip = config_cls, skip  # skip: fields without a flag
         self.leaves = leaves(config_cls)
-        self.aliases, self.transforms = dict(aliases), dict(transforms or {})
+        on_fields: dict[str, tuple[str, ...]] = {}
+        for path, field in self.leaves.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            for name in extra.get("flat", ()):
+                if name != path:
+                    on_fields[name] = (*on_fields.get(name, ()), path)
+        twice = set(on_fields) & set(aliases)
+        self.aliases, self.transforms = {**on_fields, **aliases}, dict(transforms or {})
         names = [*self.aliases, *self.transforms]
         clash = set(names) & set(self.leaves)
         unknown = [t for targets in self.aliases.values() for t in targets if t not in self.leaves]
-        if clash or unknown or len(set(names)) != len(names):
-            raise ValueError(f"{config_cls.__name__}: spellings that are paths {sorted(clash)} or name no field "
-                             f"{unknown}")
+        if clash or unknown or twice or len(set(names)) != len(names):
+            raise ValueError(f"{config_cls.__name__}: spellings that are paths {sorted(clash)}, name no field "
+                             f"{unknown}, or are both on a field and in the table {sorted(twice)}")
         self.setters: tuple[object, dict[str, str]] = (None, {})  # `_SetFields`: the flag that set each field
         keys = [*self.leaves, *names]
         self.sections = frozenset(k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1))
@@ -161,6 +177,8 @@ class Spellings:
         out = []
         for key, value in values.items():
             path = f"{prefix}{key}"
+            if isinstance(value, BaseModel) and path in self.sections:  # a section already validated
+                value = dict(value)
             if isinstance(value, dict) and path in self.sections:
                 out.extend(self._flatten(value, f"{path}."))
             else:

@@ -1,11 +1,12 @@
 """`rlhf train ppo`: the configuration of the RL stage (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO).
 
 Sectioned like OpenRLHF's CLI: one model per section (`actor`, `critic`, `ref`, `reward`,
-`rollout`, `vllm`, `algo`, `train`, `eval`, `logger`, `ds`, `data`, `ckpt`), and a field's flag
-is its dotted path (`--actor.adam.lr`, `--algo.kl.init_coef`). OpenRLHF's flat flags
-(`--pretrain`, `--actor_learning_rate`, `--init_kl_coef`, ...) are aliases (`ALIASES`); a few set
-two fields (`--adam_betas`, `--l2`, ... for the actor and the critic). YAML may give a field
-nested (`actor: {adam: {lr: ...}}`), dotted (`actor.adam.lr: ...`) or flat (`actor_learning_rate: ...`).
+`rollout`, `vllm`, `algo`, `train`, `eval`, `logger`, `ds`, `data`, `ckpt`; the last four are the
+supervised trainers' classes, `config.py`), and a field's flag is its dotted path
+(`--actor.adam.lr`, `--algo.kl.init_coef`). OpenRLHF's flat flags (`--init_kl_coef`, ...) sit on
+the fields; a few set two fields (`--adam_betas`, `--l2`, ... for the actor and the critic).
+YAML may give a field nested (`actor: {adam: {lr: ...}}`), dotted (`actor.adam.lr: ...`) or flat
+(`actor_learning_rate: ...`).
 
 Precedence: defaults < `--config FILE.yaml` < flags. Unknown keys are errors; so is one field
 given two different values in one place (`flags.py`). Derived defaults are resolved here, so the
@@ -20,8 +21,23 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
-from rlhf_core.config import ConfigError, RolloutBackend, StrictModel, check_input_template
-from rlhf_core.flags import Spellings
+from rlhf_core.config import (
+    AdamConfig,
+    CkptConfig,
+    ConfigError,
+    DSConfig,
+    LoggerConfig,
+    RefModelConfig,
+    RolloutBackend,
+    Schedule,
+    StageConfig,
+    StrictModel,
+    TrainLoopConfig,
+    ValueHead,
+    check_input_template,
+    spellings_of,
+)
+from rlhf_core.flags import flat
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 
@@ -37,61 +53,52 @@ class Placement(StrictModel):
         return self.num_nodes * self.num_gpus_per_node
 
 
-class ActorAdam(StrictModel):
+class ActorAdam(AdamConfig):
     lr: float = Field(1e-6, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
 
 
-class CriticAdam(ActorAdam):
+class CriticAdam(AdamConfig):
     lr: float = Field(9e-6, gt=0)
 
 
-class ActorConfig(Placement):
+class ActorConfig(Placement, Schedule):
     model_name_or_path: str | None = Field(None, description="Policy to start from (HF directory, s3:// URI or "
-                                           "hub name; required)", json_schema_extra=NOT_SEMANTIC)
+                                           "hub name; required)", json_schema_extra=flat("pretrain", **NOT_SEMANTIC))
     adam: ActorAdam = Field(default_factory=ActorAdam)
-    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    max_norm: float = Field(1.0, gt=0)
-    gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)")
-    eps_clip: float = Field(0.2, gt=0, description="PPO clip range")
+    gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)", json_schema_extra=flat("gradient_checkpointing"))
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range", json_schema_extra=flat("eps_clip"))
     eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip range (low, high); "
-                                                          "default: (eps_clip, eps_clip)")
-    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)")
-    entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)")
+                                                          "default: (eps_clip, eps_clip)", json_schema_extra=flat("eps_clip_low_high"))
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)", json_schema_extra=flat("dual_clip"))
+    entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)", json_schema_extra=flat("entropy_loss_coef"))
 
 
-class CriticConfig(Placement):
+class CriticConfig(Placement, Schedule):
     model_name_or_path: str | None = Field(None, description="Critic to start from (gae only); default: the "
                                            "first reward model, else the actor",
-                                           json_schema_extra=NOT_SEMANTIC)
+                                           json_schema_extra=flat("critic_pretrain", **NOT_SEMANTIC))
     adam: CriticAdam = Field(default_factory=CriticAdam)
-    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    max_norm: float = Field(1.0, gt=0)
-    value_clip: float = Field(0.5, gt=0, description="Value clip range")
+    value_clip: float = Field(0.5, gt=0, description="Value clip range", json_schema_extra=flat("value_clip"))
     freezing_steps: int = Field(0, ge=-1, description="Freeze the actor for the first N steps while the critic "
-                                "warms up (-1, OpenRLHF's default, is read as 0)")
-    save_value_network: bool = Field(False, description="Save the critic next to the policy")
+                                "warms up (-1, OpenRLHF's default, is read as 0)", json_schema_extra=flat("freezing_actor_steps"))
+    save_value_network: bool = Field(False, description="Save the critic next to the policy", json_schema_extra=flat("save_value_network"))
 
 
-class RefConfig(Placement):
-    model_name_or_path: str | None = Field(None, description="Reference model (default: the actor's)",
-                                           json_schema_extra=NOT_SEMANTIC)
+class RefConfig(RefModelConfig, Placement):
+    pass
 
 
 class RewardConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated",
-                                           json_schema_extra=NOT_SEMANTIC)
+                                           json_schema_extra=flat("reward_pretrain", **NOT_SEMANTIC))
     remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
-                                   "Python file defining reward_func", json_schema_extra=NOT_SEMANTIC)
-    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses")
-    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
-    clip_range: tuple[float, float] = (-10.0, 10.0)
+                                   "Python file defining reward_func", json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
+    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses", json_schema_extra=flat("task"))
+    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std", json_schema_extra=flat("normalize_reward"))
+    clip_range: tuple[float, float] = Field((-10.0, 10.0), json_schema_extra=flat("reward_clip_range"))
     overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
-                                            "tokens of the budget (off by default)")
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+                                            "tokens of the budget (off by default)", json_schema_extra=flat("overlong_buffer_len"))
+    overlong_penalty_factor: float = Field(1.0, ge=0, json_schema_extra=flat("overlong_penalty_factor"))
 
     @property
     def sources(self) -> list[str]:
@@ -101,122 +108,103 @@ class RewardConfig(Placement):
 
 
 class RolloutConfig(StrictModel):
-    batch_size: int = Field(1024, gt=0, description="Prompts per rollout step")
-    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank")
-    n_samples_per_prompt: int = Field(1, ge=1)
+    batch_size: int = Field(1024, gt=0, description="Prompts per rollout step", json_schema_extra=flat("rollout_batch_size"))
+    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank", json_schema_extra=flat("micro_rollout_batch_size"))
+    n_samples_per_prompt: int = Field(1, ge=1, json_schema_extra=flat("n_samples_per_prompt"))
     max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS with "
                                        "--reward.task, else data.max_len - data.prompt_max_len when max_len is "
-                                       "given, else 1024")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+                                       "given, else 1024", json_schema_extra=flat("generate_max_len", "max_new_tokens"))
+    temperature: float = Field(1.0, gt=0, json_schema_extra=flat("temperature"))
+    top_p: float = Field(1.0, gt=0, le=1, json_schema_extra=flat("top_p"))
     backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
-                                    "auto or transformers; vllm needs num_engines > 0")
+                                    "auto or transformers; vllm needs num_engines > 0", json_schema_extra=flat("rollout_backend"))
 
 
 class VLLMConfig(StrictModel):
-    num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)")
+    num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)", json_schema_extra=flat("vllm_num_engines"))
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs of each vLLM engine (its tensor-parallel workers, "
-                                      "on vLLM's Ray executor)")
-    gpu_memory_utilization: float = Field(0.95, gt=0, le=1)
-    enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)")
+                                      "on vLLM's Ray executor)", json_schema_extra=flat("vllm_tensor_parallel_size"))
+    gpu_memory_utilization: float = Field(0.95, gt=0, le=1, json_schema_extra=flat("vllm_gpu_memory_utilization"))
+    enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)", json_schema_extra=flat("vllm_enable_sleep"))
     sync_backend: Literal["auto", "nccl", "gloo", "ipc", "object_store"] = Field(
         "auto", description="Weight sync, actor -> engines: auto (vLLM: CUDA IPC on the actor's GPUs, else NCCL; "
-        "transformers engines: object store), nccl (CUDA IPC when colocated, as in OpenRLHF), gloo, ipc, object_store")
-    sync_bucket_mb: int = Field(512, gt=0, description="Bucket size of the broadcast and IPC weight sync (MiB)")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM")
-    enable_prefix_caching: bool = False
+        "transformers engines: object store), nccl (CUDA IPC when colocated, as in OpenRLHF), gloo, ipc, object_store", json_schema_extra=flat("vllm_sync_backend"))
+    sync_bucket_mb: int = Field(512, gt=0, description="Bucket size of the broadcast and IPC weight sync (MiB)", json_schema_extra=flat("vllm_sync_bucket_mb"))
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM", json_schema_extra=flat("enforce_eager"))
+    enable_prefix_caching: bool = Field(False, json_schema_extra=flat("enable_prefix_caching"))
 
 
 class AdvantageConfig(StrictModel):
     estimator: AdvantageEstimator = Field(AdvantageEstimator.GAE, description="gae (PPO), reinforce (REINFORCE++), rloo, "
-                                          "reinforce_baseline, group_norm (GRPO), dr_grpo")
-    gamma: float = Field(1.0, gt=0, le=1)
-    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
-    no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std")
+                                          "reinforce_baseline, group_norm (GRPO), dr_grpo", json_schema_extra=flat("advantage_estimator"))
+    gamma: float = Field(1.0, gt=0, le=1, json_schema_extra=flat("gamma"))
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda", json_schema_extra=flat("lambd"))
+    no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std", json_schema_extra=flat("no_advantage_std_norm"))
 
 
 class KLConfig(StrictModel):
-    init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)")
-    target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)")
-    horizon: int = Field(10000, gt=0)
-    estimator: KLEstimator = KLEstimator.K1
-    use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty")
+    init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)", json_schema_extra=flat("init_kl_coef"))
+    target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)", json_schema_extra=flat("kl_target"))
+    horizon: int = Field(10000, gt=0, json_schema_extra=flat("kl_horizon"))
+    estimator: KLEstimator = Field(KLEstimator.K1, json_schema_extra=flat("kl_estimator"))
+    use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty", json_schema_extra=flat("use_kl_loss"))
 
 
 class AlgoConfig(StrictModel):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     loss_agg_mode: LossAggMode = Field(LossAggMode.TOKEN_MEAN, description="How per-token losses reduce to one "
-                                       "(docs/algorithms.md, Aggregation)")
+                                       "(docs/algorithms.md, Aggregation)", json_schema_extra=flat("loss_agg_mode"))
     dynamic_filtering_enable: bool = Field(False, description="Keep only prompt groups whose mean score lies "
-                                           "strictly inside dynamic_filtering_range")
-    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+                                           "strictly inside dynamic_filtering_range", json_schema_extra=flat("dynamic_filtering"))
+    dynamic_filtering_range: tuple[float, float] = Field((0.0, 1.0), json_schema_extra=flat("dynamic_filtering_reward_range"))
 
 
-class TrainSection(StrictModel):
-    batch_size: int = Field(128, gt=0, description="Samples per optimizer step (all ranks)")
-    micro_batch_size: int = Field(1, gt=0, description="Samples per forward/backward on one rank")
-    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout")
-    num_episodes: int = Field(1, ge=1, description="Passes over the prompts")
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many rollout steps")
-    seed: int = 42
-    colocate_all: bool = Field(False, description="All models and the vLLM engines share the actor's GPUs")
-    colocate_actor_ref: bool = False
-    colocate_critic_reward: bool = False
+class TrainSection(TrainLoopConfig):
+    batch_size: int = Field(128, gt=0, description="Samples per optimizer step (all ranks)",
+                            json_schema_extra=flat("train_batch_size"))
+    micro_batch_size: int = Field(1, gt=0, description="Samples per forward/backward on one rank",
+                                  json_schema_extra=flat("micro_train_batch_size"))
+    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout", json_schema_extra=flat("max_epochs"))
+    num_episodes: int = Field(1, ge=1, description="Passes over the prompts", json_schema_extra=flat("num_episodes"))
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many rollout steps",
+                                  json_schema_extra=flat("max_steps"))
+    colocate_all: bool = Field(False, description="All models and the vLLM engines share the actor's GPUs", json_schema_extra=flat("colocate_all_models"))
+    colocate_actor_ref: bool = Field(False, json_schema_extra=flat("colocate_actor_ref"))
+    colocate_critic_reward: bool = Field(False, json_schema_extra=flat("colocate_critic_reward"))
 
 
 class EvalSection(StrictModel):
     dataset: str | None = Field(None, description="Held-out prompts (evaluated every eval.steps)",
-                                json_schema_extra=NOT_SEMANTIC)
-    split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'")
-    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)")
-    temperature: float = Field(0.6, gt=0)
-    n_samples_per_prompt: int = Field(4, ge=1)
+                                json_schema_extra=flat("eval_dataset", **NOT_SEMANTIC))
+    split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'", json_schema_extra=flat("eval_split"))
+    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)", json_schema_extra=flat("eval_steps"))
+    temperature: float = Field(0.6, gt=0, json_schema_extra=flat("eval_temperature"))
+    n_samples_per_prompt: int = Field(4, ge=1, json_schema_extra=flat("eval_n_samples_per_prompt"))
     task: str | None = Field(None, description="Built-in task whose exact verifier measures held-out accuracy "
                              "(default: --reward.task); the training reward may come from a reward model")
 
 
-class LoggerSection(StrictModel):
-    logging_steps: int = Field(1, gt=0, json_schema_extra=NOT_SEMANTIC)
-
-
-class DSConfig(StrictModel):
-    zero_stage: int = Field(2, ge=0, le=3)
-    param_dtype: Precision = Field(Precision.AUTO, description="Training precision: auto (bf16 where the device "
-                                   "computes it natively, else fp32), bf16, fp16 (GPU) or fp32")
-    adam_offload: bool = False
-    flash_attn: bool = False
-    value_head_prefix: str = Field("score", description="Name of the value head in reward/critic weights")
+class RLDSConfig(DSConfig, ValueHead):
+    pass
 
 
 class PromptDataConfig(StrictModel):
     prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
-                                       "names, comma-separated (required)", json_schema_extra=NOT_SEMANTIC)
-    prompt_split: str = "train"
-    input_key: str = "prompt"
-    label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)")
-    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts are truncated (left)")
+                                       "names, comma-separated (required)", json_schema_extra=flat("prompt_data", **NOT_SEMANTIC))
+    prompt_split: str = Field("train", json_schema_extra=flat("prompt_split"))
+    input_key: str = Field("prompt", json_schema_extra=flat("input_key"))
+    label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)", json_schema_extra=flat("label_key"))
+    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts are truncated (left)", json_schema_extra=flat("prompt_max_len"))
     max_len: int | None = Field(None, gt=1, description="Prompt + response tokens; default: prompt_max_len + "
-                                "rollout.max_new_tokens")
-    max_samples: int = Field(100_000_000, gt=0)
-    apply_chat_template: bool = True
-    input_template: str | None = Field(None, description="Python format string with one {} for the prompt")
-    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's")
+                                "rollout.max_new_tokens", json_schema_extra=flat("max_len"))
+    max_samples: int = Field(100_000_000, gt=0, json_schema_extra=flat("max_samples"))
+    apply_chat_template: bool = Field(True, json_schema_extra=flat("apply_chat_template"))
+    input_template: str | None = Field(None, description="Python format string with one {} for the prompt", json_schema_extra=flat("input_template"))
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's", json_schema_extra=flat("tokenizer_chat_template"))
 
 
-class CkptConfig(StrictModel):
-    output_dir: str | None = Field(None, description="Stage output (the trained policy): local directory or "
-                                   "s3:// URI (required)", json_schema_extra=NOT_SEMANTIC)
-    path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)",
-                             json_schema_extra=NOT_SEMANTIC)
-    save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
-                            json_schema_extra=NOT_SEMANTIC)
-    max_num: int = Field(3, gt=0, json_schema_extra=NOT_SEMANTIC)
-    load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
-                              json_schema_extra=NOT_SEMANTIC)
-
-
-class PPOConfig(StrictModel):
+class PPOConfig(StageConfig):
     """`rlhf train ppo`: every section of the RL stage."""
 
     stage: Literal["ppo"] = "ppo"
@@ -229,15 +217,10 @@ class PPOConfig(StrictModel):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
-    logger: LoggerSection = Field(default_factory=LoggerSection)
-    ds: DSConfig = Field(default_factory=DSConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    ds: RLDSConfig = Field(default_factory=RLDSConfig)
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
-
-    mlflow_experiment: str = Field("rlhf", json_schema_extra=NOT_SEMANTIC)
-    mlflow_run_name: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    mlflow_parent_run_id: str | None = Field(None, json_schema_extra=NOT_SEMANTIC)
-    use_mlflow: bool = Field(True, json_schema_extra=NOT_SEMANTIC)
 
     # The names every stage config answers to (storage's destination checks, manifests, pipelines).
     @property
@@ -404,11 +387,7 @@ class PPOConfig(StrictModel):
             problems.append(f"--rollout.backend transformers contradicts --vllm.num_engines {vllm.num_engines}: "
                             "give one of them")
 
-        # Checkpoints.
-        if self.ckpt.save_steps > 0 and not self.ckpt.path:
-            problems.append("--ckpt.save_steps needs --ckpt.path")
-        if self.ckpt.load_enable and not self.ckpt.path:
-            problems.append("--ckpt.load_enable needs --ckpt.path")
+        problems += self.ckpt.problems()
 
         if problems:
             raise ValueError("\n  ".join(problems))
@@ -417,7 +396,7 @@ class PPOConfig(StrictModel):
     def check_complete(self) -> None:
         """Raise ConfigError naming every input/output a run still needs: the actor, the prompts, the
         output directory and a reward source (a pipeline fills them in from upstream stages)."""
-        missing = [f"--{path} (--{_flat_spelling(path)}): required"
+        missing = [f"{spellings_of(type(self)).flag_name((path,))}: required"
                    for path, value in (("actor.model_name_or_path", self.actor.model_name_or_path),
                                        ("data.prompt_dataset", self.data.prompt_dataset),
                                        ("ckpt.output_dir", self.ckpt.output_dir)) if not value]
@@ -429,131 +408,24 @@ class PPOConfig(StrictModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# Spellings. Every leaf field's dotted path is its flag and YAML key; the names below are other
-# spellings of the same fields: OpenRLHF's flat flags (and ours: --task, --rollout_backend,
-# --max_steps, ...). A name with two targets sets both.
-
-ALIASES: dict[str, tuple[str, ...]] = {
-    # actor
-    "pretrain": ("actor.model_name_or_path",),
+# Spellings. A field's dotted path is its flag and YAML key; OpenRLHF's flat flags (and ours:
+# --task, --rollout_backend, ...) sit on the fields (`flat`). This table names the spellings a
+# field of a shared section class cannot carry: the per-role names of `Placement` and `AdamConfig`.
+PPOConfig.ALIASES = {
     "actor_learning_rate": ("actor.adam.lr",),
     "actor_num_nodes": ("actor.num_nodes",),
     "actor_num_gpus_per_node": ("actor.num_gpus_per_node",),
-    "gradient_checkpointing": ("actor.gradient_checkpointing_enable",),
-    "eps_clip": ("actor.eps_clip",),
-    "eps_clip_low_high": ("actor.eps_clip_low_high",),
-    "dual_clip": ("actor.dual_clip",),
-    "entropy_loss_coef": ("actor.entropy_coef",),
-    # actor and critic (one flat flag set both optimisers)
-    "adam_betas": ("actor.adam.betas", "critic.adam.betas"),
-    "l2": ("actor.adam.weight_decay", "critic.adam.weight_decay"),
-    "lr_warmup_ratio": ("actor.lr_warmup_ratio", "critic.lr_warmup_ratio"),
-    "min_lr_ratio": ("actor.min_lr_ratio", "critic.min_lr_ratio"),
-    "max_norm": ("actor.max_norm", "critic.max_norm"),
-    # critic
-    "critic_pretrain": ("critic.model_name_or_path",),
     "critic_learning_rate": ("critic.adam.lr",),
     "critic_num_nodes": ("critic.num_nodes",),
     "critic_num_gpus_per_node": ("critic.num_gpus_per_node",),
-    "value_clip": ("critic.value_clip",),
-    "freezing_actor_steps": ("critic.freezing_steps",),
     "actor.freezing_steps": ("critic.freezing_steps",),
-    "save_value_network": ("critic.save_value_network",),
-    # ref
-    "ref_pretrain": ("ref.model_name_or_path",),
     "ref_num_nodes": ("ref.num_nodes",),
     "ref_num_gpus_per_node": ("ref.num_gpus_per_node",),
-    # reward
-    "reward_pretrain": ("reward.model_name_or_path",),
-    "remote_rm_url": ("reward.remote_url",),
-    "task": ("reward.task",),
-    "normalize_reward": ("reward.normalize_enable",),
-    "reward_clip_range": ("reward.clip_range",),
-    "overlong_buffer_len": ("reward.overlong_buffer_len",),
-    "overlong_penalty_factor": ("reward.overlong_penalty_factor",),
     "reward_num_nodes": ("reward.num_nodes",),
     "reward_num_gpus_per_node": ("reward.num_gpus_per_node",),
-    # rollout
-    "rollout_batch_size": ("rollout.batch_size",),
-    "micro_rollout_batch_size": ("rollout.micro_batch_size",),
-    "n_samples_per_prompt": ("rollout.n_samples_per_prompt",),
-    "generate_max_len": ("rollout.max_new_tokens",),
-    "max_new_tokens": ("rollout.max_new_tokens",),
-    "temperature": ("rollout.temperature",),
-    "top_p": ("rollout.top_p",),
-    "rollout_backend": ("rollout.backend",),
-    # vllm
-    "vllm_num_engines": ("vllm.num_engines",),
-    "vllm_tensor_parallel_size": ("vllm.tensor_parallel_size",),
-    "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization",),
-    "vllm_enable_sleep": ("vllm.enable_sleep",),
-    "vllm_sync_backend": ("vllm.sync_backend",),
-    "vllm_sync_bucket_mb": ("vllm.sync_bucket_mb",),
-    "enforce_eager": ("vllm.enforce_eager",),
-    "enable_prefix_caching": ("vllm.enable_prefix_caching",),
-    # algo
-    "advantage_estimator": ("algo.advantage.estimator",),
-    "gamma": ("algo.advantage.gamma",),
-    "lambd": ("algo.advantage.lambd",),
-    "no_advantage_std_norm": ("algo.advantage.no_std_norm",),
-    "init_kl_coef": ("algo.kl.init_coef",),
-    "kl_target": ("algo.kl.target",),
-    "kl_horizon": ("algo.kl.horizon",),
-    "kl_estimator": ("algo.kl.estimator",),
-    "use_kl_loss": ("algo.kl.use_loss",),
-    "loss_agg_mode": ("algo.loss_agg_mode",),
-    "dynamic_filtering": ("algo.dynamic_filtering_enable",),
-    "dynamic_filtering_reward_range": ("algo.dynamic_filtering_range",),
-    # train
-    "train_batch_size": ("train.batch_size",),
-    "micro_train_batch_size": ("train.micro_batch_size",),
-    "max_epochs": ("train.max_epochs",),
-    "num_episodes": ("train.num_episodes",),
-    "max_steps": ("train.max_steps",),
-    "seed": ("train.seed",),
-    "colocate_all_models": ("train.colocate_all",),
-    "colocate_actor_ref": ("train.colocate_actor_ref",),
-    "colocate_critic_reward": ("train.colocate_critic_reward",),
-    # eval, logger
-    "eval_dataset": ("eval.dataset",),
-    "eval_split": ("eval.split",),
-    "eval_steps": ("eval.steps",),
-    "eval_temperature": ("eval.temperature",),
-    "eval_n_samples_per_prompt": ("eval.n_samples_per_prompt",),
-    "logging_steps": ("logger.logging_steps",),
-    # ds
-    "zero_stage": ("ds.zero_stage",),
-    "param_dtype": ("ds.param_dtype",),
-    "adam_offload": ("ds.adam_offload",),
-    "flash_attn": ("ds.flash_attn",),
-    "value_head_prefix": ("ds.value_head_prefix",),
-    # data
-    "prompt_data": ("data.prompt_dataset",),
-    "prompt_split": ("data.prompt_split",),
-    "input_key": ("data.input_key",),
-    "label_key": ("data.label_key",),
-    "prompt_max_len": ("data.prompt_max_len",),
-    "max_len": ("data.max_len",),
-    "max_samples": ("data.max_samples",),
-    "apply_chat_template": ("data.apply_chat_template",),
-    "input_template": ("data.input_template",),
-    "tokenizer_chat_template": ("data.tokenizer_chat_template",),
-    # ckpt
-    "save_path": ("ckpt.output_dir",),
-    "ckpt_path": ("ckpt.path",),
-    "save_steps": ("ckpt.save_steps",),
-    "max_ckpt_num": ("ckpt.max_num",),
-    "load_checkpoint": ("ckpt.load_enable",),
 }
-# `--bf16` is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
-SPELLINGS = Spellings(PPOConfig, ALIASES, transforms={
-    "bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else None,
-             "Older spelling of --ds.param_dtype bf16")})
+SPELLINGS = spellings_of(PPOConfig)
 LEAVES = SPELLINGS.leaves  # dotted path -> field, e.g. "actor.adam.lr"
-
-
-def _flat_spelling(path: str) -> str | None:
-    return next((name for name, targets in ALIASES.items() if path in targets and "." not in name), None)
 
 
 def add_ppo_flags(parser) -> None:

@@ -113,10 +113,11 @@ def _rows_with_origin(ds, described):
         yield row, where, i
 
 
-def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: bool = False):
+def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: bool = False,
+             eval_dataset: str | None = None):
     keys = [cfg.input_key] if pretrain_mode else [cfg.input_key, cfg.output_key]
     chat = {cfg.input_key} if cfg.apply_chat_template else set()
-    ds, described = _load(cfg, split, seed, keys, lambda d, w: check_rows(d, w, keys, chat_keys=chat))
+    ds, described = _load(cfg, split, seed, keys, lambda d, w: check_rows(d, w, keys, chat_keys=chat), eval_dataset)
     if ds is None:
         return None, []
     fmt = PromptFormatter(tokenizer, cfg)
@@ -131,12 +132,12 @@ def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: b
     return examples, described
 
 
-def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int):
+def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int, eval_dataset: str | None = None):
     keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
     other = {cfg.margin_key: (int, float)} if cfg.margin_key else {}
     chat = {cfg.prompt_key} if cfg.apply_chat_template else set()
     ds, described = _load(cfg, split, seed, keys + list(other),
-                          lambda d, w: check_rows(d, w, keys, other, chat_keys=chat))
+                          lambda d, w: check_rows(d, w, keys, other, chat_keys=chat), eval_dataset)
     if ds is None:
         return None, []
     fmt = PromptFormatter(tokenizer, cfg)
@@ -151,17 +152,17 @@ def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int):
     return examples, described
 
 
-def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
+def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int, eval_dataset: str | None = None):
     """KTO data: (prompt, completion, label) rows; paired preference rows are unpaired.
 
     A source with `chosen_key`/`rejected_key` columns gives one desirable and one undesirable
     example per row; otherwise `input_key`, `output_key` and a boolean `label_key` are required.
     """
-    columns = _first_source_columns(cfg, split)
+    columns = _first_source_columns(cfg, split, eval_dataset)
     if columns is None:
         return None, []
     if cfg.chosen_key in columns and cfg.rejected_key in columns:
-        pairs, described = load_pairs(cfg, tokenizer, split, seed)
+        pairs, described = load_pairs(cfg, tokenizer, split, seed, eval_dataset)
         out = []
         for ex in pairs:
             out.append(UnpairedExample(ex.chosen, True))
@@ -170,7 +171,7 @@ def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
     keys = [cfg.input_key, cfg.output_key]
     chat = {cfg.input_key} if cfg.apply_chat_template else set()
     ds, described = _load(cfg, split, seed, keys + [cfg.label_key],
-                          lambda d, w: check_rows(d, w, keys, {cfg.label_key: (bool,)}, chat_keys=chat))
+                          lambda d, w: check_rows(d, w, keys, {cfg.label_key: (bool,)}, chat_keys=chat), eval_dataset)
     fmt = PromptFormatter(tokenizer, cfg)
     out = []
     for row, where, i in _rows_with_origin(ds, described):
@@ -180,37 +181,37 @@ def load_unpaired(cfg: DataConfig, tokenizer, split: str, seed: int):
     return out, described
 
 
-def _specs(cfg: DataConfig, split: str) -> tuple[str, bool]:
+def _specs(cfg: DataConfig, split: str, eval_dataset: str | None) -> tuple[str, bool]:
     is_eval = split != cfg.dataset_split
-    return (cfg.eval_dataset if (is_eval and cfg.eval_dataset) else cfg.dataset), is_eval
+    return (eval_dataset if (is_eval and eval_dataset) else cfg.dataset), is_eval
 
 
-def _split_of(cfg: DataConfig, split: str) -> tuple[str, bool, str]:
+def _split_of(cfg: DataConfig, split: str, eval_dataset: str | None) -> tuple[str, bool, str]:
     """(split to read, whether it may be absent, its flag). The training split must exist; so must
     the held-out one of an explicit --eval_dataset, where a single file is its own split (as
     `rlhf eval` reads it); the default held-out split of --dataset is used when it is there."""
     if split == cfg.dataset_split:
         return split, False, "--dataset_split"
-    if not cfg.eval_dataset:
+    if not eval_dataset:
         return split, True, "--eval_split"
-    sources = [resolve_source(s) for s in cfg.eval_dataset.split(",") if s.strip()]
+    sources = [resolve_source(s) for s in eval_dataset.split(",") if s.strip()]
     if sources and all(s.single_file for s in sources) and not any(has_split(s, split) for s in sources):
         return "train", False, "--eval_split"
     return split, False, "--eval_split"
 
 
-def _load(cfg: DataConfig, split: str, seed: int, keys: list[str], check):
-    specs, is_eval = _specs(cfg, split)
-    split, optional, flag = _split_of(cfg, split)
+def _load(cfg: DataConfig, split: str, seed: int, keys: list[str], check, eval_dataset: str | None):
+    specs, is_eval = _specs(cfg, split, eval_dataset)
+    split, optional, flag = _split_of(cfg, split, eval_dataset)
     return load_mixture(specs, split, None if is_eval else cfg.probs,
                         cfg.max_eval_samples if is_eval else cfg.max_samples, seed, keys, check,
                         optional=optional, split_flag=flag)
 
 
-def _first_source_columns(cfg: DataConfig, split: str) -> list[str] | None:
+def _first_source_columns(cfg: DataConfig, split: str, eval_dataset: str | None) -> list[str] | None:
     """Columns of the first source's split (None when it may be and is absent); decides the KTO format."""
-    specs, _ = _specs(cfg, split)
-    split, optional, flag = _split_of(cfg, split)
+    specs, _ = _specs(cfg, split, eval_dataset)
+    split, optional, flag = _split_of(cfg, split, eval_dataset)
     source = resolve_source(specs.split(",")[0])
     if not has_split(source, split):
         if optional:

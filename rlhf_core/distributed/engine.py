@@ -15,11 +15,34 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
+from rlhf_core.config import AdamConfig, DSConfig, Schedule, TrainConfig
 from rlhf_core.infra.network import free_port
 from rlhf_core.infra.precision import Precision, resolve_here
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `initialize` reads for one trainable model: its optimiser, schedule, batches and ZeRO
+    (a supervised trainer's config, or one role of the RL stage's)."""
+
+    adam: AdamConfig
+    schedule: Schedule
+    ds: DSConfig
+    batch_size: int
+    micro_batch_size: int
+    world_size: int
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.batch_size // (self.micro_batch_size * self.world_size)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> EngineSettings:
+        return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size)
 
 
 def device() -> torch.device:
@@ -90,25 +113,26 @@ def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu
     return stage
 
 
-def precision_of(cfg) -> Precision:
-    """The precision this rank trains `cfg` in: its `param_dtype` resolved on this device."""
-    return resolve_here(Precision(cfg.param_dtype).value)
+def precision_of(ds: DSConfig) -> Precision:
+    """The precision this rank trains in: `ds.param_dtype` resolved on this device."""
+    return resolve_here(Precision(ds.param_dtype).value)
 
 
-def deepspeed_config(cfg, train: bool = True) -> dict:
-    precision = precision_of(cfg)
+def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
+    ds = settings.ds
+    precision = precision_of(ds)
     on_gpu = torch.cuda.is_available()
-    stage = effective_zero_stage(cfg.zero_stage, cfg.world_size, cfg.adam_offload, on_gpu)
+    stage = effective_zero_stage(ds.zero_stage, settings.world_size, ds.adam_offload, on_gpu)
     zero: dict = {"stage": stage if train else (3 if stage == 3 else 0)}
-    if train and cfg.adam_offload:
+    if train and ds.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if zero["stage"] == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
-        "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
-        "gradient_accumulation_steps": cfg.accumulation_steps,
-        "train_batch_size": cfg.train_batch_size,
-        "gradient_clipping": cfg.max_norm,
+        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "gradient_accumulation_steps": settings.accumulation_steps,
+        "train_batch_size": settings.batch_size,
+        "gradient_clipping": settings.schedule.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": on_gpu and precision == Precision.BF16},
         "fp16": {"enabled": on_gpu and precision == Precision.FP16},
@@ -118,10 +142,10 @@ def deepspeed_config(cfg, train: bool = True) -> dict:
     }
 
 
-def build_optimizer(params, cfg):
+def build_optimizer(params, adam: AdamConfig, offload: bool):
     trainable = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2)
-    if cfg.adam_offload:
+    kwargs = dict(lr=adam.lr, betas=tuple(adam.betas), weight_decay=adam.weight_decay)
+    if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(trainable, adamw_mode=True, **kwargs)
@@ -129,25 +153,26 @@ def build_optimizer(params, cfg):
     return torch.optim.AdamW(trainable, fused=not torch.cuda.is_available(), **kwargs)
 
 
-def initialize(model, cfg, total_steps: int):
+def initialize(model, settings: EngineSettings, total_steps: int):
     """Wrap `model` in a DeepSpeed engine with AdamW and the warmup-cosine schedule."""
     import deepspeed
 
-    optimizer = build_optimizer(model.parameters(), cfg)
-    warmup = math.ceil(cfg.lr_warmup_ratio * total_steps)
+    schedule = settings.schedule
+    optimizer = build_optimizer(model.parameters(), settings.adam, settings.ds.adam_offload)
+    warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_schedule(s, total_steps, warmup, cfg.min_lr_ratio))
+        optimizer, lambda s: cosine_schedule(s, total_steps, warmup, schedule.min_lr_ratio))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg))
+                                      config=deepspeed_config(settings))
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         # Stage 0 all-reduces gradients after every backward, on one rank too: it flattens them,
         # "reduces" over a group of one and copies them back.
         engine.enable_backward_allreduce = False
-        if not (engine.fp16_enabled() or engine.bfloat16_enabled()) and cfg.max_norm > 0:
+        if not (engine.fp16_enabled() or engine.bfloat16_enabled()) and schedule.max_norm > 0:
             # Its fp32 clipping takes one norm kernel per parameter and an all-reduce over the
             # group of one; torch's does the same math (the global 2-norm, grads scaled by
             # min(1, max_norm / (norm + 1e-6))) in a few multi-tensor kernels.
-            engine.clip_fp32_gradients = _fast_clip(engine, cfg.max_norm)
+            engine.clip_fp32_gradients = _fast_clip(engine, schedule.max_norm)
         if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
             # Its stage-0 zero_grad walks named_parameters() (every module) after every step to
             # set each grad to None: the same on a list taken once.
@@ -170,14 +195,14 @@ def _fast_clip(engine, max_norm: float):
     return clip
 
 
-def initialize_frozen(model, cfg):
+def initialize_frozen(model, settings: EngineSettings):
     """A frozen model (reference): sharded with ZeRO-3 when training uses it, else plain."""
     model.requires_grad_(False).eval()
-    if cfg.zero_stage != 3:
+    if settings.ds.zero_stage != 3:
         return model.to(device())
     import deepspeed
 
-    ds_cfg = deepspeed_config(cfg, train=False)
+    ds_cfg = deepspeed_config(settings, train=False)
     engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
     engine.eval()
     return engine

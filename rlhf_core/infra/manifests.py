@@ -89,10 +89,8 @@ def stage_manifest(cfg, inputs: dict, metrics: dict, mlflow_run_id: str | None,
     from rlhf_core.infra.tracking import redact
 
     hashed = cfg
-    if precision is not None and "ds" in type(cfg).model_fields:  # sectioned configs (RL) keep it under ds
+    if precision is not None:  # the trainers' (`ds.param_dtype`)
         hashed = cfg.model_copy(update={"ds": cfg.ds.model_copy(update={"param_dtype": type(cfg.param_dtype)(precision)})})
-    elif precision is not None:
-        hashed = cfg.model_copy(update={"param_dtype": type(cfg.param_dtype)(precision)})
     return {
         "stage": cfg.stage,
         "config_hash": config_hash(hashed),

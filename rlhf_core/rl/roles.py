@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +30,14 @@ from rlhf_core.algos.losses import (
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
-from rlhf_core.distributed.engine import autocast, device, init_distributed, initialize, precision_of
+from rlhf_core.distributed.engine import (
+    EngineSettings,
+    autocast,
+    device,
+    init_distributed,
+    initialize,
+    precision_of,
+)
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
@@ -40,33 +46,9 @@ from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """What `distributed.engine.initialize` reads, for one trainable role of an RL config."""
-
-    learning_rate: float
-    adam_betas: tuple[float, float]
-    l2: float
-    lr_warmup_ratio: float
-    min_lr_ratio: float
-    max_norm: float
-    train_batch_size: int
-    micro_train_batch_size: int
-    world_size: int
-    zero_stage: int
-    adam_offload: bool
-    param_dtype: str
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.train_batch_size // (self.micro_train_batch_size * self.world_size)
-
-
 def engine_settings(cfg, section, world_size: int) -> EngineSettings:
-    return EngineSettings(section.adam.lr, tuple(section.adam.betas), section.adam.weight_decay,
-                          section.lr_warmup_ratio, section.min_lr_ratio, section.max_norm, cfg.train.batch_size,
-                          cfg.train.micro_batch_size, world_size, cfg.ds.zero_stage, cfg.ds.adam_offload,
-                          cfg.ds.param_dtype.value)
+    """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
+    return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, world_size)
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:

@@ -42,7 +42,7 @@ def check_data(cfg):
     from rlhf_core.data.loading import DataError
 
     data = importlib.import_module(RECIPES[cfg.stage].split(":")[0]).load_data(cfg)
-    if len(data.train) < cfg.train_batch_size:
+    if len(data.train) < cfg.train.batch_size:
         raise DataError(f"--dataset {cfg.data.dataset}: {len(data.train)} training examples, fewer than one global "
-                         f"batch (--train_batch_size {cfg.train_batch_size})")
+                         f"batch (--train.batch_size {cfg.train.batch_size})")
     return data

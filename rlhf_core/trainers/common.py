@@ -54,10 +54,10 @@ class StageData:
 
 
 def load_stage_data(cfg: TrainConfig, load) -> StageData:
-    """`load(data_cfg, tokenizer, split, seed)` for the train and eval splits (DataError on bad rows)."""
+    """`load(data_cfg, tokenizer, split, seed, eval_dataset=...)` for the train and eval splits (DataError on bad rows)."""
     tokenizer = load_tokenizer(local_model_path(cfg.pretrain))
-    train, train_sources = load(cfg.data, tokenizer, cfg.data.dataset_split, cfg.seed)
-    evaluation, eval_sources = load(cfg.data, tokenizer, cfg.data.eval_split, cfg.seed)
+    train, train_sources = load(cfg.data, tokenizer, cfg.data.dataset_split, cfg.train.seed)
+    evaluation, eval_sources = load(cfg.data, tokenizer, cfg.eval.split, cfg.train.seed, eval_dataset=cfg.eval.dataset)
     return StageData(tokenizer, train, evaluation, train_sources, eval_sources)
 
 
@@ -73,9 +73,9 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
                          int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if world != cfg.world_size:
-        raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (num_nodes x num_gpus_per_node)")
-    seed_everything(cfg.seed + rank)
-    precision = precision_of(cfg).value  # the one actually used, next to the param_dtype asked for
+        raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (--train.num_nodes x --train.num_gpus_per_node)")
+    seed_everything(cfg.train.seed + rank)
+    precision = precision_of(cfg.ds).value  # the one actually used, next to the param_dtype asked for
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(),
                                                       "rlhf.precision": precision})
@@ -108,14 +108,14 @@ def local_model_path(uri: str) -> str:
 
 
 def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
-    if cfg.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing_enable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if cfg.lora_rank > 0:
-        if cfg.gradient_checkpointing:
+    lora = cfg.ds.lora
+    if lora.rank > 0:
+        if cfg.model.gradient_checkpointing_enable:
             model.enable_input_require_grads()
-        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules,
-                           is_reward_model)
+        model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, is_reward_model)
     return model
 
 
@@ -123,7 +123,7 @@ def packs_into_one_row(cfg: TrainConfig) -> bool:
     """flash-attn's variable-length kernels take one packed row and no dense mask."""
     from rlhf_core.models.loading import attention_implementation
 
-    return attention_implementation(cfg.flash_attn) == "flash_attention_2"
+    return attention_implementation(cfg.ds.flash_attn) == "flash_attention_2"
 
 
 def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
@@ -134,7 +134,7 @@ def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
 
     def build(sequences):
         return make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences], tokenizer.pad_token_id,
-                          cfg.data.packing_samples, capacity).to(device)
+                          cfg.ds.packing_samples, capacity).to(device)
 
     return build
 
@@ -149,7 +149,7 @@ def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     from rlhf_core.data.batching import pack_pairs
 
     plain = batch_builder(cfg, tokenizer, device)
-    if not cfg.data.packing_samples or packs_into_one_row(cfg):
+    if not cfg.ds.packing_samples or packs_into_one_row(cfg):
         return lambda chosen, rejected: plain(list(chosen) + list(rejected))
 
     def build(chosen, rejected):
@@ -170,7 +170,7 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
         for key, value in (config_updates or {}).items():
             setattr(model.config, key, value)
         manifest = publish_output(ctx.cfg, ctx.tracker, inputs, metrics, write=model_writer(model, tokenizer),
-                                  precision=precision_of(ctx.cfg).value, resume=ctx.resume, trained=True)
+                                  precision=precision_of(ctx.cfg.ds).value, resume=ctx.resume, trained=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return manifest

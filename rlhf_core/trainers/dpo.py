@@ -13,7 +13,7 @@ import torch
 from rlhf_core.algos.losses import dpo_loss
 from rlhf_core.config import DPOConfig
 from rlhf_core.data.examples import load_pairs
-from rlhf_core.distributed.engine import initialize, initialize_frozen
+from rlhf_core.distributed.engine import EngineSettings, initialize, initialize_frozen
 from rlhf_core.models.forward import loss_token_logprobs, per_sample_sum
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
@@ -41,10 +41,11 @@ class DPORecipe:
         cfg = self.cfg
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
-        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
         self.to_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
-        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.data.train)))
-        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
+        self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
+                                           EngineSettings.of(cfg))
 
     def count(self, examples) -> int:
         return len(examples)
@@ -57,11 +58,11 @@ class DPORecipe:
         logps = per_sample_sum(token_lp, batch)
         with torch.no_grad():
             ref_logps = per_sample_sum(loss_token_logprobs(self.reference, batch), batch)
-        losses, chosen_r, rejected_r = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.cfg.beta,
-                                                self.cfg.loss_type.value, self.cfg.label_smoothing)
-        if self.cfg.nll_loss_coef > 0:
+        losses, chosen_r, rejected_r = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.cfg.model.beta,
+                                                self.cfg.model.loss_type.value, self.cfg.model.label_smoothing)
+        if self.cfg.model.nll_loss_coef > 0:
             lengths = torch.tensor([sum(s.loss_mask) for s in seqs[:n]], device=logps.device, dtype=logps.dtype)
-            losses = losses + self.cfg.nll_loss_coef * (-logps[:n] / lengths)
+            losses = losses + self.cfg.model.nll_loss_coef * (-logps[:n] / lengths)
         logp_margin = (logps[:n] - logps[n:]).detach()
         stats = {"loss": losses.sum(), "reward_accuracy": (chosen_r > rejected_r).float().sum(),
                  "reward_margin": (chosen_r - rejected_r).sum(), "chosen_reward": chosen_r.sum(),

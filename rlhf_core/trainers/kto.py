@@ -16,7 +16,7 @@ import torch
 from rlhf_core.algos.losses import kto_kl_estimate, kto_loss
 from rlhf_core.config import KTOConfig
 from rlhf_core.data.examples import Sequence, load_unpaired
-from rlhf_core.distributed.engine import all_reduce_sum, initialize, initialize_frozen
+from rlhf_core.distributed.engine import EngineSettings, all_reduce_sum, initialize, initialize_frozen
 from rlhf_core.models.forward import sequence_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
@@ -55,10 +55,11 @@ class KTORecipe:
         cfg = self.cfg
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
-        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
-        self.engine = initialize(policy, cfg, total_steps(cfg, len(self.data.train)))
-        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.flash_attn), cfg)
+        self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
+                                           EngineSettings.of(cfg))
         self.kl: torch.Tensor | None = None  # the current step's KL estimate (`prepare_step`)
 
     @torch.no_grad()
@@ -86,8 +87,9 @@ class KTORecipe:
             ref_logps = sequence_logprobs(self.reference, batch)
         kl = self.kl.to(logps.device)
         desirable = torch.tensor([e.desirable for e in examples], device=logps.device)
-        losses, rewards, z_ref = kto_loss(logps, ref_logps, desirable, kl, self.cfg.beta,
-                                          self.cfg.desirable_loss_weight, self.cfg.undesirable_loss_weight)
+        losses, rewards, z_ref = kto_loss(logps, ref_logps, desirable, kl, self.cfg.model.beta,
+                                          self.cfg.model.desirable_loss_weight,
+                                          self.cfg.model.undesirable_loss_weight)
         signed = torch.where(desirable, rewards, -rewards)
         stats = {"loss": losses.sum(), "kl": z_ref * len(examples), "signed_reward": signed.sum(),
                  "accuracy": (signed > 0).float().sum()}

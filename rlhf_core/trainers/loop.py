@@ -53,20 +53,20 @@ class TrainLoop:
         self.cfg, self.engine, self.recipe = cfg, engine, recipe
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
         self.tracker, self.rank, self.world_size = tracker, rank, world_size
-        self.plan = BatchPlan(len(train_examples), cfg.train_batch_size, cfg.micro_train_batch_size,
-                              rank, world_size, cfg.seed)
+        self.plan = BatchPlan(len(train_examples), cfg.train.batch_size, cfg.train.micro_batch_size,
+                              rank, world_size, cfg.train.seed)
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"{len(train_examples)} training examples are fewer than one global batch "
-                             f"(train_batch_size {cfg.train_batch_size})")
+                             f"(--train.batch_size {cfg.train.batch_size})")
         self.total_steps = total_steps(cfg, len(train_examples))
         self.step = 0
         self.steps_run = 0  # optimizer steps this process executed (a resume runs total - start)
-        self.resume = {"requested": bool(cfg.load_checkpoint), "checkpoint": None, "start_step": 0}
+        self.resume = {"requested": bool(cfg.ckpt.load_enable), "checkpoint": None, "start_step": 0}
         self.history: list[dict] = []
 
     # -- training --------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
-        if self.cfg.load_checkpoint:
+        if self.cfg.ckpt.load_enable:
             self.step = self.load_checkpoint()
         self.resume["start_step"] = start = self.step
         initial = self.evaluate(prefix="eval_initial/") if self.step == 0 and self.eval_examples else {}
@@ -80,18 +80,18 @@ class TrainLoop:
             self.steps_run += 1
             elapsed = time.perf_counter() - t0
             metrics.update({"train/lr": self.engine.get_lr()[0], "train/tokens_per_s": tokens / elapsed,
-                            "train/samples_per_s": self.cfg.train_batch_size / elapsed, "train/epoch":
+                            "train/samples_per_s": self.cfg.train.batch_size / elapsed, "train/epoch":
                             self.step / self.plan.steps_per_epoch})
-            if self.step % self.cfg.logging_steps == 0 or self.step == self.total_steps:
+            if self.step % self.cfg.logger.logging_steps == 0 or self.step == self.total_steps:
                 self._log(metrics)
             if bar is not None:
                 # Postfix first without a refresh: update() then redraws at most every mininterval.
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}",
                                 refresh=False)
                 bar.update(1)
-            if self.cfg.eval_steps > 0 and self.step % self.cfg.eval_steps == 0 and self.step < self.total_steps:
+            if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 and self.step < self.total_steps:
                 self._log(self.evaluate())
-            if self.cfg.save_steps > 0 and self.step % self.cfg.save_steps == 0:
+            if self.cfg.ckpt.save_steps > 0 and self.step % self.cfg.ckpt.save_steps == 0:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
@@ -109,13 +109,13 @@ class TrainLoop:
         prepare = getattr(self.recipe, "prepare_step", None)
         if prepare is not None:
             self.engine.train()
-            with autocast(precision_of(self.cfg)):
+            with autocast(precision_of(self.cfg.ds)):
                 prepare(self.engine, micro)
         micro_step = self.recipe.micro_step
         if kill_requested(self.step + 1, self.rank):
             micro_step = killing_on_last(micro_step, len(micro))
         sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, micro_step,
-                                             self.world_size, precision_of(self.cfg))
+                                             self.world_size, precision_of(self.cfg.ds))
         return {f"train/{k}": (v / units).item() for k, v in sums.items()}, tokens
 
     # -- evaluation ------------------------------------------------------------------------
@@ -126,14 +126,14 @@ class TrainLoop:
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()
-        micro = [mine[i : i + self.cfg.micro_train_batch_size]
-                 for i in range(0, len(mine), self.cfg.micro_train_batch_size)]
+        micro = [mine[i : i + self.cfg.train.micro_batch_size]
+                 for i in range(0, len(mine), self.cfg.train.micro_batch_size)]
         prepare = getattr(self.recipe, "prepare_step", None)
         if prepare is not None:
-            with autocast(precision_of(self.cfg)):
+            with autocast(precision_of(self.cfg.ds)):
                 prepare(self.engine, micro)
         for examples in micro:
-            with autocast(precision_of(self.cfg)):
+            with autocast(precision_of(self.cfg.ds)):
                 _, stats, _ = self.recipe.micro_step(self.engine, examples)
             for k, v in stats.items():
                 sums[k] = sums[k] + v.detach().float().cpu()
@@ -154,7 +154,7 @@ class TrainLoop:
         from rlhf_core.infra import storage
         from rlhf_core.trainers import checkpoints
 
-        ckpt = Path(self.cfg.ckpt_path)
+        ckpt = Path(self.cfg.ckpt.path)
         tag = f"global_step{self.step}"
         kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
         # Any rank that fails removes the partial folder: the others wait at the barrier (no commit)
@@ -186,10 +186,10 @@ class TrainLoop:
                 if self.checkpoint_run is None:
                     self.checkpoint_run = checkpoints.new_run_id()
                 checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
-                checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.max_ckpt_num)
+                checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.ckpt.max_num)
 
     def load_checkpoint(self) -> int:
-        ckpt = Path(self.cfg.ckpt_path)
+        ckpt = Path(self.cfg.ckpt.path)
         if not (ckpt / "latest").exists():
             if self.rank == 0:
                 print(f"--load_checkpoint: no checkpoint in {ckpt} yet; starting from step 0 "
@@ -296,8 +296,8 @@ def killing_on_last(micro_step, n_micro: int):
 
 
 def total_steps(cfg, num_examples: int) -> int:
-    steps = (num_examples // cfg.train_batch_size) * cfg.max_epochs
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+    steps = (num_examples // cfg.train.batch_size) * cfg.train.max_epochs
+    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
 def _barrier() -> None:

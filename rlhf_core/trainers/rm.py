@@ -14,7 +14,7 @@ import torch
 from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import RMConfig
 from rlhf_core.data.examples import load_pairs
-from rlhf_core.distributed.engine import all_reduce_sum, autocast, initialize, precision_of
+from rlhf_core.distributed.engine import EngineSettings, all_reduce_sum, autocast, initialize, precision_of
 from rlhf_core.distributed.sharding import share
 from rlhf_core.models.forward import reward_scores
 from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
@@ -45,7 +45,7 @@ class RewardModelRecipe:
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
-                                  cfg.value_head_prefix, cfg.flash_attn)
+                                  cfg.ds.value_head_prefix, cfg.ds.flash_attn)
         if give_reward_model_its_own_pad(model, self.data.tokenizer) and self.ctx.is_main:
             print(f"the tokenizer pads with EOS: the reward model gets its own pad token "
                   f"{self.data.tokenizer.pad_token!r}, so transformers reads its score at EOS as we do",
@@ -53,7 +53,7 @@ class RewardModelRecipe:
         model = prepare_trainable(model, cfg, is_reward_model=True)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.to_pair_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
-        self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))
+        self.engine = initialize(model, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
 
     def scores(self, model, sequences) -> torch.Tensor:
         return reward_scores(model, self.to_batch(sequences))
@@ -66,7 +66,7 @@ class RewardModelRecipe:
         rewards = reward_scores(model, self.to_pair_batch([e.chosen for e in examples], [e.rejected for e in examples]))
         chosen, rejected = rewards[:n], rewards[n:]
         margin = torch.tensor([e.margin for e in examples], device=rewards.device) if self.cfg.data.margin_key else None
-        losses = pairwise_reward_loss(chosen, rejected, self.cfg.loss.value, margin)
+        losses = pairwise_reward_loss(chosen, rejected, self.cfg.model.loss_type.value, margin)
         tokens = sum(len(e.chosen.input_ids) + len(e.rejected.input_ids) for e in examples)
         stats = {"loss": losses.sum(), "accuracy": (chosen > rejected).float().sum(),
                  "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum()}
@@ -80,12 +80,12 @@ class RewardModelRecipe:
     def reward_statistics(self) -> tuple[float, float]:
         """Mean and std of the rewards of all training sequences (chosen and rejected)."""
         self.engine.eval()
-        world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.micro_train_batch_size
+        world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.train.micro_batch_size
         mine = share(self.data.train, rank, world)  # as the loop's evaluation shards (distributed/sharding.py)
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(mine), micro):
             chunk = mine[i : i + micro]
-            with autocast(precision_of(self.cfg)):
+            with autocast(precision_of(self.cfg.ds)):
                 r = self.scores(self.engine, [e.chosen for e in chunk] + [e.rejected for e in chunk]).double().cpu()
             total += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
         s, s2, n = all_reduce_sum(total).tolist()

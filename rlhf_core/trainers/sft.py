@@ -12,7 +12,7 @@ from functools import partial
 from rlhf_core.algos.losses import sft_loss
 from rlhf_core.config import SFTConfig
 from rlhf_core.data.examples import load_sft
-from rlhf_core.distributed.engine import initialize
+from rlhf_core.distributed.engine import EngineSettings, initialize
 from rlhf_core.models.forward import loss_token_logprobs
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.trainers.common import (
@@ -29,7 +29,7 @@ from rlhf_core.trainers.loop import total_steps
 
 
 def load_data(cfg: SFTConfig):
-    return load_stage_data(cfg, partial(load_sft, pretrain_mode=cfg.pretrain_mode))
+    return load_stage_data(cfg, partial(load_sft, pretrain_mode=cfg.model.pretrain_mode_enable))
 
 
 class SFTRecipe:
@@ -41,8 +41,8 @@ class SFTRecipe:
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
-        model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.flash_attn), cfg)
-        self.engine = initialize(model, cfg, total_steps(cfg, len(self.data.train)))
+        model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
+        self.engine = initialize(model, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
 
     # Recipe protocol used by TrainLoop: loss units are response tokens.
     def count(self, examples) -> int:

@@ -163,7 +163,7 @@ CASES = {
     # --- flags -----------------------------------------------------------------------------------
     "flag-out-of-range": lambda c: (c.sft("--zero_stage", "4"), ["--zero_stage", "less than or equal to 3"]),
     "flag-batch-sizes-inconsistent": lambda c: (c.sft("--train_batch_size", "3", "--micro_train_batch_size", "2"),
-                                                ["train_batch_size (3) must be a multiple of micro_train_batch_size"]),
+                                                ["--train_batch_size) (3) must be a multiple of --train.micro_batch_size"]),
     "flag-unknown": lambda c: (c.sft("--no_such_flag", "1"), ["unrecognized arguments: --no_such_flag"]),
     "flag-not-a-number": lambda c: (c.sft("--learning_rate", "fast"), ["--learning_rate", "invalid float value"]),
     "flag-max-len-too-small": lambda c: (c.sft("--max_len", "1"), ["--max_len", "greater than 1"]),
@@ -175,7 +175,7 @@ CASES = {
                                                      "{% for m in messages %}{{ m.content }}"),
                                                ["--tokenizer_chat_template", "cannot be rendered", "endfor"]),
     "flag-bf16-contradicts-dtype": lambda c: (c.sft("--bf16", "--param_dtype", "fp32"),
-                                              ["--bf16 contradicts --param_dtype fp32"]),
+                                              ["--bf16 already set --ds.param_dtype to 'bf16'; give one of its spellings"]),
     "flag-pretrain-missing": lambda c: (c.sft("--pretrain", str(c.tmp / "no_model")),
                                        ["--pretrain", "no_model", "no such model directory"]),
     "flag-pretrain-a-file": lambda c: (c.sft("--pretrain", c.file("weights.bin", text="x")),
@@ -343,12 +343,12 @@ def test_an_eval_dataset_file_is_its_own_held_out_split(tmp_path, prepared):
     tok = load_tokenizer(prepared["base"])
     train = write_jsonl(tmp_path / "train.jsonl", [ROW] * 5)
     held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"prompt": "add 2+2=", "response": "4"}] * 3)
-    examples, described = load_sft(DataConfig(dataset=str(train), eval_dataset=str(held_out)), tok, "test", 0)
+    examples, described = load_sft(DataConfig(dataset=str(train)), tok, "test", 0, eval_dataset=str(held_out))
     assert len(examples) == 3 and described[0]["path"] == str(held_out)
     assert load_sft(DataConfig(dataset=str(train)), tok, "test", 0) == (None, [])  # no held-out data: no eval
     with pytest.raises(DataError, match="no 'test' split"):
-        load_sft(DataConfig(dataset=str(train), eval_dataset=f"json@{_folder(tmp_path / 'd', {'train.jsonl': ''})}"),
-                 tok, "test", 0)
+        load_sft(DataConfig(dataset=str(train)), tok, "test", 0,
+                 eval_dataset=f"json@{_folder(tmp_path / 'd', {'train.jsonl': ''})}")
 
 
 def test_unreachable_reward_server_is_a_retryable_failure(tmp_path, prepared, capsys, monkeypatch):

@@ -12,7 +12,7 @@ BASE = {"pretrain": "m", "save_path": "out", "dataset": "d.jsonl"}
 def test_flat_fields_nest_into_data_and_flags_override_yaml():
     cfg = build_config(SFTConfig, {**BASE, "max_len": 128, "learning_rate": 1e-4}, {"max_len": 256})
     assert cfg.data.max_len == 256
-    assert cfg.learning_rate == 1e-4
+    assert cfg.adam.lr == 1e-4
     assert cfg.data.dataset == "d.jsonl"
 
 
@@ -28,13 +28,13 @@ def test_invalid_value_names_the_field():
         build_config(SFTConfig, BASE, {"zero_stage": 4})
     with pytest.raises(ConfigError, match="--bogus: unknown field"):
         build_config(SFTConfig, {**BASE, "bogus": 1}, {})
-    with pytest.raises(ConfigError, match="--pretrain: required"):
+    with pytest.raises(ConfigError, match="--model.model_name_or_path \\(--pretrain\\): required"):
         build_config(SFTConfig, {"save_path": "x", "dataset": "d"}, {})
 
 
 def test_dpo_variants_resolve():
     cfg = build_config(DPOConfig, BASE, {"ipo": True})
-    assert cfg.loss_type == DPOLossType.IPO and cfg.ref_pretrain == "m"
+    assert cfg.model.loss_type == DPOLossType.IPO and cfg.ref_pretrain == "m" and cfg.ref.model_name_or_path == "m"
     with pytest.raises(ConfigError, match="label_smoothing"):
         build_config(DPOConfig, BASE, {"loss_type": "hinge", "label_smoothing": 0.1})
 
@@ -89,10 +89,10 @@ adam: {lr: 1.0e-3}
 train: {batch_size: 16}
 """), {})
     assert flat.model_dump() == dotted.model_dump() == nested.model_dump()
-    assert flat.learning_rate == 1e-3 and flat.data.max_len == 96
+    assert flat.adam.lr == 1e-3 and flat.data.max_len == 96
 
-    with pytest.raises(argparse.ArgumentError, match="--learning_rate already set --learning_rate to 0.001; give one "
-                                                     "of its spellings \\(--learning_rate, --adam.lr\\)"):
+    with pytest.raises(argparse.ArgumentError, match="--learning_rate already set --adam.lr to 0.001; give one "
+                                                     "of its spellings \\(--adam.lr, --learning_rate\\)"):
         parse(SFTConfig, "--learning_rate 1e-3 --adam.lr 2e-3")
     assert parse(SFTConfig, "--max_len 64 --max_len 12")["data.max_len"] == 12  # the same flag again: the last
     assert parse(SFTConfig, "--max_len 64 --data.max_len 64")["data.max_len"] == 64  # equal values agree
@@ -106,3 +106,41 @@ train: {batch_size: 16}
     assert cfg.temperature == 0.5
     with pytest.raises(ConfigError, match="--bogus: unknown field"):
         build_config(EvalConfig, {"bogus": 1}, {})
+
+
+def test_flat_names_sit_on_fields_and_a_shared_class_s_name_sets_every_section_it_is_in():
+    from pydantic import BaseModel, Field
+
+    from rlhf_core.flags import Spellings, flat
+
+    class Opt(BaseModel):
+        lr: float = 1.0
+        decay: float = Field(0.0, json_schema_extra=flat("l2"))
+
+    class Config(BaseModel):
+        actor: Opt = Field(default_factory=Opt)
+        critic: Opt = Field(default_factory=Opt)
+        seed: int = Field(0, json_schema_extra=flat("seed", "random_seed"))  # its own path is not an alias
+
+    spellings = Spellings(Config, {"actor_lr": ("actor.lr",)})
+    assert spellings.aliases == {"l2": ("actor.decay", "critic.decay"), "random_seed": ("seed",),
+                                 "actor_lr": ("actor.lr",)}
+    assert spellings.to_paths({"l2": 0.1, "actor_lr": 2.0, "random_seed": 3}, "test") == {
+        "actor.decay": 0.1, "critic.decay": 0.1, "actor.lr": 2.0, "seed": 3}
+    with pytest.raises(ValueError, match="both on a field and in the table \\['l2'\\]"):
+        Spellings(Config, {"l2": ("actor.decay",)})
+
+
+def test_yaml_and_pipeline_sections_written_before_the_sections_still_validate():
+    """A trainer config validates from any spelling: flat, dotted, nested, and the keys that moved."""
+    from flows.params import PipelineDPOConfig
+
+    old = {"pretrain": "m", "learning_rate": 1e-4, "beta": 0.2, "train_batch_size": 64,
+           "data": {"max_len": 96, "packing_samples": True, "eval_dataset": "held.jsonl", "eval_split": "dev"}}
+    cfg = PipelineDPOConfig.model_validate(old)
+    assert (cfg.adam.lr, cfg.model.beta, cfg.train.batch_size, cfg.data.max_len) == (1e-4, 0.2, 64, 96)
+    assert cfg.ds.packing_samples and (cfg.eval.dataset, cfg.eval.split) == ("held.jsonl", "dev")
+    assert cfg.model.nll_loss_coef == 1.0  # the pipeline's tuned default under what was given
+    assert PipelineDPOConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a dump reads back
+    with pytest.raises(ValueError, match="--data.bogus: unknown field"):
+        PipelineDPOConfig.model_validate({"data": {"bogus": 1}})

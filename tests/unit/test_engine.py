@@ -3,7 +3,7 @@ import math
 import pytest
 
 from rlhf_core.config import SFTConfig, build_config
-from rlhf_core.distributed.engine import cosine_schedule, deepspeed_config
+from rlhf_core.distributed.engine import EngineSettings, cosine_schedule, deepspeed_config
 
 
 def test_cosine_schedule_warms_up_then_decays_to_min_ratio():
@@ -23,12 +23,12 @@ def test_deepspeed_config_follows_the_stage_config():
     cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
                        {"train_batch_size": 64, "micro_train_batch_size": 8, "num_gpus_per_node": 2,
                         "zero_stage": 3, "adam_offload": True, "max_norm": 0.5})
-    ds = deepspeed_config(cfg)
+    ds = deepspeed_config(EngineSettings.of(cfg))
     assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["gradient_clipping"] == 0.5
-    assert deepspeed_config(cfg, train=False)["zero_optimization"] == {
+    assert deepspeed_config(EngineSettings.of(cfg), train=False)["zero_optimization"] == {
         "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
 
 
@@ -41,7 +41,7 @@ def test_one_rank_trains_zero_1_and_2_as_stage_0():
     assert effective_zero_stage(3, 1, False) == 3
     assert effective_zero_stage(2, 1, False, on_gpu=True) == 2  # DeepSpeed's GPU bf16 path is stage-specific
     cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"}, {"zero_stage": 2})
-    assert deepspeed_config(cfg)["zero_optimization"]["stage"] == 0
+    assert deepspeed_config(EngineSettings.of(cfg))["zero_optimization"]["stage"] == 0
 
 
 def test_one_cpu_rank_clips_gradients_as_deepspeed_does_in_fewer_kernels():
@@ -57,7 +57,7 @@ def test_one_cpu_rank_clips_gradients_as_deepspeed_does_in_fewer_kernels():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
                        {"train_batch_size": 1, "micro_train_batch_size": 1, "max_norm": 0.05, "param_dtype": "fp32"})
-    engine = initialize(model, cfg, total_steps=10)
+    engine = initialize(model, EngineSettings.of(cfg), total_steps=10)
     assert engine.clip_fp32_gradients.__qualname__ == "_fast_clip.<locals>.clip"  # the replacement is in place
     for max_norm in (0.05, 1e6):  # clipped, and left as they are
         engine.module.zero_grad()

@@ -13,6 +13,7 @@ from tests.unit.flow_helpers import flow_ctx, outcome, perturbed, ppo_job_for
 def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
     from flows.jobs import train_job as _train_job
     from flows.params import PipelineDPOConfig, PipelineSettings, PipelineSFTConfig
+    from rlhf_core.config import with_updates
 
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft")}
 
@@ -22,9 +23,9 @@ def test_train_key_holds_the_precision_the_cluster_resolves_not_auto(tmp_path):
     for cfg in (PipelineSFTConfig(), PipelineDPOConfig()):
         assert cfg.param_dtype.value == "auto"
         assert key(cfg, True) != key(cfg, False)  # bf16 on one cluster, fp32 on the other
-        fp32 = type(cfg).model_validate({**cfg.model_dump(), "param_dtype": "fp32"})
+        fp32 = with_updates(cfg, param_dtype="fp32")
         assert key(fp32, True) == key(fp32, False) == key(cfg, False)  # what runs is what counts
-        bf16 = type(cfg).model_validate({**cfg.model_dump(), "bf16": True})
+        bf16 = with_updates(cfg, bf16=True)
         assert key(bf16, True) == key(cfg, True) and key(bf16, False) == key(cfg, False)  # a request it falls back from
 
     ctx = flow_ctx(tmp_path)
@@ -107,12 +108,12 @@ def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path)
 
     base_key, base_tags, base = dpo_job(tmp_path)
     assert "rlhf.input.reference" not in base_tags  # filled from the SFT model, already upstream
-    assert yaml.safe_load(base.config_yaml)["ref_pretrain"] == str(tmp_path / "sft")
+    assert yaml.safe_load(base.config_yaml)["ref"]["model_name_or_path"] == str(tmp_path / "sft")
     key_a, tags_a, job_a = dpo_job(tmp_path, ref_pretrain="org/ref-a")
     key_b, _, _ = dpo_job(tmp_path, ref_pretrain="org/ref-b")
     assert len({base_key, key_a, key_b}) == 3
     assert tags_a["rlhf.input.reference"] == "org/ref-a" and job_a.config_hash == base.config_hash
-    assert yaml.safe_load(job_a.config_yaml)["ref_pretrain"] == "org/ref-a"
+    assert yaml.safe_load(job_a.config_yaml)["ref"]["model_name_or_path"] == "org/ref-a"
 
     # With an explicit pretrain, a reference equal to it, given or derived, adds nothing.
     from flows.params import PipelineDPOConfig
@@ -121,7 +122,7 @@ def test_an_explicit_reference_model_enters_the_cache_key_and_the_tags(tmp_path)
     own_key, own_tags, _ = dpo_job(tmp_path, pretrain="org/base")
     assert "rlhf.input.reference" not in own_tags and own_tags["rlhf.input.model"] == "org/base"
     revalidated = PipelineDPOConfig.model_validate(PipelineDPOConfig(pretrain="org/base").model_dump())
-    assert "ref_pretrain" in revalidated.model_fields_set  # derived, yet now indistinguishable by the field
+    assert "model_name_or_path" in revalidated.ref.model_fields_set  # derived, yet now indistinguishable by the field
     for same in (dict(cfg=revalidated), dict(cfg=with_updates(PipelineDPOConfig(pretrain="org/base"), beta=0.1)),
                  dict(pretrain="org/base", ref_pretrain="org/base")):
         assert dpo_job(tmp_path, **same)[0] == own_key, same
@@ -232,10 +233,11 @@ def test_supervised_stages_get_a_checkpoint_folder_outside_their_cache_key(tmp_p
     for cfg in (PipelineSFTConfig(), PipelineRMConfig()):
         job = train_job(flow_ctx(tmp_path), PipelineSettings(), cfg, upstream.__getitem__)
         written = yaml.safe_load(job.config_yaml)
-        assert job.checkpoint_uri == written["ckpt_path"] == str(tmp_path / "run" / "checkpoints" / cfg.stage)
-        assert written["save_steps"] == PipelineSettings().supervised_checkpoint_steps and written["load_checkpoint"]
+        assert job.checkpoint_uri == written["ckpt"]["path"] == str(tmp_path / "run" / "checkpoints" / cfg.stage)
+        assert written["ckpt"]["save_steps"] == PipelineSettings().supervised_checkpoint_steps
+        assert written["ckpt"]["load_enable"]
         off = train_job(flow_ctx(tmp_path), PipelineSettings(supervised_checkpoint_steps=0), cfg, upstream.__getitem__)
-        assert off.checkpoint_uri is None and yaml.safe_load(off.config_yaml)["ckpt_path"] is None
+        assert off.checkpoint_uri is None and yaml.safe_load(off.config_yaml)["ckpt"]["path"] is None
         assert off.config_hash == job.config_hash  # where and how often it saves is not what it trains
 
 

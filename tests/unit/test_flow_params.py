@@ -13,7 +13,7 @@ def test_flow_parameters_validate_every_section():
 
     params = flow_parameters({"settings": {"stages": ["sft", "prep"]}, "sft": {"learning_rate": 1e-4}})
     assert [s.value for s in params["settings"].stages] == ["sft", "prep"]
-    assert params["sft"].learning_rate == 1e-4 and params["sft"].pretrain is None
+    assert params["sft"].adam.lr == 1e-4 and params["sft"].pretrain is None
     assert params["sft"].data.max_len == 64  # the embedded-default sizes
     with pytest.raises(ConfigError, match="unknown section"):
         flow_parameters({"sfft": {}})

@@ -87,7 +87,7 @@ def test_code_version_is_the_digest_of_the_running_source_outside_git(tmp_path):
 def test_the_not_semantic_marker_keeps_places_and_tracking_out_of_config_hashes_at_every_depth():
     from pydantic import BaseModel, Field
 
-    from rlhf_core.config import SFTConfig
+    from rlhf_core.config import SFTConfig, with_updates
     from rlhf_core.infra.manifests import NOT_SEMANTIC, config_hash, not_semantic_paths, semantic_values
 
     class Section(BaseModel):
@@ -107,4 +107,4 @@ def test_the_not_semantic_marker_keeps_places_and_tracking_out_of_config_hashes_
     sft = SFTConfig(pretrain="/m", save_path="/o", data={"dataset": "json@/d"})
     assert config_hash(sft) == config_hash(SFTConfig(pretrain="/n", save_path="/p", use_mlflow=False,
                                                      data={"dataset": "json@/e"}))
-    assert config_hash(sft) != config_hash(sft.model_copy(update={"learning_rate": 1e-3}))
+    assert config_hash(sft) != config_hash(with_updates(sft, learning_rate=1e-3))

@@ -13,7 +13,7 @@ import yaml
 from rlhf_core.cli import _parser
 from rlhf_core.config import STAGE_CONFIGS, build_config
 from rlhf_core.infra.settings import ConfigError
-from rlhf_core.rl_config import ALIASES, LEAVES, SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
+from rlhf_core.rl_config import LEAVES, SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
 
 # --- the supervised trainers ------------------------------------------------------------------
 
@@ -61,7 +61,8 @@ def _supervised(stage: str, flags: str):
 def test_sft_dotted_flags_give_the_flat_config():
     flat, dotted = _supervised("sft", SFT_FLAT), _supervised("sft", SFT_DOTTED)
     assert dotted.model_dump() == flat.model_dump()
-    assert dotted.zero_stage == 3 and dotted.data.packing_samples and dotted.pretrain_mode and dotted.l2 == 0.01
+    assert dotted.ds.zero_stage == 3 and dotted.ds.packing_samples and dotted.model.pretrain_mode_enable \
+        and dotted.adam.weight_decay == 0.01
 
 
 @pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
@@ -70,13 +71,13 @@ def test_other_trainers_dotted_flags_give_the_flat_config(stage):
     flat = _supervised(stage, f"{COMMON_FLAT} {flat_extra}")
     dotted = _supervised(stage, f"{COMMON_DOTTED} {dotted_extra}")
     assert dotted.model_dump() == flat.model_dump()
-    assert dotted.pretrain == "m" and dotted.learning_rate == 1e-6
+    assert dotted.pretrain == "m" and dotted.adam.lr == 1e-6
 
 
 def test_supervised_yaml_takes_dotted_keys():
     cfg = build_config(STAGE_CONFIGS["dpo"], {"model.model_name_or_path": "m", "ckpt.output_dir": "o",
                                               "data.dataset": "d.jsonl", "data.max_len": 64, "model.beta": 0.3}, {})
-    assert (cfg.pretrain, cfg.save_path, cfg.data.dataset, cfg.data.max_len, cfg.beta) == ("m", "o", "d.jsonl", 64, 0.3)
+    assert (cfg.pretrain, cfg.save_path, cfg.data.dataset, cfg.data.max_len, cfg.model.beta) == ("m", "o", "d.jsonl", 64, 0.3)
 
 
 # --- rlhf train ppo -----------------------------------------------------------------------------
@@ -169,8 +170,8 @@ def _ppo(flags: str = "", yaml_values: dict | None = None, complete: bool = True
 
 
 def test_every_spelling_names_a_field_and_no_two_fields_share_a_flag():
-    assert not set(ALIASES) & set(LEAVES)
-    assert all(target in LEAVES for targets in ALIASES.values() for target in targets)
+    assert not set(SPELLINGS.aliases) & set(LEAVES)
+    assert all(target in LEAVES for targets in SPELLINGS.aliases.values() for target in targets)
     assert "actor.adam.lr" in LEAVES and "algo.kl.init_coef" in LEAVES and "actor" in SPELLINGS.sections
     _ppo_parser()  # argparse refuses a flag registered twice
 

@@ -29,7 +29,8 @@ def test_lineage_shows_the_params_a_run_changed_from_its_stage_defaults():
         "pretrain": "/m/sft", "dataset": "json@/d", "save_path": "/o", "beta": 0.2, "max_len": 96, "ipo": True})
     logged = redact_params(cfg.model_dump(mode="json"))
     # Paths are the tree's parents, outputs and datasets; everything else left at its default is noise.
-    assert params_off_default("dpo", logged) == {"beta": "0.2", "data.max_len": "96", "ipo": "True", "loss_type": "ipo"}
+    assert params_off_default("dpo", logged) == {"model.beta": "0.2", "data.max_len": "96", "model.ipo_enable": "True",
+                                               "model.loss_type": "ipo"}
     assert params_off_default("prep", {"task": "sort", "seed": "3"}) == {"task": "sort", "seed": "3"}
     assert params_off_default("dpo", logged | {"old_flag": "1"})["old_flag"] == "1"
 

@@ -56,7 +56,7 @@ def test_sft_mlflow_run_has_params_metrics_and_inputs(sft_model):
     mlflow.set_tracking_uri(tracking_uri())
     run = mlflow.get_run(sft_model["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["learning_rate"] == "0.002" and run.data.params["data.max_len"] == "48"
+    assert run.data.params["adam.lr"] == "0.002" and run.data.params["data.max_len"] == "48"
     assert "train/loss" in run.data.metrics and "eval/loss" in run.data.metrics
     assert run.data.tags["rlhf.output_uri"] == sft_model["output_uri"]
     assert len(run.inputs.dataset_inputs) == 2
