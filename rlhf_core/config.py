@@ -76,6 +76,7 @@ class AdamConfig(StrictModel):
 
     lr: float = Field(5e-6, gt=0)
     betas: tuple[float, float] = Field((0.9, 0.95), json_schema_extra=flat("adam_betas"))
+    eps: float = Field(1e-8, gt=0, description="Added to the denominator of the update")
     weight_decay: float = Field(0.0, ge=0, json_schema_extra=flat("l2"))
 
 

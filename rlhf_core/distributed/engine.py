@@ -144,7 +144,7 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
 
 def build_optimizer(params, adam: AdamConfig, offload: bool):
     trainable = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=adam.lr, betas=tuple(adam.betas), weight_decay=adam.weight_decay)
+    kwargs = dict(lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

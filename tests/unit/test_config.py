@@ -108,6 +108,29 @@ train: {batch_size: 16}
         build_config(EvalConfig, {"bogus": 1}, {})
 
 
+def test_one_field_on_a_shared_section_is_a_flag_of_every_stage_and_reaches_the_optimizer():
+    """`AdamConfig.eps` is one line: `--adam.eps` of every trainer and `--actor.adam.eps` /
+    `--critic.adam.eps` of PPO, each in the optimizer it configures."""
+    import torch
+
+    from rlhf_core.config import STAGE_CONFIGS, spellings_of
+    from rlhf_core.distributed.engine import EngineSettings, build_optimizer
+    from rlhf_core.rl.roles import engine_settings
+    from rlhf_core.rl_config import LEAVES, build_ppo_config
+
+    assert all("adam.eps" in spellings_of(cls).leaves for cls in STAGE_CONFIGS.values())
+    assert {"actor.adam.eps", "critic.adam.eps"} <= set(LEAVES)
+
+    def eps_of(settings: EngineSettings) -> float:
+        return build_optimizer([torch.nn.Parameter(torch.zeros(2))], settings.adam, offload=False).defaults["eps"]
+
+    assert eps_of(EngineSettings.of(build_config(SFTConfig, BASE, {}))) == 1e-8  # AdamW's default
+    assert eps_of(EngineSettings.of(build_config(DPOConfig, BASE, {"adam.eps": 1e-6}))) == 1e-6
+    ppo = build_ppo_config({"pretrain": "m", "prompt_data": "p", "save_path": "o", "task": "sort"},
+                           {"actor.adam.eps": 1e-5, "critic.adam.eps": 1e-4})
+    assert eps_of(engine_settings(ppo, ppo.actor, 1)) == 1e-5 and eps_of(engine_settings(ppo, ppo.critic, 1)) == 1e-4
+
+
 def test_flat_names_sit_on_fields_and_a_shared_class_s_name_sets_every_section_it_is_in():
     from pydantic import BaseModel, Field
 
