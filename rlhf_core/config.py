@@ -74,7 +74,7 @@ class StageConfig(StrictModel):
 class AdamConfig(StrictModel):
     """AdamW."""
 
-    lr: float = Field(5e-6, gt=0)
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (after warmup)")
     betas: tuple[float, float] = Field((0.9, 0.95), json_schema_extra=flat("adam_betas"))
     eps: float = Field(1e-8, gt=0, description="Added to the denominator of the update")
     weight_decay: float = Field(0.0, ge=0, json_schema_extra=flat("l2"))
@@ -136,6 +136,27 @@ class TrainLoopConfig(StrictModel):
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps",
                                   json_schema_extra=flat("max_steps"))
     seed: int = Field(42, json_schema_extra=flat("seed"))
+
+
+class TrainingStageConfig(StageConfig):
+    """A stage that trains (the trainers, PPO): its output and checkpoints under `ckpt`, its numerics
+    under `ds` (a subclass's `DSConfig`)."""
+
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    # The names every stage config answers to (storage's destination checks, manifests, pipelines).
+    @property
+    def save_path(self) -> str | None:
+        return self.ckpt.output_dir
+
+    @property
+    def ckpt_path(self) -> str | None:
+        return self.ckpt.path
+
+    @property
+    def param_dtype(self) -> Precision:
+        return self.ds.param_dtype
 
 
 # `--bf16` is `--ds.param_dtype bf16`; `--bf16 false` says nothing.
@@ -242,7 +263,7 @@ class RefModelConfig(StrictModel):
                                            json_schema_extra=flat("ref_pretrain", **NOT_SEMANTIC))
 
 
-class TrainConfig(StageConfig, Schedule):
+class TrainConfig(TrainingStageConfig, Schedule):
     """What every supervised trainer shares. Flags: each field's dotted path (`--adam.lr`), and
     OpenRLHF's flat names (`--learning_rate`)."""
 
@@ -261,8 +282,6 @@ class TrainConfig(StageConfig, Schedule):
     adam: AdamConfig = Field(default_factory=AdamConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: HeldOutConfig = Field(default_factory=HeldOutConfig)
-    ckpt: CkptConfig = Field(default_factory=CkptConfig)
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
@@ -286,22 +305,9 @@ class TrainConfig(StageConfig, Schedule):
         if missing:
             raise ConfigError(f"{self.stage}: " + "; ".join(f"{name}: required" for name in missing))
 
-    # The names every stage config answers to (storage's destination checks, manifests, pipelines).
     @property
     def pretrain(self) -> str | None:
         return self.model.model_name_or_path
-
-    @property
-    def save_path(self) -> str | None:
-        return self.ckpt.output_dir
-
-    @property
-    def ckpt_path(self) -> str | None:
-        return self.ckpt.path
-
-    @property
-    def param_dtype(self) -> Precision:
-        return self.ds.param_dtype
 
     @property
     def world_size(self) -> int:
@@ -318,7 +324,7 @@ class SFTModelConfig(ModelConfig):
 
 
 class SFTAdam(AdamConfig):
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (after warmup)")
 
 
 class SFTConfig(TrainConfig):
@@ -332,7 +338,7 @@ class RMModelConfig(ModelConfig):
 
 
 class RMAdam(AdamConfig):
-    lr: float = Field(9e-6, gt=0)
+    lr: float = Field(9e-6, gt=0, description="Peak learning rate (after warmup)")
 
 
 class RMConfig(TrainConfig):
@@ -343,7 +349,7 @@ class RMConfig(TrainConfig):
 
 
 class PreferenceAdam(AdamConfig):
-    lr: float = Field(5e-7, gt=0)
+    lr: float = Field(5e-7, gt=0, description="Peak learning rate (after warmup)")
 
 
 class PreferenceConfig(TrainConfig):

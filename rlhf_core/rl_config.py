@@ -23,15 +23,13 @@ from pydantic import Field, model_validator
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
     AdamConfig,
-    CkptConfig,
     ConfigError,
     DSConfig,
-    LoggerConfig,
     RefModelConfig,
     RolloutBackend,
     Schedule,
-    StageConfig,
     StrictModel,
+    TrainingStageConfig,
     TrainLoopConfig,
     ValueHead,
     check_input_template,
@@ -39,7 +37,6 @@ from rlhf_core.config import (
 )
 from rlhf_core.flags import flat
 from rlhf_core.infra.manifests import NOT_SEMANTIC
-from rlhf_core.infra.precision import Precision
 
 
 class Placement(StrictModel):
@@ -54,11 +51,11 @@ class Placement(StrictModel):
 
 
 class ActorAdam(AdamConfig):
-    lr: float = Field(1e-6, gt=0)
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (after warmup)")
 
 
 class CriticAdam(AdamConfig):
-    lr: float = Field(9e-6, gt=0)
+    lr: float = Field(9e-6, gt=0, description="Peak learning rate (after warmup)")
 
 
 class ActorConfig(Placement, Schedule):
@@ -204,7 +201,7 @@ class PromptDataConfig(StrictModel):
     tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's", json_schema_extra=flat("tokenizer_chat_template"))
 
 
-class PPOConfig(StageConfig):
+class PPOConfig(TrainingStageConfig):
     """`rlhf train ppo`: every section of the RL stage."""
 
     stage: Literal["ppo"] = "ppo"
@@ -217,15 +214,8 @@ class PPOConfig(StageConfig):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
     ds: RLDSConfig = Field(default_factory=RLDSConfig)
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
-    ckpt: CkptConfig = Field(default_factory=CkptConfig)
-
-    # The names every stage config answers to (storage's destination checks, manifests, pipelines).
-    @property
-    def save_path(self) -> str | None:
-        return self.ckpt.output_dir
 
     @property
     def pretrain(self) -> str | None:
@@ -242,14 +232,6 @@ class PPOConfig(StageConfig):
     @property
     def critic_pretrain(self) -> str | None:
         return self.critic.model_name_or_path if self.uses_critic else None
-
-    @property
-    def ckpt_path(self) -> str | None:
-        return self.ckpt.path
-
-    @property
-    def param_dtype(self) -> Precision:
-        return self.ds.param_dtype
 
     @property
     def uses_critic(self) -> bool:

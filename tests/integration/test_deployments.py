@@ -283,13 +283,15 @@ def test_a_single_stage_rerun_submitted_from_the_prefect_ui(stack, first_run, ch
         from_run.get_by_role("tab", name="str").click()
         from_run.locator("textarea, input").first.fill(parent.info.run_id)
         sft = browser.form_group(page, "sft (Optional)")
-        max_steps = browser.form_group(sft, "Max Steps (Optional)")
+        train = browser.form_group(sft, "train (Optional)")  # the config's sections are the form's
+        max_steps = browser.form_group(train, "Max Steps (Optional)")
         max_steps.get_by_role("tab", name="int").click()
         max_steps.locator("input").fill(str(TINY["max_steps"]))
-        browser.form_group(sft, "Train Batch Size (Optional)").locator("input").fill(str(TINY["train_batch_size"]))
-        browser.form_group(sft, "Micro Train Batch Size (Optional)").locator("input").fill(
+        browser.form_group(train, "Batch Size (Optional)").locator("input").fill(str(TINY["train_batch_size"]))
+        browser.form_group(train, "Micro Batch Size (Optional)").locator("input").fill(
             str(TINY["micro_train_batch_size"]))
-        browser.form_group(sft, "Learning Rate (Optional)").locator("input").fill(str(RERUN_LR))
+        browser.form_group(browser.form_group(sft, "adam (Optional)"), "Lr (Optional)").locator("input").fill(
+            str(RERUN_LR))
         from_run.scroll_into_view_if_needed()
         browser.screenshot(page, shots, "prefect-custom-run-form.png")
         with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/create_flow_run")) as made:
@@ -307,7 +309,7 @@ def test_a_single_stage_rerun_submitted_from_the_prefect_ui(stack, first_run, ch
     assert trained == {"sft"}, f"the rerun trains SFT alone, trained {sorted(trained)}"
     assert children["prep"].data.tags.get("rlhf.reused_from_run") == first_run["children"]["prep"].info.run_id
     sft = children["sft"]
-    assert float(sft.data.params["learning_rate"]) == RERUN_LR, "the form's learning rate reached the stage"
+    assert float(sft.data.params["adam.lr"]) == RERUN_LR, "the form's learning rate reached the stage"
     assert Path(sft.data.tags["rlhf.output_uri"]) != first_run["outputs"]["sft"]
     _upstream_untouched(first_run)
 

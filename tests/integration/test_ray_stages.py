@@ -40,7 +40,7 @@ def one_rank(prepared, tmp_path_factory):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_train_like_one(prepared, tmp_path, one_rank, zero_stage):
     two = run_stage(sft_config(prepared, tmp_path / "sft", num_gpus_per_node=2, zero_stage=zero_stage))
-    assert two["config"]["num_gpus_per_node"] == 2
+    assert two["config"]["train"]["num_gpus_per_node"] == 2
     assert abs(two["metrics"]["train/final_loss"] - one_rank["metrics"]["train/final_loss"]) < 1e-5
     assert abs(two["metrics"]["eval/loss"] - one_rank["metrics"]["eval/loss"]) < 1e-4
     assert max_weight_diff(two["output_uri"], one_rank["output_uri"]) < 1e-4

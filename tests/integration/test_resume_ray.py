@@ -88,7 +88,7 @@ def test_two_ranks_train_like_one(stage, prepared, tmp_path):
     one = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "one")))
     two = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "two",
                                                                          num_gpus_per_node=2)))
-    assert two["config"]["num_gpus_per_node"] == 2 and one["metrics"]["train/steps"] == 3
+    assert two["config"]["train"]["num_gpus_per_node"] == 2 and one["metrics"]["train/steps"] == 3
     assert two["metrics"]["train/final_loss"] == pytest.approx(one["metrics"]["train/final_loss"], abs=1e-5)
     for key in [k for k in one["metrics"] if k.startswith("eval/")]:
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-4), key
