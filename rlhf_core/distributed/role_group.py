@@ -10,9 +10,11 @@ the worker's own `deepspeed.init_distributed` in a later method: never in `__ini
 before the other ranks exist).
 
 The controller calls methods on the ranks: `call_all` (same arguments everywhere, results in rank
-order), `call_rank0`, `call_each_async` (each rank its own arguments; how `rl/groups.RayGroup`
-shards a batch). Each has an `_async` twin returning a `PendingCall` (a list
-of ObjectRefs, so `ray.wait` takes it) to overlap roles; `.result()` or `gather_all` collect them.
+order), `call_rank0`, `call_each_async` (each rank its own arguments) and `call_sharded` (a batch
+split over the ranks, the results joined in its order). Each has an `_async` twin returning a
+`PendingCall` (a list of ObjectRefs, so `ray.wait` takes it) to overlap roles; `.result()` or
+`gather_all` collect them. A role of one rank in the caller's process (`LocalRoleGroup`) answers
+the same calls.
 Every wait has a deadline (`timeout_s`): a rank that died, raised, or did not answer in time
 raises `RoleError`/`RoleTimeoutError` naming the role and rank, at once for the first failure.
 A rank that dies mid-collective makes the others raise too (gloo: "connection closed by peer"),
@@ -44,6 +46,7 @@ from rlhf_core.distributed.resources import (
     plan_layout,
     rank_bundle_groups,
 )
+from rlhf_core.distributed.sharding import shards
 
 DEFAULT_TIMEOUT_S = 600.0
 DEATH_GRACE_S = 10.0  # how long a rank's exception waits for a death (or a FollowOnError for any failure) among the others
@@ -298,6 +301,16 @@ class RoleGroup:
         i); the results per rank, in that order."""
         ranks = list(range(len(calls))) if ranks is None else list(ranks)
         return self._pending(method, "all", ranks, [(tuple(a), dict(kw)) for a, kw in calls])
+
+    def call_sharded_async(self, method: str, items: list, **kwargs) -> PendingCall:
+        """`method(shard, **kwargs)` on each rank's shard of `items` (`sharding.shards(..., pad=True)`:
+        equal contiguous parts, the last padded with the last item); `gather()` gives the results in
+        `items`' order, the padding's dropped."""
+        parts = shards(items, self.world_size, pad=True)
+        return self.call_each_async(method, [((part,), kwargs) for part in parts]).sharded(len(items))
+
+    def call_sharded(self, method: str, items: list, **kwargs) -> list:
+        return self.call_sharded_async(method, items, **kwargs).gather()
 
     def call_all_async(self, method: str, *args, **kwargs) -> PendingCall:
         shared = self._shared(args, kwargs)

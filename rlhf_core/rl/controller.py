@@ -2,7 +2,7 @@
 PPO epochs over actor and critic -> weight sync, once per rollout step.
 
 It runs on the job's driver and owns the loop, the prompt order, the KL coefficient, the MLflow
-run and the checkpoints; the models live in role groups (`rl/groups.py`). Each step is planned
+run and the checkpoints; the models live in role groups (`distributed/role_group.py`). Each step is planned
 once (`rl/plan.StepPlan`: the epochs' orders, each rank's share, the on-policy samples), and the
 experience passes and the roles' training read that plan; each pass returns its statistics.
 Rewards come from one interface (`rl/scoring.py`), whatever the source.

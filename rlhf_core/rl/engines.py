@@ -226,7 +226,7 @@ class RayEngines(_Sleeping):
         return [group for part in parts for group in part]
 
     def setup_sync(self, actor) -> WeightSync:
-        """Pick the transport from what the engines and the actor ranks report (`actor`: a RayGroup)."""
+        """Pick the transport from what the engines and the actor ranks report (`actor`: the policy's RoleGroup)."""
         from rlhf_core.infra.settings import ConfigError
         from rlhf_core.rollout.weight_sync import ObjectStoreSync, await_sync
 
@@ -236,7 +236,7 @@ class RayEngines(_Sleeping):
         engines = await_sync(None, self.group.call_all_async("weight_sync_info"), self.timeout_s,
                              what="weight sync setup")
         check_engine_workers(engines)
-        devices = actor.group.call_all("weight_sync_device")
+        devices = actor.call_all("weight_sync_device")
         actor_gpus = {d["uuid"] for d in devices if d["uuid"]}
         engine_gpus = [u for info in engines for u in info["uuids"]]
         backend = resolve_sync_backend(self.requested_sync, vllm=any(info["vllm"] for info in engines),
@@ -254,10 +254,10 @@ class RayEngines(_Sleeping):
         return self.weight_sync
 
     def sync(self, actor) -> None:
-        """Every engine loads the actor's current weights (`actor`: a RayGroup of policy ranks)."""
+        """Every engine loads the actor's current weights (`actor`: the policy's RoleGroup)."""
         self.wake_up()
         weight_sync = self.weight_sync or self.setup_sync(actor)
-        weight_sync.sync(actor.group, self.group, self.timeout_s)
+        weight_sync.sync(actor, self.group, self.timeout_s)
 
     def _sleep(self) -> None:
         self.group.call_all("sleep")

@@ -60,16 +60,18 @@ def run_stage(cfg: TrainConfig) -> dict:
             raise StageFailed(e) from e
     import ray  # slow to import: only where a worker group runs
 
-    from rlhf_core.distributed.role_group import RoleError
-    from rlhf_core.trainers.worker_group import WorkerGroup
+    from rlhf_core.distributed.role_group import RoleError, RoleGroup
+    from rlhf_core.trainers.stage_worker import StageWorker, stage_timeout_s
 
     started = ensure_ray()
     group = None
     try:
         # The checked data goes to the object store once; the driver keeps only the reference.
         shared, data = share_data(data), None
-        group = WorkerGroup(cfg.world_size)  # GPUs when the cluster has them, whatever this driver has
-        return group.run_stage(cfg.model_dump(mode="json"), shared)
+        group = RoleGroup(StageWorker, cfg.world_size, name="train")  # GPUs when the cluster has them
+        # every rank runs the stage; rank 0's result is the manifest
+        return group.call_all_async("run_stage", cfg.model_dump(mode="json"), shared).result(
+            timeout_s=stage_timeout_s())[0]
     except RoleError as e:  # a rank raised, died or hung: the error names the role and rank
         # Bad input is the rank's own message (exit 2, as in one process); anything else keeps the rank's name.
         raise StageFailed(e.cause if e.cause is not None and is_bad_input(e.cause) else e) from None

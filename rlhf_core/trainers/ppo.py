@@ -24,10 +24,10 @@ import torch
 from rlhf_core.algos.advantages import kl_controller
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
+from rlhf_core.distributed.local_role_group import LocalRoleGroup
 from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
-from rlhf_core.rl.groups import LocalGroup
 from rlhf_core.rl.roles import ROLE_CLASSES, total_optimizer_steps
 from rlhf_core.rl.scoring import RewardModelSource, TextRewardSource
 from rlhf_core.trainers.common import local_model_path, seed_everything
@@ -74,7 +74,7 @@ def build_reward_fn(cfg):
 
 
 def runs_on_ray(cfg) -> bool:
-    """Roles as Ray worker groups when there is a cluster to join (`RAY_ADDRESS`, as in a pipeline's
+    """Roles as Ray role groups when there is a cluster to join (`RAY_ADDRESS`, as in a pipeline's
     Ray job), a role has several ranks, or vLLM engines are asked for; otherwise every role is in
     this process (one CPU rank needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
     ranks = [cfg.actor.world_size, cfg.critic.world_size, cfg.ref.world_size, cfg.reward.world_size]
@@ -82,8 +82,9 @@ def runs_on_ray(cfg) -> bool:
 
 
 @dataclass
-class Roles:
-    """The groups the controller calls (None: the estimator or reward source does not need it)."""
+class RoleGroups:
+    """The role groups the controller calls (`RoleGroup`, or `LocalRoleGroup` in this process; None:
+    the estimator or reward source does not need the role)."""
 
     actor: object
     critic: object | None
@@ -113,7 +114,7 @@ def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) 
     return {kind: (cfg, pad_id, *args) for kind, args in specs.items()}
 
 
-def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
+def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> RoleGroups:
     from rlhf_core.infra.precision import Precision
     from rlhf_core.rl.engines import LocalEngines
     from rlhf_core.rollout.hf import TransformersEngine
@@ -124,12 +125,12 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> Roles:
     for kind, args in specs.items():
         role = ROLE_CLASSES[kind](*args)
         role.setup()
-        made[kind] = LocalGroup(role)
+        made[kind] = LocalRoleGroup(role, kind)
     half = precision_of(cfg.ds) == Precision.BF16 and not torch.cuda.is_available()  # sample as the trainer computes
     engine = TransformersEngine.from_pretrained(actor_path, dtype=torch.float32, batch_size=GENERATION_BATCH,
                                                 autocast_dtype=torch.bfloat16 if half else None)
-    return Roles(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
-                 LocalEngines(engine, cfg.vllm.enable_sleep))
+    return RoleGroups(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
+                      LocalEngines(engine, cfg.vllm.enable_sleep))
 
 
 def engine_options(cfg) -> tuple[str, dict]:
@@ -141,13 +142,12 @@ def engine_options(cfg) -> tuple[str, dict]:
     return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
 
 
-def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[str]) -> Roles:
+def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[str]) -> RoleGroups:
     from rlhf_core.distributed.resources import create_pools, detect_devices
     from rlhf_core.distributed.role_group import RoleGroup, gather_all
     from rlhf_core.rl.engines import EngineWorker, RayEngines
-    from rlhf_core.rl.groups import RayGroup
     from rlhf_core.rl.ray_roles import rl_layout
-    from rlhf_core.trainers.worker_group import stage_timeout_s
+    from rlhf_core.trainers.stage_worker import stage_timeout_s
 
     backend, options = engine_options(cfg)
     layout = rl_layout(cfg, reward_paths, detect_devices())
@@ -174,10 +174,9 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
                        + (f" on each of {p.bundles_per_rank} GPUs" if p.bundles_per_rank > 1 else "") + f") in {p.pool}"
                        for k, p in layout.roles.items())
     print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
-    wrap = lambda kind: RayGroup(made[kind]) if kind in made else None  # noqa: E731
-    return Roles(wrap("actor"), wrap("critic"), wrap("ref"), wrap("reward"),
-                 RayEngines(made["rollout"], cfg.vllm.enable_sleep, sync_backend=cfg.vllm.sync_backend,
-                            bucket_mb=cfg.vllm.sync_bucket_mb), list(pools.values()))
+    return RoleGroups(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
+                      RayEngines(made["rollout"], cfg.vllm.enable_sleep, sync_backend=cfg.vllm.sync_backend,
+                                 bucket_mb=cfg.vllm.sync_bucket_mb), list(pools.values()))
 
 
 def run_ppo(cfg, on_ray: bool | None = None) -> dict:

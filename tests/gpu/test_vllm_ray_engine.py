@@ -18,7 +18,6 @@ def test_engines_take_new_weights_and_sleep(cluster, prepared):
     from rlhf_core.distributed.role_group import RoleGroup
     from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.rl.engines import EngineWorker, RayEngines
-    from rlhf_core.rl.groups import RayGroup
 
     class Actor:
         """Hands out the base model's weights with the LM head zeroed but one token's row."""
@@ -36,7 +35,7 @@ def test_engines_take_new_weights_and_sleep(cluster, prepared):
     engine_group = RoleGroup(EngineWorker, 1, pool, name="rollout", share=share, timeout_s=600,
                              args=("vllm", prepared["base"], {"gpu_memory_utilization": 0.2, "enforce_eager": True,
                                                               "enable_sleep": True}))
-    actor = RayGroup(RoleGroup(Actor, 1, pool, name="actor", share=share, timeout_s=600))
+    actor = RoleGroup(Actor, 1, pool, name="actor", share=share, timeout_s=600)
     try:
         assert engine_group.call_all("setup") == ["cuda"]
         engines = RayEngines(engine_group, enable_sleep=True)

@@ -87,7 +87,6 @@ def _sync_into_tp2(prepared, colocate: bool, sync_backend: str):
     from rlhf_core.distributed.resources import create_pools, detect_devices, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
     from rlhf_core.rl.engines import RayEngines
-    from rlhf_core.rl.groups import RayGroup
 
     actor_ranks = TP if colocate else 1
     layout = plan_layout({"actor": actor_ranks, "rollout": 1}, [["actor", "rollout"]] if colocate else [],
@@ -95,8 +94,8 @@ def _sync_into_tp2(prepared, colocate: bool, sync_backend: str):
     pools = create_pools(layout)
     place = layout.roles
     group = _engine_group(prepared, pools[place["rollout"].pool], place["rollout"], enable_sleep=colocate)
-    actor = RayGroup(RoleGroup(SteeringActor, actor_ranks, pools[place["actor"].pool], name="actor",
-                               share=place["actor"].share, timeout_s=600, args=(prepared["base"],)))
+    actor = RoleGroup(SteeringActor, actor_ranks, pools[place["actor"].pool], name="actor",
+                      share=place["actor"].share, timeout_s=600, args=(prepared["base"],))
     try:
         assert group.call_all("setup") == ["cuda"]
         engines = RayEngines(group, enable_sleep=colocate, sync_backend=sync_backend)

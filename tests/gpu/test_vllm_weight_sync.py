@@ -46,7 +46,6 @@ def _run(prepared, colocate: bool, sync_backend: str, enable_sleep: bool = False
     from rlhf_core.distributed.resources import create_pools, detect_devices, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
     from rlhf_core.rl.engines import EngineWorker, RayEngines
-    from rlhf_core.rl.groups import RayGroup
 
     groups = [["actor", "rollout"]] if colocate else []
     layout = plan_layout({"actor": 1, "rollout": 1}, groups, devices=detect_devices())
@@ -56,8 +55,8 @@ def _run(prepared, colocate: bool, sync_backend: str, enable_sleep: bool = False
                              share=place["rollout"].share, timeout_s=600,
                              args=("vllm", prepared["base"], {"gpu_memory_utilization": 0.2, "enforce_eager": True,
                                                               "enable_sleep": enable_sleep}))
-    actor = RayGroup(RoleGroup(SteeringActor, 1, pools[place["actor"].pool], name="actor",
-                               share=place["actor"].share, timeout_s=600, args=(prepared["base"],)))
+    actor = RoleGroup(SteeringActor, 1, pools[place["actor"].pool], name="actor",
+                      share=place["actor"].share, timeout_s=600, args=(prepared["base"],))
     try:
         assert engine_group.call_all("setup") == ["cuda"]
         engines = RayEngines(engine_group, enable_sleep=enable_sleep, sync_backend=sync_backend)

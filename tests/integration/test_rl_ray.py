@@ -160,14 +160,13 @@ def test_a_stuck_or_dead_engine_fails_the_sync_naming_it(cluster, engines, messa
     from rlhf_core.distributed.resources import cluster_devices, create_pools, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
     from rlhf_core.rl.engines import EngineSyncError, RayEngines
-    from rlhf_core.rl.groups import RayGroup
 
     layout = plan_layout({"actor": 1, "rollout": engines}, [["actor", "rollout"]],
                          devices=cluster_devices(ray.cluster_resources()))  # the last case's pool may still be going
     pool = create_pools(layout, timeout_s=60)["actor+rollout"]
     share = layout.roles["actor"].share
     group = RoleGroup(StuckEngine, engines, pool, name="rollout", share=share, timeout_s=60)
-    actor = RayGroup(RoleGroup(Weights, 1, pool, name="actor", share=share, timeout_s=60))
+    actor = RoleGroup(Weights, 1, pool, name="actor", share=share, timeout_s=60)
     try:
         t = time.monotonic()
         with pytest.raises(EngineSyncError, match=message):

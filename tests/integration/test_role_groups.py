@@ -97,11 +97,9 @@ def roles(pools):
 
 
 def test_a_batch_is_sharded_over_the_ranks_and_gathered_in_order(roles):
-    """The controller's one sharding rule (`rl/groups.RayGroup`): equal contiguous shards, the last
+    """The controller's one sharding rule (`RoleGroup.call_sharded`): equal contiguous shards, the last
     padded with the last item (every rank runs as many forwards), results in order, padding dropped."""
-    from rlhf_core.rl.groups import RayGroup
-
-    ref = RayGroup(roles["ref"])
+    ref = roles["ref"]
     assert ref.call_sharded("scale", [1.0, 2.0, 3.0, 4.0, 5.0], factor=2.0) == \
         [(2.0, 0), (4.0, 0), (6.0, 0), (8.0, 1), (10.0, 1)]
     each = ref.call_each_async("scale", [(([1.0],), {"factor": 3.0}), (([1.0, 2.0],), {})])

@@ -153,7 +153,6 @@ def test_every_tensor_parallel_worker_receives_the_actors_weights(cluster, prepa
     from rlhf_core.distributed.resources import cluster_devices, create_pools, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
     from rlhf_core.rl.engines import RayEngines
-    from rlhf_core.rl.groups import RayGroup
 
     layout = plan_layout({"actor": 1, "rollout": 2}, [["actor", "rollout"]],
                          devices=cluster_devices(ray.cluster_resources()))
@@ -161,8 +160,8 @@ def test_every_tensor_parallel_worker_receives_the_actors_weights(cluster, prepa
     share = layout.roles["actor"].share
     engine_group = RoleGroup(TPEngine, 2, pool, name="rollout", share=share, timeout_s=120,
                              args=("transformers", prepared["base"], {"dtype": torch.float32}))
-    actor = RayGroup(RoleGroup(TrainingActor, 1, pool, name="actor", share=share, timeout_s=120,
-                               args=(prepared["base"],)))
+    actor = RoleGroup(TrainingActor, 1, pool, name="actor", share=share, timeout_s=120,
+                      args=(prepared["base"],))
     try:
         engine_group.call_all("setup")
         engines = RayEngines(engine_group, timeout_s=60, sync_backend="gloo")

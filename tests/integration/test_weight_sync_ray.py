@@ -79,7 +79,6 @@ def _groups(prepared, engines: int = 2, env: dict | None = None):
 
     from rlhf_core.distributed.resources import cluster_devices, create_pools, plan_layout
     from rlhf_core.distributed.role_group import RoleGroup
-    from rlhf_core.rl.groups import RayGroup
 
     layout = plan_layout({"actor": 1, "rollout": engines}, [["actor", "rollout"]],
                          devices=cluster_devices(ray.cluster_resources()))
@@ -87,8 +86,8 @@ def _groups(prepared, engines: int = 2, env: dict | None = None):
     share = layout.roles["actor"].share
     engine_group = RoleGroup(Engine, engines, pool, name="rollout", share=share, timeout_s=120, env=env,
                              args=("transformers", prepared["base"], {"dtype": torch.float32}))
-    actor = RayGroup(RoleGroup(TrainingActor, 1, pool, name="actor", share=share, timeout_s=120,
-                               args=(prepared["base"],)))
+    actor = RoleGroup(TrainingActor, 1, pool, name="actor", share=share, timeout_s=120,
+                      args=(prepared["base"],))
     engine_group.call_all("setup")
     return pool, engine_group, actor
 

@@ -317,8 +317,9 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     from ray.exceptions import ObjectStoreFullError
 
     from rlhf_core.config import STAGE_CONFIGS, build_config
+    from rlhf_core.distributed import role_group
+    from rlhf_core.distributed.pending import PendingCall
     from rlhf_core.stages import launch
-    from rlhf_core.trainers import worker_group
 
     def put(value):
         raise ObjectStoreFullError("Failed to put object 00ff in object store because it is full.")
@@ -326,19 +327,19 @@ def test_data_the_object_store_cannot_hold_is_loaded_by_each_rank(prepared, tmp_
     started = []
 
     class Group:
-        def __init__(self, world_size):
+        def __init__(self, worker_cls, world_size, name):
             started.append(world_size)
 
-        def run_stage(self, config, data):
+        def call_all_async(self, method, config, data):
             started.append(data)
-            return {"stage": config["stage"]}
+            return PendingCall.resolved([{"stage": config["stage"]}] * 2)
 
         def shutdown(self):
             pass
 
     monkeypatch.setattr(ray, "put", put)
     monkeypatch.setattr(launch, "ensure_ray", lambda: False)
-    monkeypatch.setattr(worker_group, "WorkerGroup", Group)
+    monkeypatch.setattr(role_group, "RoleGroup", Group)
     values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(tmp_path / "sft"),
               "apply_chat_template": True, "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 8,
               "use_mlflow": False, "num_gpus_per_node": 2}
