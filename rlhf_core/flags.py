@@ -18,6 +18,7 @@ pipeline's parameters are all read by `to_paths`:
 from __future__ import annotations
 
 import argparse
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -131,7 +132,7 @@ class Spellings:
         if clash or unknown or twice or len(set(names)) != len(names):
             raise ValueError(f"{config_cls.__name__}: spellings that are paths {sorted(clash)}, name no field "
                              f"{unknown}, or are both on a field and in the table {sorted(twice)}")
-        self.setters: tuple[object, dict[str, str]] = (None, {})  # `_SetFields`: the flag that set each field
+        self._parse = threading.local()  # `_SetFields`: the flag that set each field, per thread and parse
         keys = [*self.leaves, *names]
         self.sections = frozenset(k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1))
 
@@ -264,9 +265,10 @@ class _SetFields(argparse.Action):
             if values is None:
                 return
         table = self.spelling_table
-        if table.setters[0] is not namespace:  # who set each field, for this parse only
-            table.setters = (namespace, {})
-        set_by = table.setters[1]
+        parse = table._parse
+        if getattr(parse, "namespace", None) is not namespace:  # who set each field, for this parse only
+            parse.namespace, parse.set_by = namespace, {}
+        set_by = parse.set_by
         for target in self.targets:
             before = getattr(namespace, target, _UNSET)
             if before is not _UNSET and before != values and set_by.get(target) != option_string:
