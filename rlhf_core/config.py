@@ -107,7 +107,8 @@ class ValueHead(StrictModel):
 
 class CkptConfig(StrictModel):
     output_dir: str | None = Field(None, description="Stage output: local directory or s3:// URI (required; a "
-                                   "pipeline fills it in)", json_schema_extra=flat("save_path", **NOT_SEMANTIC))
+                                   "pipeline fills it in)",
+                                   json_schema_extra=flat("save_path", **NOT_SEMANTIC))
     path: str | None = Field(None, description="Training-state checkpoints (for save_steps, load_enable)",
                              json_schema_extra=flat("ckpt_path", **NOT_SEMANTIC))
     save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",

@@ -60,14 +60,19 @@ class CriticAdam(AdamConfig):
 
 class ActorConfig(Placement, Schedule):
     model_name_or_path: str | None = Field(None, description="Policy to start from (HF directory, s3:// URI or "
-                                           "hub name; required)", json_schema_extra=flat("pretrain", **NOT_SEMANTIC))
+                                           "hub name; required)",
+                                           json_schema_extra=flat("pretrain", **NOT_SEMANTIC))
     adam: ActorAdam = Field(default_factory=ActorAdam)
-    gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)", json_schema_extra=flat("gradient_checkpointing"))
+    gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)",
+                                                json_schema_extra=flat("gradient_checkpointing"))
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range", json_schema_extra=flat("eps_clip"))
     eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip range (low, high); "
-                                                          "default: (eps_clip, eps_clip)", json_schema_extra=flat("eps_clip_low_high"))
-    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)", json_schema_extra=flat("dual_clip"))
-    entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)", json_schema_extra=flat("entropy_loss_coef"))
+                                                          "default: (eps_clip, eps_clip)",
+                                                          json_schema_extra=flat("eps_clip_low_high"))
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)",
+                                    json_schema_extra=flat("dual_clip"))
+    entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)",
+                                       json_schema_extra=flat("entropy_loss_coef"))
 
 
 class CriticConfig(Placement, Schedule):
@@ -77,8 +82,10 @@ class CriticConfig(Placement, Schedule):
     adam: CriticAdam = Field(default_factory=CriticAdam)
     value_clip: float = Field(0.5, gt=0, description="Value clip range", json_schema_extra=flat("value_clip"))
     freezing_steps: int = Field(0, ge=-1, description="Freeze the actor for the first N steps while the critic "
-                                "warms up (-1, OpenRLHF's default, is read as 0)", json_schema_extra=flat("freezing_actor_steps"))
-    save_value_network: bool = Field(False, description="Save the critic next to the policy", json_schema_extra=flat("save_value_network"))
+                                "warms up (-1, OpenRLHF's default, is read as 0)",
+                                json_schema_extra=flat("freezing_actor_steps"))
+    save_value_network: bool = Field(False, description="Save the critic next to the policy",
+                                     json_schema_extra=flat("save_value_network"))
 
 
 class RefConfig(RefModelConfig, Placement):
@@ -89,12 +96,16 @@ class RewardConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated",
                                            json_schema_extra=flat("reward_pretrain", **NOT_SEMANTIC))
     remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
-                                   "Python file defining reward_func", json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
-    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses", json_schema_extra=flat("task"))
-    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std", json_schema_extra=flat("normalize_reward"))
+                                   "Python file defining reward_func",
+                                   json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
+    task: str | None = Field(None, description="Built-in task whose exact verifier scores responses",
+                             json_schema_extra=flat("task"))
+    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std",
+                                   json_schema_extra=flat("normalize_reward"))
     clip_range: tuple[float, float] = Field((-10.0, 10.0), json_schema_extra=flat("reward_clip_range"))
     overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
-                                            "tokens of the budget (off by default)", json_schema_extra=flat("overlong_buffer_len"))
+                                            "tokens of the budget (off by default)",
+                                            json_schema_extra=flat("overlong_buffer_len"))
     overlong_penalty_factor: float = Field(1.0, ge=0, json_schema_extra=flat("overlong_penalty_factor"))
 
     @property
@@ -105,56 +116,75 @@ class RewardConfig(Placement):
 
 
 class RolloutConfig(StrictModel):
-    batch_size: int = Field(1024, gt=0, description="Prompts per rollout step", json_schema_extra=flat("rollout_batch_size"))
-    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank", json_schema_extra=flat("micro_rollout_batch_size"))
+    batch_size: int = Field(1024, gt=0, description="Prompts per rollout step",
+                            json_schema_extra=flat("rollout_batch_size"))
+    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank",
+                                  json_schema_extra=flat("micro_rollout_batch_size"))
     n_samples_per_prompt: int = Field(1, ge=1, json_schema_extra=flat("n_samples_per_prompt"))
     max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS with "
                                        "--reward.task, else data.max_len - data.prompt_max_len when max_len is "
-                                       "given, else 1024", json_schema_extra=flat("generate_max_len", "max_new_tokens"))
+                                       "given, else 1024",
+                                       json_schema_extra=flat("generate_max_len", "max_new_tokens"))
     temperature: float = Field(1.0, gt=0, json_schema_extra=flat("temperature"))
     top_p: float = Field(1.0, gt=0, le=1, json_schema_extra=flat("top_p"))
     backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
-                                    "auto or transformers; vllm needs num_engines > 0", json_schema_extra=flat("rollout_backend"))
+                                    "auto or transformers; vllm needs num_engines > 0",
+                                    json_schema_extra=flat("rollout_backend"))
 
 
 class VLLMConfig(StrictModel):
-    num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)", json_schema_extra=flat("vllm_num_engines"))
+    num_engines: int = Field(0, ge=0, description="vLLM engines (0: no vLLM)",
+                             json_schema_extra=flat("vllm_num_engines"))
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs of each vLLM engine (its tensor-parallel workers, "
-                                      "on vLLM's Ray executor)", json_schema_extra=flat("vllm_tensor_parallel_size"))
-    gpu_memory_utilization: float = Field(0.95, gt=0, le=1, json_schema_extra=flat("vllm_gpu_memory_utilization"))
-    enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)", json_schema_extra=flat("vllm_enable_sleep"))
+                                      "on vLLM's Ray executor)",
+                                      json_schema_extra=flat("vllm_tensor_parallel_size"))
+    gpu_memory_utilization: float = Field(0.95, gt=0, le=1,
+                                          json_schema_extra=flat("vllm_gpu_memory_utilization"))
+    enable_sleep: bool = Field(False, description="Free the engines' GPU memory while training (colocate_all)",
+                               json_schema_extra=flat("vllm_enable_sleep"))
     sync_backend: Literal["auto", "nccl", "gloo", "ipc", "object_store"] = Field(
         "auto", description="Weight sync, actor -> engines: auto (vLLM: CUDA IPC on the actor's GPUs, else NCCL; "
-        "transformers engines: object store), nccl (CUDA IPC when colocated, as in OpenRLHF), gloo, ipc, object_store", json_schema_extra=flat("vllm_sync_backend"))
-    sync_bucket_mb: int = Field(512, gt=0, description="Bucket size of the broadcast and IPC weight sync (MiB)", json_schema_extra=flat("vllm_sync_bucket_mb"))
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM", json_schema_extra=flat("enforce_eager"))
+        "transformers engines: object store), nccl (CUDA IPC when colocated, as in OpenRLHF), gloo, ipc, object_store",
+                                                                                 json_schema_extra=flat("vllm_sync_backend"))
+    sync_bucket_mb: int = Field(512, gt=0, description="Bucket size of the broadcast and IPC weight sync (MiB)",
+                                json_schema_extra=flat("vllm_sync_bucket_mb"))
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM",
+                                json_schema_extra=flat("enforce_eager"))
     enable_prefix_caching: bool = Field(False, json_schema_extra=flat("enable_prefix_caching"))
 
 
 class AdvantageConfig(StrictModel):
     estimator: AdvantageEstimator = Field(AdvantageEstimator.GAE, description="gae (PPO), reinforce (REINFORCE++), rloo, "
-                                          "reinforce_baseline, group_norm (GRPO), dr_grpo", json_schema_extra=flat("advantage_estimator"))
+                                          "reinforce_baseline, group_norm (GRPO), dr_grpo",
+                                          json_schema_extra=flat("advantage_estimator"))
     gamma: float = Field(1.0, gt=0, le=1, json_schema_extra=flat("gamma"))
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda", json_schema_extra=flat("lambd"))
-    no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std", json_schema_extra=flat("no_advantage_std_norm"))
+    no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std",
+                              json_schema_extra=flat("no_advantage_std_norm"))
 
 
 class KLConfig(StrictModel):
-    init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)", json_schema_extra=flat("init_kl_coef"))
-    target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)", json_schema_extra=flat("kl_target"))
+    init_coef: float = Field(0.01, ge=0, description="KL coefficient (0: no reference model)",
+                             json_schema_extra=flat("init_kl_coef"))
+    target: float | None = Field(None, gt=0, description="Adaptive KL target (None: fixed coefficient)",
+                                 json_schema_extra=flat("kl_target"))
     horizon: int = Field(10000, gt=0, json_schema_extra=flat("kl_horizon"))
     estimator: KLEstimator = Field(KLEstimator.K1, json_schema_extra=flat("kl_estimator"))
-    use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty", json_schema_extra=flat("use_kl_loss"))
+    use_loss: bool = Field(False, description="KL as a policy-loss term (GRPO) instead of a reward penalty",
+                           json_schema_extra=flat("use_kl_loss"))
 
 
 class AlgoConfig(StrictModel):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     loss_agg_mode: LossAggMode = Field(LossAggMode.TOKEN_MEAN, description="How per-token losses reduce to one "
-                                       "(docs/algorithms.md, Aggregation)", json_schema_extra=flat("loss_agg_mode"))
+                                       "(docs/algorithms.md, Aggregation)",
+                                       json_schema_extra=flat("loss_agg_mode"))
     dynamic_filtering_enable: bool = Field(False, description="Keep only prompt groups whose mean score lies "
-                                           "strictly inside dynamic_filtering_range", json_schema_extra=flat("dynamic_filtering"))
-    dynamic_filtering_range: tuple[float, float] = Field((0.0, 1.0), json_schema_extra=flat("dynamic_filtering_reward_range"))
+                                           "strictly inside dynamic_filtering_range",
+                                           json_schema_extra=flat("dynamic_filtering"))
+    dynamic_filtering_range: tuple[float, float] = Field((0.0, 1.0),
+                                                         json_schema_extra=flat("dynamic_filtering_reward_range"))
 
 
 class TrainSection(TrainLoopConfig):
@@ -162,11 +192,14 @@ class TrainSection(TrainLoopConfig):
                             json_schema_extra=flat("train_batch_size"))
     micro_batch_size: int = Field(1, gt=0, description="Samples per forward/backward on one rank",
                                   json_schema_extra=flat("micro_train_batch_size"))
-    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout", json_schema_extra=flat("max_epochs"))
-    num_episodes: int = Field(1, ge=1, description="Passes over the prompts", json_schema_extra=flat("num_episodes"))
+    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout",
+                            json_schema_extra=flat("max_epochs"))
+    num_episodes: int = Field(1, ge=1, description="Passes over the prompts",
+                              json_schema_extra=flat("num_episodes"))
     max_steps: int | None = Field(None, gt=0, description="Stop after this many rollout steps",
                                   json_schema_extra=flat("max_steps"))
-    colocate_all: bool = Field(False, description="All models and the vLLM engines share the actor's GPUs", json_schema_extra=flat("colocate_all_models"))
+    colocate_all: bool = Field(False, description="All models and the vLLM engines share the actor's GPUs",
+                               json_schema_extra=flat("colocate_all_models"))
     colocate_actor_ref: bool = Field(False, json_schema_extra=flat("colocate_actor_ref"))
     colocate_critic_reward: bool = Field(False, json_schema_extra=flat("colocate_critic_reward"))
 
@@ -174,8 +207,10 @@ class TrainSection(TrainLoopConfig):
 class EvalSection(StrictModel):
     dataset: str | None = Field(None, description="Held-out prompts (evaluated every eval.steps)",
                                 json_schema_extra=flat("eval_dataset", **NOT_SEMANTIC))
-    split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'", json_schema_extra=flat("eval_split"))
-    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)", json_schema_extra=flat("eval_steps"))
+    split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'",
+                              json_schema_extra=flat("eval_split"))
+    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)",
+                       json_schema_extra=flat("eval_steps"))
     temperature: float = Field(0.6, gt=0, json_schema_extra=flat("eval_temperature"))
     n_samples_per_prompt: int = Field(4, ge=1, json_schema_extra=flat("eval_n_samples_per_prompt"))
     task: str | None = Field(None, description="Built-in task whose exact verifier measures held-out accuracy "
@@ -188,17 +223,22 @@ class RLDSConfig(DSConfig, ValueHead):
 
 class PromptDataConfig(StrictModel):
     prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
-                                       "names, comma-separated (required)", json_schema_extra=flat("prompt_data", **NOT_SEMANTIC))
+                                       "names, comma-separated (required)",
+                                       json_schema_extra=flat("prompt_data", **NOT_SEMANTIC))
     prompt_split: str = Field("train", json_schema_extra=flat("prompt_split"))
     input_key: str = Field("prompt", json_schema_extra=flat("input_key"))
-    label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)", json_schema_extra=flat("label_key"))
-    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts are truncated (left)", json_schema_extra=flat("prompt_max_len"))
+    label_key: str = Field("answer", description="Reference answer column (verifiers and reward functions)",
+                           json_schema_extra=flat("label_key"))
+    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts are truncated (left)",
+                                json_schema_extra=flat("prompt_max_len"))
     max_len: int | None = Field(None, gt=1, description="Prompt + response tokens; default: prompt_max_len + "
                                 "rollout.max_new_tokens", json_schema_extra=flat("max_len"))
     max_samples: int = Field(100_000_000, gt=0, json_schema_extra=flat("max_samples"))
     apply_chat_template: bool = Field(True, json_schema_extra=flat("apply_chat_template"))
-    input_template: str | None = Field(None, description="Python format string with one {} for the prompt", json_schema_extra=flat("input_template"))
-    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's", json_schema_extra=flat("tokenizer_chat_template"))
+    input_template: str | None = Field(None, description="Python format string with one {} for the prompt",
+                                       json_schema_extra=flat("input_template"))
+    tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's",
+                                                json_schema_extra=flat("tokenizer_chat_template"))
 
 
 class PPOConfig(TrainingStageConfig):
