@@ -4,11 +4,7 @@ sleep/wake while colocated, and a short GRPO run with `--vllm.num_engines`.
 Skipped without CUDA (conftest) or without the `gpu` extra (`pip install 'rlhf-lifecycle[gpu]'`).
 """
 
-import json
-import os
-
 import pytest
-import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -51,22 +47,10 @@ def test_engines_take_new_weights_and_sleep(cluster, prepared):
         pool.remove()
 
 
-def test_grpo_with_vllm_engines(cluster, prepared, tmp_path, capsys):
-    from rlhf_core.cli import main
+def test_grpo_with_vllm_engines(cluster, rl_setting, tmp_path):
+    from tests.gpu.conftest import assert_trained_with_synced_engines, grpo_on_sort
 
-    os.environ["RAY_ADDRESS"] = cluster.address_info["address"]
-    try:
-        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
-                     "--task", "addition", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-                     "--rollout_batch_size", "8", "--train_batch_size", "32", "--micro_train_batch_size", "8",
-                     "--vllm_num_engines", "1", "--vllm_gpu_memory_utilization", "0.2", "--enforce_eager",
-                     "--colocate_all_models", "--vllm_enable_sleep", "--max_steps", "2", "--use_mlflow", "false",
-                     "--save_path", str(tmp_path / "out")])
-    finally:
-        os.environ.pop("RAY_ADDRESS", None)
-    captured = capsys.readouterr()
-    assert code == 0, captured.err[-3000:]
-    metrics = json.loads(captured.out)["metrics"]
-    # bf16 vLLM against the trainer's recomputation: close, not equal
-    assert 0 < metrics["rollout/logprob_mismatch"] < 0.5
-    assert torch.isfinite(torch.tensor(metrics["train/policy_loss"]))
+    manifest = grpo_on_sort(cluster, rl_setting, tmp_path / "out", "--vllm_num_engines", "1",
+                            "--vllm_gpu_memory_utilization", "0.2", "--enforce_eager", "--colocate_all_models",
+                            "--vllm_enable_sleep")
+    assert_trained_with_synced_engines(manifest, rl_setting)

@@ -75,14 +75,27 @@ def test_sampling_shape_determinism_and_eos(vllm_engine, formatted):
             assert c.text == tok.decode(list(c.token_ids), skip_special_tokens=True)
 
 
-def test_eval_cli_on_vllm(prepared, tmp_path, capsys):
+def test_eval_on_vllm_agrees_with_the_transformers_engine(rl_setting, tmp_path, capsys):
+    """`rlhf eval` of the RL setting's SFT policy against its random base model, once on vLLM and once
+    on the transformers engine: the SFT policy answers most held-out prompts right greedily and the
+    base none, far apart in KL, and both engines say so alike (sampling differs, greedy decoding
+    only at near-ties)."""
     pytest.importorskip("vllm")
+    from pathlib import Path
+
     from rlhf_core.cli import main
 
-    code = main(["eval", "--pretrain", prepared["base"], "--ref_pretrain", prepared["base"], "--dataset",
-                 prepared["prompts_test"], "--task", "addition", "--max_samples", "16", "--rollout_backend", "vllm",
-                 "--save_path", str(tmp_path / "eval"), "--use_mlflow", "false"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    metrics = json.loads(captured.out)["metrics"]
-    assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/policy/greedy_accuracy"] == 0.0
+    prep = Path(rl_setting["root"]) / "prep"
+
+    def evaluate(backend: str) -> dict:
+        code = main(["eval", "--pretrain", rl_setting["sft"], "--ref_pretrain", str(prep / "base"), "--dataset",
+                     str(prep / "data" / "prompts" / "test.jsonl"), "--task", "sort", "--max_samples", "64",
+                     "--rollout_backend", backend, "--save_path", str(tmp_path / backend), "--use_mlflow", "false"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err[-3000:]
+        return json.loads(captured.out)["metrics"]
+
+    on_vllm, on_hf = evaluate("vllm"), evaluate("transformers")
+    assert on_vllm["eval/policy/greedy_accuracy"] > 0.8 and on_vllm["eval/reference/greedy_accuracy"] < 0.1
+    assert abs(on_vllm["eval/policy/greedy_accuracy"] - on_hf["eval/policy/greedy_accuracy"]) <= 0.05
+    assert on_vllm["eval/policy/kl"] > 1.0 and abs(on_vllm["eval/policy/kl"] / on_hf["eval/policy/kl"] - 1) < 0.25

@@ -12,8 +12,6 @@ each (`VLLM_RAY_BUNDLE_INDICES`), alone or colocated with a 2-rank actor (fracti
 Skipped without CUDA (conftest), without the `gpu` extra, or without enough GPUs.
 """
 
-import json
-import os
 
 import pytest
 import torch
@@ -128,24 +126,12 @@ def test_cuda_ipc_into_a_sleeping_tp2_engine_on_the_actors_gpus(cluster, prepare
     _sync_into_tp2(prepared, colocate=True, sync_backend="auto")
 
 
-def test_grpo_with_a_tp2_engine_colocated_with_two_actor_ranks(cluster, prepared, tmp_path, capsys):
-    from rlhf_core.cli import main
+def test_grpo_with_a_tp2_engine_colocated_with_two_actor_ranks(cluster, rl_setting, tmp_path, capfd):
+    from tests.gpu.conftest import assert_trained_with_synced_engines, grpo_on_sort
 
-    os.environ["RAY_ADDRESS"] = cluster.address_info["address"]
-    try:
-        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
-                     "--task", "addition", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-                     "--rollout_batch_size", "8", "--train_batch_size", "32", "--micro_train_batch_size", "8",
-                     "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
-                     "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2",
-                     "--vllm_gpu_memory_utilization", "0.2", "--enforce_eager", "--colocate_all_models",
-                     "--vllm_enable_sleep", "--max_steps", "2", "--use_mlflow", "false",
-                     "--save_path", str(tmp_path / "out")])
-    finally:
-        os.environ.pop("RAY_ADDRESS", None)
-    captured = capsys.readouterr()
-    assert code == 0, captured.err[-3000:]
-    assert "rlhf: weight sync to 1 rollout engine(s): ipc" in captured.err
-    metrics = json.loads(captured.out)["metrics"]
-    assert 0 < metrics["rollout/logprob_mismatch"] < 0.5
-    assert torch.isfinite(torch.tensor(metrics["train/policy_loss"]))
+    manifest = grpo_on_sort(cluster, rl_setting, tmp_path / "out", "--actor_num_gpus_per_node", "2",
+                            "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2",
+                            "--vllm_gpu_memory_utilization", "0.2", "--enforce_eager", "--colocate_all_models",
+                            "--vllm_enable_sleep")
+    assert "rlhf: weight sync to 1 rollout engine(s): ipc" in capfd.readouterr().err
+    assert_trained_with_synced_engines(manifest, rl_setting)
