@@ -25,8 +25,15 @@ from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
 
 
+def _field_title(name: str, field) -> str:
+    """A section is titled by its key (`train`, as its flags spell it; the Prefect form labels it so
+    rather than by its class name); other fields as pydantic titles them (`Max Steps`)."""
+    section = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    return name if section else name.title().replace("_", " ").strip()
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_field_title)
 
 
 def check_input_template(template: str | None, name: str) -> None:
