@@ -447,7 +447,6 @@ PPOConfig.ALIASES = {
     "reward_num_gpus_per_node": ("reward.num_gpus_per_node",),
 }
 SPELLINGS = spellings_of(PPOConfig)
-LEAVES = SPELLINGS.leaves  # dotted path -> field, e.g. "actor.adam.lr"
 
 
 def add_ppo_flags(parser) -> None:

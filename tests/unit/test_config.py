@@ -116,10 +116,10 @@ def test_one_field_on_a_shared_section_is_a_flag_of_every_stage_and_reaches_the_
     from rlhf_core.config import STAGE_CONFIGS, spellings_of
     from rlhf_core.distributed.engine import EngineSettings, build_optimizer
     from rlhf_core.rl.roles import engine_settings
-    from rlhf_core.rl_config import LEAVES, build_ppo_config
+    from rlhf_core.rl_config import SPELLINGS, build_ppo_config
 
     assert all("adam.eps" in spellings_of(cls).leaves for cls in STAGE_CONFIGS.values())
-    assert {"actor.adam.eps", "critic.adam.eps"} <= set(LEAVES)
+    assert {"actor.adam.eps", "critic.adam.eps"} <= set(SPELLINGS.leaves)
 
     def eps_of(settings: EngineSettings) -> float:
         return build_optimizer([torch.nn.Parameter(torch.zeros(2))], settings.adam, offload=False).defaults["eps"]

@@ -13,7 +13,9 @@ import yaml
 from rlhf_core.cli import _parser
 from rlhf_core.config import STAGE_CONFIGS, build_config
 from rlhf_core.infra.settings import ConfigError
-from rlhf_core.rl_config import LEAVES, SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
+from rlhf_core.rl_config import SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
+
+LEAVES = SPELLINGS.leaves
 
 # --- the supervised trainers ------------------------------------------------------------------
 
