@@ -329,18 +329,22 @@ def test_mlflow_ui_shows_the_champion_and_the_pipeline_report(stack, first_run, 
 
 def test_ray_dashboard_refuses_without_the_token_and_opens_with_it(stack, first_run, chromium):
     token = _ray_token()
+    jobs_page = stack["RAY_ADDRESS"] + "/#/jobs"
     with browser.page(chromium) as page:
-        refused = []
-        page.on("response", lambda r: refused.append(r.status) if "/api/jobs/" in r.url else None)
-        page.goto(stack["RAY_ADDRESS"])
-        prompt = page.get_by_text("Authentication Token Required")
-        prompt.wait_for()
-        assert 401 in refused and 200 not in refused, f"the Jobs API without the token answered {refused}"
+        answered = []
+        page.on("response", lambda r: answered.append(r.status) if "/api/jobs/" in r.url else None)
+        with page.expect_response(lambda r: "/api/jobs/" in r.url) as first:
+            page.goto(jobs_page)  # the jobs page asks the Jobs API at once
+        assert first.value.status == 401, f"the Jobs API without the token answered {first.value.status}"
+        page.get_by_text("Authentication Token Required").wait_for()
+        assert 200 not in answered, f"the Jobs API without the token answered {answered}"
         page.get_by_role("textbox", name="Authentication Token").click()
         page.keyboard.insert_text(token)  # not fill(): a failing fill prints its value, and this is a secret
-        page.get_by_role("button", name="Submit").click()
-        page.goto(stack["RAY_ADDRESS"] + "/#/jobs")
+        # Submit checks the token, stores it and reloads the page (the jobs page again).
+        with page.expect_event("load"):
+            page.get_by_role("button", name="Submit").click()
         page.get_by_text(re.compile(r"^rlhf-[a-z]+-[0-9a-f]{8}$")).first.wait_for()  # the stage jobs, listed
+        assert 200 in answered, f"the Jobs API with the token answered {answered}"
 
 
 def _ray_token() -> str:
