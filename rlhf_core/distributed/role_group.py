@@ -75,6 +75,10 @@ class RankActor:
     """Mixed into the worker class: sets the rank's environment before the class's `__init__`."""
 
     def __init__(self, _role_setup: dict, *args, **kwargs):
+        # What a rank prints is log, never the command's output: Ray forwards an actor's stdout to the
+        # driver's stdout, where `rlhf train ...` writes its manifest. Ray forwards stderr to stderr.
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         env = dict(_role_setup["env"])
         if "MASTER_ADDR" not in env:  # rank 0: the rendezvous is on its node
             from rlhf_core.infra.network import free_port

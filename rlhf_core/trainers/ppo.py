@@ -134,9 +134,18 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> RoleGroups:
 
 
 def engine_options(cfg) -> tuple[str, dict]:
-    """The rollout engines' backend and constructor options (`rl/engines.EngineWorker`)."""
+    """The rollout engines' backend and constructor options (`rl/engines.EngineWorker`). vLLM must
+    be installed here (the nodes' hardware is each engine's own check: the CUDA build needs a GPU)."""
     if cfg.vllm.num_engines:
-        return "vllm", {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
+        import importlib.util
+
+        from rlhf_core.infra.settings import ConfigError
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"--vllm.num_engines {cfg.vllm.num_engines}: vLLM is not installed (GPUs: pip install "
+                              "'rlhf-lifecycle[gpu]'; CPUs: vLLM's CPU build, README), or use --vllm.num_engines 0 "
+                              "for the transformers engine")
+        return "vllm", {"precision": cfg.ds.param_dtype, "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
                         "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
                         "enable_sleep": cfg.vllm.enable_sleep, "tensor_parallel_size": cfg.vllm.tensor_parallel_size}
     return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU

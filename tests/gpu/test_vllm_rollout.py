@@ -46,7 +46,8 @@ def test_auto_picks_vllm_on_a_gpu_and_transformers_when_asked(prepared, monkeypa
 
     monkeypatch.setattr(vllm_engine, "VLLMEngine", Recorded)
     engine = make_engine(prepared["base"], "auto", add_special_tokens=True)
-    assert isinstance(engine, Recorded) and built == [(prepared["base"], {"add_special_tokens": True})]
+    assert isinstance(engine, Recorded)
+    assert built == [(prepared["base"], {"add_special_tokens": True, "dtype": "bfloat16"})]
     assert isinstance(make_engine(prepared["base"], "transformers"), TransformersEngine) and len(built) == 1
 
 

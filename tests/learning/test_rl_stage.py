@@ -6,6 +6,7 @@ the held-out split, sampled at temperature 1 (2 samples per prompt) and greedy.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-def ppo(rl_setting, out: Path, *flags, capsys) -> dict:
+def ppo(rl_setting, out: Path, *flags, capsys) -> tuple[dict, str]:
+    """The stage's manifest and what it printed to stderr."""
     code = main(["train", "ppo", "--actor.model_name_or_path", rl_setting["sft"],
                  "--data.prompt_dataset", f"json@{rl_setting['prompts']}", "--eval.dataset",
                  f"json@{rl_setting['prompts']}", "--eval.temperature", "1.0", "--eval.n_samples_per_prompt", "2",
@@ -37,7 +39,7 @@ def ppo(rl_setting, out: Path, *flags, capsys) -> dict:
                  "--use_mlflow", "false", "--rollout.micro_batch_size", "64", "--train.seed", "0", *flags])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
-    return json.loads(captured.out)
+    return json.loads(captured.out), captured.err
 
 
 def assert_learned(manifest: dict, min_gain: float = 0.10, max_kl: float = 1.0) -> None:
@@ -48,14 +50,21 @@ def assert_learned(manifest: dict, min_gain: float = 0.10, max_kl: float = 1.0) 
     assert 0 <= m["rollout/kl"] < max_kl, m  # the policy stays near the reference
 
 
-def test_grpo_with_a_reward_file(rl_setting, tmp_path, capsys):
-    reward_file = tmp_path / "exact_match.py"
+def test_grpo_on_a_vllm_engine_with_a_reward_file(rl_setting, tmp_path, capsys):
+    """GRPO with one vLLM engine (its CPU build here) on Ray: after every step's weight sync the
+    engine samples with the actor's weights (the log-probs it reports are the trainer's, fp32, to
+    within 1e-3), and the policy learns as it does on the transformers engine."""
+    reward_file, steps = tmp_path / "exact_match.py", 60
     reward_file.write_text(REWARD_FILE)
-    manifest = ppo(rl_setting, tmp_path / "grpo", "--algo.advantage.estimator", "group_norm",
-                   "--reward.remote_url", str(reward_file), "--rollout.n_samples_per_prompt", "4",
-                   "--rollout.batch_size", "32", "--train.batch_size", "64", "--train.micro_batch_size", "32",
-                   "--actor.adam.lr", "1e-4", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-                   "--algo.kl.init_coef", "0.01", "--train.max_steps", "40", capsys=capsys)
+    manifest, err = ppo(rl_setting, tmp_path / "grpo", "--algo.advantage.estimator", "group_norm",
+                        "--reward.remote_url", str(reward_file), "--rollout.n_samples_per_prompt", "4",
+                        "--rollout.batch_size", "32", "--train.batch_size", "64", "--train.micro_batch_size", "32",
+                        "--actor.adam.lr", "1e-4", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+                        "--algo.kl.init_coef", "0.01", "--train.max_steps", str(steps), "--vllm.num_engines", "1",
+                        "--logger.logging_steps", "1", capsys=capsys)
+    assert "weight sync to 1 rollout engine(s): gloo" in err, err[-3000:]
+    mismatch = [float(v) for v in re.findall(rf"\[rl step \d+/{steps}\].*logprob_mismatch=([0-9.e+-]+)", err)]
+    assert len(mismatch) == steps and max(mismatch) < 1e-3, mismatch
     assert_learned(manifest)
     out = Path(manifest["output_uri"])
     assert json.loads((out / "stage.json").read_text())["stage"] == "ppo"
@@ -65,7 +74,7 @@ def test_grpo_with_a_reward_file(rl_setting, tmp_path, capsys):
 
 
 def test_ppo_with_a_critic_and_the_reward_model(rl_setting, tmp_path, capsys):
-    manifest = ppo(rl_setting, tmp_path / "ppo", "--algo.advantage.estimator", "gae", "--algo.advantage.lambd", "0.95",
+    manifest, _ = ppo(rl_setting, tmp_path / "ppo", "--algo.advantage.estimator", "gae", "--algo.advantage.lambd", "0.95",
                    "--reward.model_name_or_path", rl_setting["rm"], "--reward.normalize_enable",
                    "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32", "--train.batch_size", "64",
                    "--train.micro_batch_size", "32", "--actor.adam.lr", "5e-5", "--critic.adam.lr", "2e-4",
@@ -76,7 +85,7 @@ def test_ppo_with_a_critic_and_the_reward_model(rl_setting, tmp_path, capsys):
 
 
 def test_reinforce_plus_plus_with_the_verifier(rl_setting, tmp_path, capsys):
-    manifest = ppo(rl_setting, tmp_path / "reinforce", "--algo.advantage.estimator", "reinforce",
+    manifest, _ = ppo(rl_setting, tmp_path / "reinforce", "--algo.advantage.estimator", "reinforce",
                    "--reward.task", "sort", "--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "128",
                    "--train.batch_size", "64", "--train.micro_batch_size", "32", "--actor.adam.lr", "1e-4",
                    "--algo.kl.init_coef", "0.01", "--train.max_steps", "60", capsys=capsys)

@@ -69,12 +69,15 @@ def test_sampling_leaves_the_callers_rng_alone(engine, formatted):
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_factory_picks_transformers_on_cpu_and_refuses_vllm(prepared):
+def test_factory_picks_transformers_on_cpu_and_refuses_vllm_where_it_is_missing(prepared, monkeypatch):
+    import rlhf_core.rollout as rollout
+
     assert isinstance(make_engine(prepared["base"], "transformers"), TransformersEngine)
-    if not torch.cuda.is_available():
-        assert isinstance(make_engine(prepared["base"], "auto"), TransformersEngine)
-        with pytest.raises(ConfigError, match="--rollout_backend vllm: no CUDA device"):
-            make_engine(prepared["base"], "vllm")
+    if not torch.cuda.is_available():  # vLLM's CPU build is installed here, and still not the default
+        assert rollout.vllm_available() and isinstance(make_engine(prepared["base"], "auto"), TransformersEngine)
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match="--rollout_backend vllm: vLLM is not installed for this machine"):
+        make_engine(prepared["base"], "vllm")
     with pytest.raises(ConfigError, match="--rollout_backend 'tpu'"):
         make_engine(prepared["base"], "tpu")
 

@@ -28,6 +28,7 @@ from rlhf_core.rollout.weight_sync import (
     ("auto", False, True, True, SyncBackend.OBJECT_STORE),
     ("auto", True, False, True, SyncBackend.NCCL),  # vLLM on GPUs of its own
     ("auto", True, True, True, SyncBackend.IPC),  # vLLM on the actor's GPUs
+    ("auto", True, False, False, SyncBackend.GLOO),  # vLLM's CPU build
     ("nccl", True, True, True, SyncBackend.IPC),  # OpenRLHF's nccl + colocate_all means CUDA IPC
     ("nccl", True, False, True, SyncBackend.NCCL),
     ("gloo", False, False, False, SyncBackend.GLOO),
