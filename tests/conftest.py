@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -19,6 +20,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_in_the_test_process():
+    """vLLM runs in processes of its own in the tests (Ray actors, `rlhf` subprocesses): started in
+    this one it would initialise torch.distributed for the whole process, bind its threads and drop
+    torch to one thread, and every later in-process DeepSpeed test would fail."""
+    yield
+    assert "vllm" not in sys.modules, "this test imported vLLM into the test process"
 
 
 @pytest.fixture(scope="session", autouse=True)

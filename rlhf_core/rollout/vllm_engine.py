@@ -299,8 +299,16 @@ class WeightSyncExtension:
     def rlhf_sync_receive(self) -> int:
         from rlhf_core.rollout.weight_sync import broadcast_buckets
 
-        buckets = broadcast_buckets(self._rlhf_sync_group)
-        return self.rlhf_load_weights(item for items in buckets for item in items)
+        tensors = 0
+
+        def items():
+            nonlocal tensors
+            for count, bucket in broadcast_buckets(self._rlhf_sync_group):
+                tensors += count
+                yield from bucket
+
+        self.rlhf_load_weights(items())
+        return tensors  # as receive_broadcast counts: a tied tensor once
 
     def rlhf_sync_receive_ipc(self, metas: list, handles: dict, first: bool, last: bool) -> int:
         """One bucket of a CUDA IPC sync: the reload begins with the first bucket and ends with the

@@ -274,22 +274,23 @@ def receive_broadcast(group: SyncGroup, load: Callable[[list[tuple[str, torch.Te
     """Every other rank: the header, then each bucket handed to `load` as (name, tensor) pairs (views
     into the bucket: `load` copies what it keeps). Returns the number of tensors received."""
     count = 0
-    for items in broadcast_buckets(group):
+    for tensors, items in broadcast_buckets(group):
         load(items)
-        count += len(items)
+        count += tensors
     return count
 
 
-def broadcast_buckets(group: SyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every other rank, as a generator: the header, then each bucket as (name, tensor) pairs, views
-    into a bucket of its own (what is kept stays valid). The sender waits until it is exhausted."""
+def broadcast_buckets(group: SyncGroup) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    """Every other rank, as a generator: the header, then each bucket as its number of tensors and
+    its (name, tensor) pairs (a tied tensor under each of its names), views into a bucket of its own
+    (what is kept stays valid). The sender waits until the generator is exhausted."""
     header = group.broadcast_object()
     metas: list[TensorMeta] = header["metas"]
     for bucket in header["buckets"]:
         parts = [metas[i] for i in bucket]
         flat = torch.empty(sum(m.numel for m in parts), dtype=parts[0].torch_dtype, device=group.device)
         group.broadcast(flat)
-        yield unpack(flat, parts)
+        yield len(parts), unpack(flat, parts)
 
 
 # -- CUDA IPC (colocated engines) -------------------------------------------------------------

@@ -134,8 +134,8 @@ def test_new_weights_reach_the_engine_by_update_and_by_broadcast(engine, prepare
         received = engine.call_all("weight_sync_receive")
         sender.join(timeout=120)
         engine.call_all("weight_sync_close")
-        named = dict(broadcast.named_parameters(remove_duplicate=False))
-        assert received == [len(broadcast.state_dict())] and len(named) > 1 and sent["bytes"] > 3 * 100_000
+        tensors = len({t.data_ptr() for t in broadcast.state_dict().values()})  # tied weights travel once
+        assert received == [tensors] and sent["bytes"] > 3 * 100_000
         assert log_prob_gap(broadcast, sample(engine, 2, 1.0), 1.0) < 1e-4
     finally:
         engine.call_all("update_weights", dict(load_causal_lm(prepared["base"]).float().state_dict()))
@@ -166,7 +166,7 @@ def test_eval_on_vllm_agrees_with_the_transformers_engine(rl_setting, tmp_path):
 
     def evaluate(backend: str) -> dict:
         done = rlhf("eval", "--pretrain", rl_setting["sft"], "--ref_pretrain", str(prep / "base"), "--dataset",
-                    str(prep / "data" / "prompts" / "test.jsonl"), "--task", "sort", "--max_samples", "64",
+                    str(prep / "data" / "prompts" / "test.jsonl"), "--task", "sort", "--max_samples", "32",
                     "--rollout_backend", backend, "--save_path", str(tmp_path / backend), "--use_mlflow", "false")
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)["metrics"]

@@ -78,7 +78,7 @@ def test_ppo_with_a_critic_and_the_reward_model(rl_setting, tmp_path, capsys):
                    "--reward.model_name_or_path", rl_setting["rm"], "--reward.normalize_enable",
                    "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32", "--train.batch_size", "64",
                    "--train.micro_batch_size", "32", "--actor.adam.lr", "5e-5", "--critic.adam.lr", "2e-4",
-                   "--critic.freezing_steps", "10", "--algo.kl.init_coef", "0.01", "--train.max_steps", "80",
+                   "--critic.freezing_steps", "10", "--algo.kl.init_coef", "0.01", "--train.max_steps", "100",
                    capsys=capsys)
     assert_learned(manifest)
     assert manifest["metrics"]["train/value_loss"] > 0

@@ -109,7 +109,8 @@ def test_prefect_ui_hint_names_the_embedded_database_or_the_server(monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", "/state dir/prefect")
     hint = prefect_ui_hint()
-    port = re.search(r"PREFECT_SERVER_API_PORT=(\d+) prefect server start  \(then open http://127.0.0.1:(\d+)\)$", hint)
+    port = re.search(r"PREFECT_SERVER_API_PORT=(\d+) PREFECT_SERVER_UI_V2_ENABLED=true prefect server start  "
+                     r"\(then open http://127.0.0.1:(\d+)\)$", hint)
     assert hint.startswith("PREFECT_HOME='/state dir/prefect' ") and port, hint
     assert port.group(1) == port.group(2), "the UI is opened where the server's API port setting puts it"
     with socket.socket() as taken:  # 4200 taken (another Prefect server): the hint names a free port

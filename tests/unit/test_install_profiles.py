@@ -1,9 +1,10 @@
 """The install profiles resolve (README, "Install profiles"): the GPU extra with pip's own resolver
-on the same Prefect, fastapi, transformers and torch as this test environment, which holds vLLM's
-CPU build and no CUDA build of anything.
+on this test environment's Prefect, fastapi, transformers and torch, and this environment holds
+vLLM's CPU build and no CUDA build of anything.
 
-The dry run resolves from scratch (`--ignore-installed`) against the package registry, as in a fresh
-virtualenv; it downloads metadata, not wheels (about 80 s on a 2-core machine).
+The dry run resolves the GPU extra against the package registry beside what is installed here: pip
+keeps every installed version that satisfies it and lists what it would add or change (metadata
+only, no wheels: about 25 s, against 65 s for a resolution from scratch).
 """
 
 import json
@@ -16,17 +17,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = ("prefect", "fastapi", "transformers", "torch")
-CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec", "flash-attn")
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec", "triton", "flash-attn")
 
 pytestmark = pytest.mark.slow
 
 
 def resolve(target: str, tmp_path) -> dict[str, str]:
-    """Name -> version of everything `pip install target` would install into an empty environment."""
+    """Name -> version of what `pip install target` would install or change here."""
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--report", str(report), "-e", target], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+                           "-e", target], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return {item["metadata"]["name"].lower(): item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]}
@@ -42,7 +42,8 @@ def installed(name: str) -> str | None:
 def test_the_gpu_profile_resolves_with_vllm_on_the_shared_versions(tmp_path):
     gpu = resolve(".[gpu]", tmp_path)
     assert gpu["vllm"] == "0.32.0" and "flash-attn" not in gpu
-    assert {name: gpu[name] for name in SHARED} == {name: installed(name) for name in SHARED}
+    assert {name: gpu[name] for name in SHARED if name in gpu} == {}, "the GPU profile moves a shared version"
+    assert all(installed(name) for name in SHARED)
 
 
 def test_the_test_environment_holds_vllms_cpu_build_and_no_cuda_build():
