@@ -377,8 +377,8 @@ EOF
   # The UI asks its API at PREFECT_UI_API_URL; unset, Prefect derives it from its default port (4200),
   # not from --port, and the UI of a stack on any other port showed "Can't connect to Server API".
   # No promotional content either: it is fetched from the internet, which the stack may not reach.
-  # The V2 UI (Prefect's new one, its default from 3.8; 3.7, which vLLM 0.32's fastapi range pins,
-  # serves the old one unless asked): what docs/pipeline.md shows and the UI tests drive.
+  # The V2 UI (Prefect's new one, its default from 3.8; 3.7, which the GPU profile resolves to for
+  # vLLM 0.32's fastapi range, serves the old one unless asked): what docs/pipeline.md shows.
   launch prefect-server env PREFECT_HOME="$STACK/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
     PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false \
     PREFECT_SERVER_UI_V2_ENABLED="${PREFECT_SERVER_UI_V2_ENABLED:-true}" \

@@ -149,7 +149,7 @@ def prefect_ui_hint() -> str:
     home = os.environ.get("PREFECT_HOME")
     prefix = f"PREFECT_HOME={shlex.quote(home)} " if home else ""
     port = free_port(4200)
-    # the V2 UI, Prefect's default from 3.8 (3.7 serves the old one unless asked), as the stack serves it
+    # the V2 UI, Prefect's default from 3.8 (3.7, the GPU profile's, serves the old one unless asked)
     return (f"{prefix}PREFECT_SERVER_API_PORT={port} PREFECT_SERVER_UI_V2_ENABLED=true prefect server start  "
             f"(then open http://127.0.0.1:{port})")
 
