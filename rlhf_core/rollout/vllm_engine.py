@@ -7,8 +7,8 @@ would add a second BOS before a chat-templated prompt. Each prompt has its own s
 is repeated; `generation_config="vllm"` keeps checkpoint sampling defaults out.
 
 Log-probs are after temperature (`processed_logprobs`), what the trainer recomputes.
-New weights are loaded as vLLM's in-place reload does it (`initialize_layerwise_reload` /
-`finalize_layerwise_reload`, through the worker's `reload_weights`): the checkpoint-format tensors go
+New weights are loaded as vLLM's in-place reload does it (`initialize_layerwise_reload`, the
+model's `load_weights`, `finalize_layerwise_reload`; `WeightSyncExtension`): the checkpoint-format tensors go
 through each layer's loader, then the layer's post-load processing runs again. A bare
 `model.load_weights` is not enough: the CPU build repacks linear weights after loading (the
 checkpoint-shaped parameters are left empty), so loading into them fails. The engine core runs
@@ -105,7 +105,9 @@ def cpu_kv_cache_bytes(config, dtype_bytes: int, available_bytes: int, utilizati
 
 
 def kv_dtype_bytes(dtype: str, config) -> int:
-    """Pure: bytes per KV element of an engine built with `dtype` ("auto": the checkpoint's)."""
+    """Pure: bytes per KV element of an engine built with `dtype`. For "auto", the checkpoint's dtype:
+    an upper bound, since vLLM's auto may load an fp32 checkpoint in half precision (the project's
+    callers pass the dtype explicitly)."""
     name = str(getattr(config, "dtype", None) or "float32") if dtype == "auto" else dtype
     return 2 if name.removeprefix("torch.") in ("bfloat16", "float16", "half") else 4
 
