@@ -226,7 +226,10 @@ def test_a_ray_cluster_killed_under_a_running_stage_fails_it_retryably_within_th
     assert isinstance(raised, ClusterUnreachable) and raised.retryable
     error = failed.data.tags["rlhf.error"]
     assert struck["submission_id"] + " UNREACHABLE" in error, error[:300]
-    assert f"did not answer for {BOUND_S}" in error and f"RLHF_RAY_UNREACHABLE_S={BOUND_S}" in error
+    # the time without an answer is what the poll measured: the bound, or a poll interval more
+    unanswered = re.search(r"did not answer for (\d+) s \(RLHF_RAY_UNREACHABLE_S=(\d+)\)", error)
+    assert unanswered, error[:500]
+    assert int(unanswered[2]) == BOUND_S and BOUND_S <= int(unanswered[1]) <= BOUND_S + 5, unanswered[0]
     noticed = struck["raised_at"][0] - struck["at"]
     assert BOUND_S <= noticed < BOUND_S + 15, f"the attempt failed {noticed:.1f} s after the cluster died"
     assert _gone(struck["driver"]), "the killed cluster's job driver exited"
