@@ -28,6 +28,8 @@ def prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
     args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
             "--n_train", str(prep.n_train), "--n_test", str(prep.n_test),
             "--demo_error_rate", str(prep.demo_error_rate)]
+    if prep.model_family:
+        args += ["--model_family", prep.model_family]
     return StageJob("prep", "prep", args, out, params_hash(prep))
 
 

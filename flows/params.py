@@ -16,6 +16,7 @@ from enum import Enum
 from pydantic import Field, model_validator
 
 from rlhf_core.config import DPOConfig, RMConfig, SFTConfig, StrictModel, spellings_of
+from rlhf_core.models.families import FAMILIES
 from rlhf_core.rl_config import PPOConfig
 
 # Tuned on the tiny model and the sort task (figures: benchmarks/README.md), as dotted paths. The
@@ -148,6 +149,9 @@ class PrepParams(StrictModel):
     task: str = "sort"
     seed: int = 0
     model_size: str = Field("tiny", pattern="^(tiny|small)$")
+    model_family: str | None = Field(None, pattern="^(" + "|".join(FAMILIES) + ")$", examples=["qwen3"],
+                                     description="Build the base in the shape of a model family (its special tokens "
+                                     "and chat template): " + ", ".join(FAMILIES) + "; empty: the built-in tiny Llama")
     n_train: int = Field(PREP["n_train"], gt=0)
     n_test: int = Field(PREP["n_test"], gt=0)
     demo_error_rate: float = Field(PREP["demo_error_rate"], ge=0, lt=1,

@@ -21,6 +21,7 @@ import sys
 
 from rlhf_core.config import STAGE_CONFIGS, add_config_flags, build_config, load_yaml
 from rlhf_core.infra.settings import ConfigError
+from rlhf_core.models.families import FAMILIES
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -36,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--task", default="addition", help="Built-in task name")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--model_size", default="tiny", choices=["tiny", "small"])
+    prep.add_argument("--model_family", default=None, help="Build the base in the shape of a model family, with its "
+                      "special tokens and chat template: " + ", ".join(FAMILIES) + " (default: the built-in "
+                      "tiny Llama)")
     prep.add_argument("--n_train", type=int, default=None, help="Training examples per data kind")
     prep.add_argument("--n_test", type=int, default=None, help="Held-out examples per data kind")
     prep.add_argument("--demo_error_rate", type=float, default=None, help="Fraction of SFT training demonstrations "
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prep":
             from rlhf_core.stages.prep import check_prep_params, prep_config, run_prep
 
-            sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate") if getattr(args, k) is not None}
+            sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate", "model_family")
+                     if getattr(args, k) is not None}
             check_prep_params(prep_config(task=args.task, seed=args.seed, model_size=args.model_size, **sizes))
             check_stage_stores({"out": args.out}, use_mlflow=bool(os.environ.get("MLFLOW_RUN_ID")))
             manifest = run_prep(args.out, task=args.task, seed=args.seed, model_size=args.model_size, **sizes)

@@ -54,11 +54,14 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
+                    specials: Iterable[str] = tuple(SPECIAL_TOKENS), pad: str | None = PAD, bos: str | None = BOS,
+                    eos: str = EOS, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` (see the module docstring for its rules).
 
     ``vocab_size`` is an upper bound: task text has few distinct words, so training usually stops
-    with fewer merges than that allows.
+    with fewer merges than that allows. ``specials`` take ids 0.. in order; the defaults are this
+    module's tokens and template (`models/families.py` passes a family's).
     """
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -72,7 +75,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -80,14 +83,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
+        pad_token=pad,
+        bos_token=bos,
+        eos_token=eos,
         padding_side="right",
         clean_up_tokenization_spaces=False,
         model_max_length=MAX_POSITION_EMBEDDINGS,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -6,7 +6,11 @@ Writes under ``out_dir``::
     data/preference/{train,test}.jsonl  {"prompt", "chosen", "rejected"}
     data/prompts/{train,test}.jsonl     {"prompt", "answer"}
     tokenizer/                          byte-level BPE trained on the train split's text
-    base/                               random tiny Llama + its tokenizer (safetensors)
+    base/                               random tiny Llama (or a `--model_family` model) + its tokenizer
+
+With ``model_family`` (`models/families.py`: qwen2, qwen3, llama, mistral, gemma, phi3, mixtral) the
+tokenizer carries that family's special tokens and chat template and the base model is built from
+the family's own transformers config, at the same dimensions.
 
 - Deterministic: the same arguments give byte-identical jsonl files and weights, so the
   pipeline's cache keys (config hash + dataset digests) hit on a rerun.
@@ -24,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from rlhf_core.data.synthetic import build_splits, get_task
+from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
 from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, build_tiny_llama, train_tokenizer
 
 DEFAULT_N_TRAIN = 4000
@@ -78,6 +83,7 @@ def prepare(
     n_test: int = DEFAULT_N_TEST,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     demo_error_rate: float = 0.0,
+    model_family: str | None = None,
 ) -> dict[str, str]:
     """Build the data, tokenizer and base model under ``out_dir``; return their paths.
 
@@ -98,8 +104,13 @@ def prepare(
             paths[f"{kind}_{split}"] = str(file)
 
     train_texts = [text for row in splits["sft"]["train"] for text in (row["prompt"], row["response"])]
-    tokenizer = train_tokenizer(train_texts, vocab_size=vocab_size)
-    model = build_tiny_llama(tokenizer, size=model_size, seed=seed)
+    if model_family is None:
+        tokenizer = train_tokenizer(train_texts, vocab_size=vocab_size)
+        model = build_tiny_llama(tokenizer, size=model_size, seed=seed)
+    else:
+        family = get_family(model_family)
+        tokenizer = train_family_tokenizer(family, train_texts, vocab_size)
+        model = build_family_model(family, tokenizer, size=model_size, seed=seed)
 
     _save_dir_atomic(out / "tokenizer", tokenizer)
     _save_dir_atomic(out / "base", model, tokenizer)
@@ -111,13 +122,15 @@ def prepare(
 def prep_config(**params) -> dict:
     """Every parameter of `prepare` but the output folder, defaults filled in: what prep's output depends on.
 
-    Unknown names raise TypeError, as `prepare` would.
+    Unknown names raise TypeError, as `prepare` would. `model_family` is left out when it is None
+    (the built-in tiny Llama), so outputs prepared before the flag existed keep their config hash.
     """
     import inspect
 
     bound = inspect.signature(prepare).bind(None, **params)
     bound.apply_defaults()
-    return {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+    return {k: v for k, v in bound.arguments.items()
+            if k != "out_dir" and not (k == "model_family" and v is None)}
 
 
 def check_prep_params(params: dict) -> None:
@@ -134,6 +147,11 @@ def check_prep_params(params: dict) -> None:
             raise ConfigError(f"--{name}: must be a whole number of examples >= 1, got {params[name]!r}")
     if params["model_size"] not in ("tiny", "small"):
         raise ConfigError(f"--model_size: must be tiny or small, got {params['model_size']!r}")
+    if params.get("model_family") is not None:
+        try:
+            get_family(params["model_family"])
+        except ValueError as e:
+            raise ConfigError(f"--model_family: {e}") from None
     if not 0 <= params["demo_error_rate"] < 1:
         raise ConfigError(f"--demo_error_rate: must be in [0, 1), got {params['demo_error_rate']}")
 

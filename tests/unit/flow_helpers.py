@@ -17,7 +17,7 @@ def perturbed(model, name: str):
     elif isinstance(value, (int, float)):
         candidates = [value + 1, value * 2, value - 1, value / 2]
     elif value is None:
-        candidates = [7, 0.5, "x"]
+        candidates = [7, 0.5, "x", *(info.examples or [])]
     elif isinstance(value, Enum):  # another named choice (estimators, loss modes, ...)
         candidates = [m for m in type(value) if m != value]
     elif isinstance(value, str):  # another value a `pattern` allows, else any other string

@@ -190,7 +190,8 @@ def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setattr(prep_module, "prepare", functools.wraps(prepare)(fake_prepare))
     full = prep_module.prep_config(task="sort")
-    assert set(full) == set(inspect.signature(prepare).parameters) - {"out_dir"}
+    # model_family None (the built-in tiny Llama) is left out: outputs prepared before it existed keep their hash
+    assert set(full) == set(inspect.signature(prepare).parameters) - {"out_dir", "model_family"}
     manifest = prep_module.run_prep(tmp_path / "a", task="sort")
     assert manifest["config"] == full and manifest["config_hash"] == values_hash(full)
     assert prep_module.run_prep(tmp_path / "b", task="sort", **{k: full[k] for k in ("n_train", "vocab_size")}) \
@@ -199,6 +200,8 @@ def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in
         other = value + "_x" if isinstance(value, str) else value + 1
         assert prep_module.run_prep(tmp_path / name, **{**full, name: other})["config_hash"] != \
             manifest["config_hash"], name
+    family = prep_module.run_prep(tmp_path / "qwen3", **full, model_family="qwen3")
+    assert family["config"]["model_family"] == "qwen3" and family["config_hash"] != manifest["config_hash"]
     with pytest.raises(TypeError):
         prep_module.prep_config(not_a_parameter=1)
 
@@ -245,3 +248,59 @@ def test_prep_writes_only_where_it_may_and_a_rerun_takes_over_a_crashed_prep(tmp
     with pytest.raises(ConfigError, match="folder with other content"):
         prep_module.run_prep(tmp_path)
     assert (tmp_path / "notes.md").read_text() == "keep" and not (tmp_path / "data").exists()
+
+
+FAMILY_FORMATS = {  # what the family's own chat format puts before a user's prompt, and after it
+    "llama": ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+              "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "qwen2": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
+    "qwen3": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
+    "mistral": ("<s>[INST] ", " [/INST]"),
+    "gemma": ("<bos><start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
+    "phi3": ("<|user|>\n", "<|end|>\n<|assistant|>\n"),
+    "mixtral": ("<s>[INST] ", " [/INST]"),
+}
+FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM", "gemma": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FORMATS))
+def test_model_family_base_is_that_family_with_its_tokens_and_chat_format(tmp_path, family):
+    """`prepare(model_family=...)`: plain transformers loads a model of the family's class and a
+    tokenizer that renders the family's chat format, whose special tokens are single tokens and whose
+    EOS ends an assistant turn; the architecture's traits are there."""
+    from rlhf_core.models.families import FAMILIES
+
+    paths = prepare(tmp_path, task="sort", seed=0, model_family=family, n_train=64, n_test=8)
+    tok = AutoTokenizer.from_pretrained(paths["base"])
+    model = AutoModelForCausalLM.from_pretrained(paths["base"])
+    assert type(model).__name__ == FAMILY_CLASSES[family]
+    before, after = FAMILY_FORMATS[family]
+    text = tok.apply_chat_template([{"role": "user", "content": "sort: QWE"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == before + "sort: QWE" + after
+    for special in FAMILIES[family].specials:
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+    assert tok.eos_token == FAMILIES[family].eos and model.config.eos_token_id == tok.eos_token_id
+    cfg = model.config
+    traits = {"qwen2": lambda: model.model.layers[0].self_attn.q_proj.bias is not None,
+              "qwen3": lambda: hasattr(model.model.layers[0].self_attn, "q_norm") and not cfg.tie_word_embeddings,
+              "gemma": lambda: cfg.attn_logit_softcapping == 50.0 and cfg.final_logit_softcapping == 30.0,
+              "phi3": lambda: hasattr(model.model.layers[0].self_attn, "qkv_proj"),
+              "mixtral": lambda: cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 2,
+              "llama": lambda: cfg.num_key_value_heads < cfg.num_attention_heads and tok.pad_token is None,
+              "mistral": lambda: cfg.sliding_window is None and tok.pad_token is None}
+    assert traits[family](), family
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_unknown_model_family_is_a_config_error_naming_the_flag(tmp_path, capsys):
+    from rlhf_core.cli import main
+
+    assert main(["prep", "--out", str(tmp_path / "p"), "--model_family", "gpt5"]) == 2
+    err = capsys.readouterr().err
+    assert "--model_family" in err and "gpt5" in err and "qwen3" in err
+    assert not (tmp_path / "p").exists()
