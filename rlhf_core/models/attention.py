@@ -9,6 +9,10 @@ The choice depends on device, dtype and shapes, never on grad mode: a frozen ref
 policy it was copied from run the same kernel, so their log-ratio starts at exactly 0 (DPO, KTO
 and PPO rely on it).
 
+Attention-logit soft-capping (Gemma-2's `softcap`) always gets matmul attention: transformers'
+SDPA function drops that option without a word, which would train a Gemma-2 policy on another
+function than the one vLLM samples from (and plain transformers' eager attention computes).
+
 Registered with transformers' attention and mask interfaces under `NAME` (SDPA's masks: boolean,
 or None for plain causal). Transformers does not save the attention implementation, so saved
 models load anywhere without this module.
@@ -43,21 +47,28 @@ def uses_matmul_attention(query: torch.Tensor, key: torch.Tensor, mask: torch.Te
 
 
 def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float, causal: bool = True, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+                     scaling: float, causal: bool = True, dropout: float = 0.0, training: bool = False,
+                     softcap: float | None = None) -> torch.Tensor:
     """Softmax attention with SDPA's mask conventions: `(B, H, T, D)` -> `(B, T, H, D)`.
 
-    `mask` is boolean (True = attend), broadcastable to `(B, H, Tq, Tk)`, or None: causal
-    attention when `causal` (queries and keys of equal length), else none. Key/value heads are
-    repeated for grouped-query attention. Softmax runs in fp32.
+    `mask` is boolean (True = attend) or additive (float), broadcastable to `(B, H, Tq, Tk)`, or
+    None: causal attention when `causal` (the last query sees every key), else none. Key/value
+    heads are repeated for grouped-query attention. `softcap`: scores become
+    `softcap * tanh(scores / softcap)` before the mask (Gemma-2). Softmax runs in fp32.
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    queries, keys = query.shape[-2], key.shape[-2]
     if mask is None and causal:
-        mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-    if mask is not None:
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask
+    elif mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout and training:
@@ -69,7 +80,8 @@ def rlhf_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
                       **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not uses_matmul_attention(query, key, attention_mask, **kwargs):
+    softcap = kwargs.get("softcap")
+    if softcap is None and not uses_matmul_attention(query, key, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     dtype = compute_dtype(query)
@@ -77,7 +89,8 @@ def rlhf_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    return matmul_attention(query, key, value, attention_mask, scale, causal, dropout, module.training), None
+    return matmul_attention(query, key, value, attention_mask, scale, causal, dropout, module.training,
+                            softcap), None
 
 
 def register() -> str:

@@ -109,3 +109,26 @@ def test_a_frozen_copy_gives_a_log_ratio_of_exactly_zero(prepared):
         with torch.no_grad():
             reference = sequence_logprobs(model, batch)
     assert policy.requires_grad and torch.equal(policy.detach(), reference)
+
+
+def test_gemma2_soft_capping_is_applied_where_transformers_sdpa_drops_it():
+    """Gemma-2 caps attention logits (`softcap`); transformers' SDPA function ignores the option, so
+    `rlhf_sdpa` takes matmul attention with the cap: the same logits as transformers' eager attention
+    (what vLLM computes too), not SDPA's uncapped ones."""
+    from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
+
+    family = get_family("gemma")
+    tok = train_family_tokenizer(family, ["sort: QWERTY", "EQRTWY"] * 20, 300)
+    model = build_family_model(family, tok, seed=0).eval()
+    with torch.no_grad():  # attention logits of +-hundreds: the cap of 50 decides the softmax
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40.0)
+            layer.self_attn.k_proj.weight.mul_(40.0)
+    ids = torch.tensor([tok("sort: QWERTY EQRTWY", add_special_tokens=False)["input_ids"]])
+    logits = {}
+    for impl in ("eager", "sdpa", attention.register()):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(ids).logits
+    assert torch.allclose(logits[attention.NAME], logits["eager"], atol=1e-5)
+    assert (logits["sdpa"] - logits["eager"]).abs().max() > 1e-2  # the cap matters here: the test can fail
