@@ -81,6 +81,21 @@ def lean_model(model) -> LeanLlama | None:
     return lean
 
 
+def forward_choice(model) -> str:
+    """Which forward the training passes of `model` run, and why, in one line for the stage's log:
+    `lean (...)` or `transformers (<why not lean>)`."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"transformers ({ENV}=0)"
+    inner = unwrap(model)
+    why = supported(inner)
+    if why is None and (getattr(inner, "is_activation_checkpointing", None)
+                        or getattr(inner, "is_gradient_checkpointing", False)):
+        why = "gradient checkpointing"
+    if why is not None:
+        return f"transformers ({why})"
+    return "lean (a plain Llama: fused projections, loss-position head, static KV cache)"
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from rlhf_core.distributed.engine import (
     precision_of,
 )
 from rlhf_core.models.forward import response_logits, response_values
-from rlhf_core.models.lean import lean_model
+from rlhf_core.models.lean import forward_choice, lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers.common import seed_everything
@@ -92,9 +93,15 @@ class _Role:
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.device = device()
         self._build()
+        if self.rank == 0:
+            print(f"forward ({self.name}): {self.forward_report()}", file=sys.stderr, flush=True)
 
     def _build(self) -> None:
         raise NotImplementedError
+
+    def forward_report(self) -> str:
+        """Which forward this role's passes run, and why (`models/lean.forward_choice`)."""
+        return "transformers (a sequence classifier)"
 
     def _collate(self, samples: list[RolloutSample]):
         batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity)
@@ -167,6 +174,9 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
+
+    def forward_report(self) -> str:
+        return forward_choice(self.engine)
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -338,6 +348,8 @@ class CriticRole(_Checkpointed, _Role):
 class ReferenceRole(_Role):
     """The frozen reference policy (KL)."""
 
+    name = "reference"
+
     def __init__(self, cfg, pad_id: int, model_path: str, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
         self.model_path = model_path
@@ -349,6 +361,9 @@ class ReferenceRole(_Role):
         self.model = initialize_frozen(load_causal_lm(self.model_path, self.cfg.ds.flash_attn),
                                        engine_settings(self.cfg, self.cfg.actor, self.world_size))
 
+    def forward_report(self) -> str:
+        return forward_choice(self.model)
+
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
         return self._logprobs(self.model, samples)
@@ -356,6 +371,8 @@ class ReferenceRole(_Role):
 
 class RewardModelRole(_Role):
     """Trained reward model(s) scoring each sample at its last token (several: their sum)."""
+
+    name = "reward_model"
 
     def __init__(self, cfg, pad_id: int, model_paths: list[str], rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.publishing import publish_output
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.infra.tracking import Tracker
+from rlhf_core.models.lean import forward_choice, unwrap
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
 
 
@@ -117,6 +119,17 @@ def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
             model.enable_input_require_grads()
         model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, is_reward_model)
     return model
+
+
+def report_forward(ctx: StageContext, role: str, model, sequence_classifier: bool = False) -> None:
+    """Say on rank 0's log, and as the MLflow tag `rlhf.forward.<role>`, which forward `model`'s
+    passes run (`models/lean.forward_choice`): a user bringing a new architecture sees why it is
+    not on the lean path. Sequence classifiers always run transformers' body (their score head
+    reads the last token)."""
+    choice = "transformers (a sequence classifier)" if sequence_classifier else forward_choice(model)
+    if ctx.rank == 0:
+        print(f"forward ({role}, {type(unwrap(model)).__name__}): {choice}", file=sys.stderr, flush=True)
+    ctx.tracker.set_tags({f"rlhf.forward.{role}": choice})
 
 
 def packs_into_one_row(cfg: TrainConfig) -> bool:

@@ -22,6 +22,7 @@ from rlhf_core.trainers.common import (
     local_model_path,
     pair_batch_builder,
     prepare_trainable,
+    report_forward,
     run_training,
     save_stage,
     start_stage,
@@ -44,6 +45,7 @@ class DPORecipe:
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
         self.to_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        report_forward(self.ctx, "policy", self.engine)
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
                                            EngineSettings.of(cfg))
 

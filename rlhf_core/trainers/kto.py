@@ -25,6 +25,7 @@ from rlhf_core.trainers.common import (
     load_stage_data,
     local_model_path,
     prepare_trainable,
+    report_forward,
     run_training,
     save_stage,
     start_stage,
@@ -58,6 +59,7 @@ class KTORecipe:
         policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        report_forward(self.ctx, "policy", self.engine)
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
                                            EngineSettings.of(cfg))
         self.kl: torch.Tensor | None = None  # the current step's KL estimate (`prepare_step`)

@@ -25,6 +25,7 @@ from rlhf_core.trainers.common import (
     local_model_path,
     pair_batch_builder,
     prepare_trainable,
+    report_forward,
     run_training,
     save_stage,
     start_stage,
@@ -54,6 +55,7 @@ class RewardModelRecipe:
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.to_pair_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(model, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        report_forward(self.ctx, "reward_model", self.engine, sequence_classifier=True)
 
     def scores(self, model, sequences) -> torch.Tensor:
         return reward_scores(model, self.to_batch(sequences))

@@ -21,6 +21,7 @@ from rlhf_core.trainers.common import (
     load_stage_data,
     local_model_path,
     prepare_trainable,
+    report_forward,
     run_training,
     save_stage,
     start_stage,
@@ -43,6 +44,7 @@ class SFTRecipe:
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
         self.engine = initialize(model, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
+        report_forward(self.ctx, "policy", self.engine)
 
     # Recipe protocol used by TrainLoop: loss units are response tokens.
     def count(self, examples) -> int:
