@@ -227,6 +227,15 @@ class VLLMEngine(RolloutEngine):
         torch.cuda.empty_cache()
 
 
+def as_checkpoint(items: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool):
+    """The (name, tensor) pairs a checkpoint would hold: with tied embeddings the output head is the
+    embedding matrix, which `save_pretrained` stores once, under the embedding's name. vLLM's loaders
+    expect that form: some skip a tied `lm_head.*`, others (Gemma-2's) refuse it."""
+    for name, tensor in items:
+        if not (tied_embeddings and name.startswith("lm_head.")):
+            yield name, tensor
+
+
 def worker_sync_rank(rank_offset: int, worker_rank: int) -> int:
     """Pure: the weight-sync group rank of an engine's worker `worker_rank` (its tensor-parallel
     rank, 0..tp-1), the engine's workers taking ranks rank_offset..rank_offset+tp-1."""
@@ -270,10 +279,11 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
 
         count = 0
+        tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
 
         def counted():
             nonlocal count
-            for item in items:
+            for item in as_checkpoint(items, tied):
                 count += 1
                 yield item
 

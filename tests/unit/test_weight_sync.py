@@ -226,3 +226,15 @@ def test_both_flag_eras_set_the_sync_and_a_wrong_value_names_the_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         build("--vllm.sync_backend mpi")
     assert exit_.value.code == 2 and "--vllm.sync_backend" in capsys.readouterr().err
+
+
+def test_a_tied_output_head_reaches_vllm_as_a_checkpoint_holds_it():
+    """With tied embeddings the state dict names the embedding twice (`lm_head.weight` too); a saved
+    checkpoint, and what vLLM's loaders take (Gemma-2's refuses the head), hold it once."""
+    from rlhf_core.rollout.vllm_engine import as_checkpoint
+
+    embed = torch.zeros(4, 2)
+    items = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(2)), ("lm_head.weight", embed)]
+    assert [n for n, _ in as_checkpoint(items, tied_embeddings=True)] == ["model.embed_tokens.weight",
+                                                                           "model.norm.weight"]
+    assert [n for n, _ in as_checkpoint(items, tied_embeddings=False)] == [n for n, _ in items]
