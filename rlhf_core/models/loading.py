@@ -196,6 +196,18 @@ def _gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
     return state
 
 
+def checkpoint_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the in-memory state dict of `model`, or of the model inside a DeepSpeed engine) in the
+    names and layout `save_pretrained` writes, which vLLM's loaders read. transformers 5 converts
+    some checkpoints on load (a mixture of experts' per-expert matrices fused into one tensor each)
+    and converts back on save; a model without such conversions comes back unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from rlhf_core.models.lean import unwrap
+
+    return revert_weight_conversion(unwrap(model), dict(state))
+
+
 def export_model(module, rank: int):
     """A plain HF model (LoRA merged, fp32, on CPU) on rank 0, None elsewhere; call on every rank.
 

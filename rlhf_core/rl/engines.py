@@ -220,11 +220,13 @@ def check_engine_workers(infos: list[dict]) -> None:
 class RayEngines(_Sleeping):
     """`group`: a RoleGroup of EngineWorker. `sync_backend`: `--vllm.sync_backend` (auto, nccl, gloo,
     ipc, object_store), resolved on the first sync; the default, object_store, needs nothing from
-    the workers but `update_weights`. `bucket_mb`: the broadcast's bucket size."""
+    the workers but `update_weights`. `bucket_mb`: the broadcast's bucket size. `checkpoint_format`:
+    the engines are vLLM's, which load weights in a saved checkpoint's form (`WeightSync`)."""
 
     def __init__(self, group, enable_sleep: bool = False, timeout_s: float | None = None,
-                 sync_backend: str = "object_store", bucket_mb: int = DEFAULT_BUCKET_MB):
-        self.group = group
+                 sync_backend: str = "object_store", bucket_mb: int = DEFAULT_BUCKET_MB,
+                 checkpoint_format: bool = False):
+        self.group, self.checkpoint_format = group, checkpoint_format
         self.num_engines = group.world_size
         self.enable_sleep = enable_sleep
         self.timeout_s = timeout_s if timeout_s is not None else sync_timeout_s()
@@ -245,6 +247,7 @@ class RayEngines(_Sleeping):
 
         if self.requested_sync == SyncBackend.OBJECT_STORE.value:
             self.weight_sync = ObjectStoreSync()
+            self.weight_sync.checkpoint_format = self.checkpoint_format
             return self.weight_sync
         engines = await_sync(None, self.group.call_all_async("weight_sync_info"), self.timeout_s,
                              what="weight sync setup")
@@ -261,7 +264,8 @@ class RayEngines(_Sleeping):
                               "= --vllm.num_engines x --vllm.tensor_parallel_size)")
         dtypes = {info["dtype"] for info in engines}
         wire_dtype = dtypes.pop() if len(dtypes) == 1 and backend != SyncBackend.OBJECT_STORE else None
-        self.weight_sync = make_weight_sync(backend, [info["ranks"] for info in engines], self.bucket_mb, wire_dtype)
+        self.weight_sync = make_weight_sync(backend, [info["ranks"] for info in engines], self.bucket_mb, wire_dtype,
+                                            self.checkpoint_format)
         print(f"rlhf: weight sync to {self.num_engines} rollout engine(s): {backend.value}"
               + (f" ({wire_dtype} on the wire)" if wire_dtype else ""), file=sys.stderr, flush=True)
         return self.weight_sync

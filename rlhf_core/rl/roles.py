@@ -250,14 +250,22 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         model = export_model(self.engine.module, self.rank)
         return None if model is None else model.state_dict()
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU."""
+    def weights(self, checkpoint_format: bool = False) -> dict[str, torch.Tensor]:
+        """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU; with
+        `checkpoint_format`, named and laid out as a saved checkpoint holds them (vLLM's form)."""
         from rlhf_core.models.loading import _gathered_state_dict, _is_partitioned
 
         module = self.engine.module
         if _is_partitioned(module):
-            return _gathered_state_dict(module, self.rank) or {}
-        return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+            state = _gathered_state_dict(module, self.rank) or {}
+        else:
+            state = {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+        return self._as_checkpoint(state) if checkpoint_format and state else state
+
+    def _as_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from rlhf_core.models.loading import checkpoint_state_dict
+
+        return checkpoint_state_dict(self.engine.module, state)
 
     # the weight sync's sources (`WeightSender`): every rank calls them
     def _sync_state(self) -> dict[str, torch.Tensor]:

@@ -227,12 +227,14 @@ class VLLMEngine(RolloutEngine):
         torch.cuda.empty_cache()
 
 
-def as_checkpoint(items: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool):
-    """The (name, tensor) pairs a checkpoint would hold: with tied embeddings the output head is the
-    embedding matrix, which `save_pretrained` stores once, under the embedding's name. vLLM's loaders
-    expect that form: some skip a tied `lm_head.*`, others (Gemma-2's) refuse it."""
+def without_tied_head(items: Iterable[tuple[str, torch.Tensor]]):
+    """The pairs without the output head's (`lm_head.*`), for a vLLM model with tied embeddings
+    that has no head of its own (Gemma-2's computes logits with the embedding; its loader refuses
+    the name). Where the model has an `lm_head` tied to the embedding (Llama, Qwen2, ...), the head
+    must come too: a layerwise reload re-processes only the layers that receive weights, and vLLM's
+    CPU build computes logits from the head's own processed copy of the matrix."""
     for name, tensor in items:
-        if not (tied_embeddings and name.startswith("lm_head.")):
+        if not name.startswith("lm_head."):
             yield name, tensor
 
 
@@ -279,16 +281,18 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
 
         count = 0
+        model = self.model_runner.get_model()
         tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        headless = tied and not any(n.startswith("lm_head.") for n, _ in model.named_parameters(remove_duplicate=False))
 
         def counted():
             nonlocal count
-            for item in as_checkpoint(items, tied):
+            for item in without_tied_head(items) if headless else items:
                 count += 1
                 yield item
 
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(counted())
+            model.load_weights(counted())
         return count
 
     def rlhf_load_end(self) -> None:

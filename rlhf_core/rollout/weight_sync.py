@@ -325,8 +325,10 @@ def open_ipc_handle(handle, device: torch.device) -> torch.Tensor:
 
 class WeightSender:
     """Actor-side sync methods, called on every actor rank. The class provides `_sync_state()` (the
-    full state dict on rank 0, {} elsewhere; every rank must call it: a ZeRO-3 gather is collective)
-    and `_sync_state_local()` (the full state dict on this rank's own device, for CUDA IPC)."""
+    full state dict on rank 0, {} elsewhere; every rank must call it: a ZeRO-3 gather is collective),
+    `_sync_state_local()` (the full state dict on this rank's own device, for CUDA IPC) and
+    `_as_checkpoint(state)` (a state dict in the names and layout of a saved checkpoint, which vLLM
+    loads: `checkpoint_format`)."""
 
     _sync_group: SyncGroup | None = None
     _ipc_plan = None
@@ -345,19 +347,23 @@ class WeightSender:
             self._sync_group = SyncGroup(backend, host, port, 0, world_size, timeout_s)
         return True
 
-    def weight_sync_send(self, bucket_bytes: int, wire_dtype: str | None = None) -> int:
+    def weight_sync_send(self, bucket_bytes: int, wire_dtype: str | None = None, checkpoint_format: bool = False) -> int:
         state = self._sync_state()
         if self._sync_rank() != 0:
             return 0
+        if checkpoint_format:
+            state = self._as_checkpoint(state)
         if self._sync_group is None:
             raise RuntimeError("weight_sync_send before weight_sync_open")
         return send_broadcast(self._sync_group, state, bucket_bytes, wire_dtype)
 
-    def weight_sync_ipc(self, index: int, bucket_bytes: int, wire_dtype: str | None = None) -> dict:
+    def weight_sync_ipc(self, index: int, bucket_bytes: int, wire_dtype: str | None = None,
+                        checkpoint_format: bool = False) -> dict:
         """Bucket `index` packed on this rank's GPU: {"count": buckets, "metas": [...], "handles":
         {device uuid: handle}}. Index 0 gathers the weights; the last one is kept until release."""
         if index == 0:
-            metas, tensors = wire_tensors(self._sync_state_local(), wire_dtype)
+            state = self._sync_state_local()
+            metas, tensors = wire_tensors(self._as_checkpoint(state) if checkpoint_format else state, wire_dtype)
             self._ipc_plan = (metas, tensors, plan_buckets(metas, bucket_bytes))
         metas, tensors, buckets = self._ipc_plan
         device = torch.device("cuda", torch.cuda.current_device())
@@ -458,7 +464,12 @@ def _raise_actor_failure(actor_call) -> None:
 # -- the driver's side -----------------------------------------------------------------------
 
 class WeightSync(ABC):
-    """The driver's side of one transport; `actor` and `engines` are `RoleGroup`s."""
+    """The driver's side of one transport; `actor` and `engines` are `RoleGroup`s.
+    `checkpoint_format`: the engines load weights as a saved checkpoint names and lays them out
+    (vLLM); transformers 5 keeps some in another form in memory (a mixture of experts' fused expert
+    tensors), which the actor converts back before sending."""
+
+    checkpoint_format: bool = False
 
     backend: SyncBackend
 
@@ -472,7 +483,7 @@ class ObjectStoreSync(WeightSync):
     backend = SyncBackend.OBJECT_STORE
 
     def sync(self, actor, engines, timeout_s):
-        weights = actor.call_all_async("weights")  # rank 0's dict; every rank takes part in a ZeRO-3 gather
+        weights = actor.call_all_async("weights", self.checkpoint_format)  # rank 0's dict; all ranks gather (ZeRO-3)
         loads = engines.call_all_async("update_weights", weights[0])  # an ObjectRef: each engine reads the store
         await_sync(weights, loads, timeout_s)
 
@@ -518,7 +529,7 @@ class BroadcastSync(WeightSync):
         what = f"{self.backend.value} weight broadcast"
         await_sync(None, engines.call_all_async("weight_sync_ready"), max(0.0, deadline - time.monotonic()), what,
                    limit_s=timeout_s)
-        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype)
+        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype, self.checkpoint_format)
         receivers = engines.call_all_async("weight_sync_receive")
         await_sync(sender, receivers, max(0.0, deadline - time.monotonic()), what, limit_s=timeout_s)
 
@@ -536,7 +547,8 @@ class IPCSync(WeightSync):
         try:
             while index < count:
                 left = max(0.0, deadline - time.monotonic())
-                exports = actor.call_all_async("weight_sync_ipc", index, self.bucket_bytes, self.wire_dtype)
+                exports = actor.call_all_async("weight_sync_ipc", index, self.bucket_bytes, self.wire_dtype,
+                                               self.checkpoint_format)
                 parts = exports.per_rank(timeout_s=left)
                 count = parts[0]["count"]
                 handles = {uuid: h for part in parts for uuid, h in part["handles"].items()}
@@ -550,9 +562,12 @@ class IPCSync(WeightSync):
 
 
 def make_weight_sync(backend: SyncBackend, ranks_per_engine: list[int], bucket_mb: int = DEFAULT_BUCKET_MB,
-                     wire_dtype: str | None = None) -> WeightSync:
+                     wire_dtype: str | None = None, checkpoint_format: bool = False) -> WeightSync:
     if backend == SyncBackend.OBJECT_STORE:
-        return ObjectStoreSync()
-    if backend == SyncBackend.IPC:
-        return IPCSync(bucket_mb, wire_dtype)
-    return BroadcastSync(backend, ranks_per_engine, bucket_mb, wire_dtype)
+        sync = ObjectStoreSync()
+    elif backend == SyncBackend.IPC:
+        sync = IPCSync(bucket_mb, wire_dtype)
+    else:
+        sync = BroadcastSync(backend, ranks_per_engine, bucket_mb, wire_dtype)
+    sync.checkpoint_format = checkpoint_format
+    return sync

@@ -103,15 +103,37 @@ class RoleGroups:
 
 
 def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) -> dict[str, tuple]:
-    """Each model role this config needs and its constructor's arguments (after `cfg, pad_id`)."""
+    """Each model role this config needs and its constructor's arguments (after `cfg, pad_id`).
+    Models are named as given (s3:// too): each rank resolves them on its node (`models_on_this_node`)."""
     specs = {"actor": (optimizer_steps,)}
     if cfg.uses_ref:
-        specs["ref"] = (local_model_path(cfg.ref.model_name_or_path),)
+        specs["ref"] = (cfg.ref.model_name_or_path,)
     if cfg.uses_critic:
-        specs["critic"] = (local_model_path(cfg.critic.model_name_or_path), optimizer_steps)
+        specs["critic"] = (cfg.critic.model_name_or_path, optimizer_steps)
     if reward_paths:
         specs["reward"] = (reward_paths,)
     return {kind: (cfg, pad_id, *args) for kind, args in specs.items()}
+
+
+def models_on_this_node(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A role's constructor arguments with every s3:// model replaced by its download on the node
+    that runs it (`local_model_path`: the node's own cache): the config's actor model, and model
+    paths given as arguments, one or a list. Run on the rank (`RoleGroup(prepare_args=...)`), so no
+    rank is handed a folder that only the driver's machine has."""
+    from rlhf_core.infra import storage
+    from rlhf_core.rl_config import PPOConfig
+
+    def local(value):
+        if isinstance(value, str) and storage.is_remote(value) and not value.startswith(("http://", "https://")):
+            return local_model_path(value)
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return [local(v) for v in value]
+        if isinstance(value, PPOConfig) and value.actor.model_name_or_path:
+            actor = value.actor.model_copy(update={"model_name_or_path": local(value.actor.model_name_or_path)})
+            return value.model_copy(update={"actor": actor})
+        return value
+
+    return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
 
 
 def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> RoleGroups:
@@ -123,7 +145,7 @@ def local_roles(cfg, specs: dict[str, tuple], actor_path: str) -> RoleGroups:
         init_distributed(0, 1, "127.0.0.1", None)
     made = {}
     for kind, args in specs.items():
-        role = ROLE_CLASSES[kind](*args)
+        role = ROLE_CLASSES[kind](*models_on_this_node(args, {})[0])
         role.setup()
         made[kind] = LocalRoleGroup(role, kind)
     half = precision_of(cfg.ds) == Precision.BF16 and not torch.cuda.is_available()  # sample as the trainer computes
@@ -151,7 +173,7 @@ def engine_options(cfg) -> tuple[str, dict]:
     return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
 
 
-def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[str]) -> RoleGroups:
+def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list[str]) -> RoleGroups:
     from rlhf_core.distributed.resources import create_pools, detect_devices
     from rlhf_core.distributed.role_group import RoleGroup, gather_all
     from rlhf_core.rl.engines import EngineWorker, RayEngines
@@ -166,10 +188,10 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
         for kind, args in [*specs.items(), ("rollout", None)]:
             place = layout.roles[kind]
             worker, worker_args = (ROLE_CLASSES[kind], args) if args is not None \
-                else (EngineWorker, (backend, actor_path, options))
+                else (EngineWorker, (backend, actor_model, options))
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
                                    args=worker_args, timeout_s=stage_timeout_s(),
-                                   bundles_per_rank=place.bundles_per_rank)
+                                   bundles_per_rank=place.bundles_per_rank, prepare_args=models_on_this_node)
         # Models load in parallel; a model role's ranks first join its process group.
         gather_all([group.call_all_async("setup", join=True) if kind in specs else group.call_all_async("setup")
                     for kind, group in made.items()])
@@ -185,7 +207,8 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_path: str, reward_paths: list[
     print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
     return RoleGroups(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
                       RayEngines(made["rollout"], cfg.vllm.enable_sleep, sync_backend=cfg.vllm.sync_backend,
-                                 bucket_mb=cfg.vllm.sync_bucket_mb), list(pools.values()))
+                                 bucket_mb=cfg.vllm.sync_bucket_mb, checkpoint_format=backend == "vllm"),
+                      list(pools.values()))
 
 
 def run_ppo(cfg, on_ray: bool | None = None) -> dict:
@@ -223,14 +246,13 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             print(f"rlhf: {left_out} prompts longer than --data.prompt_max_len {cfg.data.prompt_max_len} tokens were "
                   "left out", file=sys.stderr, flush=True)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        reward_paths = [local_model_path(p.strip()) for p in (cfg.reward.model_name_or_path or "").split(",")
-                        if p.strip()]
+        reward_paths = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
         specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps)
         if on_ray:
             from rlhf_core.distributed.cluster import ensure_ray
 
             started_ray = ensure_ray()
-            roles = ray_roles(cfg, specs, actor_path, reward_paths)
+            roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
             roles = local_roles(cfg, specs, actor_path)
         rewards = (RewardModelSource(roles.reward_model) if reward_paths

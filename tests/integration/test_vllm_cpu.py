@@ -66,11 +66,11 @@ def perturbed(path: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def log_prob_gap(model, groups, temperature: float) -> float:
+def log_prob_gap(model, groups, temperature: float, prompts=PROMPTS) -> float:
     """The largest difference between the log-probs the engine reported and the model's own,
     after temperature, over every sampled token."""
     worst = 0.0
-    for prompt, group in zip(PROMPTS, groups, strict=True):
+    for prompt, group in zip(prompts, groups, strict=True):
         for sample in group:
             ids = torch.tensor([prompt + list(sample.token_ids)])
             with torch.no_grad():
@@ -80,8 +80,36 @@ def log_prob_gap(model, groups, temperature: float) -> float:
     return worst
 
 
-def sample(engine, n: int, temperature: float, seed: int = 0):
-    return engine.call_all("generate_ids", PROMPTS, n, temperature, MAX_NEW, seed)[0]
+def sample(engine, n: int, temperature: float, seed: int = 0, prompts=PROMPTS):
+    return engine.call_all("generate_ids", prompts, n, temperature, MAX_NEW, seed)[0]
+
+
+def broadcast_into(engine, model, bucket_bytes: int = 100_000) -> tuple[int, int]:
+    """`model`'s weights into the engine's worker over gloo, as the RL stage syncs a CPU engine (in
+    a checkpoint's form: `checkpoint_state_dict`): (tensors the engine received, bytes sent)."""
+    from rlhf_core.models.loading import checkpoint_state_dict
+    from rlhf_core.rollout.weight_sync import SyncGroup, send_broadcast
+
+    state = checkpoint_state_dict(model, model.state_dict())
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sent: dict = {}
+
+    def actor_side():
+        group = SyncGroup("gloo", "127.0.0.1", port, 0, 2, timeout_s=120)
+        sent["bytes"] = send_broadcast(group, state, bucket_bytes=bucket_bytes, wire_dtype="float32")
+        group.close()
+
+    sender = threading.Thread(target=actor_side)
+    opened = engine.call_all_async("weight_sync_open", "gloo", "127.0.0.1", port, 1, 2, 120)
+    sender.start()
+    opened.per_rank(timeout_s=120)
+    [received] = engine.call_all("weight_sync_receive")
+    sender.join(timeout=120)
+    engine.call_all("weight_sync_close")
+    return received, sent["bytes"]
 
 
 def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
@@ -107,7 +135,6 @@ def test_new_weights_reach_the_engine_by_update_and_by_broadcast(engine, prepare
     """The object-store update and the gloo broadcast (several buckets, layers split across them)
     both leave the engine sampling with the new weights; before either, it samples far from them."""
     from rlhf_core.models.loading import load_causal_lm
-    from rlhf_core.rollout.weight_sync import SyncGroup, send_broadcast
 
     info = engine.call_all("weight_sync_info")[0]
     assert info == {"vllm": True, "cuda": False, "ranks": 1, "dtype": "float32", "uuids": [None]}
@@ -117,25 +144,9 @@ def test_new_weights_reach_the_engine_by_update_and_by_broadcast(engine, prepare
         assert engine.call_all("update_weights", dict(updated.state_dict())) == [True]
         assert log_prob_gap(updated, sample(engine, 2, 1.0), 1.0) < 1e-4
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        sent: dict = {}
-
-        def actor_side():
-            group = SyncGroup("gloo", "127.0.0.1", port, 0, 2, timeout_s=120)
-            sent["bytes"] = send_broadcast(group, broadcast.state_dict(), bucket_bytes=100_000, wire_dtype="float32")
-            group.close()
-
-        sender = threading.Thread(target=actor_side)
-        opened = engine.call_all_async("weight_sync_open", "gloo", "127.0.0.1", port, 1, 2, 120)
-        sender.start()
-        opened.per_rank(timeout_s=120)
-        received = engine.call_all("weight_sync_receive")
-        sender.join(timeout=120)
-        engine.call_all("weight_sync_close")
+        received, sent = broadcast_into(engine, broadcast)
         tensors = len({t.data_ptr() for t in broadcast.state_dict().values()})  # tied weights travel once
-        assert received == [tensors] and sent["bytes"] > 3 * 100_000
+        assert received == tensors and sent > 3 * 100_000
         assert log_prob_gap(broadcast, sample(engine, 2, 1.0), 1.0) < 1e-4
     finally:
         engine.call_all("update_weights", dict(load_causal_lm(prepared["base"]).float().state_dict()))

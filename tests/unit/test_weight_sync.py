@@ -228,13 +228,32 @@ def test_both_flag_eras_set_the_sync_and_a_wrong_value_names_the_flag(capsys):
     assert exit_.value.code == 2 and "--vllm.sync_backend" in capsys.readouterr().err
 
 
-def test_a_tied_output_head_reaches_vllm_as_a_checkpoint_holds_it():
-    """With tied embeddings the state dict names the embedding twice (`lm_head.weight` too); a saved
-    checkpoint, and what vLLM's loaders take (Gemma-2's refuses the head), hold it once."""
-    from rlhf_core.rollout.vllm_engine import as_checkpoint
+def test_a_tied_output_head_is_left_out_only_for_a_model_without_one():
+    """With tied embeddings the state dict names the embedding twice (`lm_head.weight` too). A vLLM
+    model without a head module (Gemma-2) refuses the second name, so it is left out there; one
+    with a tied head gets it (tests/integration/test_model_families.py: the engine then samples with
+    the new embedding)."""
+    from rlhf_core.rollout.vllm_engine import without_tied_head
 
     embed = torch.zeros(4, 2)
     items = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(2)), ("lm_head.weight", embed)]
-    assert [n for n, _ in as_checkpoint(items, tied_embeddings=True)] == ["model.embed_tokens.weight",
-                                                                           "model.norm.weight"]
-    assert [n for n, _ in as_checkpoint(items, tied_embeddings=False)] == [n for n, _ in items]
+    assert [n for n, _ in without_tied_head(items)] == ["model.embed_tokens.weight", "model.norm.weight"]
+
+
+def test_a_mixture_of_experts_is_sent_to_vllm_as_its_checkpoint_holds_it(tmp_path):
+    """transformers 5 fuses Mixtral's per-expert matrices in memory; vLLM loads the checkpoint's
+    per-expert tensors. What the actor sends with `checkpoint_format` is what `save_pretrained`
+    writes, name for name and value for value (a plain Llama's state dict comes back unchanged)."""
+    from safetensors.torch import load_file
+
+    from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
+    from rlhf_core.models.loading import checkpoint_state_dict
+
+    family = get_family("mixtral")
+    model = build_family_model(family, train_family_tokenizer(family, ["sort: QWE", "EQW"] * 20, 300))
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    sent = checkpoint_state_dict(model, model.state_dict())
+    assert set(sent) == set(saved) and any(".experts.0.w1." in k for k in sent)
+    assert all(torch.equal(sent[k], saved[k]) for k in saved)
+    assert set(model.state_dict()) != set(saved)  # the in-memory form differs: the conversion is needed
