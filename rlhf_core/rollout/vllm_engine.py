@@ -227,6 +227,17 @@ class VLLMEngine(RolloutEngine):
         torch.cuda.empty_cache()
 
 
+MOE_ON_CPU = ("--vllm.num_engines: new weights cannot be loaded into a mixture-of-experts model on vLLM's CPU "
+              "build (0.32): its layerwise reload leaves the experts computing another function (reloading the "
+              "unchanged weights moved the log-probs by 0.16). Sample a MoE policy with the transformers engine "
+              "on CPUs (--vllm.num_engines 0); evaluation on a vLLM CPU engine, which loads weights once, works")
+
+
+def is_mixture_of_experts(config) -> bool:
+    """Pure: the model config routes tokens to experts (Mixtral, Qwen-MoE, ...)."""
+    return any((getattr(config, name, 0) or 0) > 1 for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 def without_tied_head(items: Iterable[tuple[str, torch.Tensor]]):
     """The pairs without the output head's (`lm_head.*`), for a vLLM model with tied embeddings
     that has no head of its own (Gemma-2's computes logits with the embedding; its loader refuses
@@ -271,6 +282,11 @@ class WeightSyncExtension:
     # vLLM's layerwise reload, in three calls for loads that arrive in pieces (CUDA IPC buckets)
     def rlhf_load_begin(self) -> None:
         from vllm.config import set_current_vllm_config
+
+        if torch.device(self.device).type == "cpu" and is_mixture_of_experts(self.model_config.hf_config):
+            from rlhf_core.infra.settings import ConfigError
+
+            raise ConfigError(MOE_ON_CPU)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlhf_core.cli import main
+from rlhf_core.rl.engines import EngineWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -114,10 +115,25 @@ def test_every_stage_trains_the_family_and_plain_transformers_loads_its_outputs(
     assert json.loads((Path(policy) / "stage.json").read_text())["stage"] == "ppo"
 
 
+class SwitchingEngineWorker(EngineWorker):
+    """An `EngineWorker` that closes its vLLM engine and builds one on another model: the families'
+    engines share one Ray actor (its first engine takes about 10 s to start, later ones about 2)."""
+
+    def __init__(self):
+        super().__init__("vllm", "", {"precision": "fp32", "enforce_eager": True, "seed": 0})
+
+    def switch(self, model_path: str) -> str:
+        if self.engine is not None:
+            self.engine.close()
+        self.model_path = model_path
+        return self.setup()
+
+
 def test_a_vllm_engine_synced_with_each_family_samples_as_the_actor_computes(bases):
-    """One vLLM CPU engine per family (`EngineWorker` in a Ray actor, fp32): its log-probs match
+    """A vLLM CPU engine of each family (`EngineWorker`, fp32, in one Ray actor): its log-probs match
     the transformers forward of the base; after the RL stage's gloo broadcast of perturbed weights
-    they match those weights (and, before it, did not)."""
+    they match those weights (and, before it, did not). Mixtral's engine samples right, but vLLM's
+    CPU build cannot reload its experts (rollout/vllm_engine.MOE_ON_CPU): the load is refused."""
     from tests.integration.test_vllm_cpu import broadcast_into, log_prob_gap, perturbed, require_vllm, sample
 
     require_vllm()
@@ -125,11 +141,11 @@ def test_a_vllm_engine_synced_with_each_family_samples_as_the_actor_computes(bas
     from transformers import AutoTokenizer
 
     from rlhf_core.distributed.local_ray import init_local
-    from rlhf_core.distributed.role_group import RoleGroup
+    from rlhf_core.distributed.role_group import RoleError, RoleGroup
     from rlhf_core.models.loading import checkpoint_state_dict, load_causal_lm
-    from rlhf_core.rl.engines import EngineWorker
 
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    group = RoleGroup(SwitchingEngineWorker, 1, name="rollout", timeout_s=600)
     gaps = {}
     try:
         for family in FAMILIES:
@@ -138,20 +154,21 @@ def test_a_vllm_engine_synced_with_each_family_samples_as_the_actor_computes(bas
             prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                        for p in ("sort: QWE", "sort: ZYXAB", "sort: MMK")]
-            group = RoleGroup(EngineWorker, 1, name=f"rollout-{family}", timeout_s=600,
-                              args=("vllm", base, {"precision": "fp32", "enforce_eager": True, "seed": 0}))
-            try:
-                assert group.call_all("setup") == ["cpu"], family
-                model = load_causal_lm(base).float().eval()
-                assert log_prob_gap(model, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts) < 1e-4, family
-                moved = perturbed(base, seed=3)
-                before = log_prob_gap(moved, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts)
-                received, _ = broadcast_into(group, moved)
-                sent = checkpoint_state_dict(moved, moved.state_dict())  # Mixtral: per-expert tensors
-                assert received == len({t.data_ptr() for t in sent.values()}), family
-                gaps[family] = (before, log_prob_gap(moved, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts))
-            finally:
-                group.shutdown()
+            assert group.call_all("switch", base) == ["cpu"], family
+            model = load_causal_lm(base).float().eval()
+            assert log_prob_gap(model, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts) < 1e-4, family
+            moved = perturbed(base, seed=3)
+            sent = checkpoint_state_dict(moved, moved.state_dict())  # Mixtral: per-expert tensors
+            if family == "mixtral":  # vLLM 0.32's CPU build reloads experts wrongly: refused, naming the flag
+                with pytest.raises(RoleError, match=r"--vllm.num_engines: .*mixture-of-experts.*CPU"):
+                    group.call_all("update_weights", sent)
+                continue
+            before = log_prob_gap(moved, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts)
+            received, _ = broadcast_into(group, moved)
+            assert received == len({t.data_ptr() for t in sent.values()}), family
+            gaps[family] = (before, log_prob_gap(moved, sample(group, 2, 1.0, prompts=prompts), 1.0, prompts))
     finally:
+        group.shutdown()
         ray.shutdown()
-    assert all(before > 1e-2 and after < 1e-4 for before, after in gaps.values()), gaps
+    wrong = {f: gap for f, gap in gaps.items() if not (gap[0] > 1e-2 and gap[1] < 1e-4)}
+    assert not wrong, f"(gap before the sync, after it) of the families that failed: {wrong}"
