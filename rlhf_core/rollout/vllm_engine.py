@@ -98,9 +98,13 @@ def cpu_kv_cache_bytes(config, dtype_bytes: int, available_bytes: int, utilizati
     wanted = max_num_seqs * config.max_position_embeddings * per_token
     cap = int(utilization * available_bytes)
     if cap < config.max_position_embeddings * per_token:
-        raise ValueError(f"a KV cache for one sequence of {config.max_position_embeddings} tokens needs "
-                         f"{config.max_position_embeddings * per_token / 2**20:.0f} MiB; gpu_memory_utilization "
-                         f"{utilization} of the {available_bytes / 2**30:.1f} GiB available gives {cap / 2**20:.0f} MiB")
+        from rlhf_core.infra.settings import ConfigError
+
+        raise ConfigError(f"--vllm.gpu_memory_utilization {utilization}: a CPU engine's KV cache for one sequence of "
+                          f"{config.max_position_embeddings} tokens needs "
+                          f"{config.max_position_embeddings * per_token / 2**20:.1f} MiB, and {utilization} of the "
+                          f"{available_bytes / 2**30:.2f} GiB of memory available gives {cap / 2**20:.1f} MiB: raise it, "
+                          "or free memory on the node")
     return min(wanted, cap)
 
 

@@ -257,3 +257,20 @@ def test_a_mixture_of_experts_is_sent_to_vllm_as_its_checkpoint_holds_it(tmp_pat
     assert set(sent) == set(saved) and any(".experts.0.w1." in k for k in sent)
     assert all(torch.equal(sent[k], saved[k]) for k in saved)
     assert set(model.state_dict()) != set(saved)  # the in-memory form differs: the conversion is needed
+
+
+def test_a_cpu_engine_kv_cache_is_sized_for_the_model_and_too_little_memory_names_the_flag():
+    """256 sequences of the model's full length, at most the utilization's share of free memory; less
+    than one sequence is a configuration error naming --vllm.gpu_memory_utilization (exit 2)."""
+    from types import SimpleNamespace
+
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.rollout.vllm_engine import cpu_kv_cache_bytes
+
+    config = SimpleNamespace(num_attention_heads=4, hidden_size=128, num_key_value_heads=2, num_hidden_layers=4,
+                             max_position_embeddings=256)
+    per_token = 2 * 4 * 2 * 32 * 4  # K and V, layers, kv heads, head dim, fp32
+    assert cpu_kv_cache_bytes(config, 4, 24 * 2**30, 0.4) == 256 * 256 * per_token
+    assert cpu_kv_cache_bytes(config, 4, 10 * 2**20, 0.5) == 5 * 2**20  # capped by memory
+    with pytest.raises(ConfigError, match=r"--vllm.gpu_memory_utilization 0.01: .* needs 0.5 MiB.* gives 0.1 MiB"):
+        cpu_kv_cache_bytes(config, 4, 10 * 2**20, 0.01)
