@@ -471,6 +471,11 @@ class WeightSync(ABC):
 
     checkpoint_format: bool = False
 
+    def _form(self) -> tuple:
+        """The actor calls' extra argument: `checkpoint_format` when asked for (senders that only
+        serve transformers engines need not take it)."""
+        return (True,) if self.checkpoint_format else ()
+
     backend: SyncBackend
 
     @abstractmethod
@@ -483,7 +488,7 @@ class ObjectStoreSync(WeightSync):
     backend = SyncBackend.OBJECT_STORE
 
     def sync(self, actor, engines, timeout_s):
-        weights = actor.call_all_async("weights", self.checkpoint_format)  # rank 0's dict; all ranks gather (ZeRO-3)
+        weights = actor.call_all_async("weights", *self._form())  # rank 0's dict; every rank gathers (ZeRO-3)
         loads = engines.call_all_async("update_weights", weights[0])  # an ObjectRef: each engine reads the store
         await_sync(weights, loads, timeout_s)
 
@@ -529,7 +534,7 @@ class BroadcastSync(WeightSync):
         what = f"{self.backend.value} weight broadcast"
         await_sync(None, engines.call_all_async("weight_sync_ready"), max(0.0, deadline - time.monotonic()), what,
                    limit_s=timeout_s)
-        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype, self.checkpoint_format)
+        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype, *self._form())
         receivers = engines.call_all_async("weight_sync_receive")
         await_sync(sender, receivers, max(0.0, deadline - time.monotonic()), what, limit_s=timeout_s)
 
@@ -548,7 +553,7 @@ class IPCSync(WeightSync):
             while index < count:
                 left = max(0.0, deadline - time.monotonic())
                 exports = actor.call_all_async("weight_sync_ipc", index, self.bucket_bytes, self.wire_dtype,
-                                               self.checkpoint_format)
+                                               *self._form())
                 parts = exports.per_rank(timeout_s=left)
                 count = parts[0]["count"]
                 handles = {uuid: h for part in parts for uuid, h in part["handles"].items()}
