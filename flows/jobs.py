@@ -48,8 +48,6 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
     """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
     import yaml
 
-    from rlhf_core.infra import storage
-
     stage = cfg.stage
     name = name or stage
     model_role, data_kind = UPSTREAM[stage]
@@ -76,7 +74,7 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
         updates["eval_dataset"] = eval_dataset
     if cfg.save_path is None:
         updates["save_path"] = ctx.output(name)
-    if cfg.ckpt_path is None and settings.supervised_checkpoint_steps and not storage.is_remote(ctx.run_root):
+    if cfg.ckpt_path is None and settings.supervised_checkpoint_steps:
         # As for RL (ppo_job): a retried attempt resumes from its newest checkpoint, under the same key only.
         updates.update(ckpt_path=ctx.output(f"checkpoints/{name}"), save_steps=settings.supervised_checkpoint_steps,
                        load_checkpoint=True)
@@ -140,8 +138,6 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
     """
     import yaml
 
-    from rlhf_core.infra import storage
-
     values = cfg.model_dump(mode="json")
     upstream: dict[str, StageOutcome] = {}
     external: dict[str, str] = {}
@@ -200,9 +196,10 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
         values["eval"]["task"] = prep.task  # held-out accuracy by the prep task's verifier
     if cfg.ckpt.output_dir is None:
         values["ckpt"]["output_dir"] = ctx.output(name)
-    if cfg.ckpt.path is None and settings.checkpoint_steps and not storage.is_remote(ctx.run_root):
-        # A retried attempt of this stage (same flow run, same folder) resumes from its newest
-        # checkpoint; `orchestration.stages` refuses a folder written under another cache key.
+    if cfg.ckpt.path is None and settings.checkpoint_steps:
+        # A retried attempt of this stage (same flow run, same folder: local, or on S3 with an s3://
+        # output root) resumes from its newest checkpoint; `orchestration.stages` refuses a folder
+        # written under another cache key.
         values["ckpt"].update(path=ctx.output(f"checkpoints/{name}"), save_steps=settings.checkpoint_steps,
                               load_enable=True)
     for section, leaf in (p.split(".") for p in ("critic.model_name_or_path", "ref.model_name_or_path",

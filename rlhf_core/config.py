@@ -16,7 +16,7 @@ import os
 from enum import Enum
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
 from rlhf_core.flags import Spellings, flat
@@ -112,6 +112,9 @@ class ValueHead(StrictModel):
                                    json_schema_extra=flat("value_head_prefix"))
 
 
+CHECKPOINT_SCHEMES = ("s3",)  # object stores checkpoints go to (trainers/checkpoints.py); local paths otherwise
+
+
 class CkptConfig(StrictModel):
     output_dir: str | None = Field(None, description="Stage output: local directory or s3:// URI (required; a "
                                    "pipeline fills it in)",
@@ -124,9 +127,20 @@ class CkptConfig(StrictModel):
     load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
                               json_schema_extra=flat("load_checkpoint", **NOT_SEMANTIC))
 
+    @field_validator("path")
+    @classmethod
+    def _local_path_of_file_uri(cls, path: str | None) -> str | None:
+        return path.removeprefix("file://") if path and path.startswith("file://") else path
+
     def problems(self) -> list[str]:
-        return [f"--ckpt.{name} needs --ckpt.path (--ckpt_path)" for name, on in
-                (("save_steps", self.save_steps > 0), ("load_enable", self.load_enable)) if on and not self.path]
+        found = [f"--ckpt.{name} needs --ckpt.path (--ckpt_path)" for name, on in
+                 (("save_steps", self.save_steps > 0), ("load_enable", self.load_enable)) if on and not self.path]
+        scheme = self.path.split("://", 1)[0] if self.path and "://" in self.path else None
+        if scheme is not None and scheme not in CHECKPOINT_SCHEMES:
+            found.append(f"--ckpt.path (--ckpt_path) {self.path}: checkpoints go to a local folder (shared by "
+                         f"every node of a multi-node run) or to {', '.join(s + '://' for s in CHECKPOINT_SCHEMES)}; "
+                         f"{scheme}:// is not supported")
+        return found
 
 
 class LoggerConfig(StrictModel):

@@ -67,6 +67,8 @@ def flag_kwargs(annotation, description: str | None) -> dict | None:
         kwargs.update(choices=[m.value for m in ann])
     elif ann in (int, float, str):
         kwargs.update(type=ann)
+    elif origin is dict:  # given as JSON text; the field's validator reads it
+        kwargs.update(type=str, metavar="JSON")
     else:
         return None
     return kwargs

@@ -16,9 +16,10 @@ controller reads plain values: the critic's and the reference's starting models,
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
@@ -44,6 +45,22 @@ class Placement(StrictModel):
 
     num_nodes: int = Field(1, ge=1)
     num_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (on CPU: worker processes)")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each rank's "
+                                        "bundle takes, as JSON (e.g. '{\"node_a\": 1}'): the role runs only on "
+                                        "nodes started with them (`ray start --resources`)",
+                                        json_schema_extra=dict(NOT_SEMANTIC))
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _resources_from_json(cls, value):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"not a JSON object of resource amounts ({e})") from None
+        if isinstance(value, dict) and any(k in ("CPU", "GPU", "memory", "object_store_memory") for k in value):
+            raise ValueError("CPUs and GPUs come from the role's placement; name only custom resources here")
+        return value
 
     @property
     def world_size(self) -> int:

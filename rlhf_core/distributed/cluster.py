@@ -19,6 +19,10 @@ FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PR
 # The bounds of a stage's waits for MLflow and S3 (rlhf_core/infra/reachability.py) reach its job and ranks too.
 FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFER", "MLFLOW_HTTP_REQUEST_TIMEOUT",
                   "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+# Paths on this machine's disk. A driver joining a running cluster (`RAY_ADDRESS`) does not impose
+# its own on the ranks: a rank's node has its own state directory (where `ray start` ran, or what
+# the job's environment says), so no rank depends on a folder of the driver's machine.
+NODE_LOCAL_ENV = ("RLHF_HOME", "TORCH_EXTENSIONS_DIR")
 
 
 def prepare_environment() -> None:
@@ -43,6 +47,7 @@ def ensure_ray() -> bool:
     job_vars = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     env = {k: v for k, v in env.items() if k not in job_vars}
     if os.environ.get("RAY_ADDRESS"):
+        env = {k: v for k, v in env.items() if k not in NODE_LOCAL_ENV}
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
     from rlhf_core.distributed.local_ray import init_local  # on 127.0.0.1, token authentication on

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from rlhf_core.distributed.pending import PendingCall
 
+FOLDER_CALLS = ("_role_save_to", "_role_load_from")
+
 
 class LocalRoleGroup:
     """`worker` as a role group of one rank."""
@@ -20,6 +22,13 @@ class LocalRoleGroup:
         self.worker, self.name = worker, name
 
     def _call(self, method: str, *args, **kwargs):
+        if method in FOLDER_CALLS:  # a RankActor's own method (`role_group.RankActor`), for this one rank
+            from rlhf_core.distributed import folders
+
+            name, uri = args
+            if method == "_role_save_to":
+                return folders.save_to(getattr(self.worker, name), uri, f"{self.name}-rank0")
+            return folders.load_from(getattr(self.worker, name), uri)
         return getattr(self.worker, method)(*args, **kwargs)
 
     def call_sharded_async(self, method: str, items: list, **kwargs) -> PendingCall:

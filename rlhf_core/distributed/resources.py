@@ -79,15 +79,17 @@ def detect_devices(release_wait_s: float = RELEASE_WAIT_S) -> ClusterDevices:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """`bundles` bundles of {"CPU": cpus, "GPU": gpus} (GPU left out when 0)."""
+    """`bundles` bundles of {"CPU": cpus, "GPU": gpus} (GPU left out when 0), plus custom Ray
+    resources (`resources`: (name, amount) pairs) that pin the bundles to nodes that have them."""
 
     name: str
     bundles: int
     cpus: float
     gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **dict(self.resources)}
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def colocation_groups(roles: Iterable[str], *, colocate_all_models: bool = False
 
 def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]] = (), *,
                 devices: ClusterDevices, cpus_per_gpu: float = 1.0,
-                bundles_per_rank: Mapping[str, int] | None = None) -> Layout:
+                bundles_per_rank: Mapping[str, int] | None = None,
+                resources: Mapping[str, Mapping[str, float]] | None = None) -> Layout:
     """Pure: pools and per-rank shares for roles of the given world sizes.
 
     Each colocation group becomes one pool (named "a+b") of as many bundles as its largest role
@@ -141,6 +144,9 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
     role in a group of k takes 1/k of each bundle it uses. On GPU a bundle is one GPU and
     `cpus_per_gpu` CPUs (fewer when the cluster lacks them); on CPU the available CPUs are split
     evenly over all bundles of the job: whole cores when each gets at least one, else fractions.
+    `resources` (role -> custom Ray resources per bundle, e.g. {"node_a": 1}) go into the bundles
+    of the role's pool (the largest amount of each where colocated roles name the same one), so
+    its placement group lands only on nodes that have them.
     """
     sizes = dict(world_sizes)
     for role, n in sizes.items():
@@ -181,9 +187,20 @@ def plan_layout(world_sizes: Mapping[str, int], colocate: Iterable[Iterable[str]
     if cpus <= 0:
         raise PlacementError(f"the cluster's {devices.cpus:g} available CPUs cannot be split over "
                              f"{total_bundles} bundles ({_describe(groups, used)})")
+    custom = {role: dict(amounts) for role, amounts in (resources or {}).items() if amounts}
+    for role, amounts in custom.items():
+        if role not in sizes:
+            raise PlacementError(f"resources: unknown role {role!r} (roles: {sorted(sizes)})")
+        bad = [k for k, v in amounts.items() if k in ("CPU", "GPU") or not v > 0]
+        if bad:
+            raise PlacementError(f"role {role!r}: resources {bad} must be custom resources with positive amounts")
     layout = Layout()
     for group in groups:
-        pool = PoolSpec("+".join(group), max(used[r] for r in group), cpus, gpus)
+        pinned: dict[str, float] = {}
+        for role in group:
+            for key, amount in custom.get(role, {}).items():
+                pinned[key] = max(pinned.get(key, 0.0), float(amount))
+        pool = PoolSpec("+".join(group), max(used[r] for r in group), cpus, gpus, tuple(sorted(pinned.items())))
         layout.pools[pool.name] = pool
         share = floor_units(1.0 / len(group))
         for role in group:
@@ -237,13 +254,13 @@ class ResourcePool:
     """
 
     def __init__(self, bundles: int, cpus: float, gpus: float = 0.0, *, name: str = "pool", strategy: str = "PACK",
-                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S, resources: Mapping[str, float] | None = None):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if bundles < 1:
             raise PlacementError(f"pool {name!r}: needs at least one bundle")
-        self.spec = PoolSpec(name, bundles, cpus, gpus)
+        self.spec = PoolSpec(name, bundles, cpus, gpus, tuple(sorted((resources or {}).items())))
         self._claims: dict[str, tuple[float, range]] = {}
         self.pg = placement_group([self.spec.bundle()] * bundles, strategy=strategy)
         try:
@@ -256,7 +273,7 @@ class ResourcePool:
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, **kwargs) -> ResourcePool:
-        return cls(spec.bundles, spec.cpus, spec.gpus, name=spec.name, **kwargs)
+        return cls(spec.bundles, spec.cpus, spec.gpus, name=spec.name, resources=dict(spec.resources), **kwargs)
 
     @property
     def name(self) -> str:

@@ -89,6 +89,8 @@ class RankActor:
 
         torch.set_num_threads(_role_setup["num_threads"])
         self._role_name, self._role_rank = _role_setup["role"], _role_setup["rank"]
+        if _role_setup.get("prepare_args") is not None:  # e.g. remote models -> this node's downloads
+            args, kwargs = _role_setup["prepare_args"](args, kwargs)
         super().__init__(*args, **kwargs)
 
     def _role_master(self) -> tuple[str, int]:
@@ -98,8 +100,21 @@ class RankActor:
         import torch
 
         return {"role": self._role_name, "rank": self._role_rank, "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "threads": torch.get_num_threads(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def _role_save_to(self, method: str, uri: str):
+        """`method(folder)` (a worker method that writes a folder) with the folder at `uri` (s3://):
+        written into a staging folder of this rank's own on its node, then uploaded (`folders.py`)."""
+        from rlhf_core.distributed.folders import save_to
+
+        return save_to(getattr(self, method), uri, f"{self._role_name}-rank{self._role_rank}")
+
+    def _role_load_from(self, method: str, uri: str):
+        """`method(folder)` (a worker method that reads a folder) on a download of `uri` onto this node."""
+        from rlhf_core.distributed.folders import load_from
+
+        return load_from(getattr(self, method), uri)
 
     def _role_init_process_group(self, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
         """Join the role's process group (NCCL with a GPU, else gloo); returns (rank, world size)."""
@@ -218,13 +233,17 @@ class RoleGroup:
     when possible), places the rank's actor in the first with the CPU share and no GPU, and
     captures what the actor starts in the placement group. The rank's environment names its
     bundles (`RLHF_RANK_BUNDLES`, "3,4") and the GPU share a worker takes in each
-    (`RLHF_RANK_BUNDLE_GPUS`)."""
+    (`RLHF_RANK_BUNDLE_GPUS`).
+
+    `prepare_args(args, kwargs) -> (args, kwargs)` (a module-level function) runs on each rank before
+    the worker's `__init__`, on the rank's node: e.g. remote model URIs replaced by that node's
+    downloads (`trainers/ppo.models_on_this_node`)."""
 
     def __init__(self, worker_cls: type, world_size: int, pool: ResourcePool | None = None, *,
                  name: str | None = None, share: float = 1.0, bundle_offset: int = 0, args: Sequence = (),
                  kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
-                 devices: ClusterDevices | None = None, bundles_per_rank: int = 1):
+                 devices: ClusterDevices | None = None, bundles_per_rank: int = 1, prepare_args=None):
         if timeout_s is None or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.name = name or worker_cls.__name__
@@ -261,7 +280,7 @@ class RoleGroup:
             def start(rank: int, master: dict):
                 own = {"RLHF_RANK_BUNDLES": ",".join(map(str, self.rank_bundles[rank])),
                        "RLHF_RANK_BUNDLE_GPUS": f"{self.num_gpus:g}"} if spanning else {}
-                setup = {"role": self.name, "rank": rank, "num_threads": threads,
+                setup = {"role": self.name, "rank": rank, "num_threads": threads, "prepare_args": prepare_args,
                          "env": {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", **own, **master}}
                 strategy = pool.scheduling(self.rank_bundles[rank][0], capture_child_tasks=spanning)
                 return cls.options(scheduling_strategy=strategy, **options).remote(setup, *args, **(kwargs or {}))
@@ -273,7 +292,8 @@ class RoleGroup:
             self.info: list[dict] = self.call_all("_role_info")  # every rank constructed, or an error naming it
             # Which process is which rank, for whoever reads the log of a rank that dies.
             print(f"role {self.name!r}: " + ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['node']}"
-                                                      for i in self.info), file=sys.stderr, flush=True)
+                                                      for i in self.info)
+                  + f" (nodes {', '.join(i['node_id'][:12] for i in self.info)})", file=sys.stderr, flush=True)
         except BaseException:
             self.shutdown()
             raise

@@ -356,6 +356,27 @@ def publish_dir(local_dir: str | Path, uri: str, manifest: dict, inputs: Iterabl
     return target
 
 
+def staging_folder(owner: str) -> Path:
+    """A new empty folder on this machine (`<state dir>/staging/<owner>-*`) for files on their way to
+    object storage; the caller removes it after the upload."""
+    root = state_dir() / "staging"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f"{owner}-"))
+
+
+def upload_folder(local_dir: str | Path, uri: str) -> list[str]:
+    """Upload every file under `local_dir` to `uri/<relative path>` (one PUT each, whole or not at
+    all); returns the relative paths. Nothing at `uri` is removed: who decides that a set of files
+    is complete (a checkpoint's `latest`) writes its marker after this returns."""
+    local_dir = Path(local_dir)
+    target = uri.rstrip("/")
+    fs = _fs(target)
+    files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+    for rel in files:
+        fs.put_file(str(local_dir / rel), f"{target}/{rel}")
+    return files
+
+
 def _publish_local(local_dir: Path, dest: Path, manifest: dict, inputs: list, flag: str) -> str:
     stage = manifest["stage"]
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -12,12 +12,18 @@ half-written checkpoint and a failed save leaves the earlier ones as they were. 
 pushes the restored actor weights to the engines before its first rollout, so it makes exactly
 the updates of an uninterrupted run (`torch.equal` in fp32 on CPU; tests/unit/test_rl_resume.py).
 Rotation (`--ckpt.max_num`) removes only this run's own tags (`trainers/checkpoints.py`).
+
+With `--ckpt.path s3://...` the roles' ranks may sit on several nodes: each rank writes its part
+into a staging folder on its own node and uploads it (`RankActor._role_save_to`), the controller
+uploads `controller.pt`, and `latest` is written after all of them; a resume has every rank
+download the tag onto its node (`_role_load_from`) and the controller read its state from S3.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -42,8 +48,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def latest_tag(ckpt: str | os.PathLike) -> str | None:
-    path = Path(ckpt) / LATEST
-    return path.read_text().strip() if path.exists() else None
+    from rlhf_core.trainers import checkpoints
+
+    return checkpoints.latest_tag(ckpt)
+
+
+def _state(controller) -> dict:
+    return {"step": controller.step, "prompt_position": controller.prompts.position,
+            "kl": controller.kl.state_dict(), "rng": rng_state()}
 
 
 def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
@@ -52,18 +64,31 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
     from rlhf_core.infra import storage
     from rlhf_core.trainers import checkpoints
 
-    ckpt = Path(ckpt)
     tag = f"global_step{controller.step}"
-    kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
-    with storage.saving("--ckpt.path", ckpt, f"checkpoint {tag}", kept, cleanup=lambda: checkpoints.abandon(ckpt, tag)):
-        directory = checkpoints.begin(ckpt, tag)
-        roles = [g for g in (controller.actor, controller.critic) if g is not None]
-        for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
-            pending.per_rank()
-        state = {"step": controller.step, "prompt_position": controller.prompts.position,
-                 "kl": controller.kl.state_dict(), "rng": rng_state()}
-        torch.save(state, directory / CONTROLLER)
-        checkpoints.commit(ckpt, tag)
+    roles = [g for g in (controller.actor, controller.critic) if g is not None]
+    if checkpoints.is_remote(ckpt):
+        ckpt = str(ckpt).rstrip("/")
+        checkpoints.begin_remote(ckpt, tag)
+        for pending in [g.call_all_async("_role_save_to", "save_checkpoint", f"{ckpt}/{tag}") for g in roles]:
+            pending.per_rank()  # every rank's part is uploaded
+        local = checkpoints.staging_dir("controller")
+        kept = f"nothing of checkpoint {tag} is named by `latest` at {ckpt}; earlier ones are as they were"
+        with storage.saving("--ckpt.path", local, f"checkpoint {tag} (staged before its upload)", kept,
+                            cleanup=lambda: shutil.rmtree(local, ignore_errors=True)):
+            torch.save(_state(controller), local / CONTROLLER)
+        checkpoints.upload_part(local, ckpt, tag)  # removes `local`
+        checkpoints.write_latest(ckpt, tag)  # last: every part is on S3
+        print(f"checkpoint {tag} uploaded to {ckpt}/{tag}", file=sys.stderr, flush=True)
+    else:
+        ckpt = Path(ckpt)
+        kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
+        with storage.saving("--ckpt.path", ckpt, f"checkpoint {tag}", kept,
+                            cleanup=lambda: checkpoints.abandon(ckpt, tag)):
+            directory = checkpoints.begin(ckpt, tag)
+            for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
+                pending.per_rank()
+            torch.save(_state(controller), directory / CONTROLLER)
+            checkpoints.commit(ckpt, tag)
     with storage.saving("--ckpt.path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and `latest` "
                         "names it; only its entry for rotation is missing"):
         run_id = run_id or checkpoints.new_run_id()
@@ -77,17 +102,27 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     id that wrote it, or None (and a note) when there is none yet."""
     from rlhf_core.trainers import checkpoints
 
-    ckpt = Path(ckpt)
+    remote = checkpoints.is_remote(ckpt)
+    ckpt = str(ckpt).rstrip("/") if remote else Path(ckpt)
     tag = latest_tag(ckpt)
     if tag is None:
         print(f"rlhf: --ckpt.load_enable: no checkpoint in {ckpt} yet; starting from step 0 "
               "(stage.json records resume.checkpoint null)", file=sys.stderr, flush=True)
         return None
-    directory = ckpt / tag
+    directory = checkpoints.location(ckpt, tag)
     roles = [g for g in (controller.actor, controller.critic) if g is not None]
-    for pending in [g.call_all_async("load_checkpoint", str(directory)) for g in roles]:
+    method = ("_role_load_from", "load_checkpoint") if remote else ("load_checkpoint",)
+    for pending in [g.call_all_async(*method, directory) for g in roles]:
         pending.per_rank()
-    state = torch.load(directory / CONTROLLER, weights_only=False)
+    if remote:
+        import io
+
+        from rlhf_core.infra import storage
+
+        state = torch.load(io.BytesIO(storage._fs(directory).cat_file(f"{directory}/{CONTROLLER}")),
+                           weights_only=False)
+    else:
+        state = torch.load(Path(directory) / CONTROLLER, weights_only=False)
     controller.step = int(state["step"])
     controller.prompts.position = int(state["prompt_position"])
     controller.kl.load_state_dict(state["kl"])

@@ -5,7 +5,8 @@ num_gpus_per_node` ranks per role, `--vllm.num_engines` engines of `--vllm.tenso
 GPUs each (one transformers engine when there are none), and the colocation flags
 (`--train.colocate_all`: every model and the engines on the actor's devices;
 `--train.colocate_actor_ref`, `--train.colocate_critic_reward`). Devices come from the cluster,
-not the driver; on CPU the whole job shares the cluster's cores.
+not the driver; on CPU the whole job shares the cluster's cores. `--{actor,critic,ref,reward}.resources`
+(custom Ray resources, JSON) pin a role's pool to the nodes that have them.
 """
 
 from __future__ import annotations
@@ -34,4 +35,5 @@ def rl_layout(cfg, reward_paths: list[str], devices) -> Layout:
                                colocate_actor_ref=cfg.train.colocate_actor_ref,
                                colocate_critic_reward=cfg.train.colocate_critic_reward)
     spans = {"rollout": cfg.vllm.tensor_parallel_size} if cfg.vllm.num_engines else {}
-    return plan_layout(sizes, groups, devices=devices, bundles_per_rank=spans)
+    pinned = {role: getattr(cfg, role).resources for role in sizes if role != "rollout"}
+    return plan_layout(sizes, groups, devices=devices, bundles_per_rank=spans, resources=pinned)

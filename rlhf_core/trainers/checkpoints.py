@@ -1,4 +1,5 @@
-"""Which checkpoint tags under a `--ckpt_path` each training run wrote, so rotation removes only its own.
+"""Which checkpoint tags under a `--ckpt_path` each training run wrote, so rotation removes only its own;
+and how a checkpoint becomes whole, on local disk or on S3.
 
 `rlhf-checkpoints.json` in the checkpoint folder maps a tag (`global_step<N>`) to the run that
 wrote it: `{"tags": {tag: {"run": id, "stage": ..., "step": N}}}`. A fresh run has a new id; a
@@ -6,9 +7,16 @@ resumed run (`--load_checkpoint`) continues the id of the tag it loaded (and tak
 record lists), so `--max_ckpt_num` counts a run's checkpoints across restarts. Other runs' tags
 and unlisted folders are never removed. Rank 0 writes the record, atomically.
 
-A checkpoint is written under `.<tag>.partial` and renamed to its tag only when every rank has
-written all of it; then `latest` names it, the record lists it, and rotation runs. A failed save
-(a full disk, a killed rank) leaves the earlier checkpoints and `latest` as they were.
+Locally a checkpoint is written under `.<tag>.partial` and renamed to its tag only when every rank
+has written all of it; then `latest` names it, the record lists it, and rotation runs. A failed
+save (a full disk, a killed rank) leaves the earlier checkpoints and `latest` as they were.
+
+On `s3://` there is no rename: each rank writes its part into a staging folder of its own on its
+node (`staging_dir`, under the state directory), uploads it to `<ckpt>/<tag>/` and removes it;
+once every rank has uploaded, `latest` (one PUT, the last object of the checkpoint) names the tag.
+An upload cut short leaves objects that no `latest` names; the next save of that tag removes them
+first (`begin_remote`). A resuming rank downloads the tag `latest` names into its node's download
+cache (`fetch`), so no node reads a local path that another node wrote.
 """
 
 from __future__ import annotations
@@ -19,33 +27,87 @@ import shutil
 import uuid
 from pathlib import Path
 
+from rlhf_core.infra import storage
 from rlhf_core.infra.storage import CHECKPOINTS
+
+LATEST = "latest"
 
 
 def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def read_record(ckpt: Path) -> dict:
+def is_remote(ckpt) -> bool:
+    return storage.is_remote(str(ckpt))
+
+
+def _uri(ckpt) -> str:
+    return str(ckpt).rstrip("/")
+
+
+def _read(ckpt, name: str) -> str | None:
+    """The text of `ckpt/name`, None when there is none."""
+    if not is_remote(ckpt):
+        try:
+            return (Path(ckpt) / name).read_text()
+        except FileNotFoundError:
+            return None
+    fs = storage._fs(_uri(ckpt))
+    path = f"{_uri(ckpt)}/{name}"
+    fs.invalidate_cache(path)  # listings are cached for the life of a process; another node may have written
+    try:
+        return fs.cat_file(path).decode()
+    except FileNotFoundError:
+        return None
+
+
+def _replace(ckpt, name: str, text: str) -> None:
+    """Write `ckpt/name` whole: locally beside it and renamed into place; on S3 one PUT."""
+    if is_remote(ckpt):
+        storage._fs(_uri(ckpt)).pipe_file(f"{_uri(ckpt)}/{name}", text.encode())
+        return
+    ckpt = Path(ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt / f".{name}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, ckpt / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _remove_tag(ckpt, tag: str) -> None:
+    if not is_remote(ckpt):
+        shutil.rmtree(Path(ckpt) / tag, ignore_errors=True)
+        return
+    fs = storage._fs(_uri(ckpt))
+    try:
+        fs.rm(f"{_uri(ckpt)}/{tag}", recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(_uri(ckpt))
+
+
+def read_record(ckpt) -> dict:
     """The record of `ckpt` (`{"tags": {}}` when there is none yet, or it cannot be read)."""
     try:
-        record = json.loads((Path(ckpt) / CHECKPOINTS).read_text())
+        record = json.loads(_read(ckpt, CHECKPOINTS) or "")
     except (OSError, ValueError):
         return {"tags": {}}
-    return record if isinstance(record.get("tags"), dict) else {"tags": {}}
+    return record if isinstance(record, dict) and isinstance(record.get("tags"), dict) else {"tags": {}}
 
 
-def run_of(ckpt: Path, tag: str) -> str | None:
+def run_of(ckpt, tag: str) -> str | None:
     """The run that wrote `tag`, None when no record lists it."""
     entry = read_record(ckpt)["tags"].get(tag)
     return entry.get("run") if isinstance(entry, dict) else None
 
 
-def record_tag(ckpt: Path, tag: str, run: str, stage: str, step: int) -> None:
+def record_tag(ckpt, tag: str, run: str, stage: str, step: int) -> None:
     """Note that `run` wrote (or resumed from) `tag`."""
     record = read_record(ckpt)
     record["tags"][tag] = {"run": run, "stage": stage, "step": step}
-    _write(Path(ckpt), record)
+    _write(ckpt, record)
 
 
 def tags_to_remove(record: dict, run: str, keep: int) -> list[str]:
@@ -55,17 +117,22 @@ def tags_to_remove(record: dict, run: str, keep: int) -> list[str]:
     return [tag for _, tag in mine[: max(len(mine) - keep, 0)]]
 
 
-def rotate(ckpt: Path, run: str, keep: int) -> list[str]:
+def rotate(ckpt, run: str, keep: int) -> list[str]:
     """Remove the checkpoints of `run` beyond its newest `keep`; returns the tags removed."""
-    ckpt = Path(ckpt)
     record = read_record(ckpt)
     removed = tags_to_remove(record, run, keep)
     for tag in removed:
-        shutil.rmtree(ckpt / tag, ignore_errors=True)
+        _remove_tag(ckpt, tag)
         del record["tags"][tag]
     if removed:
         _write(ckpt, record)
     return removed
+
+
+def latest_tag(ckpt) -> str | None:
+    """The newest whole checkpoint's tag (`latest`), None when there is none yet."""
+    text = (_read(ckpt, LATEST) or "").strip()
+    return text or None
 
 
 def partial_tag(tag: str) -> str:
@@ -103,20 +170,52 @@ def abandon(ckpt: Path, tag: str) -> None:
     shutil.rmtree(Path(ckpt) / partial_tag(tag), ignore_errors=True)
 
 
-def write_latest(ckpt: Path, tag: str) -> None:
-    tmp = Path(ckpt) / f".latest.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(tag)
-        os.replace(tmp, Path(ckpt) / "latest")
-    finally:
-        tmp.unlink(missing_ok=True)
+def write_latest(ckpt, tag: str) -> None:
+    _replace(ckpt, LATEST, tag)
 
 
-def _write(ckpt: Path, record: dict) -> None:
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / f".{CHECKPOINTS}.{os.getpid()}.tmp"
+def _write(ckpt, record: dict) -> None:
+    _replace(ckpt, CHECKPOINTS, json.dumps(record, indent=2, sort_keys=True))
+
+
+# -- checkpoints on S3 ------------------------------------------------------------------------------
+
+def staging_dir(owner: str) -> Path:
+    """A new empty folder on this node for `owner`'s part of a checkpoint before it is uploaded."""
+    return storage.staging_folder(owner)
+
+
+def begin_remote(ckpt: str, tag: str) -> None:
+    """Make room for `tag` at the remote `ckpt`: what an upload of it that was cut short left goes.
+    Where `latest` names `tag` (a fresh run writing a step an older run wrote), `latest` first
+    falls back to the newest other recorded tag, or goes: it never names a tag being rewritten."""
+    if latest_tag(ckpt) == tag:
+        fs = storage._fs(_uri(ckpt))
+        others = sorted((entry.get("step", -1), name) for name, entry in read_record(ckpt)["tags"].items()
+                        if name != tag and isinstance(entry, dict) and fs.exists(f"{_uri(ckpt)}/{name}"))
+        if others:
+            write_latest(ckpt, others[-1][1])
+        else:
+            fs.rm_file(f"{_uri(ckpt)}/{LATEST}")
+    _remove_tag(ckpt, tag)
+
+
+def upload_part(local: Path, ckpt: str, tag: str) -> list[str]:
+    """Upload one writer's part of `tag` (the files under `local`) and remove `local`."""
     try:
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-        os.replace(tmp, ckpt / CHECKPOINTS)
+        return storage.upload_folder(local, f"{_uri(ckpt)}/{tag}")
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def fetch(ckpt: str, tag: str) -> Path:
+    """A local folder holding the remote checkpoint `tag`: a download into this node's cache (shared
+    by the ranks of the node, `storage.local_copy`)."""
+    from rlhf_core.infra.settings import state_dir
+
+    return Path(storage.local_copy(f"{_uri(ckpt)}/{tag}", state_dir() / "cache"))
+
+
+def location(ckpt, tag: str) -> str:
+    """Where `tag` is, as a path or URI for messages and `stage.json`."""
+    return f"{_uri(ckpt)}/{tag}" if is_remote(ckpt) else str(Path(ckpt) / tag)

@@ -7,7 +7,9 @@ count of units in the step, so loss and gradient do not depend on micro-batching
 Checkpoints (`--save_steps`) hold model, optimizer and scheduler (DeepSpeed's format), the step
 (which fixes the data position, `BatchPlan`) and every rank's RNG states, so a resumed run ends
 with the weights of an uninterrupted one; `--max_ckpt_num` rotates only this run's tags
-(`checkpoints.py`). `resume` (`{"requested", "checkpoint", "start_step"}`, into `stage.json`) and
+(`checkpoints.py`). With `--ckpt_path s3://...` each rank stages its part on its own node and
+uploads it, rank 0 writes `latest` once all have, and a resume downloads the tag `latest` names
+onto each node. `resume` (`{"requested", "checkpoint", "start_step"}`, into `stage.json`) and
 the summary's `train/start_step` and `train/steps_run` show where a run started, so a
 `--load_checkpoint` that loaded nothing shows; with no checkpoint yet it starts at step 0.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -150,10 +153,15 @@ class TrainLoop:
     def save_checkpoint(self) -> None:
         """Write this step's checkpoint whole or not at all (`checkpoints.begin/commit`): every rank
         writes into the partial folder, rank 0 renames it into place after all have, and only then
-        updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError."""
+        updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError.
+        On s3:// each rank uploads its own part and rank 0 writes `latest` after all have (`_save_remote`)."""
         from rlhf_core.infra import storage
         from rlhf_core.trainers import checkpoints
 
+        if checkpoints.is_remote(self.cfg.ckpt.path):
+            self._save_remote()
+            self._record_and_rotate(self.cfg.ckpt.path, f"global_step{self.step}")
+            return
         ckpt = Path(self.cfg.ckpt.path)
         tag = f"global_step{self.step}"
         kept = f"the checkpoint in progress ({tag}) was removed; earlier ones and `latest` are as they were"
@@ -165,10 +173,8 @@ class TrainLoop:
                 checkpoints.begin(ckpt, tag)
             _barrier()
             partial = checkpoints.partial_tag(tag)
-            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
             try:
-                torch.save(rng, ckpt / partial / f"rng_state_rank{self.rank}.pt")
+                torch.save(_rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
                                             save_latest=False)
             except Exception as e:
@@ -180,40 +186,80 @@ class TrainLoop:
             _barrier()
             if self.rank == 0:
                 checkpoints.commit(ckpt, tag)
-        if self.rank == 0:  # rotate this run's own checkpoints only: others may share ckpt_path
-            with storage.saving("--ckpt_path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and "
-                                "`latest` names it; only its entry for rotation is missing"):
-                if self.checkpoint_run is None:
-                    self.checkpoint_run = checkpoints.new_run_id()
-                checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
-                checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.ckpt.max_num)
+        self._record_and_rotate(ckpt, tag)
+
+    def _save_remote(self) -> None:
+        """This step's checkpoint on S3: each rank writes its part into a staging folder of its own
+        on its node, uploads it to `<ckpt_path>/<tag>/` and removes the folder; after every rank has
+        uploaded, rank 0 writes `latest` (the checkpoint's last object). A rank that fails leaves the
+        others at the barrier until the group is stopped: no `latest` names a half-uploaded tag."""
+        from rlhf_core.infra import storage
+        from rlhf_core.trainers import checkpoints
+
+        uri, tag = self.cfg.ckpt.path.rstrip("/"), f"global_step{self.step}"
+        if self.rank == 0:
+            checkpoints.begin_remote(uri, tag)
+        _barrier()
+        local = checkpoints.staging_dir(f"rank{self.rank}")
+        kept = f"nothing of checkpoint {tag} was uploaded; earlier ones and `latest` at {uri} are as they were"
+        try:
+            with storage.saving("--ckpt_path", local, f"checkpoint {tag} (staged before its upload to {uri})", kept):
+                (local / tag).mkdir()
+                torch.save(_rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
+                self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step}, save_latest=False)
+            checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        _barrier()
+        if self.rank == 0:
+            checkpoints.write_latest(uri, tag)
+            print(f"checkpoint {tag} uploaded to {uri}/{tag}", file=sys.stderr, flush=True)
+
+    def _record_and_rotate(self, ckpt, tag: str) -> None:
+        """Rank 0 lists `tag` as this run's and rotates this run's own checkpoints only: others may share ckpt_path."""
+        from rlhf_core.infra import storage
+        from rlhf_core.trainers import checkpoints
+
+        if self.rank != 0:
+            return
+        with storage.saving("--ckpt_path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and "
+                            "`latest` names it; only its entry for rotation is missing"):
+            if self.checkpoint_run is None:
+                self.checkpoint_run = checkpoints.new_run_id()
+            checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
+            checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.ckpt.max_num)
 
     def load_checkpoint(self) -> int:
-        ckpt = Path(self.cfg.ckpt.path)
-        if not (ckpt / "latest").exists():
+        """Restore the checkpoint `latest` names (every rank; on s3:// each node downloads it
+        first, `checkpoints.fetch`); returns its step, 0 when there is none yet."""
+        from rlhf_core.trainers import checkpoints
+
+        ckpt = self.cfg.ckpt.path
+        tag = checkpoints.latest_tag(ckpt)
+        if tag is None:
             if self.rank == 0:
                 print(f"--load_checkpoint: no checkpoint in {ckpt} yet; starting from step 0 "
                       "(stage.json records resume.checkpoint null)", file=sys.stderr, flush=True)
             return 0
-        tag = (ckpt / "latest").read_text().strip()
-        path, client = self.engine.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True,
+        # DeepSpeed reads `<folder>/<tag>/`: a download's folder is named by its cache key, not the tag.
+        local = checkpoints.fetch(ckpt, tag) if checkpoints.is_remote(ckpt) else Path(ckpt) / tag
+        path, client = self.engine.load_checkpoint(str(local.parent), tag=local.name, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
-        rng = torch.load(ckpt / tag / f"rng_state_rank{self.rank}.pt", weights_only=False)
+        rng = torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        where = checkpoints.location(ckpt, tag)
         if self.rank == 0:
-            from rlhf_core.trainers import checkpoints
-
             # The same run, continued: its earlier tags (and the one resumed from) keep rotating.
             self.checkpoint_run = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
             checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, int(client["step"]))
-            print(f"resumed from {ckpt / tag} at step {client['step']}", file=sys.stderr, flush=True)
-        self.resume["checkpoint"] = str(ckpt / tag)
+            print(f"resumed from {where} at step {client['step']}", file=sys.stderr, flush=True)
+        self.resume["checkpoint"] = where
         return int(client["step"])
 
     # -- reporting -------------------------------------------------------------------------
@@ -298,6 +344,11 @@ def killing_on_last(micro_step, n_micro: int):
 def total_steps(cfg, num_examples: int) -> int:
     steps = (num_examples // cfg.train.batch_size) * cfg.train.max_epochs
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def _barrier() -> None:

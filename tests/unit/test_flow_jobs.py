@@ -185,7 +185,8 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
         "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
         "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
         "ckpt.max_num", "ckpt.load_enable", "logger.logging_steps", "mlflow_experiment", "mlflow_run_name",
-        "mlflow_parent_run_id", "use_mlflow"}
+        "mlflow_parent_run_id", "use_mlflow", "actor.resources", "critic.resources", "ref.resources",
+        "reward.resources"}
     job, key, _, _ = ppo_job_for(tmp_path)
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
     for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},
@@ -194,7 +195,7 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
     # `auto` enters as what the ranks train in: bf16 on a native-bf16 cluster, fp32 here
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path, native_bf16=True))[1] != key
     assert ppo_job_for(tmp_path, {"ds.param_dtype": "fp32"})[1] == key
-    for values in ({"logger.logging_steps": 5}, {"ckpt.max_num": 1}):
+    for values in ({"logger.logging_steps": 5}, {"ckpt.max_num": 1}, {"actor.resources": {"node_a": 1}}):
         assert ppo_job_for(tmp_path, values)[1] == key, values
     named, named_key, tags, _ = ppo_job_for(tmp_path, {"pretrain": "org/actor"})
     assert named_key != key and tags["rlhf.input.model"] == "org/actor" and "rlhf.upstream.model.run_id" not in tags
@@ -241,6 +242,26 @@ def test_supervised_stages_get_a_checkpoint_folder_outside_their_cache_key(tmp_p
         assert off.config_hash == job.config_hash  # where and how often it saves is not what it trains
 
 
+def test_an_s3_output_root_gets_checkpoint_folders_on_s3_too(tmp_path):
+    """Retry-resume with an s3:// output root: every resumable stage checkpoints under the run's
+    output area on S3 (no node keeps a local folder another node would need)."""
+    import dataclasses
+
+    import yaml
+
+    from flows.jobs import train_job
+    from flows.params import PipelineSettings, PipelineSFTConfig
+
+    ctx = dataclasses.replace(flow_ctx(tmp_path), run_root="s3://bucket/pipelines/run")
+    sft = train_job(ctx, PipelineSettings(), PipelineSFTConfig(), {n: outcome(n, tmp_path) for n in ("prep",)}.__getitem__)
+    written = yaml.safe_load(sft.config_yaml)
+    assert sft.checkpoint_uri == written["ckpt"]["path"] == "s3://bucket/pipelines/run/checkpoints/sft"
+    assert written["ckpt"]["load_enable"] and written["ckpt"]["output_dir"] == "s3://bucket/pipelines/run/sft"
+    ppo, _, _, cfg = ppo_job_for(tmp_path, ctx=ctx)
+    assert ppo.checkpoint_uri == cfg["ckpt"]["path"] == "s3://bucket/pipelines/run/checkpoints/ppo"
+    assert cfg["ckpt"]["load_enable"]
+
+
 def test_one_eval_job_compares_every_policy_stage(tmp_path):
     """The flow side of `rlhf eval`'s multi-policy contract: `--pretrain A,B --policy_names dpo,ppo`."""
     from flows.jobs import eval_job
@@ -256,3 +277,16 @@ def test_one_eval_job_compares_every_policy_stage(tmp_path):
     assert {"policy-dpo", "policy-ppo", "reference", "reward", "data"} == set(job.upstream)
     one = eval_job(flow_ctx(tmp_path), PrepParams(), EvalParams(), prep_o, {"ppo": ppo}, sft, rm, "eval")
     assert one.config_hash != job.config_hash
+
+
+def test_the_prep_job_builds_the_chosen_model_family(tmp_path):
+    """`prep.model_family` reaches `rlhf prep --model_family`; unset, the job's command is as before."""
+    from flows.jobs import prep_job as _prep_job
+    from flows.params import PrepParams
+    from rlhf_core.cli import _parser
+
+    args = _prep_job(flow_ctx(tmp_path), PrepParams(model_family="qwen3")).args
+    assert _parser().parse_args(args).model_family == "qwen3"
+    assert "--model_family" not in _prep_job(flow_ctx(tmp_path), PrepParams()).args
+    with pytest.raises(ValueError, match="model_family"):
+        PrepParams(model_family="gpt5")

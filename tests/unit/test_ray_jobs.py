@@ -22,12 +22,25 @@ def test_job_command_uses_this_interpreter_locally_and_the_installed_cli_on_a_cl
 
 
 def test_job_env_forwards_the_allow_list_only(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijkl")
     monkeypatch.setenv("RLHF_HOME", "/state")
     env = job_env({"MLFLOW_RUN_ID": "r1"})
     assert env["RLHF_HOME"] == "/state" and env["MLFLOW_RUN_ID"] == "r1"
     assert "AWS_SECRET_ACCESS_KEY" not in env and "HF_TOKEN" not in env
+
+
+def test_a_cluster_of_its_own_gets_no_path_of_this_machine(monkeypatch):
+    """With RAY_ADDRESS the jobs may run on other machines: each node keeps its own state directory
+    and compiled-op cache; settings that are not paths still travel."""
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    monkeypatch.setenv("RLHF_HOME", "/state")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/state/ext")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3:9000")
+    env = job_env()
+    assert "RLHF_HOME" not in env and "TORCH_EXTENSIONS_DIR" not in env
+    assert env["AWS_ENDPOINT_URL"] == "http://s3:9000"
 
 
 class FakeJobs:

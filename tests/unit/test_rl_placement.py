@@ -42,6 +42,24 @@ def test_separate_roles_split_two_cpus_and_colocate_all_shares_one_bundle():
     assert {p.num_cpus for p in layout.roles.values()} == {0.5}
 
 
+def test_role_resources_pin_each_pool_to_the_nodes_that_have_them():
+    """`--actor.resources '{"node_a": 1}'` (JSON, as `ray start --resources`) goes into every bundle of
+    the actor's pool; colocated roles' bundles take the largest amount of each; unpinned roles and
+    the engines get none; CPU/GPU shares are as without it."""
+    grpo = ("algo.advantage.estimator", "group_norm", "rollout.n_samples_per_prompt", "4", "algo.kl.init_coef", "0.01")
+    layout = rl_layout(config(*grpo, "actor.resources", '{"node_a": 1}', "ref.resources", '{"node_b": 0.5}'), [], CPU2)
+    assert layout.pools["actor"].bundle() == {"CPU": layout.pools["actor"].cpus, "node_a": 1.0}
+    assert layout.pools["ref"].bundle() == {"CPU": layout.pools["ref"].cpus, "node_b": 0.5}
+    assert layout.pools["rollout"].bundle() == {"CPU": layout.pools["rollout"].cpus}
+    assert layout.roles == rl_layout(config(*grpo), [], CPU2).roles  # the same shares, pinned or not
+    together = rl_layout(config(*grpo, "train.colocate_actor_ref", True, "actor.resources", '{"node_a": 1, "x": 0.25}',
+                                "ref.resources", '{"x": 0.5}'), [], CPU2)
+    assert dict(together.pools["actor+ref"].resources) == {"node_a": 1.0, "x": 0.5}
+    for bad in ('{"CPU": 1}', "not json"):
+        with pytest.raises(ValueError, match="actor.resources"):
+            config("actor.resources", bad)
+
+
 def test_gpu_placement_counts_gpus_and_refuses_what_does_not_fit():
     cfg = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01", "actor.num_gpus_per_node", "4",
                  "ref.num_gpus_per_node", "4", "train.colocate_actor_ref", True, "vllm.num_engines", "2")
@@ -64,3 +82,20 @@ def test_shards_are_equal_and_contiguous_padded_with_the_last_item_or_cut_short(
 def test_prompts_split_over_engines_in_contiguous_parts():
     assert prompt_shards(5, 2) == [range(0, 3), range(3, 5)]
     assert prompt_shards(2, 4) == [range(0, 1), range(1, 2)]
+
+
+def test_each_rank_resolves_remote_models_on_its_own_node(monkeypatch):
+    """A role is handed models as named (s3:// too) and downloads them where it runs
+    (`models_on_this_node`, run on the rank): never a folder of the driver's machine."""
+    from rlhf_core.trainers import ppo
+
+    monkeypatch.setattr(ppo, "local_model_path", lambda uri: "/node-cache/" + uri.removeprefix("s3://"))
+    cfg = config("actor.model_name_or_path", "s3://b/sft")
+    args, kwargs = ppo.models_on_this_node((cfg, 0, "s3://b/rm", ["s3://b/rm1", "/local/rm2"], "transformers", 7),
+                                           {"path": "s3://b/x", "url": "http://rm:8000"})
+    assert args[0].actor.model_name_or_path == "/node-cache/b/sft" and cfg.actor.model_name_or_path == "s3://b/sft"
+    assert args[1:] == (0, "/node-cache/b/rm", ["/node-cache/b/rm1", "/local/rm2"], "transformers", 7)
+    assert kwargs == {"path": "/node-cache/b/x", "url": "http://rm:8000"}
+    specs = ppo.role_specs(config("algo.advantage.estimator", "gae", "critic.model_name_or_path", "s3://b/c",
+                                  "actor.model_name_or_path", "s3://b/sft"), 0, ["s3://b/rm"], 4)
+    assert specs["critic"][2] == "s3://b/c" and specs["reward"][2] == ["s3://b/rm"]  # not resolved on the driver
