@@ -257,11 +257,11 @@ class PipelineSettings(StrictModel):
                                                 "longer than this; it is then retried like any infrastructure failure")
     checkpoint_steps: int = Field(20, ge=0, description="RL stages save their whole state every N steps in the run's "
                                   "output area (checkpoints/<stage>), so a retried attempt resumes there instead of "
-                                  "at step 0 (0: never; local output_root only)")
+                                  "at step 0 (0: never; a local or s3:// output_root)")
     supervised_checkpoint_steps: int = Field(200, ge=0, description="SFT, reward model and DPO save their whole "
                                              "state every N optimizer steps in the run's output area "
                                              "(checkpoints/<stage>), so a retried attempt resumes there (0: never; "
-                                             "local output_root only)")
+                                             "a local or s3:// output_root)")
 
 
 STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig, "ppo": PipelinePPOConfig}
