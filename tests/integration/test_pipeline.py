@@ -398,14 +398,16 @@ def test_killed_job_fails_the_attempt_with_its_log_tail_and_is_retried_from_its_
 
 def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypatch):
     """Retries resume: the RL stage checkpoints every step in the run's output area; the attempt
-    killed after its first checkpoint is retried, and the retry resumes there, not at step 0."""
+    killed after its first checkpoint is retried, and the retry resumes there, not at step 0. GRPO
+    with the task's verifier: the resume is the RL stage's whatever its roles, and without a critic
+    and a reward model each attempt starts two Ray actors fewer."""
     from rlhf_core.infra import storage
 
     result, killed, errors = _run_killing_one_job(
         monkeypatch, "rlhf-ppo", lambda log: "[rl step 2" in log,
         settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"], "retries": 1, "retry_delay_seconds": 0,
                   "force_stages": ["ppo"], "checkpoint_steps": 1},
-        ppo={"train.max_steps": 4})
+        ppo={"train.max_steps": 4, "algo.advantage.estimator": "group_norm", "reward.task": "sort"})
     assert not errors and killed, f"the watcher never saw the PPO job at step 2: {errors}"
     c = mlflow_client()
     runs = c.search_runs([c.get_experiment_by_name("rlhf").experiment_id],
