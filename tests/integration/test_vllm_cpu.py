@@ -175,14 +175,16 @@ def test_eval_on_vllm_agrees_with_the_transformers_engine(rl_setting, tmp_path):
     require_vllm()
     prep = Path(rl_setting["root"]) / "prep"
 
-    def evaluate(backend: str) -> dict:
-        done = rlhf("eval", "--pretrain", rl_setting["sft"], "--ref_pretrain", str(prep / "base"), "--dataset",
-                    str(prep / "data" / "prompts" / "test.jsonl"), "--task", "sort", "--max_samples", "32",
-                    "--rollout_backend", backend, "--save_path", str(tmp_path / backend), "--use_mlflow", "false")
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)["metrics"]
+    args = ["eval", "--pretrain", rl_setting["sft"], "--ref_pretrain", str(prep / "base"), "--dataset",
+            str(prep / "data" / "prompts" / "test.jsonl"), "--task", "sort", "--max_samples", "32", "--use_mlflow",
+            "false"]
+    done = rlhf(*args, "--rollout_backend", "vllm", "--save_path", str(tmp_path / "vllm"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    on_vllm = json.loads(done.stdout)["metrics"]
+    from rlhf_core.cli import main  # the transformers engine runs here: no vLLM in this process
 
-    on_vllm, on_hf = evaluate("vllm"), evaluate("transformers")
+    assert main([*args, "--rollout_backend", "transformers", "--save_path", str(tmp_path / "hf")]) == 0
+    on_hf = json.loads((tmp_path / "hf" / "eval.json").read_text())["metrics"]
     assert on_vllm["eval/policy/greedy_accuracy"] > 0.8 and on_vllm["eval/reference/greedy_accuracy"] < 0.1
     assert on_vllm["eval/policy/greedy_accuracy"] == on_hf["eval/policy/greedy_accuracy"]
     assert on_vllm["eval/policy/kl"] > 1.0 and abs(on_vllm["eval/policy/kl"] / on_hf["eval/policy/kl"] - 1) < 0.25
