@@ -73,27 +73,31 @@ def lean_model(model) -> LeanLlama | None:
             _LEAN[model] = lean
         except TypeError:
             pass
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if lean is None or checkpointing:
+    if lean is None or _checkpointing(model):
         return None
     return lean
 
 
-def forward_choice(model) -> str:
-    """Which forward the training passes of `model` run, and why, in one line for the stage's log:
-    `lean (...)` or `transformers (<why not lean>)`."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"transformers ({ENV}=0)"
+def _checkpointing(model) -> bool:
+    flag = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
+
+
+def forward_report(role: str, model, sequence_classifier: bool = False) -> tuple[str, str]:
+    """Which forward `model`'s passes run and why, for the stage's log: `(choice, line)`, the choice
+    `lean (...)` or `transformers (<why not lean>)` (the rules of `lean_model`), the line
+    `forward (<role>, <class>): <choice>`. A sequence classifier (reward model, critic) always runs
+    transformers' body: its score head reads the last token."""
     inner = unwrap(model)
-    why = supported(inner)
-    if why is None and (getattr(inner, "is_activation_checkpointing", None)
-                        or getattr(inner, "is_gradient_checkpointing", False)):
-        why = "gradient checkpointing"
-    if why is not None:
-        return f"transformers ({why})"
-    return "lean (a plain Llama: fused projections, loss-position head, static KV cache)"
+    if sequence_classifier:
+        why = "a sequence classifier"
+    elif os.environ.get(ENV, "1") == "0":
+        why = f"{ENV}=0"
+    else:
+        why = supported(inner) or ("gradient checkpointing" if _checkpointing(inner) else None)
+    choice = ("lean (a plain Llama: fused projections, loss-position head, static KV cache)" if why is None
+              else f"transformers ({why})")
+    return choice, f"forward ({role}, {type(inner).__name__}): {choice}"
 
 
 @dataclass

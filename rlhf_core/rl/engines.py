@@ -243,11 +243,10 @@ class RayEngines(_Sleeping):
     def setup_sync(self, actor) -> WeightSync:
         """Pick the transport from what the engines and the actor ranks report (`actor`: the policy's RoleGroup)."""
         from rlhf_core.infra.settings import ConfigError
-        from rlhf_core.rollout.weight_sync import ObjectStoreSync, await_sync
+        from rlhf_core.rollout.weight_sync import await_sync
 
         if self.requested_sync == SyncBackend.OBJECT_STORE.value:
-            self.weight_sync = ObjectStoreSync()
-            self.weight_sync.checkpoint_format = self.checkpoint_format
+            self.weight_sync = make_weight_sync(SyncBackend.OBJECT_STORE, [], checkpoint_format=self.checkpoint_format)
             return self.weight_sync
         engines = await_sync(None, self.group.call_all_async("weight_sync_info"), self.timeout_s,
                              what="weight sync setup")

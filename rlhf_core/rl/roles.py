@@ -40,7 +40,7 @@ from rlhf_core.distributed.engine import (
     precision_of,
 )
 from rlhf_core.models.forward import response_logits, response_values
-from rlhf_core.models.lean import forward_choice, lean_model
+from rlhf_core.models.lean import forward_report, lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers.common import seed_everything
@@ -94,14 +94,14 @@ class _Role:
         self.device = device()
         self._build()
         if self.rank == 0:
-            print(f"forward ({self.name}): {self.forward_report()}", file=sys.stderr, flush=True)
+            print(forward_report(self.name, *self._forward_model())[1], file=sys.stderr, flush=True)
 
     def _build(self) -> None:
         raise NotImplementedError
 
-    def forward_report(self) -> str:
-        """Which forward this role's passes run, and why (`models/lean.forward_choice`)."""
-        return "transformers (a sequence classifier)"
+    def _forward_model(self) -> tuple:
+        """(the model whose forward this role's passes run, whether it is a sequence classifier)."""
+        raise NotImplementedError
 
     def _collate(self, samples: list[RolloutSample]):
         batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity)
@@ -175,8 +175,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
 
-    def forward_report(self) -> str:
-        return forward_choice(self.engine)
+    def _forward_model(self) -> tuple:
+        return self.engine, False
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -312,6 +312,9 @@ class CriticRole(_Checkpointed, _Role):
         self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size),
                                  self.total_optimizer_steps)
 
+    def _forward_model(self) -> tuple:
+        return self.engine, True
+
     @torch.no_grad()
     def values(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
         self.engine.eval()
@@ -369,8 +372,8 @@ class ReferenceRole(_Role):
         self.model = initialize_frozen(load_causal_lm(self.model_path, self.cfg.ds.flash_attn),
                                        engine_settings(self.cfg, self.cfg.actor, self.world_size))
 
-    def forward_report(self) -> str:
-        return forward_choice(self.model)
+    def _forward_model(self) -> tuple:
+        return self.model, False
 
     @torch.no_grad()
     def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
@@ -402,6 +405,9 @@ class RewardModelRole(_Role):
             if missing:
                 raise ValueError(f"--reward.normalize_enable: no reward_mean/reward_std in the config of {missing[0]} "
                                  "(saved by `rlhf train rm`)")
+
+    def _forward_model(self) -> tuple:
+        return self.models[0], True
 
     @torch.no_grad()
     def scores(self, samples: list[RolloutSample]) -> list[float]:

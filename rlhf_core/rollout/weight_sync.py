@@ -470,12 +470,6 @@ class WeightSync(ABC):
     tensors), which the actor converts back before sending."""
 
     checkpoint_format: bool = False
-
-    def _form(self) -> tuple:
-        """The actor calls' extra argument: `checkpoint_format` when asked for (senders that only
-        serve transformers engines need not take it)."""
-        return (True,) if self.checkpoint_format else ()
-
     backend: SyncBackend
 
     @abstractmethod
@@ -488,7 +482,7 @@ class ObjectStoreSync(WeightSync):
     backend = SyncBackend.OBJECT_STORE
 
     def sync(self, actor, engines, timeout_s):
-        weights = actor.call_all_async("weights", *self._form())  # rank 0's dict; every rank gathers (ZeRO-3)
+        weights = actor.call_all_async("weights", checkpoint_format=self.checkpoint_format)  # rank 0's dict; all gather
         loads = engines.call_all_async("update_weights", weights[0])  # an ObjectRef: each engine reads the store
         await_sync(weights, loads, timeout_s)
 
@@ -534,7 +528,8 @@ class BroadcastSync(WeightSync):
         what = f"{self.backend.value} weight broadcast"
         await_sync(None, engines.call_all_async("weight_sync_ready"), max(0.0, deadline - time.monotonic()), what,
                    limit_s=timeout_s)
-        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype, *self._form())
+        sender = actor.call_all_async("weight_sync_send", self.bucket_bytes, self.wire_dtype,
+                                      checkpoint_format=self.checkpoint_format)
         receivers = engines.call_all_async("weight_sync_receive")
         await_sync(sender, receivers, max(0.0, deadline - time.monotonic()), what, limit_s=timeout_s)
 
@@ -553,7 +548,7 @@ class IPCSync(WeightSync):
             while index < count:
                 left = max(0.0, deadline - time.monotonic())
                 exports = actor.call_all_async("weight_sync_ipc", index, self.bucket_bytes, self.wire_dtype,
-                                               *self._form())
+                                               checkpoint_format=self.checkpoint_format)
                 parts = exports.per_rank(timeout_s=left)
                 count = parts[0]["count"]
                 handles = {uuid: h for part in parts for uuid, h in part["handles"].items()}

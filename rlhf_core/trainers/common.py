@@ -22,7 +22,7 @@ from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.publishing import publish_output
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.infra.tracking import Tracker
-from rlhf_core.models.lean import forward_choice, unwrap
+from rlhf_core.models.lean import forward_report
 from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
 
 
@@ -123,12 +123,11 @@ def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
 
 def report_forward(ctx: StageContext, role: str, model, sequence_classifier: bool = False) -> None:
     """Say on rank 0's log, and as the MLflow tag `rlhf.forward.<role>`, which forward `model`'s
-    passes run (`models/lean.forward_choice`): a user bringing a new architecture sees why it is
-    not on the lean path. Sequence classifiers always run transformers' body (their score head
-    reads the last token)."""
-    choice = "transformers (a sequence classifier)" if sequence_classifier else forward_choice(model)
+    passes run (`models/lean.forward_report`): a user bringing a new architecture sees why it is
+    not on the lean path."""
+    choice, line = forward_report(role, model, sequence_classifier)
     if ctx.rank == 0:
-        print(f"forward ({role}, {type(unwrap(model)).__name__}): {choice}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     ctx.tracker.set_tags({f"rlhf.forward.{role}": choice})
 
 

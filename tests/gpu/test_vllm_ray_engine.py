@@ -18,7 +18,7 @@ def test_engines_take_new_weights_and_sleep(cluster, prepared):
     class Actor:
         """Hands out the base model's weights with the LM head zeroed but one token's row."""
 
-        def weights(self):
+        def weights(self, checkpoint_format=False):
             state = load_causal_lm(prepared["base"]).state_dict()
             head = state["lm_head.weight"] if "lm_head.weight" in state else state["model.embed_tokens.weight"]
             head.zero_()

@@ -95,7 +95,7 @@ def test_every_stage_trains_the_family_and_plain_transformers_loads_its_outputs(
                  "--actor.adam.lr", "1e-3"])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
-    assert re.search(rf"forward \(actor\): {'lean' if lean else 'transformers'}", captured.err), captured.err[-2000:]
+    assert re.search(rf"forward \(actor, {cls}\): {'lean' if lean else 'transformers'}", captured.err), captured.err[-2000:]
     policy = json.loads(captured.out)["output_uri"]
     assert changed(sft, policy)
 

@@ -54,7 +54,7 @@ class TrainingActor(WeightSender):
     def _sync_state(self):
         return self.model.state_dict()
 
-    def weights(self):  # the object store's path
+    def weights(self, checkpoint_format=False):  # the object store's path
         return self.state()
 
 
