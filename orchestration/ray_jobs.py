@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from rlhf_core.distributed.cluster import FORWARDED_ENV, NODE_LOCAL_ENV
+from rlhf_core.distributed.cluster import forwarded_env
 from rlhf_core.infra.redaction import redact_text
 from rlhf_core.infra.settings import env_number
 
@@ -141,14 +141,8 @@ def job_command(args: list[str]) -> str:
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for the job: the allow-listed settings of this process plus `extra` (never secrets).
-
-    With `RAY_ADDRESS` (a cluster of its own, perhaps of many machines) the paths of this machine's
-    disk (`NODE_LOCAL_ENV`: the state directory, the compiled-op cache) stay here: each node uses
-    the ones it was started with."""
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    if os.environ.get("RAY_ADDRESS"):
-        env = {k: v for k, v in env.items() if k not in NODE_LOCAL_ENV}
+    """Environment for the job: `cluster.forwarded_env()` (never secrets) plus `extra`."""
+    env = forwarded_env()
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("RLHF_PROGRESS_SECONDS", "30")  # a progress line every 30 s unless the caller set one
     # The job's driver and ranks exit once the cluster's GCS has been gone this long, instead of

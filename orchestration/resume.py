@@ -63,7 +63,7 @@ def _look(folder: str) -> tuple[str | None, bool]:
     root = folder.rstrip("/")
     fs.invalidate_cache(root)
     try:
-        found = fs.find(root)
+        found = [p.rstrip("/") for p in fs.ls(root, detail=False)]  # one level, as the local branch looks
     except FileNotFoundError:
         found = []
     marker = f"{fs._strip_protocol(root).rstrip('/')}/{MARKER}"

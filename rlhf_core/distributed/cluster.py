@@ -25,6 +25,16 @@ FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFE
 NODE_LOCAL_ENV = ("RLHF_HOME", "TORCH_EXTENSIONS_DIR")
 
 
+def forwarded_env() -> dict[str, str]:
+    """The allow-listed settings of this process that its jobs and ranks get (`FORWARDED_ENV`, never
+    secrets). With `RAY_ADDRESS` (a cluster of its own, perhaps of many machines) this machine's
+    disk paths (`NODE_LOCAL_ENV`) stay here: each node uses the ones it was started with."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if os.environ.get("RAY_ADDRESS"):
+        env = {k: v for k, v in env.items() if k not in NODE_LOCAL_ENV}
+    return env
+
+
 def prepare_environment() -> None:
     """Defaults every process of a stage shares (set before Ray starts, so actors inherit them)."""
     home = state_dir()
@@ -40,14 +50,13 @@ def ensure_ray() -> bool:
 
     if ray.is_initialized():
         return False
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env = forwarded_env()
     # Inside a Ray job the job's runtime env already reaches our actors; Ray refuses to merge a
     # driver runtime env that names the same variables again, so pass only what it lacks.
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
     job_vars = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     env = {k: v for k, v in env.items() if k not in job_vars}
     if os.environ.get("RAY_ADDRESS"):
-        env = {k: v for k, v in env.items() if k not in NODE_LOCAL_ENV}
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
     from rlhf_core.distributed.local_ray import init_local  # on 127.0.0.1, token authentication on

@@ -543,47 +543,63 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
         key = hashlib.sha256(json.dumps({"uri": root, "files": listing}).encode()).hexdigest()[:16]
         dest = downloads / key
         found = dest / listing[0][0] if single else dest
-        if _pin(dest):
-            return str(found)
         downloads.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=downloads, prefix=f".{key}-"))
-        try:
+        with _exclusive(Path(cache_root) / "download-locks" / key):  # one download per machine: its ranks wait
+            if _pin(dest):
+                return str(found)
+            tmp = Path(tempfile.mkdtemp(dir=downloads, prefix=f".{key}-"))
             try:
-                if single:
-                    fs.get_file(root, str(tmp / listing[0][0]))
-                else:
-                    fs.get(root + "/", str(tmp), recursive=True)
-            except Exception as e:
-                if not is_disk_full(e, downloads):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-                if not made_room:  # the cache itself may be what filled the disk: every unused entry goes
-                    made_room = True
-                    if evict_cache(cache_root, everything=True):
-                        continue
-                raise DiskFullError(f"{uri}: the disk is full (no space left) while downloading it into the cache "
-                                    f"{downloads}; no entry of the cache that a running stage uses is left to remove. "
-                                    "Free space there (see `df -h`), or set RLHF_HOME to a larger disk") from e
-            after = remote_listing(fs, root)
-            if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
-                listing = after
-                continue
-            (tmp / COMPLETE).touch()
-            try:
-                tmp.rename(dest)
-            except OSError:  # another rank finished the same download first
-                pass
-            if not _pin(dest):  # evicted in the instant since: fetch it again
-                continue
-            evict_cache(cache_root, keep=(dest,))
-            return str(found)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed into place
+                try:
+                    if single:
+                        fs.get_file(root, str(tmp / listing[0][0]))
+                    else:
+                        fs.get(root + "/", str(tmp), recursive=True)
+                except Exception as e:
+                    if not is_disk_full(e, downloads):
+                        raise
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    if not made_room:  # the cache itself may be what filled the disk: every unused entry goes
+                        made_room = True
+                        if evict_cache(cache_root, everything=True):
+                            continue
+                    raise DiskFullError(f"{uri}: the disk is full (no space left) while downloading it into the cache "
+                                        f"{downloads}; no entry of the cache that a running stage uses is left to remove. "
+                                        "Free space there (see `df -h`), or set RLHF_HOME to a larger disk") from e
+                after = remote_listing(fs, root)
+                if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
+                    listing = after
+                    continue
+                (tmp / COMPLETE).touch()
+                try:
+                    tmp.rename(dest)
+                except OSError:  # another rank finished the same download first
+                    pass
+                if not _pin(dest):  # evicted in the instant since: fetch it again
+                    continue
+                evict_cache(cache_root, keep=(dest,))
+                return str(found)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed into place
     raise RuntimeError(f"{uri} changed during each of {DOWNLOAD_ATTEMPTS} downloads; is a writer still at work?")
 
 
 DOWNLOAD_ATTEMPTS = 3
 COMPLETE = ".complete"
+
+
+@contextmanager
+def _exclusive(lock_file: Path):
+    """An exclusive lock on `lock_file` (created if missing) for the block: the processes of one
+    machine take turns."""
+    import fcntl
+
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 # Per-file version fields, first one present wins: content ETag (S3), else a modification time.
 _VERSION_FIELDS = ("ETag", "etag", "LastModified", "last_modified", "mtime", "created")
 

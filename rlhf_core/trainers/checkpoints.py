@@ -92,7 +92,7 @@ def read_record(ckpt) -> dict:
     """The record of `ckpt` (`{"tags": {}}` when there is none yet, or it cannot be read)."""
     try:
         record = json.loads(_read(ckpt, CHECKPOINTS) or "")
-    except (OSError, ValueError):
+    except ValueError:  # a record that is not JSON; a store that fails to answer raises (it must not erase the record)
         return {"tags": {}}
     return record if isinstance(record, dict) and isinstance(record.get("tags"), dict) else {"tags": {}}
 

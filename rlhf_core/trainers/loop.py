@@ -20,7 +20,6 @@ in optimizer step N, after the forward of its last micro-batch: gradients accumu
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import sys
@@ -29,7 +28,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from rlhf_core.data.batching import BatchPlan
@@ -37,6 +35,7 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
+from rlhf_core.rl.checkpoint import rng_state, set_rng_state
 
 
 class Recipe(Protocol):
@@ -174,7 +173,7 @@ class TrainLoop:
             _barrier()
             partial = checkpoints.partial_tag(tag)
             try:
-                torch.save(_rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
+                torch.save(rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
                                             save_latest=False)
             except Exception as e:
@@ -205,7 +204,7 @@ class TrainLoop:
         try:
             with storage.saving("--ckpt_path", local, f"checkpoint {tag} (staged before its upload to {uri})", kept):
                 (local / tag).mkdir()
-                torch.save(_rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
+                torch.save(rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step}, save_latest=False)
             checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
         finally:
@@ -247,12 +246,7 @@ class TrainLoop:
                                                    load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
-        rng = torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_state(torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False))
         where = checkpoints.location(ckpt, tag)
         if self.rank == 0:
             # The same run, continued: its earlier tags (and the one resumed from) keep rotating.
@@ -345,10 +339,6 @@ def total_steps(cfg, num_examples: int) -> int:
     steps = (num_examples // cfg.train.batch_size) * cfg.train.max_epochs
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def _barrier() -> None:

@@ -184,3 +184,30 @@ def test_a_download_that_fills_the_disk_first_empties_the_unused_cache(remote, t
         storage.local_copy(f"{PROTOCOL}://bucket/two/train.jsonl", tmp_path)
     assert os.path.exists(kept) and os.path.exists(local)
     assert [p.name for p in (tmp_path / "downloads").iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_ranks_of_one_machine_download_a_prefix_once(remote, tmp_path, monkeypatch):  # noqa: F811
+    """Ranks of one node asking for the same model at once take turns on a per-entry lock: one
+    downloads, the others find its copy (without the lock each fetched its own)."""
+    import threading
+
+    from tests.unit.test_storage import FakeS3
+
+    fs, downloads = remote
+    uri = f"{PROTOCOL}://bucket/models/sft"
+    fs.pipe(f"{uri}/model.safetensors", b"w" * 1000)
+    fs.pipe(f"{uri}/config.json", b"{}")
+    slow_get = FakeS3.get
+
+    def slow(self, *args, **kwargs):  # a download long enough for the other ranks to arrive meanwhile
+        time.sleep(0.3)
+        return slow_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeS3, "get", slow)
+    got = []
+    ranks = [threading.Thread(target=lambda: got.append(storage.local_copy(uri, tmp_path))) for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert len(downloads) == 1 and len(set(got)) == 1 and os.path.isfile(os.path.join(got[0], "config.json"))
