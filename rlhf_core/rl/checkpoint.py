@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-LATEST = "latest"
 CONTROLLER = "controller.pt"
 
 

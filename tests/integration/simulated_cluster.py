@@ -219,11 +219,13 @@ def staged_leftovers(home: Path) -> list[Path]:
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 with bucket `models`, its endpoint and test credentials in the
-    environment (what `conftest.s3_endpoint` does, for scripts outside pytest)."""
+    environment while it runs (`conftest.s3_endpoint` for the tests; scripts outside pytest too)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
                       AWS_DEFAULT_REGION="us-east-1")
     try:
@@ -234,7 +236,8 @@ def moto_server() -> Iterator[str]:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the moto S3 server did not start; is moto[server] installed?") from None
+                    raise RuntimeError(f"the moto S3 server did not listen on 127.0.0.1:{port} within 30 s (exit "
+                                       f"code {proc.poll()}); is moto[server] installed?") from None
                 time.sleep(0.2)
         import boto3
 
@@ -243,3 +246,8 @@ def moto_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -16,6 +16,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.infra import storage
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.trainers.loop import TrainLoop
+from tests.integration.simulated_cluster import staged_leftovers
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def listing(ckpt: str) -> list[str]:
 
 def staged() -> list[Path]:
     """What is left in this machine's staging folders (each save removes its own)."""
-    return [p for p in (state_dir() / "staging").rglob("*") if p.is_file()] if (state_dir() / "staging").exists() else []
+    return staged_leftovers(state_dir())
 
 
 def test_supervised_checkpoints_go_to_s3_whole_rotate_there_and_resume_from_a_download(s3_endpoint, capsys):
