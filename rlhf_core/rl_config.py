@@ -409,6 +409,11 @@ class PPOConfig(TrainingStageConfig):
             problems.append("colocating critic and reward model (--train.colocate_critic_reward or "
                             "--train.colocate_all) needs the same --critic.num_nodes/num_gpus_per_node and "
                             "--reward.num_nodes/num_gpus_per_node")
+        started = {"critic": self.uses_critic, "ref": self.uses_ref, "reward": bool(reward.model_name_or_path)}
+        for role, used in started.items():
+            if getattr(self, role).resources and not used:
+                problems.append(f"--{role}.resources: this run starts no {role} role (its estimator, KL or reward "
+                                "source does not use one), so there is nothing to place")
         vllm = self.vllm
         tp = vllm.tensor_parallel_size
         if tp > 1 and not vllm.num_engines:

@@ -58,6 +58,13 @@ def test_role_resources_pin_each_pool_to_the_nodes_that_have_them():
     for bad in ('{"CPU": 1}', "not json"):
         with pytest.raises(ValueError, match="actor.resources"):
             config("actor.resources", bad)
+    # a role this run does not start cannot be pinned: refused rather than accepted and never read
+    for role in ("critic", "reward"):
+        with pytest.raises(ValueError, match=rf"--{role}.resources: this run starts no {role} role"):
+            config(*grpo, f"{role}.resources", '{"node_b": 1}')
+    with pytest.raises(ValueError, match=r"--ref.resources: this run starts no ref role"):
+        config("algo.advantage.estimator", "group_norm", "rollout.n_samples_per_prompt", "4", "algo.kl.init_coef", "0",
+               "ref.resources", '{"node_b": 1}')
 
 
 def test_gpu_placement_counts_gpus_and_refuses_what_does_not_fit():
