@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 from rlhf_core.distributed.cluster import forwarded_env
 from rlhf_core.infra.redaction import redact_text
-from rlhf_core.infra.settings import env_number
+from rlhf_core.infra.settings import EXIT_CONFIG, env_number
 
-EXIT_CONFIG_ERROR = 2  # rlhf_core.cli: configuration or data error
 TAIL_LINES = 30
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 UNREACHABLE_ENV = "RLHF_RAY_UNREACHABLE_S"
@@ -241,7 +240,7 @@ class RayJobRunner:
         seconds = ((info.end_time or 0) - (info.start_time or 0)) / 1000.0
         if status == "SUCCEEDED":
             return JobResult(submission_id, seconds)
-        error = StageConfigError if info.driver_exit_code == EXIT_CONFIG_ERROR else StageJobError
+        error = StageConfigError if info.driver_exit_code == EXIT_CONFIG else StageJobError
         raise error(submission_id, status, info.driver_exit_code, headline(info.message or "", tail), tail)
 
     def _connect(self, submission_id: str, log: Callable[[str], None]) -> None:

@@ -20,10 +20,10 @@ import os
 import sys
 
 from rlhf_core.config import STAGE_CONFIGS, add_config_flags, build_config, load_yaml
-from rlhf_core.infra.settings import ConfigError
+from rlhf_core.infra.settings import EXIT_CONFIG, ConfigError
 from rlhf_core.models.families import FAMILIES
 
-EXIT_USAGE = 2
+EXIT_USAGE = EXIT_CONFIG
 EXIT_FAILED = 1
 COMMAND_GROUP = "rlhf.commands"
 

@@ -1,8 +1,8 @@
 """`python -m rlhf_core.infra.require_env [--env NAME]... SECRET...`: stop a launch script early
 when a credential or setting it needs is not in the environment.
 
-The launch files (deployments/skypilot/README.md, deployments/kuberay/README.md) run it before
-anything starts, so a forgotten `--secret` fails in a second with the variable's name rather
+The SkyPilot tasks (deployments/skypilot/) run it before anything starts (on Kubernetes a pod
+whose Secret is missing does not start at all), so a forgotten `--secret` fails in a second with the variable's name rather
 than an hour later inside a stage. Exit 2 (bad input, as every `rlhf` command) with one line per
 missing variable saying how to pass it; 0 when all are there. An empty value counts as missing.
 Values are never printed: only names leave this module.
@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping
 
-EXIT_USAGE = 2
+from rlhf_core.infra.settings import EXIT_CONFIG
 
 
 def missing(names: Iterable[str], environ: Mapping[str, str]) -> list[str]:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     lines = problems(args.secrets, args.env, os.environ if environ is None else environ)
     for line in lines:
         print(f"rlhf: error: {line}", file=sys.stderr)
-    return EXIT_USAGE if lines else 0
+    return EXIT_CONFIG if lines else 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ class ConfigError(ValueError):
     """A configuration problem with a message that names the field or flag."""
 
 
+EXIT_CONFIG = 2  # the exit status of every command refused for bad configuration or data (not retried)
+
+
 def env_number(name: str, default: float, *, allow_zero: bool = False, integer: bool = False) -> float:
     """A numeric setting read from the environment (`default` when unset or blank); a ConfigError
     naming the variable when it is not a finite number > 0 (>= 0 with `allow_zero`)."""
