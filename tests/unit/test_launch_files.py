@@ -214,7 +214,7 @@ def test_the_task_asks_for_spot_gpus_skypilot_knows(sky, path):
     if path.name == "cluster.yaml":
         assert task.num_nodes >= 2  # head and workers
     else:
-        assert task.num_nodes == 1  # checkpoints through one bucket mount (managed-job.yaml says why)
+        assert task.num_nodes == 1  # one node by default (the S3 checkpoints do not depend on it)
 
 
 def test_the_managed_job_recovers_with_settings_skypilot_acts_on(sky):
@@ -231,12 +231,18 @@ def test_the_managed_job_recovers_with_settings_skypilot_acts_on(sky):
         assert all(r.job_recovery is None for r in sky.Task.from_yaml(str(SKYPILOT / name)).resources)
 
 
-@pytest.mark.parametrize("name", ["managed-job.yaml", "stage.yaml"])
-def test_checkpoints_go_to_the_bucket_the_launch_names(sky, name):
-    task = _task(sky, SKYPILOT / name, envs={"BUCKET": "other-bucket"})
-    mount = task.storage_mounts["/rlhf-bucket"]
-    assert mount.source == "s3://other-bucket"
-    assert mount.mode.value == "MOUNT_CACHED"
+def test_checkpoints_go_to_s3_in_the_bucket_the_launch_names(sky, tmp_path):
+    """Checkpoints are s3:// folders of the bucket given at launch (`--env BUCKET=`), written with the
+    AWS secrets like the outputs: no bucket mount."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "stage").mkdir()
+    calls = head_run(sky, SKYPILOT / "managed-job.yaml", tmp_path / "job",
+                     {"MLFLOW_TRACKING_URI": "https://mlflow.example", "BUCKET": "other-bucket"})
+    assert pipeline_run(calls)[1]["sft"].ckpt_path.startswith("s3://other-bucket/rlhf/checkpoints/")
+    *_, train = head_run(sky, SKYPILOT / "stage.yaml", tmp_path / "stage", {"BUCKET": "other-bucket", "STAGE": "rm"})
+    assert check_rlhf_command(train)[1].ckpt_path == "s3://other-bucket/rlhf/checkpoints/rm"
+    for name in ("managed-job.yaml", "stage.yaml"):
+        assert "file_mounts" not in _raw(SKYPILOT / name)
 
 
 STUBS = ("ray", "mlflow", "curl", "sleep", "nohup", "uv", "pip", "pgrep", "rlhf")
@@ -377,14 +383,13 @@ def test_the_managed_job_resumes_stages_from_checkpoints_on_the_bucket(sky, tmp_
     calls = head_run(sky, SKYPILOT / "managed-job.yaml", tmp_path, {"MLFLOW_TRACKING_URI": "https://mlflow.example"})
     _, params = pipeline_run(calls)
     assert params["settings"].output_root == "s3://my-rlhf-bucket/rlhf/outputs"
-    # one folder per stage, on the bucket mount, the same across the job's recoveries (its task id)
-    ckpt = "/rlhf-bucket/rlhf/checkpoints/sky-managed-2026-11-26-12-00-00-000001_rlhf_1-0"
+    # one folder per stage, on S3, the same across the job's recoveries (its task id)
+    ckpt = "s3://my-rlhf-bucket/rlhf/checkpoints/sky-managed-2026-11-26-12-00-00-000001_rlhf_1-0"
     for stage in ("sft", "rm", "dpo"):
         cfg = params[stage]
         assert (cfg.ckpt_path, cfg.ckpt.save_steps, cfg.ckpt.load_enable) == (f"{ckpt}/{stage}", 200, True)
     ppo = params["ppo"]
     assert (ppo.ckpt.path, ppo.ckpt.save_steps, ppo.ckpt.load_enable) == (f"{ckpt}/ppo", 20, True)
-    assert _raw(SKYPILOT / "managed-job.yaml")["file_mounts"]["/rlhf-bucket"]["source"] == "s3://${BUCKET}"
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto"])
@@ -396,7 +401,7 @@ def test_the_stage_task_trains_one_stage_from_the_built_in_task(sky, tmp_path, s
     out = "s3://my-rlhf-bucket/rlhf"
     assert cfg.pretrain == (f"{out}/prep/base" if stage == "sft" else f"{out}/sft")
     assert cfg.data.dataset == (f"json@{out}/prep/data/sft" if stage == "sft" else f"json@{out}/prep/data/preference")
-    assert (cfg.save_path, cfg.ckpt_path) == (f"{out}/{stage}", f"/rlhf-bucket/rlhf/checkpoints/{stage}")
+    assert (cfg.save_path, cfg.ckpt_path) == (f"{out}/{stage}", f"{out}/checkpoints/{stage}")
     assert cfg.ckpt.load_enable and cfg.ckpt.save_steps == 200
     assert (cfg.train.num_nodes, cfg.train.num_gpus_per_node) == (1, 8)
     assert before == ([["prep", "--out", f"{out}/prep", "--task", "sort", "--demo_error_rate", "0.3"]]
