@@ -81,6 +81,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def train_config(args: argparse.Namespace):
+    """The stage config `rlhf train <stage>` builds from its flags and `--config` YAML (ConfigError
+    naming the flag when it cannot)."""
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
+    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else None
+    if args.stage == "ppo":
+        from rlhf_core.rl_config import build_ppo_config
+
+        return build_ppo_config(yaml_values, values)
+    return build_config(STAGE_CONFIGS[args.stage], yaml_values, values)
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"rlhf: error: {message}", file=sys.stderr)
     return code
@@ -128,11 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(manifest["outputs"], indent=2))
             return 0
         if args.command == "train" and args.stage == "ppo":
-            from rlhf_core.rl_config import build_ppo_config
             from rlhf_core.stages.launch import run_rl_stage
 
-            values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
-            cfg = build_ppo_config(load_yaml(args.config) if getattr(args, "config", None) else None, values)
+            cfg = train_config(args)
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--actor.model_name_or_path", "ref_pretrain": "--ref.model_name_or_path",
                                 "critic_pretrain": "--critic.model_name_or_path",
@@ -141,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run_rl_stage(cfg), indent=2, sort_keys=True))
             return 0
         if args.command == "train":
-            values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
-            cfg = build_config(STAGE_CONFIGS[args.stage], load_yaml(args.config) if getattr(args, "config", None)
-                               else None, values)
+            cfg = train_config(args)
             from rlhf_core.stages.launch import run_stage
 
             check_config_stores(cfg)

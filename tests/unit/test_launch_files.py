@@ -53,8 +53,8 @@ def check_rlhf_command(argv: list[str]):
     parser (argparse would take an abbreviation of a flag, so every flag must be spelled out), then
     the stage config, the prep task or the pipeline's parameters built and validated. Returns
     `(args, what was built)`."""
-    from rlhf_core.cli import _parser
-    from rlhf_core.config import STAGE_CONFIGS, build_config, load_yaml
+    from rlhf_core.cli import _parser, train_config
+    from rlhf_core.config import load_yaml
 
     parser = _parser()
     try:
@@ -69,14 +69,8 @@ def check_rlhf_command(argv: list[str]):
         if token.startswith("--"):
             assert token.split("=", 1)[0] in flags, f"`rlhf {shlex.join(argv)}`: {token} is not a flag of its command"
 
-    config = load_yaml(args.config) if getattr(args, "config", None) else None
     if args.command == "train":
-        values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
-        if args.stage == "ppo":
-            from rlhf_core.rl_config import build_ppo_config
-
-            return args, build_ppo_config(config, values)
-        return args, build_config(STAGE_CONFIGS[args.stage], config, values)
+        return args, train_config(args)
     if args.command == "prep":  # the task must exist (the rest of prep's checks import torch: seconds)
         from rlhf_core.data.synthetic import get_task
 
@@ -84,7 +78,7 @@ def check_rlhf_command(argv: list[str]):
     if args.command == "pipeline":
         from flows.cli import flow_parameters
 
-        return args, flow_parameters(config or {}, args)
+        return args, flow_parameters((load_yaml(args.config) if args.config else None) or {}, args)
     pytest.fail(f"no check for `rlhf {args.command}` yet: add one here")
 
 
