@@ -1,9 +1,9 @@
 """The embedded default on a machine that never ran it: `rlhf pipeline run` with nothing set, and
 the local Ray it starts (127.0.0.1, token authentication on).
 
-The pipeline test is the user's first command on a brand-new machine: a fresh HOME (no ~/.prefect,
-no ~/.ray) and working directory (no .rlhf), a clean environment, the CLI as a subprocess. Only
-the compiled DeepSpeed op cache is shared, to save its 40 s build.
+The first-run test is the user's first command on a brand-new machine, twice at once: a fresh HOME
+(no ~/.prefect, no ~/.ray) and working directory (no .rlhf), a clean environment, the CLI as
+subprocesses. Only the compiled DeepSpeed op cache is shared, to save its 40 s build.
 """
 
 from __future__ import annotations
@@ -123,9 +123,10 @@ def _probe_dashboard(stop: threading.Event, codes: list) -> None:
         time.sleep(0.5)
 
 
-def _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output: str, env: dict, cwd: Path) -> None:
+def _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output: str, env: dict, cwd: Path,
+                                                                     flow_runs: int) -> None:
     """The `Prefect UI:` line's command, run as printed: the UI it serves is told the API URL it is
-    served from (not Prefect's default port) and that API lists the run's flow run."""
+    served from (not Prefect's default port) and that API lists the runs' flow runs, completed."""
     hint = re.search(r"^Prefect UI: (PREFECT_HOME=\S+ .*prefect server start)  \(then open (http://\S+)\)$",
                      output, re.MULTILINE)
     assert hint, "no Prefect UI command in the output"
@@ -146,17 +147,47 @@ def _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output: str
             time.sleep(1)
         assert requests.get(f"{url}/ui-settings", timeout=10).json()["api_url"] == f"{url}/api"
         runs = requests.post(f"{url}/api/flow_runs/filter", json={"limit": 5}, timeout=10).json()
-        assert [r["state_type"] for r in runs] == ["COMPLETED"], "the UI's API shows the run's flow run"
+        assert [r["state_type"] for r in runs] == ["COMPLETED"] * flow_runs, "the UI's API shows the flow runs"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
 
 
-def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
+def _first_runs(cwd: Path, env: dict, seeds: tuple[int, ...]) -> list[subprocess.CompletedProcess]:
+    """`rlhf pipeline run --config run<seed>.yaml` for every seed, started together in `cwd`."""
+    procs = []
+    for seed in seeds:
+        (cwd / f"run{seed}.yaml").write_text(yaml.safe_dump({**TINY, "prep": {**TINY["prep"], "seed": seed}}))
+        log = open(cwd / f"run{seed}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--config",
+                                        f"run{seed}.yaml"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       text=True), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=600)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, Path(log.name).read_text(), "")
+            for proc, log in procs]
+
+
+def test_two_first_pipeline_runs_at_once_on_a_fresh_machine_both_pass_with_their_own_runs(tmp_path):
+    """The user's first command on a brand-new machine, twice at once (a scheduled run while a manual
+    one runs): both start from nothing (one HOME, so one Ray token, created by whichever starts
+    first; one working directory, so one state folder: one SQLite MLflow store, one embedded
+    Prefect database, one outputs folder), each starts a local Ray of its own (every port free at
+    start, the Jobs API agent's included, and a temp dir of its own, through which Ray's job
+    supervisor finds the cluster a job's driver joins). Both must pass without an error line, each
+    with its own MLflow pipeline run and stage runs, while the other runs. The prep seeds differ,
+    so neither run can reuse the other's outputs."""
+    from mlflow import MlflowClient
+
     home, cwd = tmp_path / "home", tmp_path / "project"
     home.mkdir()
     cwd.mkdir()
-    (cwd / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": os.environ.get("LANG", "C.UTF-8"),
            "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
 
@@ -164,21 +195,47 @@ def test_first_pipeline_run_on_a_fresh_machine_passes_without_errors(tmp_path):
     probe = threading.Thread(target=_probe_dashboard, args=(stop, codes), daemon=True)
     probe.start()
     try:
-        done = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--config", "tiny.yaml"],
-                              cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        done = _first_runs(cwd, env, seeds=(0, 1))
     finally:
         stop.set()
         probe.join()
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
-    errors = [line for line in output.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
-    assert not errors, "\n".join(errors[:20])
-    assert "Connecting to existing Ray cluster at address: 127.0.0.1:" in output, "the SFT job's driver"
-    assert "opt out" not in output, "no nudge to turn Ray's authentication off"
+    outputs = [run.stdout for run in done]
+    for run in done:
+        assert run.returncode == 0, run.stdout[-5000:]
+        errors = [line for line in run.stdout.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
+        assert not errors, "\n".join(errors[:20])
+        assert "opt out" not in run.stdout, "no nudge to turn Ray's authentication off"
+
+    # Each run submitted its jobs to a Ray of its own (dashboards 8265 and the next free port) ...
+    dashboards = [set(re.findall(r"submitted Ray job rlhf-\S+ to (http://127\.0\.0\.1:\d+)", text)) for text in outputs]
+    assert all(len(d) == 1 for d in dashboards) and dashboards[0] != dashboards[1], dashboards
+    # ... and every job's driver joined the cluster its run submitted it to: Ray's job supervisor
+    # resolves that address through its cluster's temp dir, else through any Ray on the machine.
+    joined = [set(re.findall(r"Connecting to existing Ray cluster at address: (127\.0\.0\.1:\d+)", text))
+              for text in outputs]
+    assert all(len(j) == 1 for j in joined) and joined[0] != joined[1], joined
 
     state = cwd / ".rlhf"
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    spans = []
+    for text in outputs:
+        parent = client.get_run(re.search(r"=== pipeline run (\w+)", text).group(1))
+        assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.kind"] == "pipeline"
+        children = client.search_runs([parent.info.experiment_id],
+                                      f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        assert {r.data.tags["rlhf.stage_name"] for r in children} == {"prep", "sft"}
+        for run in children:
+            assert run.info.status == "FINISHED" and "rlhf.cached_from" not in run.data.tags
+            assert (Path(run.data.tags["rlhf.output_uri"]) / "stage.json").is_file()
+        assert any(k.startswith("train/") for k in next(r for r in children
+                                                         if r.data.tags["rlhf.stage_name"] == "sft").data.metrics)
+        spans.append((min(r.info.start_time for r in children), max(r.info.end_time for r in children)))
+    # The two runs' stages overlapped in time: both local Rays were up and running jobs together.
+    (a_start, a_end), (b_start, b_end) = spans
+    assert a_start < b_end and b_start < a_end, spans
+
     assert (state / "prefect" / "prefect.db").is_file() and not (home / ".prefect").exists()
-    _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(output, env, cwd)
+    _the_printed_prefect_ui_command_serves_a_ui_that_reaches_its_api(outputs[0], env, cwd, flow_runs=2)
     token = home / ".ray" / "auth_token"
     assert token.stat().st_mode & 0o777 == 0o600
     assert not (home / ".config" / "mlflow" / "telemetry.json").exists(), "MLflow's telemetry stayed off"
