@@ -245,34 +245,30 @@ def test_single_stage_rerun_reuses_upstream_and_leaves_it_untouched(first_run):
     assert runs["sft"].data.tags["rlhf.reused_from_run"] == child_runs(first_run["pipeline_run_id"])["sft"].info.run_id
 
 
-def test_single_stage_ppo_rerun_leaves_upstream_untouched(first_run):
+def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_by_side(first_run):
+    """A rerun of PPO alone (forced) beside DPO, from the first run's SFT and reward model: the new PPO
+    run starts at step 0 in a folder of its own, the upstream outputs are reused untouched, and
+    the evaluation ranks DPO and PPO side by side."""
     from flows.pipeline import rlhf
 
     before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft", "rm")}
-    rerun = rlhf(**params(settings={"stages": ["ppo"], "from_run": first_run["pipeline_run_id"],
-                                    "force_stages": ["ppo"]}))
-    assert set(rerun["stages"]) == {"prep", "sft", "rm", "ppo"} and not rerun["stages"]["ppo"]["cached"]
-    assert rerun["outputs"]["ppo"] != first_run["outputs"]["ppo"]
-    assert {s: rerun["outputs"][s] for s in before} == {s: first_run["outputs"][s] for s in before}
+    result = rlhf(**params(settings={"stages": ["dpo", "ppo", "eval"], "from_run": first_run["pipeline_run_id"],
+                                     "force_stages": ["ppo"]}))
+    assert set(result["stages"]) == {"prep", "sft", "rm", "dpo", "ppo", "eval"}
+    assert not result["stages"]["ppo"]["cached"] and result["outputs"]["ppo"] != first_run["outputs"]["ppo"]
+    assert {s: result["outputs"][s] for s in before} == {s: first_run["outputs"][s] for s in before}
     assert {s: tree_digest(first_run["outputs"][s]) for s in before} == before
-    first, runs = child_runs(first_run["pipeline_run_id"]), child_runs(rerun["pipeline_run_id"])
+    first, runs = child_runs(first_run["pipeline_run_id"]), child_runs(result["pipeline_run_id"])
     tags = runs["ppo"].data.tags
     assert tags["rlhf.upstream.reward.model_uri"] == first_run["outputs"]["rm"]
-    assert tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
     assert runs["rm"].data.tags["rlhf.reused_from_run"] == first["rm"].info.run_id
     assert "rlhf.resumed_from_checkpoints" not in tags  # a new run's folder: it starts at step 0
 
-
-def test_dpo_and_ppo_from_the_same_sft_and_rm_are_evaluated_side_by_side(first_run):
-    from flows.pipeline import rlhf
-
-    result = rlhf(**params(settings={"stages": ["dpo", "ppo", "eval"], "from_run": first_run["pipeline_run_id"]}))
     assert result["evaluation"]["policies"] == ["dpo", "ppo"]
     metrics = result["evaluation"]["metrics"]
     for name in ("dpo", "ppo"):
         for metric in ("sampled_accuracy", "greedy_accuracy", "win_rate", "kl"):
             assert f"eval/{name}/{metric}" in metrics, (name, metric)
-    runs = child_runs(result["pipeline_run_id"])
     for name in ("dpo", "ppo"):
         assert runs[name].data.tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
         assert runs["eval"].data.tags[f"rlhf.upstream.policy-{name}.model_uri"] == result["outputs"][name]
