@@ -2,8 +2,9 @@
 (vLLM 0.32.0 with Prefect 3.7, whose fastapi range meets vLLM's), and this test environment holds
 vLLM's CPU build and no CUDA build of anything.
 
-The dry run resolves the GPU extra from scratch (`--ignore-installed`) against the package registry,
-as in a fresh virtualenv: metadata only, no wheels (about 65 s on a 2-core machine).
+The dry run resolves the GPU extra's requirements (the package's dependencies and the extra's)
+from scratch (`--ignore-installed`) against the package registry, as in a fresh virtualenv: metadata
+only, no wheels, and no editable build of this package (about 65 s on a 2-core machine).
 """
 
 import json
@@ -20,12 +21,23 @@ CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec", "triton", "flash-attn")
 pytestmark = pytest.mark.slow
 
 
-def resolve(target: str, tmp_path) -> dict[str, str]:
-    """Name -> version of everything `pip install target` would install into an empty environment."""
+def resolve(extra: str, tmp_path) -> dict[str, str]:
+    """Name -> version of everything `pip install .[extra]` would install into an empty environment,
+    this package aside."""
+    from packaging.requirements import Requirement
+
+    wanted = []
+    for line in metadata.requires("rlhf-lifecycle"):  # pyproject.toml's, as this checkout installed them
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": extra}):
+            requirement.marker = None
+            wanted.append(str(requirement))
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("\n".join(wanted))
     report = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--report", str(report), "-e", target], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                           "--report", str(report), "-r", str(requirements)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return {item["metadata"]["name"].lower(): item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]}
@@ -39,7 +51,7 @@ def installed(name: str) -> str | None:
 
 
 def test_the_gpu_profile_resolves_with_vllm(tmp_path):
-    gpu = resolve(".[gpu]", tmp_path)
+    gpu = resolve("gpu", tmp_path)
     assert gpu["vllm"] == "0.32.0" and "flash-attn" not in gpu
     assert gpu["prefect"].startswith("3.7.") and gpu["torch"] == installed("torch")
     assert gpu["transformers"] == installed("transformers")
