@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from rlhf_core.config import DPOConfig, RMConfig, SFTConfig, StrictModel, spellings_of
 from rlhf_core.models.families import FAMILIES
+from rlhf_core.models.sizes import MODEL_SIZES
 from rlhf_core.rl_config import PPOConfig
 
 # Tuned on the tiny model and the sort task (figures: benchmarks/README.md), as dotted paths. The
@@ -148,7 +149,7 @@ class PrepParams(StrictModel):
 
     task: str = "sort"
     seed: int = 0
-    model_size: str = Field("tiny", pattern="^(tiny|small)$")
+    model_size: str = Field("tiny", pattern="^(" + "|".join(MODEL_SIZES) + ")$")
     model_family: str | None = Field(None, pattern="^(" + "|".join(FAMILIES) + ")$", examples=["qwen3"],
                                      description="Build the base in the shape of a model family (its special tokens "
                                      "and chat template): " + ", ".join(FAMILIES) + "; empty: the built-in tiny Llama")

@@ -22,6 +22,7 @@ import sys
 from rlhf_core.config import STAGE_CONFIGS, add_config_flags, build_config, load_yaml
 from rlhf_core.infra.settings import EXIT_CONFIG, ConfigError
 from rlhf_core.models.families import FAMILIES
+from rlhf_core.models.sizes import MODEL_SIZES
 
 EXIT_USAGE = EXIT_CONFIG
 EXIT_FAILED = 1
@@ -36,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, help="Output directory")
     prep.add_argument("--task", default="addition", help="Built-in task name")
     prep.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--model_size", default="tiny", choices=["tiny", "small"])
+    prep.add_argument("--model_size", default="tiny", choices=list(MODEL_SIZES))
     prep.add_argument("--model_family", default=None, help="Build the base in the shape of a model family, with its "
                       "special tokens and chat template: " + ", ".join(FAMILIES) + " (default: the built-in "
                       "tiny Llama)")

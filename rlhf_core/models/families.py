@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, MODEL_SIZES
+
 
 @dataclass(frozen=True)
 class Family:
@@ -132,7 +134,6 @@ def train_family_tokenizer(family: Family, texts: Iterable[str], vocab_size: int
 def family_config(family: Family, tokenizer, size: str = "tiny"):
     from transformers import AutoConfig
 
-    from rlhf_core.models.tiny import MAX_POSITION_EMBEDDINGS, MODEL_SIZES
 
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")

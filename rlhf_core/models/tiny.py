@@ -24,11 +24,12 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, MODEL_SIZES
+
 PAD, BOS, EOS, USER, ASSISTANT = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT]
 
 DEFAULT_VOCAB_SIZE = 384
-MAX_POSITION_EMBEDDINGS = 256
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -41,17 +42,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
 )
 
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    # ~1.05M parameters besides embeddings.
-    "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
-    # ~6.3M parameters besides embeddings: for machines with more cores, or a GPU.
-    "small": {
-        "hidden_size": 256,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "intermediate_size": 1024,
-    },
-}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,

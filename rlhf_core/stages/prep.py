@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rlhf_core.data.synthetic import build_splits, get_task
 from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
+from rlhf_core.models.sizes import MODEL_SIZES
 from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, build_tiny_llama, train_tokenizer
 
 DEFAULT_N_TRAIN = 4000
@@ -145,8 +146,8 @@ def check_prep_params(params: dict) -> None:
     for name in ("n_train", "n_test"):
         if isinstance(params[name], bool) or not isinstance(params[name], int) or params[name] < 1:
             raise ConfigError(f"--{name}: must be a whole number of examples >= 1, got {params[name]!r}")
-    if params["model_size"] not in ("tiny", "small"):
-        raise ConfigError(f"--model_size: must be tiny or small, got {params['model_size']!r}")
+    if params["model_size"] not in MODEL_SIZES:
+        raise ConfigError(f"--model_size: must be one of {', '.join(MODEL_SIZES)}, got {params['model_size']!r}")
     if params.get("model_family") is not None:
         try:
             get_family(params["model_family"])

@@ -155,7 +155,7 @@ def test_chat_template_rejects_unknown_roles(tokenizer):
 
 
 def test_build_tiny_llama_sizes_and_seeding(tokenizer):
-    assert set(MODEL_SIZES) == {"tiny", "small"}
+    assert set(MODEL_SIZES) == {"tiny", "small", "100m"}
     with pytest.raises(ValueError, match="tiny"):
         build_tiny_llama(tokenizer, size="huge")
     torch.manual_seed(7)
