@@ -1,7 +1,7 @@
 """Rollout engines on this machine: vLLM's CPU build against the project's transformers engine.
 
-For each model size (the tiny and small models `rlhf prep` builds, and an ~85M-parameter Llama of
-GPT-2-small shape built locally), each engine generates what an RL step of the built-in task asks:
+For each model size `rlhf prep` builds (tiny, small, and 100m: a Llama of GPT-2 small's shape),
+each engine generates what an RL step of the built-in task asks:
 64 chat-formatted `sort` prompts x 4 samples at temperature 1, up to 32 new tokens, in the
 trainer's precision (`--dtype`: fp32, or bf16 where the CPU has it natively). Each engine runs in a process of its own, as the RL stage runs it in a
 Ray actor (vLLM's CPU worker binds the threads of its process). Printed per size and engine: the
@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from scale import SIZES
+
 PROMPTS, SAMPLES, MAX_NEW, TEMPERATURE = 64, 4, 32, 1.0
-SIZE_100M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
-             "max_position_embeddings": 256}
 
 
 def build_models(root: Path, sizes: list[str]) -> tuple[dict[str, str], str]:
@@ -41,16 +41,9 @@ def build_models(root: Path, sizes: list[str]) -> tuple[dict[str, str], str]:
     for size in sizes:
         if size == "tiny":
             continue
-        if size == "small":
-            model = build_tiny_llama(tok, "small", seed=0)
-        elif size == "100m":
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id, tie_word_embeddings=True, **SIZE_100M)
-            model = LlamaForCausalLM(config)
-        else:
-            raise SystemExit(f"--sizes: unknown size {size!r} (tiny, small, 100m)")
+        if size not in SIZES:
+            raise SystemExit(f"--sizes: unknown size {size!r} ({', '.join(SIZES)})")
+        model = build_tiny_llama(tok, size, seed=0)
         out = root / size
         model.save_pretrained(out)
         tok.save_pretrained(out)

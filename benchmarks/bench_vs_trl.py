@@ -1,7 +1,7 @@
 """SFT and DPO step speed, this project against TRL, on the same model, data and batch.
 
-Both sides train the `rlhf prep` Llama (model_size small by default) on a built-in task (`--task`,
-default sort, the pipeline's) with
+Both sides train the `rlhf prep` Llama (`--model_size` small by default; tiny; or 100m, ~113M
+parameters besides the embeddings) on a built-in task (`--task`, default sort, the pipeline's) with
 the same tokenizer and chat template, the same rows in the same order (TRL gets the dataset
 reordered by our `BatchPlan` and a sequential sampler), the same global batch, micro batch,
 max_len, bf16 autocast on fp32 weights, torch AdamW and number of optimizer steps. Each side
@@ -26,9 +26,15 @@ Choices, and why:
 - Tokens are the real (non-pad) tokens of prompt+response in the step's batches, counted the
   same way on both sides; DPO counts chosen and rejected sequences. pairs/s is steps x global
   batch / time.
+- Scale figures (`benchmarks/scale.py`): each table also gives every run's achieved model FLOP/s
+  (FLOPs per token x tokens/s; FLOPs per token from the model's counts and the rows' token-weighted
+  mean length, counted by the driver on the rows the run trains) and its MFU against the bf16 or
+  fp32 peak of a square matmul measured by the driver before and after the runs on `--threads`
+  threads. Whole runs (`--mode process`) divide the rows' tokens by the process's wall time.
 - Nothing is asserted about time: the script prints throughput and ratios (benchmarks/README.md).
 
 Usage: python benchmarks/bench_vs_trl.py [--stages sft,dpo] [--steps 20] [--repeats 3]
+       [--model_size tiny|small|100m] [--mode steps|process|both]
 (see benchmarks/README.md). Needs TRL: pip install -e '.[bench]'; exits 2 without it.
 """
 
@@ -47,6 +53,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from scale import (
+    SIZES,
+    counts_line,
+    flops_per_token,
+    formula,
+    gflops,
+    length_stats,
+    measured_peaks,
+    mfu,
+    model_counts,
+    peak_line,
+    row_lengths,
+)
+
 RESULT_PREFIX = "BENCH_RESULT "
 
 # What each named run is. "ours" (packed, the CLI's engine) is the reference every TRL run is compared to;
@@ -64,6 +84,10 @@ VARIANTS: dict[str, dict] = {
 DEFAULT_VARIANTS = {"sft": ["ours", "trl", "trl-padding-free", "trl-our-attention"], "dpo": ["ours", "trl", "trl-our-attention"]}
 LEARNING_RATE = {"sft": 1e-4, "dpo": 5e-7}
 SEED = 42  # our configs' default seed; it fixes the row order both sides train on
+# Rows of a whole run (one epoch) by model size: a 100m step takes seconds on a 2-core CPU (tens of times a
+# small one's), so its whole runs train 100 SFT / 50 DPO steps of 32, still most of the process's time.
+PROCESS_ROWS = {"tiny": {"sft": 16000, "dpo": 8000}, "small": {"sft": 16000, "dpo": 8000},
+                "100m": {"sft": 3200, "dpo": 1600}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,18 +197,28 @@ def run_ours(args) -> dict:
     return summarize(args, ends, tokens, setup, torch.get_num_threads())
 
 
-def trl_rows(args) -> list[dict]:
-    """The stage's train rows as TRL conversational data, in the order our BatchPlan trains them."""
+def train_rows(data_root, stage: str) -> list[dict]:
+    kind = "sft" if stage == "sft" else "preference"
+    path = Path(data_root) / "data" / kind / "train.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def row_order(args, stage: str, n_rows: int, whole: bool, first_step: int = 0) -> list[int]:
+    """Indices of the rows a run trains: a whole run the first `--process_rows` (TRL shuffles them
+    itself, ours trains `--max_samples` of them); a steps run those of our BatchPlan's steps from
+    `first_step` on, in its order."""
     from rlhf_core.data.batching import BatchPlan
 
-    kind = "sft" if args.stage == "sft" else "preference"
-    path = Path(args.data_root) / "data" / kind / "train.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if args.whole:  # a whole run: the first rows, in file order (TRL shuffles them itself)
-        order = list(range(min(len(rows), args.process_rows[args.stage])))
-    else:
-        plan = BatchPlan(len(rows), args.train_batch_size, args.micro_train_batch_size, 0, 1, SEED)
-        order = [i for s in range(args.warmup + args.steps) for mb in plan.micro_batches(0, s) for i in mb]
+    if whole:
+        return list(range(min(n_rows, args.process_rows[stage])))
+    plan = BatchPlan(n_rows, args.train_batch_size, args.micro_train_batch_size, 0, 1, SEED)
+    return [i for s in range(first_step, args.warmup + args.steps) for mb in plan.micro_batches(0, s) for i in mb]
+
+
+def trl_rows(args) -> list[dict]:
+    """The stage's train rows as TRL conversational data, in the order our BatchPlan trains them."""
+    rows = train_rows(args.data_root, args.stage)
+    order = row_order(args, args.stage, len(rows), args.whole)
 
     def user(text):
         return [{"role": "user", "content": text}]
@@ -418,11 +452,18 @@ def run_whole(args, stage: str, side: str, data_root: Path, out_dir: Path, snaps
 def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
     ok = {side: [r for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
     unit = "pairs" if stage == "dpo" else "rows"
+    fl = scale_of(args, stage, "whole")
     lines = [f"### {stage.upper()} whole process: {args.process_rows[stage]} {unit}, 1 epoch, global batch "
              f"{args.train_batch_size}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
-             f"{args.model_size}, medians of {args.repeats} alternating runs", "",
-             "| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) | CPU s (median) | "
-             "TRL ÷ ours (CPU time) | load (1 min) |", "|---|---|---|---|---|---|---|---|"]
+             f"{args.model_size}, medians of {args.repeats} alternating runs", ""]
+    if fl:
+        what = f"{fl['rows']} sequences (chosen and rejected)" if stage == "dpo" else f"{fl['rows']} rows"
+        lines += [f"Tokens: the {fl['tokens']} real (non-pad) prompt+response tokens of the {what} trained, counted "
+                  f"with the chat template; tokens/s and MFU are over the whole process's wall time (start, data, "
+                  f"evaluation and saving included). {flops_text(args, fl)}", ""]
+    lines += ["| side | runs ok | seconds (median) | per run | **TRL ÷ ours** (time) | CPU s (median) | "
+              "TRL ÷ ours (CPU time) | " + ("tokens/s | model GFLOP/s | MFU | " if fl else "") + "load (1 min) |",
+              "|---|---|---|---|---|---|---|" + ("---|---|---|" if fl else "") + "---|"]
 
     def median_of(side, key):
         values = [r[key] for r in ok[side] if r.get(key) is not None]  # CPU time: absent in older files
@@ -436,10 +477,40 @@ def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
         shown = f"{med[side]:.1f}" if med[side] else "failed"
         load = median_of(side, "load_1m")
         per_run = ", ".join(f"{r['seconds']:.1f}" for r in ok[side])
+        compute = ""
+        if fl:
+            rate = fl["tokens"] / med[side] if med[side] else None
+            compute = (f"{rate:.0f} | {gflops(rate * fl['flops_per_token'])} | "
+                       f"{100 * mfu(rate * fl['flops_per_token'], args.scale['peaks'], args.precision):.1f}% | "
+                       if rate else "— | — | — | ")
         lines.append(f"| {side} | {len(ok[side])}/{len(results[side])} | {shown} | {per_run} | {ratio} | "
-                     f"{f'{cpu[side]:.1f}' if cpu[side] else '—'} | {cpu_ratio} | "
+                     f"{f'{cpu[side]:.1f}' if cpu[side] else '—'} | {cpu_ratio} | {compute}"
                      f"{f'{load:.1f}' if load is not None else '—'} |")
     return lines + [""]
+
+
+def scale_of(args, stage: str, mode: str) -> dict | None:
+    """The stage's FLOPs record (`stage_flops`) for `mode` (steps, whole), if the run measured it
+    (files written before the scale figures have none)."""
+    info = getattr(args, "scale", None)
+    return info["flops"].get(f"{stage}-{mode}") if info else None
+
+
+def flops_text(args, fl: dict) -> str:
+    return (f"FLOPs per token {formula(fl['passes'])} = {fl['flops_per_token'] / 1e6:.1f} MFLOP at the token-weighted "
+            f"mean length T = {fl['mean_len']:.1f} ({counts_line(args.scale['counts'])})")
+
+
+def stage_flops(args, stage: str, data_root: Path, counts: dict, whole: bool) -> dict:
+    """Real tokens, rows and model FLOPs per token of what a run of `stage` trains (the timed steps'
+    rows, or a whole run's), counted here from the data with the tokenizer both sides use."""
+    from rlhf_core.models.loading import load_tokenizer
+
+    rows = train_rows(data_root, stage)
+    order = row_order(args, stage, len(rows), whole, first_step=0 if whole else args.warmup)
+    stats = length_stats(row_lengths(load_tokenizer(str(data_root / "base")), [rows[i] for i in order], stage))
+    passes = 4.0 if stage == "dpo" else 3.0  # DPO: the frozen reference's forward runs every step on both sides
+    return {**stats, "passes": passes, "flops_per_token": flops_per_token(counts, stats["mean_len"], passes)}
 
 
 def throughput(result: dict, stage: str) -> float:
@@ -483,13 +554,21 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
 
     wall = {n: median_of(n, lambda r: throughput(r, stage)) for n in names}
     fast = {n: median_of(n, lambda r: fast_throughput(r, stage, args.train_batch_size)) for n in names}
+    fl = scale_of(args, stage, "steps")
     lines = [f"### {stage.upper()}: {args.steps} timed steps after {args.warmup} warm-up, "
              f"global batch {args.train_batch_size}, micro batch {args.micro_train_batch_size}, "
-             f"max_len {args.max_len}, {args.precision}, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", "",
-             "| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
-             + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
-             "| ours ÷ this, fast steps | ours ÷ this, per CPU second | load (1 min) |",
-             "|---|---|---|---|---|---|" + ("---|" if dpo else "") + "---|---|---|---|---|---|"]
+             f"max_len {args.max_len}, {args.precision}, task {args.task}, model {args.model_size}, medians of {args.repeats} runs", ""]
+    if fl:
+        lines += [f"Tokens: real (non-pad) prompt+response tokens of the timed steps' batches, as each side counts "
+                  f"them{' (chosen and rejected sequences)' if dpo else ''}, over the timed steps' wall time (the "
+                  f"rows hold {fl['tokens'] / args.steps:.0f} a step by the driver's count). {flops_text(args, fl)}",
+                  ""]
+    lines += ["| run | runs ok | tokens/step | ms/step | CPU ms/step | tokens/s | " + ("pairs/s | " if dpo else "")
+              + ("model GFLOP/s | MFU | " if fl else "")
+              + f"**ours ÷ this** ({unit}) | per-round ours ÷ this (min–max) | fast-step ms (p20) "
+              "| ours ÷ this, fast steps | ours ÷ this, per CPU second | load (1 min) |",
+              "|---|---|---|---|---|---|" + ("---|" if dpo else "") + ("---|---|" if fl else "")
+              + "---|---|---|---|---|---|"]
 
     def per_cpu_second(r):  # work per CPU second of the run's process: what a busy machine barely moves
         return (args.train_batch_size if dpo else r["tokens_per_step"]) / r["cpu_ms_per_step"]
@@ -497,7 +576,7 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
     cpu = {n: median_of(n, per_cpu_second) for n in names}
     for name in names:
         if not ok[name]:
-            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * (11 if dpo else 10))
+            lines.append(f"| {name} | 0/{len(results[name])} |" + " |" * ((11 if dpo else 10) + (2 if fl else 0)))
             continue
         ratio, spread, fast_ratio, cpu_ratio = "—", "—", "—", "—"
         if name != "ours" and wall.get("ours") and wall[name]:
@@ -509,26 +588,36 @@ def report(args, stage: str, names: list[str], results: dict[str, list[dict]]) -
             fast_ratio = f"{fast['ours'] / fast[name]:.2f}x"
             cpu_ratio = f"{cpu['ours'] / cpu[name]:.2f}x"
         pairs = f"{wall[name]:.1f} | " if dpo else ""
+        rate = median_of(name, lambda r: r["tokens_per_s"])
+        if fl:
+            pairs += (f"{gflops(rate * fl['flops_per_token'])} | "
+                      f"{100 * mfu(rate * fl['flops_per_token'], args.scale['peaks'], args.precision):.1f}% | ")
         lines.append(f"| {name} | {len(ok[name])}/{len(results[name])} | {median_of(name, lambda r: r['tokens_per_step']):.0f} "
                      f"| {median_of(name, lambda r: r['ms_per_step']):.0f} | {median_of(name, lambda r: r['cpu_ms_per_step']):.0f} "
-                     f"| {median_of(name, lambda r: r['tokens_per_s']):.0f} | {pairs}{ratio} | {spread} "
+                     f"| {rate:.0f} | {pairs}{ratio} | {spread} "
                      f"| {median_of(name, fast_step_ms):.0f} | {fast_ratio} | {cpu_ratio} "
                      f"| {median_of(name, lambda r: r['load_1m']):.1f} |")
     lines += ["", "Setups:"] + [f"- `{name}`: {describe(name, results[name])}" for name in names] + [""]
     return lines
 
 
-def print_saved(path: str) -> int:
-    """Print the tables of a `--json_out` file (also one a cut-short benchmark left behind)."""
-    saved = json.loads(Path(path).read_text())
-    args = argparse.Namespace(**saved["args"])
-    lines = [saved["header"], ""]
-    for stage, results in saved["results"].items():
+def tables(args, header: str, raw: dict[str, dict[str, list[dict]]]) -> str:
+    """The header, the measured peak and every stage's table."""
+    lines = [header, ""]
+    if getattr(args, "scale", None):
+        lines += [peak_line(args.scale["peaks"], args.precision), ""]
+    for stage, results in raw.items():
         if stage.endswith("-whole"):
             lines += report_whole(args, stage.removesuffix("-whole"), results)
         else:
             lines += report(args, stage, list(results), results)
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def print_saved(path: str) -> int:
+    """Print the tables of a `--json_out` file (also one a cut-short benchmark left behind)."""
+    saved = json.loads(Path(path).read_text())
+    print(tables(argparse.Namespace(**saved["args"]), saved["header"], saved["results"]))
     return 0
 
 
@@ -549,65 +638,76 @@ def driver_main(args) -> int:
 
     # auto: what the CLI would pick on this machine; an explicit choice is measured as asked.
     args.precision = resolve_here("auto").value if args.param_dtype == "auto" else args.param_dtype
+    modes = ["process", "steps"] if args.mode == "both" else [args.mode]
 
     keep = args.work_dir is not None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-vs-trl-")).resolve()
-    data_root = work / f"prep-{args.task}-{args.model_size}-{args.mode}"
-    print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
     snapshot, code = take_snapshot(work)
-    n_train = max(args.process_rows.values()) if args.mode == "process" else None  # else prep's default
-    prep = subprocess.run([sys.executable, "-c", "import sys, json; from rlhf_core.stages.prep import prepare; "
-                           "prepare(sys.argv[1], task=sys.argv[3], seed=0, model_size=sys.argv[2], "
-                           "**({'n_train': int(sys.argv[4])} if sys.argv[4] != 'None' else {}))",
-                           str(data_root), args.model_size, args.task, str(n_train)],
-                          capture_output=True, text=True, cwd=snapshot)
-    if prep.returncode != 0:
-        print(prep.stderr[-3000:], file=sys.stderr)
-        return 1
+    roots = {}
+    for mode in modes:
+        roots[mode] = data_root = work / f"prep-{args.task}-{args.model_size}-{mode}"
+        print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
+        n_train = max(args.process_rows.values()) if mode == "process" else None  # else prep's default
+        rows = ["--n_train", str(n_train)] if n_train is not None else []
+        prep = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(data_root), "--task",
+                               args.task, "--seed", "0", "--model_size", args.model_size, *rows],
+                              capture_output=True, text=True, cwd=snapshot)
+        if prep.returncode != 0:
+            print(prep.stderr[-3000:], file=sys.stderr)
+            return 1
+    # The figures MFU needs: the model's counts, each run's tokens and FLOPs per token, the measured peak
+    # (taken again after the runs; the higher reading counts).
+    counts = model_counts(str(roots[modes[0]] / "base"))
+    args.scale = {"counts": counts, "peaks": measured_peaks(args.threads), "flops": {
+        f"{stage}-{'whole' if mode == 'process' else 'steps'}": stage_flops(args, stage, roots[mode], counts,
+                                                                            mode == "process")
+        for mode in modes for stage in stages}}
 
     raw: dict[str, dict[str, list[dict]]] = {}
-    header = versions_line(args, code)
-    out_lines = [header, ""]
     failed = False
-    for stage in stages if args.mode == "process" else []:
+
+    def save():  # after every run: a long benchmark that is cut short keeps what it measured
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": versions_line(args, code),
+                                                       "results": raw}, indent=2))
+
+    for stage in stages if "process" in modes else []:
         whole: dict[str, list[dict]] = {"ours": [], "trl": []}
+        raw[f"{stage}-whole"] = whole
         for round_ in range(args.repeats):
             for side in ("ours", "trl"):
-                result = run_whole(args, stage, side, data_root, work / "runs" / f"whole-{stage}-{side}-{round_}",
-                                   snapshot)
+                result = run_whole(args, stage, side, roots["process"],
+                                   work / "runs" / f"whole-{stage}-{side}-{round_}", snapshot)
                 whole[side].append(result)
                 failed |= bool(result.get("failed"))
+                save()
                 if not result.get("failed"):
                     print(f"  {stage} whole round {round_ + 1}/{args.repeats} {side:5s} {result['seconds']:7.1f} s",
                           file=sys.stderr, flush=True)
-        raw[f"{stage}-whole"] = whole
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": header, "results": raw}, indent=2))
-        out_lines += report_whole(args, stage, whole)
-    for stage in stages if args.mode == "steps" else []:
+    for stage in stages if "steps" in modes else []:
         names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[stage]
         names = [n for n in names if not (stage == "dpo" and n == "trl-padding-free")]
         unknown = [n for n in names if n not in VARIANTS]
         if unknown:
             raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
         results: dict[str, list[dict]] = {n: [] for n in names}
+        raw[stage] = results
         for round_ in range(args.repeats):
             for name in names:  # alternate: ours, trl, ..., ours, trl, ...
                 out_dir = work / "runs" / f"{stage}-{name}-{round_}"
-                result = run_child(args, stage, name, data_root, out_dir, snapshot)
+                result = run_child(args, stage, name, roots["steps"], out_dir, snapshot)
                 results[name].append(result)
                 failed |= bool(result.get("failed"))
-                raw[stage] = results
-                if args.json_out:  # after every run: a long benchmark that is cut short keeps what it measured
-                    Path(args.json_out).write_text(json.dumps({"args": vars(args), "header": header, "results": raw}, indent=2))
+                save()
                 if not result.get("failed"):
                     print(f"  {stage} round {round_ + 1}/{args.repeats} {name:17s} "
                           f"{result['ms_per_step']:8.1f} ms/step ({result['cpu_ms_per_step']:7.1f} CPU ms)  "
                           f"{result['tokens_per_s']:8.0f} tokens/s"
                           + (f"  {result['pairs_per_s']:7.1f} pairs/s" if stage == "dpo" else ""),
                           file=sys.stderr, flush=True)
-        out_lines += report(args, stage, names, results)
-    print("\n".join(out_lines))
+    args.scale["peaks"] = measured_peaks(args.threads, args.scale["peaks"])
+    save()
+    print(tables(args, versions_line(args, code), raw))
     if not keep:
         import shutil
 
@@ -633,14 +733,17 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=None,
                    help=f"comma-separated runs per stage (default sft: {','.join(DEFAULT_VARIANTS['sft'])}; "
                         f"dpo: {','.join(DEFAULT_VARIANTS['dpo'])}); known: {', '.join(VARIANTS)}")
-    p.add_argument("--model_size", default="small", choices=["tiny", "small"])
+    p.add_argument("--model_size", default="small", choices=SIZES,
+                   help="the model both sides train, an rlhf prep size: tiny, small or 100m (~113M parameters "
+                        "besides the embeddings)")
     p.add_argument("--task", default="sort", help="built-in task whose data both sides train on (default: the "
                                                    "pipeline's task; addition has shorter, more even rows)")
-    p.add_argument("--mode", choices=["steps", "process"], default="steps",
+    p.add_argument("--mode", choices=["steps", "process", "both"], default="steps",
                    help="steps: timed optimizer steps in steady state; process: whole runs as users start them "
-                        "(ours: `rlhf train`), timed from process start to exit")
-    p.add_argument("--process_rows", type=json.loads, default={"sft": 16000, "dpo": 8000},
-                   help='rows per whole run, JSON (default {"sft": 16000, "dpo": 8000}); one epoch each')
+                        "(ours: `rlhf train`), timed from process start to exit; both: process, then steps")
+    p.add_argument("--process_rows", type=json.loads, default=None,
+                   help="rows per whole run, JSON (default by model size: tiny and small "
+                        f"{json.dumps(PROCESS_ROWS['small'])}, 100m {json.dumps(PROCESS_ROWS['100m'])}); one epoch each")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs of each setup, alternated")
@@ -666,7 +769,10 @@ def parse_args(argv=None):
     p.add_argument("--force_zero", type=lambda s: s == "True", default=False, help=argparse.SUPPRESS)
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.process_rows is None:
+        args.process_rows = PROCESS_ROWS[args.model_size]
+    return args
 
 
 def main(argv=None) -> int:
