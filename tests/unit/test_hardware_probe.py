@@ -2,6 +2,7 @@
 while nothing that decides it changes; a cluster of RAY_ADDRESS is asked every run."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ def probes(monkeypatch, tmp_path):
     return calls
 
 
+@pytest.mark.skipif(not Path("/proc/sys/kernel/random/boot_id").exists(), reason="no boot id here: nothing is kept")
 def test_a_local_clusters_answer_is_probed_once_per_machine(probes, monkeypatch, tmp_path):
     lines = []
     first = hardware.probe_cluster("http://local:8265", lines.append)
@@ -32,6 +34,7 @@ def test_a_local_clusters_answer_is_probed_once_per_machine(probes, monkeypatch,
     assert probes == ["http://local:8265", "http://local:8267"]
 
 
+@pytest.mark.skipif(not Path("/proc/sys/kernel/random/boot_id").exists(), reason="no boot id here: nothing is kept")
 def test_a_remembered_answer_without_every_precision_is_asked_again(probes, tmp_path):
     partial = {**answer_of(False), "precision": {"fp32": "fp32"}}  # from code that knew fewer precisions
     (tmp_path / "hardware.json").write_text(json.dumps({hardware.machine_key(): partial}))
