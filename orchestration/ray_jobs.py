@@ -32,10 +32,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlhf_core.distributed.cluster import forwarded_env
 from rlhf_core.infra.redaction import redact_text
-from rlhf_core.infra.settings import EXIT_CONFIG, env_number
+from rlhf_core.infra.settings import EXIT_CONFIG, ConfigError, env_number
 
 TAIL_LINES = 30
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -542,12 +543,27 @@ def live_address(address: str, log: Callable[[str], None] | None = None) -> str:
         return cluster.address
 
 
+def check_no_other_checkout_here(cwd: Path | None = None) -> None:
+    """ConfigError when the working directory holds a copy of `rlhf_core` other than the one running.
+    A local cluster's jobs run in this directory: `python -m rlhf_core.cli` puts it first on the
+    driver's path and Ray puts it on every rank's, so they would import that copy, not this code."""
+    import rlhf_core
+
+    here = Path(cwd or Path.cwd())
+    other, mine = here / "rlhf_core", Path(rlhf_core.__file__).resolve().parent
+    if other.is_dir() and other.resolve() != mine:
+        raise ConfigError(f"the working directory {here} holds another copy of this project's code ({other}); the "
+                          f"local Ray's jobs run there and would import it instead of the running code ({mine}): "
+                          "start the pipeline from another directory")
+
+
 @contextlib.contextmanager
 def ray_cluster() -> Iterator[str]:
     """The Jobs API address: `RAY_ADDRESS`, or a local Ray with its dashboard for this block."""
     if os.environ.get("RAY_ADDRESS"):
         yield os.environ["RAY_ADDRESS"]
         return
+    check_no_other_checkout_here()
     from rlhf_core.distributed.cluster import prepare_environment
     from rlhf_core.distributed.local_ray import prepare_auth, reread_ray_config
 
