@@ -32,11 +32,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from rlhf_core.distributed.cluster import forwarded_env
+from rlhf_core.distributed.cluster import check_no_other_checkout_here, forwarded_env
 from rlhf_core.infra.redaction import redact_text
-from rlhf_core.infra.settings import EXIT_CONFIG, ConfigError, env_number
+from rlhf_core.infra.settings import EXIT_CONFIG, env_number
 
 TAIL_LINES = 30
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -541,20 +540,6 @@ def live_address(address: str, log: Callable[[str], None] | None = None) -> str:
             if log:
                 log(f"a fresh local Ray cluster is up at {cluster.address}")
         return cluster.address
-
-
-def check_no_other_checkout_here(cwd: Path | None = None) -> None:
-    """ConfigError when the working directory holds a copy of `rlhf_core` other than the one running.
-    A local cluster's jobs run in this directory: `python -m rlhf_core.cli` puts it first on the
-    driver's path and Ray puts it on every rank's, so they would import that copy, not this code."""
-    import rlhf_core
-
-    here = Path(cwd or Path.cwd())
-    other, mine = here / "rlhf_core", Path(rlhf_core.__file__).resolve().parent
-    if other.is_dir() and other.resolve() != mine:
-        raise ConfigError(f"the working directory {here} holds another copy of this project's code ({other}); the "
-                          f"local Ray's jobs run there and would import it instead of the running code ({mine}): "
-                          "start the pipeline from another directory")
 
 
 @contextlib.contextmanager

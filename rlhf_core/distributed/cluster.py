@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
-from rlhf_core.infra.settings import state_dir
+from rlhf_core.infra.settings import ConfigError, state_dir
 
 FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
                  "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
@@ -44,6 +45,19 @@ def prepare_environment() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
 
 
+def check_no_other_checkout_here(cwd: Path | None = None) -> None:
+    """ConfigError when the working directory holds a copy of `rlhf_core` other than the one running.
+    A local Ray's jobs and ranks run in this directory: `python -m rlhf_core.cli` puts it first on a
+    job driver's path and Ray puts the driver's working directory on every rank's, so they would
+    import that copy, not this code."""
+    here = Path(cwd or Path.cwd())
+    other, mine = here / "rlhf_core", Path(__file__).resolve().parents[1]  # rlhf_core/distributed/cluster.py
+    if other.is_dir() and other.resolve() != mine:
+        raise ConfigError(f"the working directory {here} holds another copy of this project's code ({other}); a "
+                          f"local Ray's jobs and ranks run there and would import it instead of the running code "
+                          f"({mine}): start from another directory")
+
+
 def ensure_ray() -> bool:
     """Connect to RAY_ADDRESS or start a local Ray; returns True when we started it."""
     import ray
@@ -61,6 +75,7 @@ def ensure_ray() -> bool:
         return False
     from rlhf_core.distributed.local_ray import init_local  # on 127.0.0.1, token authentication on
 
+    check_no_other_checkout_here()
     init_local(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                runtime_env={"env_vars": env}, configure_logging=False)
     return True

@@ -22,22 +22,30 @@ def test_job_command_uses_this_interpreter_locally_and_the_installed_cli_on_a_cl
     assert job_command(["prep"]) == "/opt/venv/bin/rlhf prep"
 
 
-def test_a_local_cluster_is_refused_in_a_directory_holding_another_copy_of_the_code(monkeypatch, tmp_path):
-    """Its jobs run in the working directory, where `python -m` (the driver) and Ray (the ranks)
-    would import that copy instead of the running code: refused before any cluster starts."""
+def test_a_local_ray_is_refused_in_a_directory_holding_another_copy_of_the_code(monkeypatch, tmp_path):
+    """Its jobs and ranks run in the working directory, where `python -m` (a job's driver) and Ray
+    (every rank) would import that copy instead of the running code: refused before any cluster
+    starts, for a pipeline's cluster and for the one `rlhf train` starts for its ranks."""
+    import ray
+
     import rlhf_core
     from orchestration import ray_jobs
+    from rlhf_core.distributed import cluster, local_ray
     from rlhf_core.infra.settings import ConfigError
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_jobs, "LocalCluster", lambda: pytest.fail("a cluster was started"))
+    monkeypatch.setattr(local_ray, "init_local", lambda **kwargs: pytest.fail("a local Ray was started"))
     (tmp_path / "rlhf_core").mkdir()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=f"{tmp_path} holds another copy of this project's code"):
         with ray_jobs.ray_cluster():
             pass
-    ray_jobs.check_no_other_checkout_here(Path(rlhf_core.__file__).resolve().parents[1])  # this checkout: fine
-    ray_jobs.check_no_other_checkout_here(tmp_path / "elsewhere")
+    if not ray.is_initialized():  # `rlhf train` with several ranks starts its own local Ray: the same refusal
+        with pytest.raises(ConfigError, match="holds another copy"):
+            cluster.ensure_ray()
+    cluster.check_no_other_checkout_here(Path(rlhf_core.__file__).resolve().parents[1])  # this checkout: fine
+    cluster.check_no_other_checkout_here(tmp_path / "elsewhere")
 
 
 def test_job_env_forwards_the_allow_list_only(monkeypatch):
