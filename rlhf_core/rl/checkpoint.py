@@ -22,34 +22,16 @@ download the tag onto its node (`_role_load_from`) and the controller read its s
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from rlhf_core.trainers import checkpoints
+from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
+
 CONTROLLER = "controller.pt"
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def latest_tag(ckpt: str | os.PathLike) -> str | None:
-    from rlhf_core.trainers import checkpoints
-
-    return checkpoints.latest_tag(ckpt)
 
 
 def _state(controller) -> dict:
@@ -61,8 +43,6 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
     """Write the checkpoint of `controller`'s current step, whole or not at all; returns this run's
     id (for rotation). A full disk removes the partial folder and raises DiskFullError (exit 2)."""
     from rlhf_core.infra import storage
-    from rlhf_core.trainers import checkpoints
-
     tag = f"global_step{controller.step}"
     roles = [g for g in (controller.actor, controller.critic) if g is not None]
     if checkpoints.is_remote(ckpt):
@@ -99,11 +79,9 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
 def load(controller, ckpt: str | os.PathLike) -> str | None:
     """Restore the newest checkpoint under `ckpt` into `controller` (and its roles); returns the run
     id that wrote it, or None (and a note) when there is none yet."""
-    from rlhf_core.trainers import checkpoints
-
     remote = checkpoints.is_remote(ckpt)
     ckpt = str(ckpt).rstrip("/") if remote else Path(ckpt)
-    tag = latest_tag(ckpt)
+    tag = checkpoints.latest_tag(ckpt)
     if tag is None:
         print(f"rlhf: --ckpt.load_enable: no checkpoint in {ckpt} yet; starting from step 0 "
               "(stage.json records resume.checkpoint null)", file=sys.stderr, flush=True)

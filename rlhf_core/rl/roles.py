@@ -43,6 +43,7 @@ from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
+from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
 from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
@@ -138,16 +139,12 @@ class _Checkpointed:
     name: str
 
     def save_checkpoint(self, directory: str) -> None:
-        from rlhf_core.rl.checkpoint import rng_state
-
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
         self.engine.save_checkpoint(str(path), tag=self.name)
 
     def load_checkpoint(self, directory: str) -> None:
-        from rlhf_core.rl.checkpoint import set_rng_state
-
         loaded, _ = self.engine.load_checkpoint(directory, tag=self.name, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         if loaded is None:

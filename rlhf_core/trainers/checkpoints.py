@@ -219,3 +219,28 @@ def fetch(ckpt: str, tag: str) -> Path:
 def location(ckpt, tag: str) -> str:
     """Where `tag` is, as a path or URI for messages and `stage.json`."""
     return f"{_uri(ckpt)}/{tag}" if is_remote(ckpt) else str(Path(ckpt) / tag)
+
+
+def rng_state() -> dict:
+    """Every random stream a run draws from (Python, NumPy, torch, CUDA), for a checkpoint."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

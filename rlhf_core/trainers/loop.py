@@ -35,7 +35,7 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
-from rlhf_core.rl.checkpoint import rng_state, set_rng_state
+from rlhf_core.trainers import checkpoints
 
 
 class Recipe(Protocol):
@@ -155,8 +155,6 @@ class TrainLoop:
         updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError.
         On s3:// each rank uploads its own part and rank 0 writes `latest` after all have (`_save_remote`)."""
         from rlhf_core.infra import storage
-        from rlhf_core.trainers import checkpoints
-
         if checkpoints.is_remote(self.cfg.ckpt.path):
             self._save_remote()
             self._record_and_rotate(self.cfg.ckpt.path, f"global_step{self.step}")
@@ -173,7 +171,7 @@ class TrainLoop:
             _barrier()
             partial = checkpoints.partial_tag(tag)
             try:
-                torch.save(rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
+                torch.save(checkpoints.rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
                                             save_latest=False)
             except Exception as e:
@@ -193,8 +191,6 @@ class TrainLoop:
         uploaded, rank 0 writes `latest` (the checkpoint's last object). A rank that fails leaves the
         others at the barrier until the group is stopped: no `latest` names a half-uploaded tag."""
         from rlhf_core.infra import storage
-        from rlhf_core.trainers import checkpoints
-
         uri, tag = self.cfg.ckpt.path.rstrip("/"), f"global_step{self.step}"
         if self.rank == 0:
             checkpoints.begin_remote(uri, tag)
@@ -204,7 +200,7 @@ class TrainLoop:
         try:
             with storage.saving("--ckpt_path", local, f"checkpoint {tag} (staged before its upload to {uri})", kept):
                 (local / tag).mkdir()
-                torch.save(rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
+                torch.save(checkpoints.rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step}, save_latest=False)
             checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
         finally:
@@ -217,8 +213,6 @@ class TrainLoop:
     def _record_and_rotate(self, ckpt, tag: str) -> None:
         """Rank 0 lists `tag` as this run's and rotates this run's own checkpoints only: others may share ckpt_path."""
         from rlhf_core.infra import storage
-        from rlhf_core.trainers import checkpoints
-
         if self.rank != 0:
             return
         with storage.saving("--ckpt_path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and "
@@ -231,8 +225,6 @@ class TrainLoop:
     def load_checkpoint(self) -> int:
         """Restore the checkpoint `latest` names (every rank; on s3:// each node downloads it
         first, `checkpoints.fetch`); returns its step, 0 when there is none yet."""
-        from rlhf_core.trainers import checkpoints
-
         ckpt = self.cfg.ckpt.path
         tag = checkpoints.latest_tag(ckpt)
         if tag is None:
@@ -246,7 +238,7 @@ class TrainLoop:
                                                    load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
-        set_rng_state(torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False))
+        checkpoints.set_rng_state(torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False))
         where = checkpoints.location(ckpt, tag)
         if self.rank == 0:
             # The same run, continued: its earlier tags (and the one resumed from) keep rotating.

@@ -163,14 +163,14 @@ def test_rl_checkpoint_on_a_full_disk_keeps_the_earlier_one_and_latest(tmp_path,
     ckpt = tmp_path / "ckpt"
     run = checkpoint.save(controller(2, FakeRoles()), ckpt, None)
     before = digests(ckpt / "global_step2")
-    assert checkpoint.latest_tag(ckpt) == "global_step2"
+    assert checkpoints.latest_tag(ckpt) == "global_step2"
 
     with pytest.raises(storage.DiskFullError, match=r"--ckpt.path .*: the disk is full .*checkpoint global_step4"):
         checkpoint.save(controller(4, FakeRoles(fail=True)), ckpt, run)  # a rank's own write fails
     failing_torch_save(monkeypatch, lambda p: p.endswith(checkpoint.CONTROLLER))
     with pytest.raises(storage.DiskFullError, match="earlier ones and `latest` are as they were"):
         checkpoint.save(controller(4, FakeRoles()), ckpt, run)  # the controller's own write fails
-    assert checkpoint.latest_tag(ckpt) == "global_step2" and digests(ckpt / "global_step2") == before
+    assert checkpoints.latest_tag(ckpt) == "global_step2" and digests(ckpt / "global_step2") == before
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step2", "latest", storage.CHECKPOINTS]
     assert list(checkpoints.read_record(ckpt)["tags"]) == ["global_step2"]  # max_num 1: nothing rotated away
     state = torch.load(ckpt / "global_step2" / checkpoint.CONTROLLER, weights_only=False)
