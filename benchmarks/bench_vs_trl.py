@@ -508,7 +508,8 @@ def stage_flops(args, stage: str, data_root: Path, counts: dict, whole: bool) ->
 
     rows = train_rows(data_root, stage)
     order = row_order(args, stage, len(rows), whole, first_step=0 if whole else args.warmup)
-    stats = length_stats(row_lengths(load_tokenizer(str(data_root / "base")), [rows[i] for i in order], stage))
+    stats = length_stats(row_lengths(load_tokenizer(str(data_root / "base")), [rows[i] for i in order], stage,
+                                     args.max_len))
     passes = 4.0 if stage == "dpo" else 3.0  # DPO: the frozen reference's forward runs every step on both sides
     return {**stats, "passes": passes, "flops_per_token": flops_per_token(counts, stats["mean_len"], passes)}
 

@@ -74,16 +74,20 @@ def length_stats(lengths) -> dict:
             "mean_len": sum(t * t for t in lengths) / tokens if tokens else 0.0}
 
 
-def row_lengths(tokenizer, rows: list[dict], stage: str) -> list[int]:
-    """Real tokens of each chat-formatted sequence the stage trains on: SFT one per row (prompt and
-    response), DPO two (prompt with the chosen answer, prompt with the rejected one)."""
-    def text(prompt, answer):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                              {"role": "assistant", "content": answer}], tokenize=False)
+def row_lengths(tokenizer, rows: list[dict], stage: str, max_len: int) -> list[int]:
+    """Real tokens of each sequence the stage trains on, as our trainers build them
+    (`data/examples.PromptFormatter`: the chat-formatted prompt, the answer, EOS): SFT one per row,
+    DPO two (the prompt with the chosen answer, the prompt with the rejected one)."""
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.examples import PromptFormatter
 
+    fmt = PromptFormatter(tokenizer, DataConfig(apply_chat_template=True, max_len=max_len, truncate=True))
     answers = ("response",) if stage == "sft" else ("chosen", "rejected")
-    texts = [text(r["prompt"], r[a]) for r in rows for a in answers]
-    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    lengths = []
+    for i, row in enumerate(rows, start=1):
+        prompt = fmt.prompt_ids(row["prompt"])
+        lengths += [len(fmt.join(prompt, fmt.completion_ids(row[a]), "bench", i).input_ids) for a in answers]
+    return lengths
 
 
 # ---------------------------------------------------------------------------------------------
