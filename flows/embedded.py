@@ -12,8 +12,9 @@
 A variable the user set is never changed; if Prefect is already imported, nothing is done.
 
 Concurrent runs share these SQLite databases, and two runs migrating a new MLflow database at once
-fail (`table _alembic_tmp_experiments already exists`). So `prepare_stores` creates or upgrades
-them one process at a time under a file lock. The MLflow database stays in rollback-journal mode:
+fail (`table _alembic_tmp_experiments already exists`), and two ephemeral Prefect servers registering
+their block schemas in a new database at once log `Failed to register block schema` tracebacks. So
+`prepare_stores` creates or upgrades them, block schemas included, one process at a time under a file lock. The MLflow database stays in rollback-journal mode:
 under WAL a Ray job did not see the stage run its flow had just created
 (tests/integration/test_pipeline.py).
 """
@@ -99,11 +100,25 @@ def prepare_stores() -> None:
     settings = get_current_settings()
     url = settings.server.database.connection_url
     prefect_db = None if settings.api.url or url is None else sqlite_path(url.get_secret_value())
-    if prefect_db is not None and not prefect_db.exists():
+    if prefect_db is not None:  # the lock even when the file exists: another run may be filling it now
         import asyncio
 
         from prefect.server.database import provide_database_interface
 
         with _exclusive(prefect_db):
             if not prefect_db.exists():
-                asyncio.run(provide_database_interface().create_db())  # what the server runs at start
+                asyncio.run(_create_prefect_database(provide_database_interface()))
+
+
+async def _create_prefect_database(db) -> None:
+    """What an ephemeral server runs at its first start: the schema, then the block types and schemas.
+    Two servers starting on one new database at once both insert the same block schemas, and one logs
+    `Failed to register block schema` tracebacks; with the rows in place, each server's registration
+    only finds and updates them."""
+    import prefect.plugins
+    from prefect.server.models.block_registration import run_block_auto_registration
+
+    await db.create_db()
+    prefect.plugins.load_prefect_collections()  # the collections' blocks too, as the server registers them
+    async with await db.session() as session:
+        await run_block_auto_registration(session=session)

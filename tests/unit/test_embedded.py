@@ -103,6 +103,26 @@ def test_the_flow_module_sets_up_prefect_before_importing_it(places):
     assert settings["home"] == str(theirs) and settings["analytics"] is True
 
 
+def test_a_first_run_fills_the_new_prefect_database_with_its_block_schemas_before_any_server_starts(places):
+    """Two first runs at once start two ephemeral servers on one new database; each server registers
+    Prefect's block schemas at start, and two inserting the same rows log tracebacks. `prepare_stores`
+    (under its lock) leaves the server only rows to find: the block types and schemas are there before
+    a server could start."""
+    home, cwd, state = places
+    code = ("import flows, sqlite3\n"
+            "from flows.embedded import prepare_stores\n"
+            "prepare_stores()\n"
+            "from prefect.settings import get_current_settings\n"
+            "db = sqlite3.connect(str(get_current_settings().home / 'prefect.db'))\n"
+            "print(*(db.execute(f'select count(*) from {t}').fetchone()[0] for t in ('block_type', 'block_schema')))\n")
+    clean = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=clean, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    types, schemas = map(int, done.stdout.split()[-2:])
+    assert types >= 10 and schemas >= types, done.stdout
+
+
 def test_prefect_ui_hint_names_the_embedded_database_or_the_server(monkeypatch):
     from flows.cli import prefect_ui_hint
 
