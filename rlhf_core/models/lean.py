@@ -3,7 +3,7 @@ same weights, in a fraction of the operations.
 
 On a CPU with a small model, a forward's time is the number of ops it dispatches; transformers'
 Llama runs about sixty small ops per layer. This module computes the same function with fused
-q/k/v and gate/up projections, a rotary table computed once by the model's own rotary module
+q/k/v and gate/up projections (each fused weight cast and concatenated in one pass), a rotary table computed once by the model's own rotary module
 (bit-identical entries; `rotate_half(x) * sin` as `roll(x) * sin_signed`), one additive mask per
 forward, matmul attention (`models/attention.py`), autocast as explicit casts (so no-grad passes
 cast the weights once: `reusing_weights`), and a static KV cache for generation.
@@ -141,6 +141,26 @@ class DecodeState:
         self.key_mask = self.key_mask[rows]
 
 
+class _CastCat(torch.autograd.Function):
+    """`torch.cat(weights).to(dtype)` in one pass: each weight is read once and written once, in
+    `dtype`, into its rows of the result (a cat then a cast writes the concatenation twice, in the
+    weights' dtype and again in `dtype`). The backward hands each weight its rows of the gradient
+    in the weight's dtype, as cat's and cast's backwards do."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.dtypes = [w.dtype for w in weights]
+        out = torch.empty((sum(ctx.sizes), *weights[0].shape[1:]), dtype=dtype, device=weights[0].device)
+        for rows, w in zip(out.split(ctx.sizes), weights, strict=True):
+            rows.copy_(w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, *(g.to(dtype) for g, dtype in zip(grad.split(ctx.sizes), ctx.dtypes, strict=True)))
+
+
 class LeanLlama:
     """The lean forward of one `LlamaForCausalLM` (its live parameters: training updates show)."""
 
@@ -183,9 +203,9 @@ class LeanLlama:
             a, m = layer.self_attn, layer.mlp
             layers.append(_Layer(
                 layer.input_layernorm.weight,
-                cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), cast(a.o_proj.weight),
+                _CastCat.apply(mm, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), cast(a.o_proj.weight),
                 layer.post_attention_layernorm.weight,
-                cast(torch.cat([m.gate_proj.weight, m.up_proj.weight])), cast(m.down_proj.weight)))
+                _CastCat.apply(mm, m.gate_proj.weight, m.up_proj.weight), cast(m.down_proj.weight)))
         return _Weights(body.embed_tokens.weight, layers, body.norm.weight, cast(self.model.lm_head.weight), mm)
 
     @contextlib.contextmanager

@@ -124,6 +124,18 @@ def test_reused_weights_are_prepared_once_per_pass_and_see_updates_between_passe
     assert len(built) == 3  # the head alone is cast by itself
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_weights_are_a_cast_of_the_concatenation_with_its_gradients(dtype):
+    weights = [torch.randn(rows, 8, requires_grad=True) for rows in (8, 4, 4)]
+    fused = lean_module._CastCat.apply(dtype, *weights)
+    reference = torch.cat(weights).to(dtype)
+    assert fused.dtype == dtype and torch.equal(fused, reference)
+    upstream = torch.randn_like(reference)
+    mine = torch.autograd.grad(fused, weights, upstream)
+    theirs = torch.autograd.grad(reference, weights, upstream)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
 def test_batch_masks_are_the_layouts_masks():
     positions = torch.tensor([[0, 1, 2, 0, 1]])
     packed = batch_mask(None, positions)[0, 0]
