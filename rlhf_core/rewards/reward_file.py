@@ -1,7 +1,9 @@
 """A reward function in a Python file (`--reward.remote_url reward.py`, flat `--remote_rm_url`).
 
 The file defines `reward_func(queries, prompts, labels, **kwargs)` (OpenRLHF's signature), called
-once per batch, returning `{"rewards", "scores"?, "extra_logs"?}` or the bare rewards (tensors,
+once per batch with the keyword arguments its signature accepts: all of them (`responses=`...) with
+`**kwargs`, the named ones otherwise, none for OpenRLHF <= 0.9's `reward_func(queries, prompts,
+labels)`. It is returning `{"rewards", "scores"?, "extra_logs"?}` or the bare rewards (tensors,
 lists or numpy arrays; `base.as_reward_output`). A file that cannot be loaded is a `ConfigError`;
 a call that raises or answers something unusable is a `RewardError`; both name the file.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -22,9 +25,12 @@ class RewardFile:
         self.path = str(path)
         self.func = func
         self.name = f"reward file {self.path}"
+        self.keywords = accepted_keywords(func, self.name)
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list, **kwargs) -> RewardOutput:
         n = check_batch(queries, prompts, labels, self.name)
+        if self.keywords is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.keywords}
         try:
             value = self.func(list(queries), list(prompts), list(labels), **kwargs)
         except Exception as e:
@@ -33,6 +39,27 @@ class RewardFile:
 
     def __repr__(self) -> str:
         return f"RewardFile({self.path!r})"
+
+
+def accepted_keywords(func, name: str) -> frozenset[str] | None:
+    """The keyword arguments `func` takes besides its three positional ones (None: any, `**kwargs`).
+    A function that cannot take `(queries, prompts, labels)` is a `ConfigError`."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read, pass everything
+        return None
+    try:
+        signature.bind_partial(None, None, None)  # required keywords (`responses`) are passed by name
+    except TypeError as e:
+        raise ConfigError(f"{name}: reward_func{signature} cannot be called as reward_func(queries, prompts, "
+                          f"labels): {e}") from None
+    params = list(signature.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return frozenset(p.name for p in params[len(positional[:3]):]
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
 def load_reward_file(path: str | Path) -> RewardFile:

@@ -101,12 +101,38 @@ def test_reward_file_bare_rewards_and_kwargs(tmp_path, value):
     assert source.func.__globals__["seen"] == {"responses": ["2", "5"]}
 
 
+@pytest.mark.parametrize("signature, passed", [
+    ("queries, prompts, labels", {}),  # OpenRLHF <= 0.9's own examples: no **kwargs
+    ("queries, prompts, labels, responses=None", {"responses": ["2", "5"]}),
+    ("queries, prompts, labels, *, responses, other=0", {"responses": ["2", "5"]}),
+    ("q, p, l, **kw", {"responses": ["2", "5"], "raw_prompts": ["a", "b"]}),
+])
+def test_a_reward_func_gets_the_keyword_arguments_its_signature_accepts(tmp_path, signature, passed):
+    """Both eras' reward files run: the source passes what it has, the function receives what it takes."""
+    path = write(tmp_path, f"""
+        import torch
+        calls = []
+        def reward_func({signature}):
+            calls.append({{k: v for k, v in locals().items() if k not in ("queries", "prompts", "labels", "q", "p", "l")}})
+            return torch.tensor([1.0, 0.0])
+    """)
+    source = load_reward_file(path)
+    out = source(QUERIES[:2], PROMPTS[:2], LABELS[:2], responses=["2", "5"], raw_prompts=["a", "b"])
+    assert out.rewards.tolist() == [1.0, 0.0]
+    received, = source.func.__globals__["calls"]
+    received.update(received.pop("kw", {}))
+    received.pop("other", None)
+    assert received == passed
+
+
 @pytest.mark.parametrize("body, error", [
     ("x = 1", "defines no reward_func"),
     ("reward_func = 3", "reward_func is a int"),
     ("import no_such_module_xyz\ndef reward_func(q, p, l): pass", "importing it raised ModuleNotFoundError: No module "
      "named 'no_such_module_xyz'"),
     ("def reward_func(q, p, l:\n", "importing it raised SyntaxError"),
+    ("def reward_func(queries, prompts):\n    pass", r"reward_func\(queries, prompts\) cannot be called as "
+     r"reward_func\(queries, prompts, labels\): too many positional arguments"),
 ])
 def test_reward_file_load_errors(tmp_path, body, error):
     path = write(tmp_path, body)
