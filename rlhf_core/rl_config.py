@@ -143,7 +143,10 @@ class RolloutConfig(StrictModel):
                                        "given, else 1024",
                                        json_schema_extra=flat("generate_max_len", "max_new_tokens"))
     temperature: float = Field(1.0, gt=0, json_schema_extra=flat("temperature"))
-    top_p: float = Field(1.0, gt=0, le=1, json_schema_extra=flat("top_p"))
+    top_p: float = Field(1.0, gt=0, le=1, description="Sample from the smallest set of most likely tokens "
+                         "holding this probability (1: off), after top_k", json_schema_extra=flat("top_p"))
+    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens (-1 or 0: off)",
+                       json_schema_extra=flat("top_k"))
     backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
                                     "auto or transformers; vllm needs num_engines > 0",
                                     json_schema_extra=flat("rollout_backend"))

@@ -33,6 +33,7 @@ import torch
 from rlhf_core.algos.advantages import compute_advantages, dynamic_filter_mask
 from rlhf_core.algos.losses import kl_penalty
 from rlhf_core.algos.names import AdvantageEstimator
+from rlhf_core.algos.nucleus import filtering
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.rl import checkpoint
@@ -169,7 +170,8 @@ class RLController:
             indices = self.prompts.take(want - len(kept) // n)
             t = time.perf_counter()
             groups = self.generate([self.prompt_ids[i] for i in indices], n, cfg.rollout.temperature,
-                                   seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_)
+                                   seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_,
+                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
             times["generate"] += time.perf_counter() - t
             fresh = [RolloutSample(list(self.prompt_ids[i]), list(s.token_ids), i, torch.tensor(s.logprobs),
                                    s.finished) for i, group in zip(indices, groups, strict=True) for s in group]
@@ -232,13 +234,20 @@ class RLController:
         left = plan.on_policy(self.actor.world_size)
         arranged = [samples[i] for i in order]
         recomputed = [i for i in order if i not in left]
-        futures = {"old": self.actor.call_sharded_async("logprobs", [samples[i] for i in recomputed])}
+        # With top-k/top-p the engines report log-probs of the filtered distribution: the policy's
+        # pass gives those as well, to compare like with like (`roles.PolicyRole._logprobs`).
+        sampled = filtering(cfg.rollout.top_k, cfg.rollout.top_p)
+        futures = {"old": self.actor.call_sharded_async("logprobs", [samples[i] for i in recomputed], sampled=sampled)}
         if self.ref is not None:
             futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
             futures["values"] = self.critic.call_sharded_async("values", arranged)
         results = {k: pending.gather() for k, pending in futures.items()}
         old_of = dict(zip(recomputed, results["old"], strict=True))
+        engine_view = {}  # the policy's log-probs under the engines' (filtered) distribution
+        if sampled:
+            engine_view = {i: both[1] for i, both in old_of.items()}
+            old_of = {i: both[0] for i, both in old_of.items()}
         for j, i in enumerate(order):
             s = samples[i]
             s.old_logprobs = old_of.get(i)
@@ -264,8 +273,9 @@ class RLController:
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
         rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
+        trainer_lp = stack([engine_view[i] for i in measured], width) if sampled else old
         return {"rollout/kl": kl[measured].sum(-1).mean().item(),
-                "rollout/logprob_mismatch": ((rollout_lp - old).abs() * seen).sum().item() / seen.sum().item()}
+                "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item() / seen.sum().item()}
 
     # -- training ---------------------------------------------------------------------------
     def train(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:
@@ -315,9 +325,11 @@ class RLController:
         self.engines.sleep()
         return out
 
-    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int):
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
+                 top_p: float = 1.0):
         self.engines.wake_up()
-        return self.engines.generate_ids(prompt_ids, n, temperature, self.cfg.rollout.max_new_tokens, seed)
+        return self.engines.generate_ids(prompt_ids, n, temperature, self.cfg.rollout.max_new_tokens, seed,
+                                         top_k=top_k, top_p=top_p)
 
     # -- reporting --------------------------------------------------------------------------
     def _log(self, metrics: dict[str, float]) -> None:

@@ -74,8 +74,8 @@ class LocalEngines(_Sleeping):
     def __init__(self, engine, enable_sleep: bool = False):
         self.engine, self.enable_sleep = engine, enable_sleep
 
-    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed):
-        return self.engine.generate_ids(prompt_ids, n, temperature, max_new_tokens, seed=seed)
+    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed, top_k=-1, top_p=1.0):
+        return self.engine.generate_ids(prompt_ids, n, temperature, max_new_tokens, seed=seed, top_k=top_k, top_p=top_p)
 
     def sync(self, actor) -> None:
         self.wake_up()
@@ -141,8 +141,8 @@ class EngineWorker:
         self.engine = TransformersEngine.from_pretrained(self.model_path, **self.options)
         return str(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
-    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed):
-        return self.engine.generate_ids(prompt_ids, n, temperature, max_new_tokens, seed=seed)
+    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed, top_k=-1, top_p=1.0):
+        return self.engine.generate_ids(prompt_ids, n, temperature, max_new_tokens, seed=seed, top_k=top_k, top_p=top_p)
 
     def update_weights(self, weights: dict) -> bool:
         self.engine.update_weights(weights)
@@ -233,10 +233,10 @@ class RayEngines(_Sleeping):
         self.requested_sync, self.bucket_mb = sync_backend, bucket_mb
         self.weight_sync: WeightSync | None = None
 
-    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed):
+    def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed, top_k=-1, top_p=1.0):
         shards = prompt_shards(len(prompt_ids), self.num_engines)
-        calls = [(([prompt_ids[i] for i in r], n, temperature, max_new_tokens, seed + e * ENGINE_SEED_STRIDE), {})
-                 for e, r in enumerate(shards)]
+        calls = [(([prompt_ids[i] for i in r], n, temperature, max_new_tokens, seed + e * ENGINE_SEED_STRIDE),
+                  {"top_k": top_k, "top_p": top_p}) for e, r in enumerate(shards)]
         parts = self.group.call_each_async("generate_ids", calls, ranks=range(len(shards))).per_rank()
         return [group for part in parts for group in part]
 

@@ -109,6 +109,6 @@ def stack(values: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
 
 
 def unstack(matrix: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """The inverse of `stack`: row i cut to `lengths[i]`, on CPU."""
+    """The inverse of `stack`: row i cut to `lengths[i]` (along the last dimension), on CPU."""
     matrix = matrix.detach().float().cpu()
-    return [matrix[i, :n].clone() for i, n in enumerate(lengths)]
+    return [matrix[i, ..., :n].clone() for i, n in enumerate(lengths)]

@@ -8,7 +8,11 @@ normalised by the global count of loss units (`--algo.loss_agg_mode`), so the up
 depend on the micro-batch or rank split.
 
 Log-probs are at the rollout temperature (logits / T), for policy and reference alike: the policy
-optimised is the one that samples.
+optimised is the one that samples. With `--rollout.top_k` / `--rollout.top_p` the engines draw from
+the filtered distribution (`algos/nucleus.py`); the losses stay on logits / T (OpenRLHF's, TRL's and
+verl's choice: a token the updated policy's nucleus no longer holds would have log-prob -inf), and
+the policy's experience pass also returns its log-probs under the filtered distribution, the
+engine's, for `rollout/logprob_mismatch` (docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rlhf_core.algos.losses import (
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
+from rlhf_core.algos.nucleus import filter_logits
 from rlhf_core.distributed.engine import (
     EngineSettings,
     autocast,
@@ -116,18 +121,29 @@ class _Role:
         size = self.cfg.rollout.micro_batch_size  # forward passes without gradients (experience)
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
-    def _logprobs(self, model, samples: list[RolloutSample]) -> list[torch.Tensor]:
+    def _logprobs(self, model, samples: list[RolloutSample], sampled: bool = False) -> list[torch.Tensor]:
         """Response log-probs of `model` at the rollout temperature, chunk by chunk, without gradients.
         The weights do not change during the pass: a Llama's lean forward prepares them (projections
-        concatenated, cast to autocast's dtype) once for all chunks instead of at every linear."""
+        concatenated, cast to autocast's dtype) once for all chunks instead of at every linear.
+        `sampled`: each sample's `(2, T)`: those log-probs, then the same tokens' under the rollout's
+        top-k / top-p filtered distribution (what the engines sample from and report)."""
         lean = lean_model(model)
+        rollout = self.cfg.rollout
         out = []
         with torch.no_grad(), (lean.reusing_weights() if lean is not None else contextlib.nullcontext()):
             for chunk in self._chunks(samples):
                 batch, index, mask = self._collate(chunk)
+                targets = batch.input_ids.reshape(-1)[index]
                 with autocast(self.precision):
                     logits = response_logits(model, batch, index, self.temperature)
-                    lp = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[index]) * mask
+                    lp = gather_token_logprobs(logits, targets) * mask
+                    if sampled:
+                        # The drawn token stays in the set even where these logits' rounding would
+                        # drop it at the edge: its log-prob is finite, the mismatch measurable.
+                        kept = targets.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+                        filtered = filter_logits(logits.float(), rollout.top_k, rollout.top_p)
+                        filtered = filtered.scatter(-1, kept, logits.float().gather(-1, kept))
+                        lp = torch.stack([lp, gather_token_logprobs(filtered, targets) * mask], dim=1)
                 out += unstack(lp, [s.response_len for s in chunk])
         return out
 
@@ -176,9 +192,9 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         return self.engine, False
 
     @torch.no_grad()
-    def logprobs(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
+    def logprobs(self, samples: list[RolloutSample], sampled: bool = False) -> list[torch.Tensor]:
         self.engine.eval()
-        return self._logprobs(self.engine, samples)
+        return self._logprobs(self.engine, samples, sampled)
 
     def train_step(self, samples: list[RolloutSample], epochs: list[list[int]], kl_coef: float) -> dict[str, float]:
         """This rank's PPO epochs over its samples (`plan.RankWork`); the stats averaged over epochs."""

@@ -1,10 +1,11 @@
 """The generation interface every rollout engine implements, and where inference runs.
 
 `generate_ids` takes prompt token ids and returns, per prompt, `n` `Sample`s: response ids as
-sampled (through EOS, if generated) and the engine's log-prob of each at the sampling
-temperature, which RL compares with the trainer's own. `generate` is its text view (`rlhf eval`,
-`rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature
-with no top-k/top-p, so samples are draws from the policy itself. A policy's engine also takes
+sampled (through EOS, if generated) and the engine's log-prob of each under the distribution it
+was drawn from, which RL compares with the trainer's own. `generate` is its text view (`rlhf eval`,
+`rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature,
+filtered by `top_k` / `top_p` where they are set (`algos/nucleus.py`: vLLM's rule, in both
+engines) and renormalised; off by default, so samples are draws from the policy itself. A policy's engine also takes
 new weights (`update_weights`) and frees its memory while the trainer runs (`sleep` / `wake_up`).
 """
 
@@ -37,7 +38,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, max_new_tokens: int,
-                     seed: int) -> list[list[Sample]]:
+                     seed: int, top_k: int = -1, top_p: float = 1.0) -> list[list[Sample]]:
         """`n` samples for each prompt (token ids): `[len(prompt_ids)][n]`."""
 
     def generate(self, prompts: list[str], n: int = 1, temperature: float = 0.0, max_new_tokens: int = 64,
@@ -61,13 +62,17 @@ class RolloutEngine(abc.ABC):
         """Release the engine's memory (GPU memory above all) before another model loads."""
 
 
-def check_request(n: int, temperature: float, max_new_tokens: int) -> None:
+def check_request(n: int, temperature: float, max_new_tokens: int, top_k: int = -1, top_p: float = 1.0) -> None:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise ValueError(f"top_k must be -1 (off), 0 (off) or >= 1, got {top_k}")
 
 
 def inference_device() -> torch.device:

@@ -64,8 +64,9 @@ class TransformersEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
-                     max_new_tokens: int = 64, seed: int = 0) -> list[list[Sample]]:
-        check_request(n, temperature, max_new_tokens)
+                     max_new_tokens: int = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
+                     ) -> list[list[Sample]]:
+        check_request(n, temperature, max_new_tokens, top_k, top_p)
         greedy = temperature == 0
         per_prompt = 1 if greedy else n
         prompts_per_batch = max(1, self.batch_size // per_prompt)
@@ -79,7 +80,7 @@ class TransformersEngine(RolloutEngine):
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 tokens, logprobs, lengths = sample(self.model, input_ids.to(device), attention.to(device),
                                                    max_new_tokens, temperature, self.eos_ids, self.pad_id, generator,
-                                                   repeats=per_prompt)
+                                                   repeats=per_prompt, top_k=top_k, top_p=top_p)
             tokens, logprobs, lengths = tokens.tolist(), logprobs.tolist(), lengths.tolist()
             for i in range(len(chunk)):
                 group = []

@@ -7,8 +7,10 @@ through a `(steps, batch, vocab)` copy and its logits processors. This loop:
 - left-pads prompts, position ids from the attention mask (a padded row computes what it would alone);
 - runs one prefill per prompt and repeats its cache and logits for the `repeats` samples (the
   same draws as repeating the prompts first);
-- samples T > 0 from softmax(logits / T), no top-k/top-p, recording log softmax(logits / T) of the
-  drawn token, which the trainer recomputes with the same T; T = 0 is greedy (untempered log-probs);
+- samples T > 0 from softmax(filter(logits / T)), `filter` the top-k / top-p rule
+  (`algos/nucleus.py`, vLLM's), recording the drawn token's log-prob under that processed
+  distribution (off by default: log softmax(logits / T), which the trainer recomputes with the same
+  T); T = 0 is greedy (untempered log-probs);
 - writes the KV cache in place (`kv_cache`) and draws by inverse CDF (`inverse_cdf_draw`), both
   cheaper than the per-step cat and `torch.multinomial`;
 - runs a Llama's lean forward (`models/lean.py`), others their own; both draw the same tokens
@@ -26,6 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rlhf_core.algos.nucleus import filter_logits
 from rlhf_core.models.lean import lean_model
 
 
@@ -138,8 +141,8 @@ class _LeanDecoder:
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, temperature: float,
-           eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1,
+           top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample `repeats` continuations of each left-padded prompt.
 
     input_ids, attention_mask: `(P, L)`, padding on the left. B = P x repeats rows come back, the
@@ -151,10 +154,11 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     lean = lean_model(model)
     with lean.reusing_weights() if lean is not None else contextlib.nullcontext():
         return _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id,
-                       generator, repeats)
+                       generator, repeats, top_k, top_p)
 
 
-def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id, generator, repeats):
+def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id, generator, repeats,
+            top_k, top_p):
     device = input_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -176,7 +180,8 @@ def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature,
     for step in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
-            log_dist = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+            tempered = logits / temperature if temperature != 1.0 else logits
+            log_dist = torch.log_softmax(filter_logits(tempered, top_k, top_p), dim=-1)
             token = inverse_cdf_draw(log_dist.exp(), generator)
         else:
             log_dist = torch.log_softmax(logits, dim=-1)

@@ -6,7 +6,9 @@ would add a second BOS before a chat-templated prompt. Each prompt has its own s
 (`seed + index`), so results do not depend on vLLM's scheduling; greedy runs once per prompt and
 is repeated; `generation_config="vllm"` keeps checkpoint sampling defaults out.
 
-Log-probs are after temperature (`processed_logprobs`), what the trainer recomputes.
+Log-probs are vLLM's `processed_logprobs`: after temperature, top-k and top-p (its rule is
+`algos/nucleus.py`'s), so of the distribution each token was drawn from, as the transformers engine
+reports them; with top-k/top-p off, what the trainer recomputes (docs/sampling.md).
 New weights are loaded as vLLM's in-place reload does it (`initialize_layerwise_reload`, the
 model's `load_weights`, `finalize_layerwise_reload`; `WeightSyncExtension`): the checkpoint-format tensors go
 through each layer's loader, then the layer's post-load processing runs again. A bare
@@ -165,13 +167,15 @@ class VLLMEngine(RolloutEngine):
         self.eos_ids = {self.tokenizer.eos_token_id}
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
-                     max_new_tokens: int = 64, seed: int = 0) -> list[list[Sample]]:
+                     max_new_tokens: int = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
+                     ) -> list[list[Sample]]:
         from vllm import SamplingParams
 
-        check_request(n, temperature, max_new_tokens)
+        check_request(n, temperature, max_new_tokens, top_k, top_p)
         greedy = temperature == 0
         inputs = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
+        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,
+                                 top_k=max(top_k, 0), max_tokens=max_new_tokens,
                                  seed=seed + i, skip_special_tokens=True, repetition_penalty=1.0, logprobs=0)
                   for i in range(len(prompt_ids))]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)

@@ -66,22 +66,25 @@ def perturbed(path: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def log_prob_gap(model, groups, temperature: float, prompts=PROMPTS) -> float:
+def log_prob_gap(model, groups, temperature: float, prompts=PROMPTS, top_k: int = -1, top_p: float = 1.0) -> float:
     """The largest difference between the log-probs the engine reported and the model's own,
-    after temperature, over every sampled token."""
+    after temperature and the top-k / top-p filter, over every sampled token."""
+    from rlhf_core.algos.nucleus import filter_logits
+
     worst = 0.0
     for prompt, group in zip(prompts, groups, strict=True):
         for sample in group:
             ids = torch.tensor([prompt + list(sample.token_ids)])
             with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+                logits = filter_logits(model(ids).logits[0, len(prompt) - 1:-1].float() / temperature, top_k, top_p)
             expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            assert expected.isfinite().all(), "a token outside the top-k / top-p set was drawn"
             worst = max(worst, (expected - torch.tensor(sample.logprobs)).abs().max().item())
     return worst
 
 
-def sample(engine, n: int, temperature: float, seed: int = 0, prompts=PROMPTS):
-    return engine.call_all("generate_ids", prompts, n, temperature, MAX_NEW, seed)[0]
+def sample(engine, n: int, temperature: float, seed: int = 0, prompts=PROMPTS, **filters):
+    return engine.call_all("generate_ids", prompts, n, temperature, MAX_NEW, seed, **filters)[0]
 
 
 def broadcast_into(engine, model, bucket_bytes: int = 100_000) -> tuple[int, int]:
@@ -129,6 +132,20 @@ def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
             for _ in first.token_ids:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert list(first.token_ids) == ids[len(prompt):len(prompt) + len(first.token_ids)]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (-1, 0.6), (5, 0.8)])
+def test_top_k_and_top_p_draw_from_and_report_the_filtered_distribution(engine, prepared, top_k, top_p):
+    """vLLM's `processed_logprobs` are the log-probs of `algos/nucleus.py`'s filtered distribution,
+    the one the transformers engine samples and reports (tests/unit/test_nucleus.py): the same
+    numbers for the same logits on both engines."""
+    from rlhf_core.models.loading import load_causal_lm
+
+    model = load_causal_lm(prepared["base"]).float().eval()
+    groups = sample(engine, 4, 1.0, top_k=top_k, top_p=top_p)
+    assert log_prob_gap(model, groups, 1.0, top_k=top_k, top_p=top_p) < 1e-4
+    unfiltered = [[s.logprobs for s in g] for g in groups]
+    assert log_prob_gap(model, groups, 1.0) > 1e-3, f"{unfiltered}: the filter changed nothing"
 
 
 def test_new_weights_reach_the_engine_by_update_and_by_broadcast(engine, prepared):

@@ -52,8 +52,8 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
     # forward; shifted (the control): all from a separate pass, each 0.2 off.
     for name, skip, shift in (("all", False, 0.0), ("left", True, 0.0), ("shifted", False, 0.2)):
         monkeypatch.setattr(StepPlan, "on_policy", on_policy if skip else lambda self, world: set())
-        monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples, shift=shift: recomputed.append(len(samples))
-                            or [lp + shift for lp in logprobs(self, samples)])
+        monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples, sampled=False, shift=shift:
+                            recomputed.append(len(samples)) or [lp + shift for lp in logprobs(self, samples, sampled)])
         recomputed.clear()
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
                      "--remote_rm_url", str(reward), "--eval.task", "addition", "--advantage_estimator", "group_norm",

@@ -87,6 +87,10 @@ def test_bad_requests_are_refused(engine):
         engine.generate(["x"], n=0, temperature=1.0, max_new_tokens=2, seed=0)
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(["x"], n=1, temperature=-1.0, max_new_tokens=2, seed=0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        engine.generate_ids([[1, 2]], n=1, temperature=1.0, max_new_tokens=2, seed=0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be"):
+        engine.generate_ids([[1, 2]], n=1, temperature=1.0, max_new_tokens=2, seed=0, top_k=-2)
 
 
 def _token_prompts(engine, formatted):
@@ -115,6 +119,33 @@ def test_sampled_logprobs_are_the_policys_at_the_temperature(engine, formatted, 
     again = engine.generate_ids(prompts, n=3, temperature=temperature, max_new_tokens=MAX_NEW, seed=5)
     assert again == groups  # a seed fixes the samples
     assert engine.generate_ids(prompts, n=3, temperature=temperature, max_new_tokens=MAX_NEW, seed=6) != groups
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (3, 1.0), (-1, 0.6), (5, 0.8)])
+def test_top_k_and_top_p_draw_from_and_report_the_filtered_distribution(engine, formatted, top_k, top_p):
+    """Every draw lies in the filtered set of the policy's logits at that step, and its recorded
+    log-prob is the filtered, renormalised distribution's (what vLLM's `processed_logprobs` report);
+    top-k 1 is greedy."""
+    from rlhf_core.algos.nucleus import filter_logits
+
+    prompts = _token_prompts(engine, formatted)
+    groups = engine.generate_ids(prompts, n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=5, top_k=top_k,
+                                 top_p=top_p)
+    gaps = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        for s in group:
+            ids = torch.tensor([prompt + list(s.token_ids)])
+            with torch.no_grad():
+                logits = engine.model(ids).logits[0, len(prompt) - 1 : -1].float()
+            filtered = torch.log_softmax(filter_logits(logits, top_k, top_p), -1)
+            drawn = ids[0, len(prompt):, None]
+            assert filtered.gather(-1, drawn).isfinite().all(), "a token outside the filtered set was drawn"
+            assert torch.allclose(filtered.gather(-1, drawn)[:, 0], torch.tensor(s.logprobs), atol=1e-4)
+            gaps.append((torch.log_softmax(logits, -1).gather(-1, drawn)[:, 0] - torch.tensor(s.logprobs)).abs().max())
+    assert max(gaps) > 1e-3, "the filter changed nothing"
+    if top_k == 1:
+        greedy = engine.generate_ids(prompts, n=1, temperature=0.0, max_new_tokens=MAX_NEW, seed=5)
+        assert [[s.token_ids for s in g] for g in groups] == [[g[0].token_ids] * 3 for g in greedy]
 
 
 def test_update_weights_changes_what_the_engine_samples(prepared, formatted):
