@@ -51,16 +51,29 @@ def embedded_settings(environ: Mapping[str, str], state: Path, user_home: Path, 
 
 
 def configure() -> dict[str, str]:
-    """Apply `embedded_settings` to this process (its subprocesses inherit them); returns what was set."""
+    """Apply `embedded_settings` to this process (its subprocesses inherit them); returns what was set.
+    Only the environment: nothing is written (every `rlhf` command imports this package to build its
+    parser, `--dry_run` too); `make_prefect_home` creates the folder before Prefect first needs it."""
     if "prefect" in sys.modules:
         return {}
     from rlhf_core.infra.settings import state_dir
 
     settings = embedded_settings(os.environ, state_dir(), Path.home(), Path.cwd())
-    if "PREFECT_HOME" in settings:  # Prefect makes only the last folder, so a fresh RLHF_HOME would fail
-        Path(settings["PREFECT_HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ.update(settings)
+    _CONFIGURED.update(settings)
     return settings
+
+
+_CONFIGURED: dict[str, str] = {}
+
+
+def make_prefect_home() -> None:
+    """Create the embedded default's Prefect home (owner-only) if `configure` set one: Prefect makes
+    only the last folder, so a fresh RLHF_HOME would fail. Called before Prefect starts a server
+    (`prepare_stores`) and when the flow module is imported."""
+    home = _CONFIGURED.get("PREFECT_HOME")
+    if home and os.environ.get("PREFECT_HOME") == home:
+        Path(home).mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 @contextlib.contextmanager
@@ -88,6 +101,7 @@ def prepare_stores() -> None:
     process at a time (module docstring). Servers are left alone."""
     from rlhf_core.infra.settings import tracking_uri
 
+    make_prefect_home()
     uri = tracking_uri()
     mlflow_db = sqlite_path(uri)
     if mlflow_db is not None:

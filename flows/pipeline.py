@@ -24,7 +24,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows import user_errors
+from flows import embedded, user_errors
 from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
 from flows.params import (
     POLICY_STAGES,
@@ -48,6 +48,7 @@ from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.redaction import redact_text, refuse_inline_secrets
 from rlhf_core.infra.settings import state_dir
 
+embedded.make_prefect_home()  # the embedded default's Prefect home, before any flow starts a server
 user_errors.install()
 
 ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]

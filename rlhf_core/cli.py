@@ -49,20 +49,21 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="Train one stage")
     stages = train.add_subparsers(dest="stage", required=True)
     for name, cls in STAGE_CONFIGS.items():
-        add_config_flags(stages.add_parser(name, help=f"{name} trainer", argument_default=argparse.SUPPRESS), cls)
+        add_config_flags(_dry_run(stages.add_parser(name, help=f"{name} trainer",
+                                                    argument_default=argparse.SUPPRESS)), cls)
     from rlhf_core.rl_config import add_ppo_flags
 
-    add_ppo_flags(stages.add_parser("ppo", argument_default=argparse.SUPPRESS, help="PPO-family RL (PPO, "
-                                    "REINFORCE++, RLOO, GRPO, Dr.GRPO): OpenRLHF's dotted or flat flags"))
+    add_ppo_flags(_dry_run(stages.add_parser("ppo", argument_default=argparse.SUPPRESS, help="PPO-family RL (PPO, "
+                                             "REINFORCE++, RLOO, GRPO, Dr.GRPO): OpenRLHF's dotted or flat flags")))
 
     from rlhf_core.config import ROLLOUT_STAGE_CONFIGS
 
-    add_config_flags(sub.add_parser("eval", argument_default=argparse.SUPPRESS, help="Evaluate a policy "
-                                         "against a reference: reward, exact match, win rate, KL"),
-                          ROLLOUT_STAGE_CONFIGS["eval"])
-    add_config_flags(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
-                                         "score, keep (best, worst) per prompt: online DPO data"),
-                          ROLLOUT_STAGE_CONFIGS["pairs"])
+    add_config_flags(_dry_run(sub.add_parser("eval", argument_default=argparse.SUPPRESS, help="Evaluate a policy "
+                                             "against a reference: reward, exact match, win rate, KL")),
+                     ROLLOUT_STAGE_CONFIGS["eval"])
+    add_config_flags(_dry_run(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
+                                             "score, keep (best, worst) per prompt: online DPO data")),
+                     ROLLOUT_STAGE_CONFIGS["pairs"])
 
     _add_orchestration_commands(sub)
 
@@ -82,10 +83,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dry_run(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--dry_run", action="store_true", default=False,
+                        help="Parse and validate the flags and --config, print the resolved config (one spelling: "
+                        "nested sections) and exit 0; reads no data, model or tokenizer, touches no MLflow, S3 or "
+                        "home directory, checks no placement against this machine's devices")
+    return parser
+
+
+def dry_run(cfg) -> int:
+    """`--dry_run`: the resolved config as JSON on stdout, nothing else done."""
+    print(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
+    return 0
+
+
 def train_config(args: argparse.Namespace):
     """The stage config `rlhf train <stage>` builds from its flags and `--config` YAML (ConfigError
     naming the flag when it cannot)."""
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config", "dry_run")}
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else None
     if args.stage == "ppo":
         from rlhf_core.rl_config import build_ppo_config
@@ -144,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlhf_core.stages.launch import run_rl_stage
 
             cfg = train_config(args)
+            if args.dry_run:
+                return dry_run(cfg)
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--actor.model_name_or_path", "ref_pretrain": "--ref.model_name_or_path",
                                 "critic_pretrain": "--critic.model_name_or_path",
@@ -153,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "train":
             cfg = train_config(args)
+            if args.dry_run:
+                return dry_run(cfg)
             from rlhf_core.stages.launch import run_stage
 
             check_config_stores(cfg)
@@ -165,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             from rlhf_core.stages.evaluation import run_eval
             from rlhf_core.stages.pairs import NoPairsError, run_pairs
 
-            values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+            values = {k: v for k, v in vars(args).items() if k not in ("command", "config", "dry_run")}
             cfg = build_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
-                                    else None, values)
+                               else None, values)
+            if args.dry_run:
+                return dry_run(cfg)
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain",
                                 "reward_pretrain": "--reward_pretrain"})

@@ -1,0 +1,58 @@
+"""`--dry_run` on every stage: the flags and --config parsed and validated, the resolved config
+printed in one spelling, exit 0, and nothing else: no data, model or tokenizer read (hub names and
+missing paths pass), no MLflow, S3 or home directory touched, no placement checked against this
+machine (8 GPUs asked for on a CPU). A config error still exits 2."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rlhf_core.cli import main
+
+HUB = "meta-llama/Meta-Llama-3-8B"
+COMMANDS = {
+    "sft": ["train", "sft", "--pretrain", HUB, "--dataset", "Open-Orca/OpenOrca", "--save_path", "./ckpt/sft",
+            "--zero_stage", "2", "--bf16", "--max_len", "2048"],
+    "rm": ["train", "rm", "--pretrain", HUB, "--dataset", "OpenRLHF/preference_dataset_mixture2_and_safe_pku",
+           "--save_path", "./ckpt/rm", "--chosen_key", "chosen", "--rejected_key", "rejected"],
+    "dpo": ["train", "dpo", "--pretrain", HUB, "--dataset", "OpenRLHF/preference_dataset_mixture2_and_safe_pku",
+            "--save_path", "./ckpt/dpo", "--beta", "0.1"],
+    "kto": ["train", "kto", "--pretrain", HUB, "--dataset", "Dylan2048/ultrafeedback-unpaired-preferences",
+            "--save_path", "./ckpt/kto"],
+    "ppo": ["train", "ppo", "--pretrain", HUB, "--prompt_data", "OpenRLHF/prompt-collection-v0.1", "--save_path", "./ckpt/ppo",
+            "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "4",
+            "--vllm_tensor_parallel_size", "2", "--remote_rm_url", "/nowhere/reward_func.py"],
+}
+
+
+@pytest.fixture
+def untouched(tmp_path, monkeypatch):
+    """An empty home and working directory, with no MLflow or S3 set: left empty by a dry run."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    for name in ("MLFLOW_TRACKING_URI", "RLHF_HOME", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    yield home, cwd
+    assert not os.listdir(home) and not os.listdir(cwd), "a dry run wrote nothing"
+
+
+@pytest.mark.parametrize("stage", sorted(COMMANDS))
+def test_a_dry_run_prints_the_resolved_config_and_does_nothing_else(stage, untouched, capsys):
+    assert main([*COMMANDS[stage], "--dry_run"]) == 0
+    out, err = capsys.readouterr()
+    resolved = json.loads(out)
+    model = resolved["actor"]["model_name_or_path"] if stage == "ppo" else resolved["model"]["model_name_or_path"]
+    assert model == HUB
+    if stage == "ppo":
+        assert resolved["actor"]["num_gpus_per_node"] == 8 and resolved["vllm"]["num_engines"] == 4
+
+
+def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
+    assert main([*COMMANDS["dpo"], "--beta", "-1", "--dry_run"]) == 2
+    assert "beta" in capsys.readouterr().err
