@@ -97,10 +97,15 @@ def dry_run(cfg) -> int:
     return 0
 
 
+def flag_values(args: argparse.Namespace) -> dict:
+    """The config fields a stage command's flags set (the command's own arguments left out)."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config", "dry_run")}
+
+
 def train_config(args: argparse.Namespace):
     """The stage config `rlhf train <stage>` builds from its flags and `--config` YAML (ConfigError
     naming the flag when it cannot)."""
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config", "dry_run")}
+    values = flag_values(args)
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else None
     if args.stage == "ppo":
         from rlhf_core.rl_config import build_ppo_config
@@ -184,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlhf_core.stages.evaluation import run_eval
             from rlhf_core.stages.pairs import NoPairsError, run_pairs
 
-            values = {k: v for k, v in vars(args).items() if k not in ("command", "config", "dry_run")}
             cfg = build_config(ROLLOUT_STAGE_CONFIGS[args.command], load_yaml(args.config) if args.config
-                               else None, values)
+                               else None, flag_values(args))
             if args.dry_run:
                 return dry_run(cfg)
             check_config_stores(cfg)

@@ -117,8 +117,10 @@ class Spellings:
 
     def __init__(self, config_cls: type[BaseModel], aliases: dict[str, tuple[str, ...]],
                  transforms: dict[str, tuple[tuple[str, ...], Callable, str]] | None = None,
-                 skip: frozenset[str] = frozenset({"stage"})):
+                 skip: frozenset[str] = frozenset({"stage"}), deferred: dict[str, str] | None = None):
         self.config_cls, self.skip = config_cls, skip  # skip: fields without a flag
+        # OpenRLHF flags of features not built yet: recognised, and refused (exit 2) naming why
+        self.deferred = dict(deferred or {})
         self.leaves = leaves(config_cls)
         on_fields: dict[str, tuple[str, ...]] = {}
         for path, field in self.leaves.items():
@@ -128,7 +130,7 @@ class Spellings:
                     on_fields[name] = (*on_fields.get(name, ()), path)
         twice = set(on_fields) & set(aliases)
         self.aliases, self.transforms = {**on_fields, **aliases}, dict(transforms or {})
-        names = [*self.aliases, *self.transforms]
+        names = [*self.aliases, *self.transforms, *self.deferred]
         clash = set(names) & set(self.leaves)
         unknown = [t for targets in self.aliases.values() for t in targets if t not in self.leaves]
         if clash or unknown or twice or len(set(names)) != len(names):
@@ -174,6 +176,9 @@ class Spellings:
             parser.add_argument(f"--{name}", dest=targets[0], action=_SetFields, spellings=self, targets=targets,
                                 transform=transform, default=argparse.SUPPRESS, nargs="?", const=True,
                                 type=parse_bool, metavar="BOOL", help=help_text)
+        for name, reason in self.deferred.items():
+            parser.add_argument(f"--{name}", action=_Deferred, nargs="*", default=argparse.SUPPRESS,
+                                help=f"Not built yet: {reason}")
 
     # -- YAML and parameters ----------------------------------------------------------------
     def _flatten(self, values: dict, prefix: str = "") -> list[tuple[str, object]]:
@@ -212,6 +217,8 @@ class Spellings:
                 targets = (key,)
             elif key in self.aliases:
                 targets = self.aliases[key]
+            elif key in self.deferred:
+                raise ConfigError(deferred_message(key, self.deferred[key]) + f" ({where})")
             else:
                 unknown.append(key)
                 continue
@@ -251,6 +258,18 @@ class Spellings:
         if complete:
             cfg.check_complete()
         return cfg
+
+
+def deferred_message(name: str, reason: str) -> str:
+    return f"--{name}: not built yet: {reason}"
+
+
+class _Deferred(argparse.Action):
+    """An OpenRLHF flag whose feature is not built yet: recognised (so a script fails on it by name,
+    not as an unknown argument) and refused with exit 2."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(None, deferred_message(option_string.lstrip("-"), self.help.split(": ", 1)[1]))
 
 
 class _SetFields(argparse.Action):

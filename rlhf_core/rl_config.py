@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
+    SEED_STAGE_FLAGS,
     AdamConfig,
     ConfigError,
     DSConfig,
@@ -33,6 +34,7 @@ from rlhf_core.config import (
     TrainingStageConfig,
     TrainLoopConfig,
     ValueHead,
+    _deferred,
     check_input_template,
     spellings_of,
 )
@@ -82,6 +84,8 @@ class ActorConfig(Placement, Schedule):
     adam: ActorAdam = Field(default_factory=ActorAdam)
     gradient_checkpointing_enable: bool = Field(False, description="Gradient checkpointing (actor and critic)",
                                                 json_schema_extra=flat("gradient_checkpointing"))
+    gradient_checkpointing_reentrant: bool = Field(False, description="torch's reentrant checkpointing variant",
+                                                   json_schema_extra=flat("gradient_checkpointing_use_reentrant"))
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range", json_schema_extra=flat("eps_clip"))
     eps_clip_low_high: tuple[float, float] | None = Field(None, description="Asymmetric clip range (low, high); "
                                                           "default: (eps_clip, eps_clip)",
@@ -470,6 +474,20 @@ PPOConfig.ALIASES = {
     "ref_num_gpus_per_node": ("ref.num_gpus_per_node",),
     "reward_num_nodes": ("reward.num_nodes",),
     "reward_num_gpus_per_node": ("reward.num_gpus_per_node",),
+}
+PPOConfig.DEFERRED = {
+    **SEED_STAGE_FLAGS,
+    **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "actor.aux_loss_coef"),
+    **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
+    **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
+                "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",
+                "algo.advantage.is_correction_enable", "algo.advantage.is_correction_threshold",
+                "algo.advantage.is_correction_type"),
+    **_deferred("asynchronous RL comes with the frontier-RL work", "async_train", "train.async_enable",
+                "async_queue_size", "train.async_queue_size", "partial_rollout", "train.partial_rollout_enable"),
+    **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),
+    **_deferred("vision-language RL is not planned yet", "data.image_key", "data.max_images_per_prompt",
+                "actor.freeze_visual_encoder"),
 }
 SPELLINGS = spellings_of(PPOConfig)
 

@@ -21,6 +21,7 @@ import torch
 
 from rlhf_core.config import AdamConfig, DSConfig, Schedule, TrainConfig
 from rlhf_core.infra.network import free_port
+from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.infra.precision import Precision, resolve_here
 
 
@@ -128,7 +129,16 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if zero["stage"] == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    return {
+    if train and ds.overlap_comm:
+        zero["overlap_comm"] = True
+    if train and ds.zpg > 1:
+        zero["zero_hpz_partition_size"] = ds.zpg  # ZeRO++ hierarchical partitioning (ZeRO-3)
+    extra: dict = {}
+    if train and ds.grad_accum_dtype:
+        extra["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    if train and ds.deepcompile and on_gpu:
+        extra["compile"] = {"deepcompile": True}
+    return {**extra,
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": settings.accumulation_steps,
         "train_batch_size": settings.batch_size,
@@ -164,6 +174,11 @@ def initialize(model, settings: EngineSettings, total_steps: int):
         optimizer, lambda s: cosine_schedule(s, total_steps, warmup, schedule.min_lr_ratio))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(settings))
+    if settings.ds.deepcompile:
+        if torch.cuda.is_available():
+            engine.compile()
+        else:
+            not_applied("ds.deepcompile", True, "a CUDA device", "the engine runs uncompiled")
     if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
         # Stage 0 all-reduces gradients after every backward, on one rank too: it flattens them,
         # "reduces" over a group of one and copies them back.

@@ -54,6 +54,7 @@ def supported(model) -> str | None:
         "attention implementation": getattr(cfg, "_attn_implementation", None) not in ("sdpa", RLHF_SDPA),
         "partitioned (ZeRO-3) weights": any(hasattr(p, "ds_id") for p in model.parameters()),
         "rotary attention scaling": getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0,
+        "Liger kernels (--ds.use_liger_kernel)": getattr(model, "_rlhf_liger", False),
     }
     reasons = [k for k, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None

@@ -3,8 +3,10 @@
 Reward models are plain one-label `*ForSequenceClassification`, so a saved one scores the same
 in plain transformers (the architecture's `score` head, read at the last non-pad token, as our
 trainer reads it). `value_head_prefix` maps a head stored under another name (OpenRLHF's
-`value_head.*`). Attention: flash-attn 2 when asked for and available on a GPU, else `rlhf_sdpa`
-(models/attention.py).
+`value_head.*`). Attention (`--ds.attn_implementation`): `sdpa` (default) is `rlhf_sdpa`
+(models/attention.py); `eager` and `flex_attention` go to transformers as asked; flash-attention 2 or
+3 where a GPU and its package are there, elsewhere `rlhf_sdpa`, said in one line
+(`infra/not_applied.py`). MoE experts (`--ds.experts_implementation`) likewise.
 """
 
 from __future__ import annotations
@@ -14,18 +16,59 @@ import logging
 
 import torch
 
+from rlhf_core.infra.not_applied import not_applied
+
 log = logging.getLogger(__name__)
 
 
-def attention_implementation(flash_attn: bool) -> str:
-    if flash_attn:
-        if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        reason = "no CUDA device" if not torch.cuda.is_available() else "flash_attn is not installed"
-        log.warning("--flash_attn: %s; using PyTorch SDPA attention instead", reason)
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+GPU_EXPERTS = ("grouped_mm", "deepgemm")
+
+
+def attention_implementation(requested: str | bool = "sdpa") -> str:
+    """What to give transformers' `attn_implementation` for `requested` (`DSConfig.attention`; True
+    and False: `--flash_attn`'s) on this machine."""
+    requested = {True: "flash_attention_2", False: "sdpa", None: "sdpa"}.get(requested, requested)
+    package = FLASH_PACKAGES.get(requested)
+    if package is not None:
+        if torch.cuda.is_available() and importlib.util.find_spec(package) is not None:
+            return requested
+        needs = f"a CUDA device and the {package} package"
+        not_applied("ds.attn_implementation", requested, needs, "attention runs PyTorch SDPA")
+    elif requested != "sdpa":
+        return requested
     from rlhf_core.models.attention import register
 
     return register()
+
+
+def apply_liger_kernel(model) -> bool:
+    """Liger's fused kernels into `model` (`--ds.use_liger_kernel`) where a CUDA device and the
+    liger-kernel package are there; elsewhere one `not applied here:` line. The lean forward would
+    bypass the patched modules, so a patched model runs its own forward (`models/lean.supported`)."""
+    if torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+        model._rlhf_liger = True
+        return True
+    not_applied("ds.use_liger_kernel", True, "a CUDA device and the liger-kernel package", "the model's own kernels run")
+    return False
+
+
+def model_options(ds) -> dict:
+    """`load_causal_lm` / `load_reward_model` keywords from a stage's `ds` section."""
+    return {"attention": ds.attention, "experts": ds.experts_implementation}
+
+
+def experts_implementation(requested: str | None) -> dict:
+    """`from_pretrained`'s keyword for `--ds.experts_implementation` on this machine ({}: its default)."""
+    if requested is None:
+        return {}
+    if requested in GPU_EXPERTS and not torch.cuda.is_available():
+        not_applied("ds.experts_implementation", requested, "a CUDA device", "experts run transformers' default")
+        return {}
+    return {"experts_implementation": requested}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -116,19 +159,22 @@ def give_reward_model_its_own_pad(model, tokenizer) -> bool:
     return True
 
 
-def load_causal_lm(path: str, flash_attn: bool = False, dtype: torch.dtype = torch.float32):
+def load_causal_lm(path: str, attention: str | bool = "sdpa", dtype: torch.dtype = torch.float32,
+                   experts: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(flash_attn))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(attention),
+                                                **experts_implementation(experts))
 
 
-def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "score", flash_attn: bool = False,
-                      dtype: torch.dtype = torch.float32):
+def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "score", attention: str | bool = "sdpa",
+                      dtype: torch.dtype = torch.float32, experts: str | None = None):
     """A one-label sequence classifier; a head saved as `{value_head_prefix}.*` is mapped onto `score`."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(flash_attn))
+        path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(attention),
+        **experts_implementation(experts))
     model.config.pad_token_id = pad_token_id
     if value_head_prefix != "score":
         _load_renamed_head(model, path, value_head_prefix)

@@ -179,12 +179,15 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         self.total_optimizer_steps = total_optimizer_steps
 
     def _build(self) -> None:
-        from rlhf_core.models.loading import load_causal_lm
+        from rlhf_core.models.loading import apply_liger_kernel, load_causal_lm, model_options
 
         cfg = self.cfg
-        model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds.flash_attn)
+        model = load_causal_lm(cfg.actor.model_name_or_path, **model_options(cfg.ds))
+        if cfg.ds.use_liger_kernel:
+            apply_liger_kernel(model)
         if cfg.actor.gradient_checkpointing_enable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": cfg.actor.gradient_checkpointing_reentrant})
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
 
@@ -318,9 +321,13 @@ class CriticRole(_Checkpointed, _Role):
         self.model_path, self.total_optimizer_steps = model_path, total_optimizer_steps
 
     def _build(self) -> None:
-        from rlhf_core.models.loading import load_reward_model
+        from rlhf_core.models.loading import load_reward_model, model_options
 
-        model = load_reward_model(self.model_path, self.pad_id, flash_attn=self.cfg.ds.flash_attn)
+        model = load_reward_model(self.model_path, self.pad_id, **model_options(self.cfg.ds))
+        actor = self.cfg.actor
+        if actor.gradient_checkpointing_enable:  # OpenRLHF's flag covers both trained models
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": actor.gradient_checkpointing_reentrant})
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size),
                                  self.total_optimizer_steps)
@@ -380,9 +387,9 @@ class ReferenceRole(_Role):
 
     def _build(self) -> None:
         from rlhf_core.distributed.engine import initialize_frozen
-        from rlhf_core.models.loading import load_causal_lm
+        from rlhf_core.models.loading import load_causal_lm, model_options
 
-        self.model = initialize_frozen(load_causal_lm(self.model_path, self.cfg.ds.flash_attn),
+        self.model = initialize_frozen(load_causal_lm(self.model_path, **model_options(self.cfg.ds)),
                                        engine_settings(self.cfg, self.cfg.actor, self.world_size))
 
     def _forward_model(self) -> tuple:
@@ -404,12 +411,12 @@ class RewardModelRole(_Role):
 
     def _build(self) -> None:
         from rlhf_core.distributed.engine import initialize_frozen
-        from rlhf_core.models.loading import load_reward_model
+        from rlhf_core.models.loading import load_reward_model, model_options
 
         cfg = self.cfg
         self.models, self.stats = [], []
         for path in self.model_paths:
-            model = load_reward_model(path, self.pad_id, flash_attn=cfg.ds.flash_attn)
+            model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
                                path))
             self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, self.world_size)))

@@ -23,7 +23,7 @@ from rlhf_core.infra.publishing import publish_output
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.models.lean import forward_report
-from rlhf_core.models.loading import apply_lora, export_model, load_tokenizer
+from rlhf_core.models.loading import apply_liger_kernel, apply_lora, export_model, load_tokenizer
 
 
 @dataclass
@@ -110,8 +110,11 @@ def local_model_path(uri: str) -> str:
 
 
 def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
+    if cfg.ds.use_liger_kernel:
+        apply_liger_kernel(model)
     if cfg.model.gradient_checkpointing_enable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": cfg.model.gradient_checkpointing_reentrant})
         model.config.use_cache = False
     lora = cfg.ds.lora
     if lora.rank > 0:
@@ -133,9 +136,9 @@ def report_forward(ctx: StageContext, role: str, model, sequence_classifier: boo
 
 def packs_into_one_row(cfg: TrainConfig) -> bool:
     """flash-attn's variable-length kernels take one packed row and no dense mask."""
-    from rlhf_core.models.loading import attention_implementation
+    from rlhf_core.models.loading import FLASH_PACKAGES, attention_implementation
 
-    return attention_implementation(cfg.ds.flash_attn) == "flash_attention_2"
+    return attention_implementation(cfg.ds.attention) in FLASH_PACKAGES
 
 
 def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):

@@ -15,7 +15,7 @@ from rlhf_core.config import DPOConfig
 from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import EngineSettings, initialize, initialize_frozen
 from rlhf_core.models.forward import loss_token_logprobs, per_sample_sum
-from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.models.loading import load_causal_lm, model_options
 from rlhf_core.trainers.common import (
     StageData,
     load_stage_data,
@@ -42,11 +42,11 @@ class DPORecipe:
         cfg = self.cfg
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
-        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), **model_options(cfg.ds)), cfg)
         self.to_batch = pair_batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
         report_forward(self.ctx, "policy", self.engine)
-        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), **model_options(cfg.ds)),
                                            EngineSettings.of(cfg))
 
     def count(self, examples) -> int:

@@ -18,7 +18,7 @@ from rlhf_core.config import KTOConfig
 from rlhf_core.data.examples import Sequence, load_unpaired
 from rlhf_core.distributed.engine import EngineSettings, all_reduce_sum, initialize, initialize_frozen
 from rlhf_core.models.forward import sequence_logprobs
-from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.models.loading import load_causal_lm, model_options
 from rlhf_core.trainers.common import (
     StageData,
     batch_builder,
@@ -56,11 +56,11 @@ class KTORecipe:
         cfg = self.cfg
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
-        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
+        policy = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), **model_options(cfg.ds)), cfg)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
         self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
         report_forward(self.ctx, "policy", self.engine)
-        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), cfg.ds.flash_attn),
+        self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), **model_options(cfg.ds)),
                                            EngineSettings.of(cfg))
         self.kl: torch.Tensor | None = None  # the current step's KL estimate (`prepare_step`)
 

@@ -17,7 +17,7 @@ from rlhf_core.data.examples import load_pairs
 from rlhf_core.distributed.engine import EngineSettings, all_reduce_sum, autocast, initialize, precision_of
 from rlhf_core.distributed.sharding import share
 from rlhf_core.models.forward import reward_scores
-from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model
+from rlhf_core.models.loading import give_reward_model_its_own_pad, load_reward_model, model_options
 from rlhf_core.trainers.common import (
     StageData,
     batch_builder,
@@ -46,7 +46,7 @@ class RewardModelRecipe:
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
-                                  cfg.ds.value_head_prefix, cfg.ds.flash_attn)
+                                  cfg.ds.value_head_prefix, **model_options(cfg.ds))
         if give_reward_model_its_own_pad(model, self.data.tokenizer) and self.ctx.is_main:
             print(f"the tokenizer pads with EOS: the reward model gets its own pad token "
                   f"{self.data.tokenizer.pad_token!r}, so transformers reads its score at EOS as we do",

@@ -14,7 +14,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.data.examples import load_sft
 from rlhf_core.distributed.engine import EngineSettings, initialize
 from rlhf_core.models.forward import loss_token_logprobs
-from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.models.loading import load_causal_lm, model_options
 from rlhf_core.trainers.common import (
     StageData,
     batch_builder,
@@ -42,7 +42,7 @@ class SFTRecipe:
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
         self.to_batch = batch_builder(cfg, self.data.tokenizer, self.ctx.device)
-        model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), cfg.ds.flash_attn), cfg)
+        model = prepare_trainable(load_causal_lm(local_model_path(cfg.pretrain), **model_options(cfg.ds)), cfg)
         self.engine = initialize(model, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
         report_forward(self.ctx, "policy", self.engine)
 

@@ -35,7 +35,7 @@ def test_flash_attention_packing_matches_padding(prepared):
     from rlhf_core.models.forward import per_sample_sum, token_logprobs
     from rlhf_core.models.loading import load_causal_lm
 
-    model = load_causal_lm(prepared["base"], flash_attn=True, dtype=torch.bfloat16).cuda().eval()
+    model = load_causal_lm(prepared["base"], attention="flash_attention_2", dtype=torch.bfloat16).cuda().eval()
     assert model.config._attn_implementation == "flash_attention_2"
     seqs = [list(range(10, 10 + n)) for n in (5, 9, 13)]
     masks = [[0] + [1] * (len(s) - 1) for s in seqs]

@@ -56,3 +56,26 @@ def test_a_dry_run_prints_the_resolved_config_and_does_nothing_else(stage, untou
 def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
     assert main([*COMMANDS["dpo"], "--beta", "-1", "--dry_run"]) == 2
     assert "beta" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage, argv", [
+    ("sft", ["--ring_attn_size", "2"]),
+    ("dpo", ["--model.aux_loss_coef", "0.01"]),
+    ("ppo", ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5.0"]),
+    ("ppo", ["--train.agent_func_path", "agent.py"]),
+    ("ppo", ["--data.image_key", "images"]),
+])
+def test_an_openrlhf_flag_of_a_feature_not_built_yet_is_refused_by_name(stage, argv, untouched, capsys):
+    """Recognised (not `unrecognized arguments`) and refused with exit 2, saying what is not built."""
+    with pytest.raises(SystemExit) as e:
+        main([*COMMANDS[stage], *argv, "--dry_run"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {argv[0]}: not built yet: " in err and "unrecognized" not in err
+
+
+def test_a_deferred_flag_in_yaml_is_refused_the_same_way(untouched, tmp_path, capsys):
+    config = tmp_path / "ppo.yaml"
+    config.write_text("train:\n  async_enable: true\n")
+    assert main([*COMMANDS["ppo"], "--config", str(config), "--dry_run"]) == 2
+    assert "--train.async_enable: not built yet: asynchronous RL" in capsys.readouterr().err

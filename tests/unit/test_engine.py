@@ -32,6 +32,33 @@ def test_deepspeed_config_follows_the_stage_config():
         "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
 
 
+def test_openrlhfs_deepspeed_flags_reach_deepspeed_s_config_and_its_engine(capsys):
+    """--overlap_comm, --zpg, --grad_accum_dtype go into the DeepSpeed config as OpenRLHF puts them,
+    and a CPU engine built from it reads them back; --deepcompile needs CUDA: here one line says it
+    was not applied."""
+    import torch
+
+    from rlhf_core.distributed.engine import init_distributed, initialize
+    from rlhf_core.infra.not_applied import PREFIX
+
+    flags = {"overlap_comm": True, "zpg": 2, "grad_accum_dtype": "fp32", "zero_stage": 3, "num_gpus_per_node": 2,
+             "train_batch_size": 4, "micro_train_batch_size": 2}
+    cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"}, flags)
+    ds = deepspeed_config(EngineSettings.of(cfg))
+    assert ds["zero_optimization"]["overlap_comm"] is True and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "overlap_comm" not in deepspeed_config(EngineSettings.of(cfg), train=False)["zero_optimization"]
+
+    init_distributed(0, 1, "127.0.0.1", None)
+    one_rank = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
+                            {"overlap_comm": True, "grad_accum_dtype": "fp32", "deepcompile": True, "adam_offload": True,
+                             "train_batch_size": 1, "micro_train_batch_size": 1, "param_dtype": "fp32"})
+    engine = initialize(torch.nn.Linear(4, 4), EngineSettings.of(one_rank), total_steps=2)
+    assert engine.zero_overlap_comm() is True and engine.get_data_types()[1] == torch.float32
+    if not torch.cuda.is_available():
+        assert f"{PREFIX} --ds.deepcompile True needs a CUDA device" in capsys.readouterr().err
+
+
 def test_one_rank_trains_zero_1_and_2_as_stage_0():
     from rlhf_core.distributed.engine import effective_zero_stage
 

@@ -19,10 +19,22 @@ def test_value_head_prefix_maps_foreign_heads_onto_score(prepared, tmp_path):
         load_reward_model(str(tmp_path / "rm"), tok.pad_token_id, value_head_prefix="critic_head")
 
 
-def test_flash_attn_falls_back_to_sdpa_with_a_notice(caplog):
+def test_gpu_only_attention_runs_sdpa_here_and_says_so_in_one_line(capsys, monkeypatch):
+    """flash_attention_2/3 (`--ds.attn_implementation`, or `--flash_attn`) need CUDA and their
+    package: elsewhere attention runs SDPA, and one `not applied here:` line says what was not
+    applied, once per process however many models load; eager and flex_attention go through."""
+    from rlhf_core.infra import not_applied
+
     if torch.cuda.is_available():
         pytest.skip("CPU fallback only")
-    with caplog.at_level("WARNING"):
-        assert attention_implementation(True) == "rlhf_sdpa"
-    assert "--flash_attn" in caplog.text and "SDPA" in caplog.text
-    assert attention_implementation(False) == "rlhf_sdpa"
+    monkeypatch.setattr(not_applied, "_SAID", set())
+    assert attention_implementation(True) == attention_implementation("flash_attention_2") == "rlhf_sdpa"
+    assert attention_implementation("flash_attention_3") == "rlhf_sdpa"
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(not_applied.PREFIX)]
+    assert lines == ["not applied here: --ds.attn_implementation flash_attention_2 needs a CUDA device and the "
+                     "flash_attn package; attention runs PyTorch SDPA",
+                     "not applied here: --ds.attn_implementation flash_attention_3 needs a CUDA device and the "
+                     "flash_attn_interface package; attention runs PyTorch SDPA"]
+    assert attention_implementation(False) == attention_implementation("sdpa") == "rlhf_sdpa"
+    assert attention_implementation("eager") == "eager"
+    assert not capsys.readouterr().err

@@ -72,11 +72,11 @@ def test_bf16_flag_is_the_older_spelling_of_param_dtype():
 
 
 def test_cli_takes_both_spellings_and_rejects_a_contradiction(capsys, tmp_path):
-    from rlhf_core.cli import _parser, main
+    from rlhf_core.cli import _parser, flag_values, main
 
     def parsed(*flags):
         args = _parser().parse_args(["train", "sft", *flags])
-        return {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
+        return flag_values(args)
 
     assert parsed("--ds.param_dtype", "fp32") == parsed("--param_dtype", "fp32") == {"ds.param_dtype": "fp32"}
     with pytest.raises(SystemExit) as exc:  # argparse's usage error

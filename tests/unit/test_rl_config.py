@@ -10,7 +10,7 @@ import shlex
 import pytest
 import yaml
 
-from rlhf_core.cli import _parser
+from rlhf_core.cli import _parser, flag_values
 from rlhf_core.config import STAGE_CONFIGS, build_config
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl_config import SPELLINGS, PPOConfig, add_ppo_flags, build_ppo_config
@@ -55,9 +55,8 @@ STAGE_EXTRAS = {
 
 
 def _supervised(stage: str, flags: str):
-    args = vars(_parser().parse_args(["train", stage, *shlex.split(flags)]))
-    values = {k: v for k, v in args.items() if k not in ("command", "stage", "config")}
-    return build_config(STAGE_CONFIGS[stage], None, values)
+    return build_config(STAGE_CONFIGS[stage], None, flag_values(_parser().parse_args(["train", stage,
+                                                                                      *shlex.split(flags)])))
 
 
 def test_sft_dotted_flags_give_the_flat_config():
@@ -380,6 +379,5 @@ def test_the_readmes_dotted_and_flat_grpo_commands_are_the_same_run():
     configs = []
     for command in commands[:2]:
         args = _parser().parse_args(shlex.split(command.split("#")[0])[1:])
-        values = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "config")}
-        configs.append(build_ppo_config(None, values).model_dump())
+        configs.append(build_ppo_config(None, flag_values(args)).model_dump())
     assert configs[0] == configs[1]
