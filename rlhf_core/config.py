@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from enum import Enum
 from typing import ClassVar, Literal
 
@@ -34,6 +35,22 @@ def _field_title(name: str, field) -> str:
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_field_title)
+
+
+_DROPPED_TEMPLATES: set[str] = set()
+
+
+def template_or_none(template: str | None) -> str | None:
+    """A template with no braces at all (`""`, a bare prefix) has no place for the prompt: OpenRLHF
+    drops it with a warning, and so does this (one line on stderr, once per process). A template
+    with braces but no `{}` stays an error (`check_input_template`): most likely a typo."""
+    if template is None or "{" in template or "}" in template:
+        return template
+    if template not in _DROPPED_TEMPLATES:
+        _DROPPED_TEMPLATES.add(template)
+        print(f"warning: --input_template {template!r} has no {{}} for the prompt: no template is applied",
+              file=sys.stderr, flush=True)
+    return None
 
 
 def check_input_template(template: str | None, name: str) -> None:
@@ -195,6 +212,17 @@ class TrainingStageConfig(StageConfig):
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
+    @model_validator(mode="after")
+    def _default_checkpoint_path(self):
+        """Checkpoints asked for (`--ckpt.save_steps`, `--ckpt.load_enable`) without `--ckpt.path` go
+        where OpenRLHF puts them: `./ckpt/checkpoints_<stage>` (`ppo_ray` for RL) in the working
+        directory the command runs in (made absolute here, so every rank and job reads the same)."""
+        ckpt = self.ckpt
+        if ckpt.path is None and (ckpt.save_steps > 0 or ckpt.load_enable):
+            stage = getattr(self, "stage", "")
+            ckpt.path = os.path.abspath(os.path.join("ckpt", f"checkpoints_{'ppo_ray' if stage == 'ppo' else stage}"))
+        return self
+
     # The names every stage config answers to (storage's destination checks, manifests, pipelines).
     @property
     def save_path(self) -> str | None:
@@ -234,6 +262,11 @@ class DataConfig(StrictModel):
     label_key: str = "label"
     margin_key: str | None = Field(None, description="Reward-model margin column (optional)")
     input_template: str | None = Field(None, description="Python format string with one {} for the prompt")
+
+    @field_validator("input_template")
+    @classmethod
+    def _braceless_template_is_none(cls, template: str | None) -> str | None:
+        return template_or_none(template)
     apply_chat_template: bool = False
     tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's")
     max_samples: int = Field(100_000_000, gt=0)

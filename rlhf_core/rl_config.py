@@ -37,6 +37,7 @@ from rlhf_core.config import (
     _deferred,
     check_input_template,
     spellings_of,
+    template_or_none,
 )
 from rlhf_core.flags import flat
 from rlhf_core.infra.manifests import NOT_SEMANTIC
@@ -261,6 +262,11 @@ class PromptDataConfig(StrictModel):
     apply_chat_template: bool = Field(True, json_schema_extra=flat("apply_chat_template"))
     input_template: str | None = Field(None, description="Python format string with one {} for the prompt",
                                        json_schema_extra=flat("input_template"))
+
+    @field_validator("input_template")
+    @classmethod
+    def _braceless_template_is_none(cls, template: str | None) -> str | None:
+        return template_or_none(template)
     tokenizer_chat_template: str | None = Field(None, description="Jinja chat template that replaces the tokenizer's",
                                                 json_schema_extra=flat("tokenizer_chat_template"))
 

@@ -167,7 +167,7 @@ CASES = {
     "flag-unknown": lambda c: (c.sft("--no_such_flag", "1"), ["unrecognized arguments: --no_such_flag"]),
     "flag-not-a-number": lambda c: (c.sft("--learning_rate", "fast"), ["--learning_rate", "invalid float value"]),
     "flag-max-len-too-small": lambda c: (c.sft("--max_len", "1"), ["--max_len", "greater than 1"]),
-    "flag-input-template-without-slot": lambda c: (c.sft("--input_template", "Q: A:"),
+    "flag-input-template-without-slot": lambda c: (c.sft("--input_template", "Q: {question} A:"),
                                                    ["input_template must contain '{}'"]),
     "flag-input-template-extra-field": lambda c: (c.sft("--input_template", "Q: {} {name}"),
                                                   ["input_template", "cannot format a prompt", "KeyError"]),

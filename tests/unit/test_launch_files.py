@@ -88,7 +88,7 @@ def test_the_command_check_catches_a_typo_an_abbreviation_and_a_bad_value():
     for argv in (["train", "sft", "--pretrain", "m", "--dataset", "d", "--save_stepz", "10"],
                  ["train", "sft", "--pretrain", "m", "--dataset", "d", "--save_step", "10"],
                  ["train", "dpo", "--pretrain", "m", "--dataset", "d", "--zero_stage", "7"],
-                 ["train", "sft", "--pretrain", "m", "--dataset", "d", "--save_steps", "10"],  # needs --ckpt_path
+                 ["train", "sft", "--pretrain", "m", "--dataset", "d", "--ckpt_path", "ftp://h/c"],  # no ftp://
                  ["pipeline", "run", "--stages", "prep,sft,rlhf"],
                  ["prep", "--out", "s3://b/prep", "--task", "sorting"]):
         with pytest.raises((pytest.fail.Exception, AssertionError, ValueError)):

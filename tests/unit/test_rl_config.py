@@ -292,15 +292,14 @@ def test_flag_errors_exit_2_naming_the_flag(flags, named, capsys):
     ({"dual_clip": 0.5}, "--actor.dual_clip (--dual_clip)"),
     ({"reward_clip_range": [1, 2, 3]}, "--reward.clip_range (--reward_clip_range)"),
     ({"kl_estimator": "k4"}, "--algo.kl.estimator (--kl_estimator)"),
-    ({"save_steps": 10}, "--ckpt.save_steps needs --ckpt.path"),
-    ({"load_checkpoint": True}, "--ckpt.load_enable needs --ckpt.path"),
+    ({"ckpt_path": "ftp://host/ckpt", "save_steps": 10}, "--ckpt.path (--ckpt_path) ftp://host/ckpt: checkpoints go"),
     ({"colocate_all_models": True, "vllm_num_engines": 2}, "--train.colocate_all: actor ranks (1)"),
     ({"colocate_actor_ref": True, "ref_num_gpus_per_node": 2, "train.batch_size": 2, "rollout.batch_size": 2},
      "--actor.num_nodes/num_gpus_per_node and --ref.num_nodes"),
     ({"rollout.backend": "vllm"}, "--rollout.backend vllm needs --vllm.num_engines > 0"),
     ({"rollout.backend": "transformers", "vllm.num_engines": 1}, "--rollout.backend transformers contradicts"),
     ({"reward.task": None, "reward_pretrain": "rm", "max_len": 512, "prompt_max_len": 512}, "--data.max_len (512)"),
-    ({"input_template": "no slot"}, "--data.input_template must contain '{}'"),
+    ({"input_template": "no {slot}"}, "--data.input_template must contain '{}'"),
     ({"actor": {"bogus": 1}}, "--actor.bogus: unknown field"),
     ({"no_such_flag": 1}, "--no_such_flag: unknown field"),
 ])
@@ -308,6 +307,22 @@ def test_invalid_configs_name_the_flag(values, named):
     with pytest.raises(ConfigError) as exc:
         build_ppo_config({**TASK, **values}, {})
     assert named in str(exc.value)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo"])
+@pytest.mark.parametrize("flag", ["save_steps", "load_checkpoint"])
+def test_checkpoints_without_a_path_go_where_openrlhf_puts_them(stage, flag, tmp_path, monkeypatch):
+    """OpenRLHF's --ckpt_path defaults to ./ckpt/checkpoints_<cli> (ppo_ray for RL); an input
+    template with no braces at all is dropped, as OpenRLHF drops it (one warning line)."""
+    from rlhf_core.cli import _parser, train_config
+
+    monkeypatch.chdir(tmp_path)
+    inputs = (["--prompt_data", "p", "--remote_rm_url", "r.py"] if stage == "ppo" else ["--dataset", "d"])
+    value = ["10"] if flag == "save_steps" else []
+    cfg = train_config(_parser().parse_args(["train", stage, "--pretrain", "m", "--save_path", "o", *inputs,
+                                             f"--{flag}", *value, "--input_template", '""']))
+    assert cfg.ckpt.path == str(tmp_path / "ckpt" / f"checkpoints_{'ppo_ray' if stage == 'ppo' else stage}")
+    assert cfg.data.input_template is None
 
 
 def test_check_complete_names_every_missing_input():
