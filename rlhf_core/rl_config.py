@@ -243,7 +243,12 @@ class EvalSection(StrictModel):
 
 
 class RLDSConfig(DSConfig, ValueHead):
-    pass
+    enable_sleep: bool = Field(False, description="Move the actor's and critic's DeepSpeed states off the GPU while "
+                               "the rollout engines generate (ZeRO-3 on CUDA; elsewhere not applied, said in one log "
+                               "line)", json_schema_extra=flat("deepspeed_enable_sleep"))
+    packing_samples: bool = Field(True, description="Accepted for OpenRLHF's scripts: every RL pass packs its samples "
+                                  "(padding-free, the same numbers as padded batches), given or not",
+                                  json_schema_extra=flat("packing_samples", noop="the RL passes always pack"))
 
 
 class PromptDataConfig(StrictModel):

@@ -36,6 +36,7 @@ from rlhf_core.algos.names import AdvantageEstimator
 from rlhf_core.algos.nucleus import filtering
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
+from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.rl import checkpoint
 from rlhf_core.rl.experience import RolloutSample, stack, unstack
 from rlhf_core.rl.plan import StepPlan
@@ -130,11 +131,30 @@ class RLController:
             summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})
         return summary
 
+    def _trainable(self) -> list:
+        return [group for group in (self.actor, self.critic) if group is not None]
+
+    def _trainers_sleep(self) -> None:
+        """`--ds.enable_sleep`: the trainable roles' DeepSpeed states off the GPU while the engines
+        generate; where a rank cannot, one line says what was missing."""
+        if not self.cfg.ds.enable_sleep:
+            return
+        for group in self._trainable():
+            for missing in {m for m in group.call_all("offload_states") if m}:
+                not_applied("ds.enable_sleep", True, missing, "the trainers' states stay where they are")
+
+    def _trainers_wake(self) -> None:
+        if self.cfg.ds.enable_sleep:
+            for group in self._trainable():
+                group.call_all("reload_states")
+
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         times: dict[str, float] = {}
         t0 = time.perf_counter()
+        self._trainers_sleep()
         samples, rollout_stats = self.rollout(times)
+        self._trainers_wake()
         plan = self.plan_step(len(samples))
         t = time.perf_counter()
         experience_stats = self.make_experience(samples, plan)

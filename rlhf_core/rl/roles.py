@@ -167,6 +167,25 @@ class _Checkpointed:
             raise RuntimeError(f"--ckpt.load_enable: DeepSpeed could not load the {self.name} from {directory}")
         set_rng_state(torch.load(Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", weights_only=False))
 
+    # `--ds.enable_sleep`: the engine's weights, gradients and optimizer states leave the GPU while
+    # the rollout engines generate (DeepSpeed's offload_states, ZeRO-3), and come back before the
+    # experience pass.
+    def offload_states(self) -> str | None:
+        """Offload; returns None, or what was missing where it could not be done (no CUDA device, an
+        optimizer without DeepSpeed's offload)."""
+        if not torch.cuda.is_available():
+            return "a CUDA device"
+        if not hasattr(self.engine.optimizer, "offload_states"):
+            return "ZeRO-3 (DeepSpeed's offload_states)"
+        self.engine.offload_states()
+        self._states_offloaded = True
+        return None
+
+    def reload_states(self) -> None:
+        if getattr(self, "_states_offloaded", False):
+            self.engine.reload_states()
+            self._states_offloaded = False
+
 
 class PolicyRole(WeightSender, _Checkpointed, _Role):
     """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out

@@ -6,6 +6,7 @@ steps with a KL loss and dynamic filtering, on the tiny base model)."""
 import json
 
 import pytest
+import torch
 
 from rlhf_core.cli import main
 
@@ -43,6 +44,9 @@ def reward_func(queries, prompts, labels, responses):
 def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
+    from rlhf_core.infra import not_applied
+
+    monkeypatch.setattr(not_applied, "_SAID", set())  # each line once per process: this run's own
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     reward = tmp_path / "reward.py"
@@ -56,10 +60,19 @@ def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsy
                  "--use_kl_loss", "--dynamic_filtering", "--dynamic_filtering_reward_range", "-0.5", "2",
                  "--param_dtype", "fp32", "--max_steps", "2", "--mlflow_experiment", "rl-metrics",
                  "--top_p", "0.95", "--top_k", "2",
+                 # OpenRLHF's GPU-only flags, as its hybrid-engine scripts give them: one line each says
+                 # what was not applied on this CPU; --packing_samples is what the RL passes always do
+                 "--deepspeed_enable_sleep", "--attn_implementation", "flash_attention_2", "--packing_samples",
                  "--save_path", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     manifest = json.loads(captured.out[captured.out.index("{"):])  # after what MLflow prints
+    if not torch.cuda.is_available():
+        not_applied = sorted({line for line in captured.err.splitlines() if line.startswith("not applied here:")})
+        assert not_applied == [
+            "not applied here: --ds.attn_implementation flash_attention_2 needs a CUDA device and the flash_attn "
+            "package; attention runs PyTorch SDPA",
+            "not applied here: --ds.enable_sleep True needs a CUDA device; the trainers' states stay where they are"]
     client = MlflowClient(uri)
     run = client.get_run(manifest["mlflow_run_id"])
     assert run.info.status == "FINISHED"
