@@ -171,6 +171,9 @@ class CkptConfig(StrictModel):
     max_num: int = Field(3, gt=0, json_schema_extra=flat("max_ckpt_num", **NOT_SEMANTIC))
     load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
                               json_schema_extra=flat("load_checkpoint", **NOT_SEMANTIC))
+    save_hf: bool = Field(False, description="Also write the trained model (RL: the actor) in Hugging Face format "
+                          "into each checkpoint, as <tag>/hf (with its tokenizer; loads in plain transformers)",
+                          json_schema_extra=flat("save_hf_ckpt", **NOT_SEMANTIC))
 
     @field_validator("path")
     @classmethod

@@ -92,7 +92,7 @@ def run_training(recipe) -> dict:
     from rlhf_core.trainers.loop import TrainLoop
 
     loop = TrainLoop(recipe.cfg, recipe.engine, recipe, recipe.data.train, recipe.data.eval, recipe.ctx.tracker,
-                     recipe.ctx.rank, recipe.ctx.world_size)
+                     recipe.ctx.rank, recipe.ctx.world_size, tokenizer=recipe.data.tokenizer)
     summary = loop.run()
     recipe.ctx.resume = loop.resume
     return summary

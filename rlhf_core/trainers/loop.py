@@ -51,8 +51,8 @@ class Recipe(Protocol):
 
 class TrainLoop:
     def __init__(self, cfg, engine, recipe: Recipe, train_examples: list, eval_examples: list | None,
-                 tracker, rank: int, world_size: int):
-        self.cfg, self.engine, self.recipe = cfg, engine, recipe
+                 tracker, rank: int, world_size: int, tokenizer=None):
+        self.cfg, self.engine, self.recipe, self.tokenizer = cfg, engine, recipe, tokenizer
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
         self.tracker, self.rank, self.world_size = tracker, rank, world_size
         self.plan = BatchPlan(len(train_examples), cfg.train.batch_size, cfg.train.micro_batch_size,
@@ -174,6 +174,7 @@ class TrainLoop:
                 torch.save(checkpoints.rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
                                             save_latest=False)
+                self._save_hf(ckpt / partial)
             except Exception as e:
                 if (ckpt / partial).is_dir():
                     raise
@@ -184,6 +185,11 @@ class TrainLoop:
             if self.rank == 0:
                 checkpoints.commit(ckpt, tag)
         self._record_and_rotate(ckpt, tag)
+
+    def _save_hf(self, folder: Path) -> None:
+        """`--ckpt.save_hf`: the model in Hugging Face format at `folder/hf` (every rank gathers, rank 0 writes)."""
+        if self.cfg.ckpt.save_hf:
+            write_hf_checkpoint(self.engine.module, self.tokenizer, folder, self.rank)
 
     def _save_remote(self) -> None:
         """This step's checkpoint on S3: each rank writes its part into a staging folder of its own
@@ -202,6 +208,7 @@ class TrainLoop:
                 (local / tag).mkdir()
                 torch.save(checkpoints.rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
                 self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step}, save_latest=False)
+                self._save_hf(local / tag)
             checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -336,3 +343,14 @@ def total_steps(cfg, num_examples: int) -> int:
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def write_hf_checkpoint(module, tokenizer, folder: Path, rank: int) -> None:
+    """`module` as a plain Hugging Face model (LoRA merged) with `tokenizer` in `folder/hf`; call on
+    every rank (ZeRO-3 shards are gathered), rank 0 writes."""
+    from rlhf_core.models.loading import export_model
+    from rlhf_core.trainers.common import model_writer
+
+    model = export_model(module, rank)
+    if rank == 0:
+        model_writer(model, tokenizer)(Path(folder) / "hf")

@@ -126,7 +126,7 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
     prepare_environment()
     # Uninterrupted, through --load_checkpoint on an empty folder: step 0, said and recorded.
     full_v = values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt")
-    full = run_recipe(build_config(STAGE_CONFIGS[stage], None, full_v))
+    full = run_recipe(build_config(STAGE_CONFIGS[stage], None, {**full_v, "save_hf_ckpt": True}))
     assert "--load_checkpoint: no checkpoint in" in capfd.readouterr().err
     assert full["resume"] == {"requested": True, "checkpoint": None, "start_step": 0}
     assert json.loads((tmp_path / "full" / "stage.json").read_text())["resume"]["checkpoint"] is None
@@ -162,6 +162,13 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     w0 = load_file(str(Path(dropout_base) / "model.safetensors"))
     assert any(not torch.equal(w0[k], wa[k]) for k in w0 if k in wa)  # it trained at all
+    # --save_hf_ckpt: each checkpoint holds the model in Hugging Face format; the last one's is the output's
+    hf = tmp_path / "full_ckpt" / final / "hf"
+    assert (hf / "config.json").is_file() and (hf / "tokenizer_config.json").is_file()
+    wh = load_file(str(hf / "model.safetensors"))
+    assert wh.keys() == wa.keys() and all(torch.equal(wh[k], wa[k]) for k in wa)
+    assert (tmp_path / "full_ckpt" / f"global_step{SAVE_STEPS}" / "hf" / "model.safetensors").is_file()
+    assert not (ckpt / final / "hf").exists()  # not asked for
 
 
 # -- PPO: the RL stage's own loop and checkpoint (actor, critic, both optimizers, KL, prompts, RNG) --
@@ -204,7 +211,7 @@ def test_killed_ppo_run_resumes_bit_identical(prepared, dropout_base, tmp_path, 
     from rlhf_core.cli import main
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # every role in this process
-    assert main(ppo_args(prepared, dropout_base, tmp_path, "whole")) == 0
+    assert main(ppo_args(prepared, dropout_base, tmp_path, "whole", "--save_hf_ckpt")) == 0
     assert "no checkpoint in" in capfd.readouterr().err
     whole = json.loads((tmp_path / "whole_out" / "stage.json").read_text())
     assert whole["resume"] == {"requested": True, "checkpoint": None, "start_step": 0}
@@ -237,3 +244,5 @@ def test_killed_ppo_run_resumes_bit_identical(prepared, dropout_base, tmp_path, 
     wa, wb = load_file(str(tmp_path / "whole_out" / "model.safetensors")), load_file(str(tmp_path / "split_out" /
                                                                                          "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    wh = load_file(str(tmp_path / "whole_ckpt" / final / "hf" / "model.safetensors"))  # --save_hf_ckpt: the actor
+    assert wh.keys() == wa.keys() and all(torch.equal(wh[k], wa[k]) for k in wa)
