@@ -20,6 +20,7 @@ import os
 import sys
 
 from rlhf_core.config import STAGE_CONFIGS, add_config_flags, build_config, load_yaml
+from rlhf_core.infra.loggers import export_wandb_key
 from rlhf_core.infra.settings import EXIT_CONFIG, ConfigError
 from rlhf_core.models.families import FAMILIES
 from rlhf_core.models.sizes import MODEL_SIZES
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = train_config(args)
             if args.dry_run:
                 return dry_run(cfg)
+            export_wandb_key(cfg)
             check_config_stores(cfg)
             _check_models(cfg, {"pretrain": "--actor.model_name_or_path", "ref_pretrain": "--ref.model_name_or_path",
                                 "critic_pretrain": "--critic.model_name_or_path",
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = train_config(args)
             if args.dry_run:
                 return dry_run(cfg)
+            export_wandb_key(cfg)
             from rlhf_core.stages.launch import run_stage
 
             check_config_stores(cfg)

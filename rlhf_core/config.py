@@ -17,7 +17,7 @@ import sys
 from enum import Enum
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
 from rlhf_core.flags import Spellings, flat
@@ -191,8 +191,31 @@ class CkptConfig(StrictModel):
         return found
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases (`infra/loggers.py`): on when a key is given."""
+
+    key: SecretStr | None = Field(None, description="W&B API key (OpenRLHF's --use_wandb takes it); turns W&B on. "
+                                  "Kept out of every record; 'true' logs in as W&B would without one",
+                                  json_schema_extra=flat("use_wandb", **NOT_SEMANTIC))
+    org: str | None = Field(None, description="W&B entity", json_schema_extra=flat("wandb_org", **NOT_SEMANTIC))
+    group: str | None = Field(None, json_schema_extra=flat("wandb_group", **NOT_SEMANTIC))
+    project: str | None = Field(None, description="W&B project (default rlhf_<stage>)",
+                                json_schema_extra=flat("wandb_project", **NOT_SEMANTIC))
+    run_name: str | None = Field(None, description="Run name in W&B and TensorBoard (default: the MLflow run's)",
+                                 json_schema_extra=flat("wandb_run_name", **NOT_SEMANTIC))
+    mode: Literal["online", "offline"] | None = Field(None, description="W&B mode (default: WANDB_MODE, else online; "
+                                                      "a run that cannot reach W&B goes on offline)",
+                                                      json_schema_extra=NOT_SEMANTIC)
+
+    def with_defaults(self, stage: str) -> WandbConfig:
+        return self.model_copy(update={"project": self.project or f"rlhf_{stage}"})
+
+
 class LoggerConfig(StrictModel):
     logging_steps: int = Field(1, gt=0, json_schema_extra=flat("logging_steps", **NOT_SEMANTIC))
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard_dir: str | None = Field(None, description="TensorBoard event files under DIR/<run name>",
+                                        json_schema_extra=flat("use_tensorboard", **NOT_SEMANTIC))
 
 
 class TrainLoopConfig(StrictModel):

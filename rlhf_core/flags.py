@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable
 from enum import Enum
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from rlhf_core.infra.settings import ConfigError
@@ -67,6 +67,8 @@ def flag_kwargs(annotation, description: str | None) -> dict | None:
         kwargs.update(choices=[m.value for m in ann])
     elif ann in (int, float, str):
         kwargs.update(type=ann)
+    elif ann is SecretStr:  # kept out of every dump (`**********`)
+        kwargs.update(type=str, metavar="SECRET")
     elif origin is dict:  # given as JSON text; the field's validator reads it
         kwargs.update(type=str, metavar="JSON")
     else:

@@ -20,7 +20,7 @@ REDACTED = "***"
 # Not "pwd" (PWD is the working directory) nor "auth" (a switch or a mode far more often than a secret).
 SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
 SECRET_SUFFIXES = ("api_key", "access_key", "secret_key", "private_key", "access_key_id", "session_token",
-                   "auth_token", "secret_access_key")
+                   "auth_token", "secret_access_key", "wandb_key")
 # Query parameters that carry a credential whatever their name's last word (AWS/GCS/Azure signed URLs).
 SECRET_QUERY_NAMES = {"sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
                       "x-goog-signature", "x-goog-credential", "key", "access_token", "refresh_token"}

@@ -206,6 +206,7 @@ class Tracker:
                  tags: dict[str, str] | None = None):
         self.enabled = enabled
         self.run_id: str | None = None
+        self.sinks = None  # `loggers.MetricSinks`: W&B and TensorBoard, fed the same metrics (`attach_sinks`)
         self._published: tuple[str, str] | None = None  # (uri, stage) published before the run finished
         if not enabled:
             return
@@ -289,8 +290,14 @@ class Tracker:
                 self._retry("take the stage's params", lambda batch=batch: self.client.log_batch(self.run_id,
                                                                                                   params=batch))
 
+    def attach_sinks(self, sinks) -> None:
+        """Send every metric to `sinks` too (`loggers.MetricSinks`), MLflow on or off; closed by `finish`."""
+        self.sinks = sinks
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Held and sent in the background (`MetricQueue`); never raises, never waits for the store."""
+        if self.sinks is not None and metrics:
+            self.sinks.log(metrics, step)
         if self.enabled and metrics:
             from mlflow.entities import Metric
 
@@ -370,6 +377,9 @@ class Tracker:
         """End the run. FINISHED: metrics and status recorded within RLHF_STORE_WAIT_S, else
         StoreUnavailable (a published output withdrawn). Any other status: a published output is
         withdrawn and the status tried for a few seconds; never raises (the stage's own error matters)."""
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
         if not self.enabled:
             return
         from rlhf_core.infra.reachability import StoreUnavailable, store_wait_s

@@ -81,10 +81,20 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(),
                                                       "rlhf.precision": precision})
+    if rank == 0:
+        attach_dashboards(tracker, cfg)
     tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
     tracker.log_datasets(data.train_sources, "training")
     tracker.log_datasets(data.eval_sources, "evaluation")
     return StageContext(cfg, rank, world, device(), tracker)
+
+
+def attach_dashboards(tracker, cfg) -> None:
+    """W&B and TensorBoard (`--logger.*`), fed what the stage's MLflow run gets (`infra/loggers.py`)."""
+    from rlhf_core.infra.loggers import MetricSinks
+    from rlhf_core.infra.redaction import redact
+
+    tracker.attach_sinks(MetricSinks.for_stage(cfg, cfg.mlflow_run_name, redact(cfg.model_dump(mode="json"))))
 
 
 def run_training(recipe) -> dict:

@@ -30,7 +30,7 @@ from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.roles import ROLE_CLASSES, total_optimizer_steps
 from rlhf_core.rl.scoring import RewardModelSource, TextRewardSource
-from rlhf_core.trainers.common import local_model_path, seed_everything
+from rlhf_core.trainers.common import attach_dashboards, local_model_path, seed_everything
 
 # Sequences the transformers engine samples at once (a rollout step's prompts x samples, in chunks):
 # generation is memory-light next to training, and bigger batches amortise the per-token overhead.
@@ -239,6 +239,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     roles = None
     started_ray = False
     try:
+        attach_dashboards(tracker, cfg)
         tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
         tracker.log_datasets(sources, "training")
         tracker.log_datasets(eval_sources, "evaluation")
