@@ -122,7 +122,8 @@ class RewardConfig(Placement):
                                    json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
     task: str | None = Field(None, description="Built-in task whose exact verifier scores responses",
                              json_schema_extra=flat("task"))
-    normalize_enable: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std",
+    normalize_enable: bool = Field(False, description="Normalise reward models' scores with their stored "
+                                   "reward_mean/std (a reward file's, a server's or a task's are used as given)",
                                    json_schema_extra=flat("normalize_reward"))
     clip_range: tuple[float, float] = Field((-10.0, 10.0), json_schema_extra=flat("reward_clip_range"))
     overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
@@ -356,8 +357,6 @@ class PPOConfig(TrainingStageConfig):
                 url = url.strip()
                 if not (url.startswith(("http://", "https://")) or url.endswith(".py")):
                     problems.append(f"--reward.remote_url: {url!r} is neither an http(s) URL nor a .py file")
-        if reward.normalize_enable and not reward.model_name_or_path:
-            problems.append("--reward.normalize_enable needs --reward.model_name_or_path")
         if reward.clip_range[0] >= reward.clip_range[1]:
             problems.append(f"--reward.clip_range: low must be below high (got {reward.clip_range})")
         if algo.dynamic_filtering_enable:

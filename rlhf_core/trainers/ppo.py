@@ -70,6 +70,10 @@ def build_reward_fn(cfg):
     """The reward source when no reward model scores the samples: a reward file, an HTTP server or a verifier."""
     from rlhf_core.rewards import build_reward_source
 
+    if cfg.reward.normalize_enable:  # OpenRLHF's reward-function scripts give it; it normalizes reward models only
+        print("note: --reward.normalize_enable (--normalize_reward) applies to reward models; the scores of "
+              f"{'--reward.remote_url' if cfg.reward.remote_url else '--reward.task'} are used as given",
+              file=sys.stderr, flush=True)
     return build_reward_source(None, cfg.reward.remote_url, cfg.reward.task)
 
 

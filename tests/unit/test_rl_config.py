@@ -286,7 +286,6 @@ def test_flag_errors_exit_2_naming_the_flag(flags, named, capsys):
     ({"reward_pretrain": "rm"}, "give one reward source"),
     ({"reward.task": None, "remote_rm_url": "ftp://x"}, "--reward.remote_url: 'ftp://x'"),
     ({"reward.task": "no_such_task"}, "--reward.task"),
-    ({"normalize_reward": True}, "--reward.normalize_enable needs --reward.model_name_or_path"),
     ({"advantage_estimator": "reinforce", "critic_pretrain": "c"}, "--critic.model_name_or_path: only"),
     ({"actor_learning_rate": -1}, "--actor.adam.lr (--actor_learning_rate): Input should be greater than 0"),
     ({"dual_clip": 0.5}, "--actor.dual_clip (--dual_clip)"),

@@ -63,10 +63,13 @@ def test_every_step_metric_reaches_mlflow(prepared, tmp_path, monkeypatch, capsy
                  # OpenRLHF's GPU-only flags, as its hybrid-engine scripts give them: one line each says
                  # what was not applied on this CPU; --packing_samples is what the RL passes always do
                  "--deepspeed_enable_sleep", "--attn_implementation", "flash_attention_2", "--packing_samples",
+                 "--normalize_reward",  # given by OpenRLHF's reward-function scripts: it normalizes reward models only
                  "--save_path", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     manifest = json.loads(captured.out[captured.out.index("{"):])  # after what MLflow prints
+    assert "note: --reward.normalize_enable (--normalize_reward) applies to reward models; the scores of " \
+           "--reward.remote_url are used as given" in captured.err
     if not torch.cuda.is_available():
         not_applied = sorted({line for line in captured.err.splitlines() if line.startswith("not applied here:")})
         assert not_applied == [
