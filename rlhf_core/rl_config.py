@@ -153,6 +153,9 @@ class RolloutConfig(StrictModel):
                          "holding this probability (1: off), after top_k", json_schema_extra=flat("top_p"))
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens (-1 or 0: off)",
                        json_schema_extra=flat("top_k"))
+    max_tokens_per_gpu: int | None = Field(None, gt=0, description="Tokens per experience-pass chunk on one rank "
+                                           "with train.dynamic_batch_enable (default: train.max_tokens_per_gpu)",
+                                           json_schema_extra=flat("rollout_max_tokens_per_gpu"))
     backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
                                     "auto or transformers; vllm needs num_engines > 0",
                                     json_schema_extra=flat("rollout_backend"))
@@ -228,6 +231,12 @@ class TrainSection(TrainLoopConfig):
                                json_schema_extra=flat("colocate_all_models"))
     colocate_actor_ref: bool = Field(False, json_schema_extra=flat("colocate_actor_ref"))
     colocate_critic_reward: bool = Field(False, json_schema_extra=flat("colocate_critic_reward"))
+    dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
+                                       "the experience passes: rollout.max_tokens_per_gpu) instead of micro_batch_size: "
+                                       "the same loss, fewer and fuller passes", json_schema_extra=flat("use_dynamic_batch"))
+    max_tokens_per_gpu: int = Field(16192, gt=0, description="Tokens (prompt + response) per training micro-batch "
+                                    "on one rank, with dynamic_batch_enable",
+                                    json_schema_extra=flat("train_max_tokens_per_gpu"))
 
 
 class EvalSection(StrictModel):

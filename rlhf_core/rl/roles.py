@@ -36,6 +36,7 @@ from rlhf_core.algos.losses import (
 )
 from rlhf_core.algos.names import LossAggMode
 from rlhf_core.algos.nucleus import filter_logits
+from rlhf_core.data.token_budget import balanced_groups, budget_chunks, micro_batch_count
 from rlhf_core.distributed.engine import (
     EngineSettings,
     autocast,
@@ -70,6 +71,19 @@ def mean_over_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v / len(epochs)
     return totals
+
+
+def sequence_len(sample: RolloutSample) -> int:
+    return len(sample.prompt_ids) + sample.response_len
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest `value` over the role's ranks (itself with one rank)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    t = torch.tensor([value])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list[list]]:
@@ -118,8 +132,30 @@ class _Role:
         return self.cfg.data.max_len
 
     def _chunks(self, samples: list[RolloutSample]):
-        size = self.cfg.rollout.micro_batch_size  # forward passes without gradients (experience)
+        """The experience passes' chunks (no gradients): `--rollout.micro_batch_size` samples, or with
+        `--train.dynamic_batch_enable` consecutive runs within `--rollout.max_tokens_per_gpu` tokens."""
+        cfg = self.cfg
+        if cfg.train.dynamic_batch_enable:
+            budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+            return [[samples[i] for i in run] for run in budget_chunks([sequence_len(s) for s in samples], budget)]
+        size = cfg.rollout.micro_batch_size
         return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    def _micro_batches(self, samples: list[RolloutSample]) -> list[list[list[RolloutSample]]]:
+        """This rank's share of an epoch in optimizer steps of micro-batches: `--train.micro_batch_size`
+        samples each, or with `--train.dynamic_batch_enable` by `--train.max_tokens_per_gpu` tokens,
+        every rank of the role in as many micro-batches as the one that needs most."""
+        train = self.cfg.train
+        per_rank = train.batch_size // self.world_size
+        if not train.dynamic_batch_enable:
+            return optimizer_steps(samples, per_rank, train.micro_batch_size)
+        steps = optimizer_steps(samples, per_rank, per_rank)
+        out = []
+        for (step,) in steps:
+            lengths = [sequence_len(s) for s in step]
+            count = all_reduce_max(micro_batch_count(lengths, train.max_tokens_per_gpu))
+            out.append([[step[i] for i in group] for group in balanced_groups(lengths, count) if group])
+        return out
 
     def _logprobs(self, model, samples: list[RolloutSample], sampled: bool = False) -> list[torch.Tensor]:
         """Response log-probs of `model` at the rollout temperature, chunk by chunk, without gradients.
@@ -229,7 +265,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
 
     def _train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""
-        algo, train = self.cfg.algo, self.cfg.train
+        algo = self.cfg.algo
         mode = LossAggMode(algo.loss_agg_mode)
         eps_low, eps_high = self.cfg.actor.eps_clip_low_high
         norm_length = self.cfg.rollout.max_new_tokens
@@ -265,9 +301,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             stats["entropy_tokens"] = (entropy.detach() * mask).sum()
             return aggregate_loss(loss, mask, mode, norm_length), stats, int(batch.input_ids.numel())
 
-        per_rank = train.batch_size // self.world_size
         totals: dict[str, float] = {}
-        for micro in optimizer_steps(samples, per_rank, train.micro_batch_size):
+        for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
                                             self.world_size, self.precision)
             tokens = max(1.0, float(sums["tokens"]))
@@ -375,7 +410,7 @@ class CriticRole(_Checkpointed, _Role):
         return mean_over_epochs([self._train_epoch([samples[i] for i in order]) for order in epochs])
 
     def _train_epoch(self, samples: list[RolloutSample]) -> dict[str, float]:
-        algo, train = self.cfg.algo, self.cfg.train
+        algo = self.cfg.algo
         mode = LossAggMode(algo.loss_agg_mode)
         norm_length = self.cfg.rollout.max_new_tokens
 
@@ -390,9 +425,8 @@ class CriticRole(_Checkpointed, _Role):
             return summed, {"value_loss": summed.detach(), "value_tokens": (values.detach() * mask).sum(),
                             "tokens": mask.sum()}, int(batch.input_ids.numel())
 
-        per_rank = train.batch_size // self.world_size
         losses, means = [], []
-        for micro in optimizer_steps(samples, per_rank, train.micro_batch_size):
+        for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
                                             self.world_size, self.precision)
             losses.append(float(sums["value_loss"] / units))

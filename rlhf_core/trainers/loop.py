@@ -286,15 +286,17 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     micro_batch)`: `(loss summed over its units, metric sums, tokens)`. The sum is divided by the
     units of all micro-batches of all ranks, so the gradient does not depend on the split.
     DeepSpeed divides by its accumulation steps and averages over ranks; the scale multiplies both
-    back (`len(micro_batches)` must be the engine's accumulation steps, so its last backward steps
-    the optimizer). Returns `(metric sums over all ranks, global units, global tokens)`.
+    back. The last micro-batch is the accumulation boundary (set explicitly, so a step may have any
+    number of micro-batches: `--use_dynamic_batch`; every rank must have the same number, as ZeRO
+    reduces at the boundary on all). Returns `(metric sums over all ranks, global units, global tokens)`.
     """
     units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches))))
-    scale = world_size * len(micro_batches) / units.clamp(min=1.0)
+    scale = world_size * engine.gradient_accumulation_steps() / units.clamp(min=1.0)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
     tokens = 0
     engine.train()
-    for examples in micro_batches:
+    for i, examples in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
         with autocast(precision):
             loss_sum, stats, n_tok = micro_step(engine, examples)
         engine.backward(loss_sum * scale.to(loss_sum.device))

@@ -125,3 +125,39 @@ def test_one_cpu_rank_does_not_build_deepspeed_s_shared_memory_all_reduce():
     assert ds_torch_comm.build_shm_op is original
     init_distributed(0, 1, "127.0.0.1", None)
     assert comm.comm.cdb is not None and comm.comm.cdb.shm_comm_op is None
+
+
+def test_an_optimizer_step_is_the_same_whatever_the_micro_batches():
+    """`optimizer_step` normalises by the whole step's units and sets DeepSpeed's accumulation
+    boundary itself: one step over 8 examples in 1, 2 or 3 micro-batches of any sizes (the engine
+    configured for 4 of 2) gives the same loss and the same update."""
+    import deepspeed
+    import torch
+
+    from rlhf_core.distributed.engine import init_distributed
+    from rlhf_core.infra.precision import Precision
+    from rlhf_core.trainers.loop import optimizer_step
+
+    init_distributed(0, 1, "127.0.0.1", None)
+    examples = [torch.randn(4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def micro_step(engine, chunk):
+        out = engine(torch.stack(chunk))
+        return out.pow(2).sum(), {"loss": out.pow(2).sum().detach()}, len(chunk)
+
+    results = []
+    for split in ([8], [3, 5], [1, 1, 6], [2, 2, 2, 2]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 8,
+            "zero_optimization": {"stage": 0}, "steps_per_print": 10**9})
+        cuts = [sum(split[:i]) for i in range(len(split) + 1)]
+        micro = [examples[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        sums, units, tokens = optimizer_step(engine, micro, len, micro_step, 1, Precision.FP32)
+        assert units.item() == 8 and tokens == 8
+        results.append((sums["loss"].item(), model.weight.detach().clone()))
+        assert engine.global_steps == 1, split  # the optimizer stepped once, at the last micro-batch
+    for loss, weight in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-6)
+        assert torch.allclose(weight, results[0][1], rtol=1e-6, atol=1e-7)

@@ -71,3 +71,33 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
         assert torch.equal(value, weights["left"][key]), key
     assert any(not torch.equal(value, weights["shifted"][key]) for key, value in weights["all"].items()), \
         "old log-probs 0.2 off changed no update: the check above would hold whatever they are"
+
+
+@pytest.mark.slow
+def test_a_token_budget_gives_the_updates_of_fixed_micro_batches(prepared, tmp_path, capsys):
+    """`--use_dynamic_batch`: micro-batches of at most `--train_max_tokens_per_gpu` tokens (the
+    experience chunks of `--rollout_max_tokens_per_gpu`) instead of a sample count. The loss is
+    normalised by the whole step's units, so the weights equal the fixed split's (float rounding of
+    the accumulation aside); a budget under one sample's length still trains (one sample a pass)."""
+    from safetensors.torch import load_file
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    weights = {}
+    for name, flags in (("fixed", ["--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"]),
+                        ("budget", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "64",
+                                    "--rollout_max_tokens_per_gpu", "100"]),
+                        ("tiny budget", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "1"])):
+        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
+                     "4", "--rollout_batch_size", "4", "--train_batch_size", "16", "--generate_max_len", "6",
+                     "--actor_learning_rate", "1e-3", "--param_dtype", "fp32", "--max_steps", "2", "--use_mlflow",
+                     "false", "--save_path", str(tmp_path / name), *flags])
+        assert code == 0, capsys.readouterr().err[-3000:]
+        weights[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    base = load_file(str(prepared["base"] + "/model.safetensors"))
+    moved = max((weights["fixed"][k] - base[k]).abs().max().item() for k in base)
+    assert moved > 1e-3, "the runs trained"
+    for name in ("budget", "tiny budget"):  # Adam's normalised steps carry the rounding: 1e-5 of 1e-3 moved
+        gap = max((weights["fixed"][k] - weights[name][k]).abs().max().item() for k in base)
+        assert gap < 0.05 * moved, (name, gap, moved)
