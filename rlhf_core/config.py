@@ -37,6 +37,31 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=_field_title)
 
 
+def check_probs(probs: str | None, datasets: str | None, name: str) -> None:
+    """ValueError unless `probs` (comma-separated) gives each of `datasets` a finite, non-negative
+    weight with a positive sum."""
+    if probs is None or datasets is None:
+        return
+    given = [p.strip() for p in probs.split(",")]
+    n = len([d for d in datasets.split(",") if d.strip()])
+    if len(given) != n:
+        raise ValueError(f"{name} has {len(given)} values for {n} datasets")
+    try:
+        values = [float(p) for p in given]
+    except ValueError as e:
+        raise ValueError(f"{name} must be numbers: {probs!r}") from e
+    if not all(math.isfinite(v) for v in values) or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"{name} must be finite, non-negative, with a positive sum: {probs!r}")
+
+
+def mixing_probs(probs: str | None) -> list[float] | None:
+    """`--dataset_probs`-style weights, normalised (None: the datasets' own sizes)."""
+    if probs is None:
+        return None
+    values = [float(p) for p in probs.split(",")]
+    return [v / sum(values) for v in values]
+
+
 _DROPPED_TEMPLATES: set[str] = set()
 
 
@@ -113,6 +138,9 @@ class Schedule(StrictModel):
     lr_warmup_ratio: float = Field(0.03, ge=0, le=1, json_schema_extra=flat("lr_warmup_ratio"))
     min_lr_ratio: float = Field(0.1, ge=0, le=1, json_schema_extra=flat("min_lr_ratio"))
     max_norm: float = Field(1.0, gt=0, json_schema_extra=flat("max_norm"))
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine_with_min_lr", description="LR schedule after warmup: cosine to min_lr_ratio (default), cosine or "
+        "linear to 0, constant (with or without warmup)", json_schema_extra=flat("lr_scheduler"))
 
 
 class DSConfig(StrictModel):
@@ -229,6 +257,15 @@ class TrainLoopConfig(StrictModel):
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps",
                                   json_schema_extra=flat("max_steps"))
     seed: int = Field(42, json_schema_extra=flat("seed"))
+    full_determinism_enable: bool = Field(False, description="Deterministic kernels only (transformers' "
+                                          "enable_full_determinism): reproducible across runs, slower on a GPU",
+                                          json_schema_extra=flat("full_determinism"))
+
+
+# Accepted and read by nothing, by design (OpenRLHF's scripts give them): the reason is on the field
+# (`flat(..., noop=...)`), and docs/openrlhf-flags.md lists them.
+NOOP_LOCAL_RANK = "DeepSpeed's launcher passes it; every rank here learns its rank from Ray or the environment"
+NOOP_DATALOADER = "datasets are read, tokenized and checked once, in memory, before training: no loader workers"
 
 
 class TrainingStageConfig(StageConfig):
@@ -237,6 +274,8 @@ class TrainingStageConfig(StageConfig):
 
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    local_rank: int = Field(-1, description="Accepted for DeepSpeed's launcher; not read",
+                            json_schema_extra=flat("local_rank", noop=NOOP_LOCAL_RANK, **NOT_SEMANTIC))
 
     @model_validator(mode="after")
     def _default_checkpoint_path(self):
@@ -271,7 +310,15 @@ BF16 = {"bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else
 # ---------------------------------------------------------------------------------------------
 # The supervised trainers: `rlhf train sft|rm|dpo|kto`, in OpenRLHF's sections.
 
-class DataConfig(StrictModel):
+class TokenizingOptions(StrictModel):
+    """How a stage's data is read and tokenized (shared by the trainers' and RL's `data`)."""
+
+    disable_fast_tokenizer: bool = Field(False, description="transformers' Python tokenizer where the model has one")
+    dataloader_num_workers: int = Field(0, ge=0, description="Accepted for OpenRLHF's scripts; not read",
+                                        json_schema_extra={"noop": NOOP_DATALOADER, **NOT_SEMANTIC})
+
+
+class DataConfig(TokenizingOptions):
     """Where the examples come from and how they become token ids (each field also has its bare
     name as a flat flag: `--max_len` is `--data.max_len`)."""
 
@@ -302,26 +349,13 @@ class DataConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_probs(self) -> DataConfig:
-        if self.dataset_probs is not None and self.dataset is not None:
-            probs = [p.strip() for p in self.dataset_probs.split(",")]
-            n = len([d for d in self.dataset.split(",") if d.strip()])
-            if len(probs) != n:
-                raise ValueError(f"dataset_probs has {len(probs)} values for {n} datasets")
-            try:
-                values = [float(p) for p in probs]
-            except ValueError as e:
-                raise ValueError(f"dataset_probs must be numbers: {self.dataset_probs!r}") from e
-            if not all(math.isfinite(v) for v in values) or any(v < 0 for v in values) or sum(values) <= 0:
-                raise ValueError(f"dataset_probs must be finite, non-negative, with a positive sum: {self.dataset_probs!r}")
+        check_probs(self.dataset_probs, self.dataset, "dataset_probs")
         check_input_template(self.input_template, "input_template")
         return self
 
     @property
     def probs(self) -> list[float] | None:
-        if self.dataset_probs is None:
-            return None
-        values = [float(p) for p in self.dataset_probs.split(",")]
-        return [v / sum(values) for v in values]
+        return mixing_probs(self.dataset_probs)
 
 
 class HeldOutConfig(StrictModel):
@@ -372,6 +406,9 @@ class ModelConfig(StrictModel):
 class RefModelConfig(StrictModel):
     model_name_or_path: str | None = Field(None, description="Reference model (default: the trained model's start)",
                                            json_schema_extra=flat("ref_pretrain", **NOT_SEMANTIC))
+    offload: bool = Field(False, description="Keep the reference's weights in CPU memory between uses (a GPU, "
+                          "ZeRO-3's parameter offload; on a CPU they are there already, said in one log line)",
+                          json_schema_extra=flat("ref_offload"))
 
 
 def _deferred(reason: str, *names: str) -> dict[str, str]:
@@ -400,6 +437,7 @@ class TrainConfig(TrainingStageConfig, Schedule):
         "data.packing_samples": ("ds.packing_samples",),
         "data.eval_dataset": ("eval.dataset",),
         "data.eval_split": ("eval.split",),
+        "train_split": ("data.dataset_split",),  # OpenRLHF's name for the training split
     }
     DEFERRED: ClassVar[dict[str, str]] = SEED_STAGE_FLAGS
 
@@ -462,6 +500,12 @@ class SFTConfig(TrainConfig):
 
 class RMModelConfig(ModelConfig):
     loss_type: RewardLossType = Field(RewardLossType.SIGMOID, json_schema_extra=flat("loss"))
+    margin_loss_enable: bool = Field(False, description="Subtract each pair's margin inside the loss (the column "
+                                     "--data.margin_key names; 'margin' when none is given)",
+                                     json_schema_extra=flat("margin_loss"))
+    compute_fp32_loss_enable: bool = Field(False, description="Accepted for OpenRLHF's scripts: the scores and the "
+                                           "loss are always fp32 here", json_schema_extra=flat(
+                                               "compute_fp32_loss", noop="scores and loss are computed in fp32 always"))
 
 
 class RMAdam(AdamConfig):
@@ -473,6 +517,13 @@ class RMConfig(TrainConfig):
     model: RMModelConfig = Field(default_factory=RMModelConfig)
     ds: RMDSConfig = Field(default_factory=RMDSConfig)
     adam: RMAdam = Field(default_factory=RMAdam)
+
+    @model_validator(mode="after")
+    def _margin_column(self) -> RMConfig:
+        """`--margin_loss` without a column named: OpenRLHF's, `margin`."""
+        if self.model.margin_loss_enable and not self.data.margin_key:
+            self.data.margin_key = "margin"
+        return self
 
 
 class PreferenceAdam(AdamConfig):

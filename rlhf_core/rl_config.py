@@ -31,11 +31,13 @@ from rlhf_core.config import (
     RolloutBackend,
     Schedule,
     StrictModel,
+    TokenizingOptions,
     TrainingStageConfig,
     TrainLoopConfig,
     ValueHead,
     _deferred,
     check_input_template,
+    check_probs,
     spellings_of,
     template_or_none,
 )
@@ -117,6 +119,8 @@ class RefConfig(RefModelConfig, Placement):
 class RewardConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated",
                                            json_schema_extra=flat("reward_pretrain", **NOT_SEMANTIC))
+    offload: bool = Field(False, description="Keep the reward models' weights in CPU memory between uses (as "
+                          "--ref.offload)")
     remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
                                    "Python file defining reward_func",
                                    json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
@@ -126,10 +130,13 @@ class RewardConfig(Placement):
                                    "reward_mean/std (a reward file's, a server's or a task's are used as given)",
                                    json_schema_extra=flat("normalize_reward"))
     clip_range: tuple[float, float] = Field((-10.0, 10.0), json_schema_extra=flat("reward_clip_range"))
-    overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
+    overlong_buffer_len: float | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N "
                                             "tokens of the budget (off by default)",
                                             json_schema_extra=flat("overlong_buffer_len"))
     overlong_penalty_factor: float = Field(1.0, ge=0, json_schema_extra=flat("overlong_penalty_factor"))
+    stop_properly_penalty_coef: float | None = Field(None, description="A response cut off without EOS: its reward "
+                                                     "times this when >= 0, this value when < 0 (off by default)",
+                                                     json_schema_extra=flat("stop_properly_penalty_coef"))
 
     @property
     def sources(self) -> list[str]:
@@ -153,6 +160,9 @@ class RolloutConfig(StrictModel):
                          "holding this probability (1: off), after top_k", json_schema_extra=flat("top_p"))
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens (-1 or 0: off)",
                        json_schema_extra=flat("top_k"))
+    vllm_generate_batch_size: int | None = Field(None, gt=0, description="Prompts per call to the rollout engines "
+                                                 "(default: a rollout step's all at once)",
+                                                 json_schema_extra=flat("vllm_generate_batch_size"))
     max_tokens_per_gpu: int | None = Field(None, gt=0, description="Tokens per experience-pass chunk on one rank "
                                            "with train.dynamic_batch_enable (default: train.max_tokens_per_gpu)",
                                            json_schema_extra=flat("rollout_max_tokens_per_gpu"))
@@ -231,6 +241,13 @@ class TrainSection(TrainLoopConfig):
                                json_schema_extra=flat("colocate_all_models"))
     colocate_actor_ref: bool = Field(False, json_schema_extra=flat("colocate_actor_ref"))
     colocate_critic_reward: bool = Field(False, json_schema_extra=flat("colocate_critic_reward"))
+    perf: bool = Field(False, description="Accepted for OpenRLHF 0.9's scripts: the perf/ and time/ metrics are "
+                       "always logged", json_schema_extra=flat("perf", noop="perf/ and time/ metrics are always logged",
+                                                               **NOT_SEMANTIC))
+    actor_init_on_gpu: bool = Field(False, description="Accepted for OpenRLHF 0.9's scripts: each rank builds its "
+                                    "models where it trains them", json_schema_extra=flat(
+                                        "actor_init_on_gpu", noop="each rank builds its models on its own device",
+                                        **NOT_SEMANTIC))
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) instead of micro_batch_size: "
                                        "the same loss, fewer and fuller passes", json_schema_extra=flat("use_dynamic_batch"))
@@ -261,7 +278,7 @@ class RLDSConfig(DSConfig, ValueHead):
                                   json_schema_extra=flat("packing_samples", noop="the RL passes always pack"))
 
 
-class PromptDataConfig(StrictModel):
+class PromptDataConfig(TokenizingOptions):
     prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
                                        "names, comma-separated (required)",
                                        json_schema_extra=flat("prompt_data", **NOT_SEMANTIC))
@@ -277,6 +294,14 @@ class PromptDataConfig(StrictModel):
     apply_chat_template: bool = Field(True, json_schema_extra=flat("apply_chat_template"))
     input_template: str | None = Field(None, description="Python format string with one {} for the prompt",
                                        json_schema_extra=flat("input_template"))
+
+    prompt_probs: str | None = Field(None, description="Sampling weights of the prompt datasets, comma-separated",
+                                     json_schema_extra=flat("prompt_data_probs"))
+
+    @model_validator(mode="after")
+    def _check_prompt_probs(self) -> PromptDataConfig:
+        check_probs(self.prompt_probs, self.prompt_dataset, "--data.prompt_probs (--prompt_data_probs)")
+        return self
 
     @field_validator("input_template")
     @classmethod
@@ -493,6 +518,9 @@ PPOConfig.ALIASES = {
     "ref_num_gpus_per_node": ("ref.num_gpus_per_node",),
     "reward_num_nodes": ("reward.num_nodes",),
     "reward_num_gpus_per_node": ("reward.num_gpus_per_node",),
+    "disable_fast_tokenizer": ("data.disable_fast_tokenizer",),
+    "dataloader_num_workers": ("data.dataloader_num_workers",),
+    "ref_reward_offload": ("ref.offload", "reward.offload"),  # OpenRLHF 0.9's one flag for both
 }
 PPOConfig.DEFERRED = {
     **SEED_STAGE_FLAGS,

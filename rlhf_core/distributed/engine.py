@@ -93,10 +93,24 @@ def _no_shm_op_for_one_cpu_rank(world_size: int):
 
 def cosine_schedule(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
     """LR multiplier at `step`: linear warmup to 1, then cosine decay to `min_ratio`."""
+    return lr_factor("cosine_with_min_lr", step, total_steps, warmup_steps, min_ratio)
+
+
+def lr_factor(kind: str, step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """LR multiplier at `step` for `--lr_scheduler` (transformers' schedules of those names):
+    `cosine_with_min_lr` (the default) warms up linearly, then decays by a cosine to `min_ratio`;
+    `cosine` and `linear` decay to 0; `constant_with_warmup` warms up, then holds; `constant` holds."""
+    if kind == "constant":
+        return 1.0
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
+    if kind == "constant_with_warmup":
+        return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind == "linear":
+        return 1.0 - progress
+    floor = min_ratio if kind == "cosine_with_min_lr" else 0.0
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu: bool = False) -> int:
@@ -171,7 +185,7 @@ def initialize(model, settings: EngineSettings, total_steps: int):
     optimizer = build_optimizer(model.parameters(), settings.adam, settings.ds.adam_offload)
     warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_schedule(s, total_steps, warmup, schedule.min_lr_ratio))
+        optimizer, lambda s: lr_factor(schedule.lr_scheduler, s, total_steps, warmup, schedule.min_lr_ratio))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(settings))
     if settings.ds.deepcompile:
@@ -210,14 +224,22 @@ def _fast_clip(engine, max_norm: float):
     return clip
 
 
-def initialize_frozen(model, settings: EngineSettings):
-    """A frozen model (reference): sharded with ZeRO-3 when training uses it, else plain."""
+def initialize_frozen(model, settings: EngineSettings, offload: bool = False, flag: str = "ref.offload"):
+    """A frozen model (reference, reward model): sharded with ZeRO-3 when training uses it, else
+    plain. `offload` (`--ref.offload`, `--reward.offload`): its weights in CPU memory between uses
+    (ZeRO-3's parameter offload, so with a GPU a ZeRO-3 engine is built for it whatever the stage);
+    on a CPU they are there already, said in one line."""
     model.requires_grad_(False).eval()
-    if settings.ds.zero_stage != 3:
+    offload_here = offload and torch.cuda.is_available()
+    if offload and not offload_here:
+        not_applied(flag, True, "a CUDA device", "the model is in CPU memory already")
+    if settings.ds.zero_stage != 3 and not offload_here:
         return model.to(device())
     import deepspeed
 
     ds_cfg = deepspeed_config(settings, train=False)
+    if offload_here:
+        ds_cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
     engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
     engine.eval()
     return engine

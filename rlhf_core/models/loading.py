@@ -124,13 +124,15 @@ def _check_hub_model(name: str, flag: str) -> None:
                           f"({_first_line(e)})") from None
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, use_fast: bool = True):
+    """`use_fast=False` (`--data.disable_fast_tokenizer`): transformers' Python tokenizer where the
+    model has one (as OpenRLHF asks for it); transformers 5 gives the Rust one to models that have no other."""
     from transformers import AutoTokenizer
 
     from rlhf_core.infra.settings import ConfigError
 
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, use_fast=use_fast)
     except (OSError, ValueError) as e:  # no such folder or hub name, no tokenizer files, or none it can convert
         raise ConfigError(f"{path}: no tokenizer can be loaded from it ({_first_line(e)})") from None
     if tok.pad_token_id is None:

@@ -70,8 +70,17 @@ class PromptStream:
         return out
 
 
+def truncation_penalty(rewards: torch.Tensor, finished: torch.Tensor, coef: float | None) -> torch.Tensor:
+    """`--reward.stop_properly_penalty_coef`: a response cut off by the token budget (no EOS) gets its
+    reward times `coef` when `coef >= 0`, and exactly `coef` when it is negative (OpenRLHF's rule)."""
+    if coef is None:
+        return rewards
+    cut = rewards * coef if coef >= 0 else torch.full_like(rewards, coef)
+    return torch.where(finished, rewards, cut)
+
+
 def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
-                     overlong_buffer_len: int | None, overlong_penalty_factor: float) -> torch.Tensor:
+                     overlong_buffer_len: float | None, overlong_penalty_factor: float) -> torch.Tensor:
     """The source's rewards with DAPO's soft overlong penalty: a response longer than
     `max_new_tokens - buffer` loses `factor * excess / buffer`, at most `factor`. (Clipping to
     `--reward.clip_range` comes after group shaping, in `compute_advantages`, as in OpenRLHF.)"""
@@ -230,6 +239,8 @@ class RLController:
         lengths = torch.tensor([s.response_len for s in samples])
         rewards = overlong_penalty(raw, lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer_len,
                                    cfg.reward.overlong_penalty_factor)
+        rewards = truncation_penalty(rewards, torch.tensor([s.finished for s in samples]),
+                                     cfg.reward.stop_properly_penalty_coef)
         for s, r, sc in zip(samples, rewards.tolist(), scores.tolist(), strict=True):
             s.reward, s.score = r, sc
 
@@ -348,8 +359,13 @@ class RLController:
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
                  top_p: float = 1.0):
         self.engines.wake_up()
-        return self.engines.generate_ids(prompt_ids, n, temperature, self.cfg.rollout.max_new_tokens, seed,
-                                         top_k=top_k, top_p=top_p)
+        size = self.cfg.rollout.vllm_generate_batch_size or len(prompt_ids) or 1
+        out = []
+        for start in range(0, len(prompt_ids), size):  # `--rollout.vllm_generate_batch_size` prompts a call
+            # seed + start: vLLM seeds prompt i with seed + i, so a split draws what one call would
+            out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature,
+                                             self.cfg.rollout.max_new_tokens, seed + start, top_k=top_k, top_p=top_p)
+        return out
 
     # -- reporting --------------------------------------------------------------------------
     def _log(self, metrics: dict[str, float]) -> None:

@@ -109,7 +109,7 @@ class _Role:
             env = os.environ
             init_distributed(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                              local_rank=int(env["LOCAL_RANK"]))
-            seed_everything(self.cfg.train.seed)
+            seed_everything(self.cfg.train.seed, self.cfg.train.full_determinism_enable)
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.device = device()
         self._build()
@@ -448,7 +448,8 @@ class ReferenceRole(_Role):
         from rlhf_core.models.loading import load_causal_lm, model_options
 
         self.model = initialize_frozen(load_causal_lm(self.model_path, **model_options(self.cfg.ds)),
-                                       engine_settings(self.cfg, self.cfg.actor, self.world_size))
+                                       engine_settings(self.cfg, self.cfg.actor, self.world_size),
+                                       offload=self.cfg.ref.offload)
 
     def _forward_model(self) -> tuple:
         return self.model, False
@@ -477,7 +478,8 @@ class RewardModelRole(_Role):
             model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
                                path))
-            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, self.world_size)))
+            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, self.world_size),
+                                                 offload=cfg.reward.offload, flag="reward.offload"))
         if cfg.reward.normalize_enable:
             missing = [p for mean, std, p in self.stats if mean is None or not std]
             if missing:

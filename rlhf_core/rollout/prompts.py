@@ -32,11 +32,12 @@ def held_out_split(dataset: str) -> str:
 
 def load_prompt_set(dataset: str, split: str, input_key: str = "prompt", label_key: str = "answer",
                     require_answers: bool = False, max_samples: int = 100_000_000, seed: int = 0,
-                    chat: bool = False) -> PromptSet:
-    """Read and check prompts (and answers); raises DataError naming the file, row and key."""
+                    chat: bool = False, probs: list[float] | None = None) -> PromptSet:
+    """Read and check prompts (and answers), several datasets mixed by `probs` (None: by their
+    sizes); raises DataError naming the file, row and key."""
     text_keys = [input_key, label_key] if require_answers else [input_key]
     chat_keys = {input_key} if chat else set()
-    ds, described = load_mixture(dataset, split, None, max_samples, seed, [input_key, label_key],
+    ds, described = load_mixture(dataset, split, probs, max_samples, seed, [input_key, label_key],
                                  lambda d, where: check_rows(d, where, text_keys, chat_keys=chat_keys))
     if len(ds) == 0:
         raise DataError(f"{dataset}: no prompts in the {split!r} split")

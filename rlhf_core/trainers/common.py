@@ -57,7 +57,7 @@ class StageData:
 
 def load_stage_data(cfg: TrainConfig, load) -> StageData:
     """`load(data_cfg, tokenizer, split, seed, eval_dataset=...)` for the train and eval splits (DataError on bad rows)."""
-    tokenizer = load_tokenizer(local_model_path(cfg.pretrain))
+    tokenizer = load_tokenizer(local_model_path(cfg.pretrain), use_fast=not cfg.data.disable_fast_tokenizer)
     train, train_sources = load(cfg.data, tokenizer, cfg.data.dataset_split, cfg.train.seed)
     evaluation, eval_sources = load(cfg.data, tokenizer, cfg.eval.split, cfg.train.seed, eval_dataset=cfg.eval.dataset)
     return StageData(tokenizer, train, evaluation, train_sources, eval_sources)
@@ -76,7 +76,7 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (--train.num_nodes x --train.num_gpus_per_node)")
-    seed_everything(cfg.train.seed + rank)
+    seed_everything(cfg.train.seed + rank, cfg.train.full_determinism_enable)
     precision = precision_of(cfg.ds).value  # the one actually used, next to the param_dtype asked for
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(),
@@ -108,10 +108,17 @@ def run_training(recipe) -> dict:
     return summary
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, NumPy and torch; `deterministic` (`--train.full_determinism_enable`) also makes
+    torch use deterministic kernels only (transformers' `enable_full_determinism`: cuDNN, cuBLAS
+    workspace, `torch.use_deterministic_algorithms`), slower on a GPU."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    if deterministic:
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(seed, warn_only=True)
 
 
 def local_model_path(uri: str) -> str:

@@ -61,7 +61,7 @@ class KTORecipe:
         self.engine = initialize(policy, EngineSettings.of(cfg), total_steps(cfg, len(self.data.train)))
         report_forward(self.ctx, "policy", self.engine)
         self.reference = initialize_frozen(load_causal_lm(local_model_path(cfg.ref_pretrain), **model_options(cfg.ds)),
-                                           EngineSettings.of(cfg))
+                                           EngineSettings.of(cfg), offload=cfg.ref.offload)
         self.kl: torch.Tensor | None = None  # the current step's KL estimate (`prepare_step`)
 
     @torch.no_grad()

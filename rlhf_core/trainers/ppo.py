@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_core.algos.advantages import kl_controller
+from rlhf_core.config import mixing_probs
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
 from rlhf_core.distributed.local_role_group import LocalRoleGroup
@@ -45,7 +46,8 @@ def load_prompts(cfg, tokenizer, split: str, dataset: str | None = None):
     data = cfg.data
     prompt_set = load_prompt_set(dataset or data.prompt_dataset, split, data.input_key, data.label_key,
                                  require_answers=(cfg.eval.task or cfg.reward.task) is not None, max_samples=data.max_samples,
-                                 seed=cfg.train.seed, chat=data.apply_chat_template)
+                                 seed=cfg.train.seed, chat=data.apply_chat_template,
+                                 probs=None if dataset else mixing_probs(data.prompt_probs))
     fmt = prompt_formatter(tokenizer, data.apply_chat_template, data.input_template, data.tokenizer_chat_template)
     ids, labels, left_out = [], [], 0
     for prompt, label in zip(prompt_set.prompts, prompt_set.answers, strict=True):
@@ -219,9 +221,9 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     """Train, evaluate and save; returns the stage manifest. `on_ray`: default `runs_on_ray(cfg)`."""
     from rlhf_core.models.loading import load_tokenizer
 
-    seed_everything(cfg.train.seed)
+    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
     actor_path = local_model_path(cfg.actor.model_name_or_path)
-    tokenizer = load_tokenizer(actor_path)
+    tokenizer = load_tokenizer(actor_path, use_fast=not cfg.data.disable_fast_tokenizer)
     prompt_ids, labels, sources, left_out = load_prompts(cfg, tokenizer, cfg.data.prompt_split)
     eval_ids = eval_labels = None
     eval_sources: list[dict] = []

@@ -161,3 +161,42 @@ def test_an_optimizer_step_is_the_same_whatever_the_micro_batches():
     for loss, weight in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-6)
         assert torch.allclose(weight, results[0][1], rtol=1e-6, atol=1e-7)
+
+
+def test_each_lr_scheduler_is_transformers_schedule_of_that_name():
+    """`--lr_scheduler`: the schedules transformers gives these names (warmup 10 of 100 steps)."""
+    from transformers import get_scheduler
+
+    from rlhf_core.distributed.engine import lr_factor
+
+    for kind in ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"):
+        extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if kind == "cosine_with_min_lr" else {}
+        import torch
+
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        theirs = get_scheduler(kind, opt, num_warmup_steps=0 if kind == "constant" else 10, num_training_steps=100,
+                               **extra)
+        for step in range(100):
+            expected = opt.param_groups[0]["lr"]
+            ours = lr_factor(kind, step, 100, 10, 0.1)
+            # transformers' warmup starts at 0 (step 0's lr is 0); ours at 1/warmup (no wasted step)
+            if kind != "constant" and step < 10:
+                assert ours == pytest.approx((step + 1) / 10)
+            else:
+                assert ours == pytest.approx(expected, abs=1e-6), (kind, step)
+            opt.step()
+            theirs.step()
+
+
+def test_full_determinism_turns_on_deterministic_kernels():
+    import torch
+
+    from rlhf_core.trainers.common import seed_everything
+
+    try:
+        seed_everything(3)
+        assert not torch.are_deterministic_algorithms_enabled()
+        seed_everything(3, deterministic=True)  # --train.full_determinism_enable
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -180,13 +180,16 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
     from rlhf_core.infra.manifests import not_semantic_paths
     from rlhf_core.rl_config import PPOConfig
 
-    # What the fields' NOT_SEMANTIC marker leaves out of the key: places, cadence and tracking only.
+    # What the fields' NOT_SEMANTIC marker leaves out of the key: places, cadence, tracking and
+    # dashboards, and the flags accepted for OpenRLHF's scripts that nothing reads (no-ops by design).
     assert not_semantic_paths(PPOConfig) == {
         "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
         "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
-        "ckpt.max_num", "ckpt.load_enable", "logger.logging_steps", "mlflow_experiment", "mlflow_run_name",
-        "mlflow_parent_run_id", "use_mlflow", "actor.resources", "critic.resources", "ref.resources",
-        "reward.resources"}
+        "ckpt.max_num", "ckpt.load_enable", "ckpt.save_hf", "logger.logging_steps", "mlflow_experiment",
+        "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow", "actor.resources", "critic.resources", "ref.resources",
+        "reward.resources", "logger.tensorboard_dir", "logger.wandb.group", "logger.wandb.key", "logger.wandb.mode",
+        "logger.wandb.org", "logger.wandb.project", "logger.wandb.run_name", "local_rank", "data.dataloader_num_workers",
+        "train.actor_init_on_gpu", "train.perf"}
     job, key, _, _ = ppo_job_for(tmp_path)
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
     for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},

@@ -108,3 +108,15 @@ def test_the_first_optimizer_steps_samples_are_left_to_training_only_where_nothi
     assert _plan(use_loss=False) == set()  # the KL in the reward reads them
     assert _plan(use_loss=False, ref=False)  # no KL at all
     assert _plan(freezing_steps=2, step=1) == set()  # the actor does not train
+
+
+def test_a_truncated_response_is_scaled_or_overridden_as_openrlhf_does():
+    from rlhf_core.rl.controller import truncation_penalty
+
+    rewards, finished = torch.tensor([1.0, 0.8, -0.2]), torch.tensor([True, False, False])
+    assert torch.equal(truncation_penalty(rewards, finished, None), rewards)
+    assert torch.allclose(truncation_penalty(rewards, finished, 0.5), torch.tensor([1.0, 0.4, -0.1]))
+    assert torch.allclose(truncation_penalty(rewards, finished, -0.5), torch.tensor([1.0, -0.5, -0.5]))
+    # OpenRLHF's overlong buffer is a float
+    assert torch.allclose(overlong_penalty(torch.ones(2), torch.tensor([10, 20]), 20, 2.5, 1.0),
+                          torch.tensor([1.0, 0.0]))
