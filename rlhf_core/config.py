@@ -197,11 +197,16 @@ class CkptConfig(StrictModel):
     save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
                             json_schema_extra=flat("save_steps", **NOT_SEMANTIC))
     max_num: int = Field(3, gt=0, json_schema_extra=flat("max_ckpt_num", **NOT_SEMANTIC))
+    max_mem: float = Field(float("inf"), gt=0, description="GB this run's checkpoints may take: the oldest go "
+                           "first (the newest always stays)", json_schema_extra=flat("max_ckpt_mem", **NOT_SEMANTIC))
     load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
                               json_schema_extra=flat("load_checkpoint", **NOT_SEMANTIC))
     save_hf: bool = Field(False, description="Also write the trained model (RL: the actor) in Hugging Face format "
                           "into each checkpoint, as <tag>/hf (with its tokenizer; loads in plain transformers)",
                           json_schema_extra=flat("save_hf_ckpt", **NOT_SEMANTIC))
+    disable_ds: bool = Field(False, description="Checkpoints hold the Hugging Face model only (--ckpt.save_hf), no "
+                             "DeepSpeed training state: smaller, and nothing to resume from",
+                             json_schema_extra=flat("disable_ds_ckpt", **NOT_SEMANTIC))
 
     @field_validator("path")
     @classmethod
@@ -211,6 +216,12 @@ class CkptConfig(StrictModel):
     def problems(self) -> list[str]:
         found = [f"--ckpt.{name} needs --ckpt.path (--ckpt_path)" for name, on in
                  (("save_steps", self.save_steps > 0), ("load_enable", self.load_enable)) if on and not self.path]
+        if self.disable_ds and self.save_steps > 0 and not self.save_hf:
+            found.append("--ckpt.disable_ds (--disable_ds_ckpt) leaves the checkpoints nothing to hold: add "
+                         "--ckpt.save_hf (--save_hf_ckpt)")
+        if self.disable_ds and self.load_enable:
+            found.append("--ckpt.load_enable (--load_checkpoint) cannot resume from checkpoints without training "
+                         "state (--ckpt.disable_ds)")
         scheme = self.path.split("://", 1)[0] if self.path and "://" in self.path else None
         if scheme is not None and scheme not in CHECKPOINT_SCHEMES:
             found.append(f"--ckpt.path (--ckpt_path) {self.path}: checkpoints go to a local folder (shared by "

@@ -54,9 +54,11 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
         kept = f"nothing of checkpoint {tag} is named by `latest` at {ckpt}; earlier ones are as they were"
         with storage.saving("--ckpt.path", local, f"checkpoint {tag} (staged before its upload)", kept,
                             cleanup=lambda: shutil.rmtree(local, ignore_errors=True)):
-            torch.save(_state(controller), local / CONTROLLER)
+            if not controller.cfg.ckpt.disable_ds:
+                torch.save(_state(controller), local / CONTROLLER)
         checkpoints.upload_part(local, ckpt, tag)  # removes `local`
-        checkpoints.write_latest(ckpt, tag)  # last: every part is on S3
+        if not controller.cfg.ckpt.disable_ds:
+            checkpoints.write_latest(ckpt, tag)  # last: every part is on S3
         print(f"checkpoint {tag} uploaded to {ckpt}/{tag}", file=sys.stderr, flush=True)
     else:
         ckpt = Path(ckpt)
@@ -66,13 +68,14 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
             directory = checkpoints.begin(ckpt, tag)
             for pending in [g.call_all_async("save_checkpoint", str(directory)) for g in roles]:
                 pending.per_rank()
-            torch.save(_state(controller), directory / CONTROLLER)
-            checkpoints.commit(ckpt, tag)
+            if not controller.cfg.ckpt.disable_ds:
+                torch.save(_state(controller), directory / CONTROLLER)
+            checkpoints.commit(ckpt, tag, resumable=not controller.cfg.ckpt.disable_ds)
     with storage.saving("--ckpt.path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and `latest` "
                         "names it; only its entry for rotation is missing"):
         run_id = run_id or checkpoints.new_run_id()
         checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
-        checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num)
+        checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num, controller.cfg.ckpt.max_mem)
     return run_id
 
 

@@ -193,8 +193,9 @@ class _Checkpointed:
     def save_checkpoint(self, directory: str) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
-        self.engine.save_checkpoint(str(path), tag=self.name)
+        if not self.cfg.ckpt.disable_ds:  # `--ckpt.disable_ds`: the Hugging Face model alone (below)
+            torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
+            self.engine.save_checkpoint(str(path), tag=self.name)
         if self.name == "actor" and self.cfg.ckpt.save_hf:  # `--ckpt.save_hf`: the policy, as transformers loads it
             from rlhf_core.models.loading import load_tokenizer
             from rlhf_core.trainers.loop import write_hf_checkpoint

@@ -110,17 +110,38 @@ def record_tag(ckpt, tag: str, run: str, stage: str, step: int) -> None:
     _write(ckpt, record)
 
 
-def tags_to_remove(record: dict, run: str, keep: int) -> list[str]:
-    """The tags of `run` beyond its newest `keep` (by step), oldest first; other runs' tags never."""
+def tags_to_remove(record: dict, run: str, keep: int, sizes: dict[str, int] | None = None,
+                   max_bytes: float = float("inf")) -> list[str]:
+    """The tags of `run` beyond its newest `keep` (by step), then, oldest first, as many more as
+    bring the rest of its tags to at most `max_bytes` (`sizes`: bytes per tag; the newest always
+    stays); oldest first; other runs' tags never."""
     mine = sorted((entry["step"], tag) for tag, entry in record["tags"].items()
                   if isinstance(entry, dict) and entry.get("run") == run)
-    return [tag for _, tag in mine[: max(len(mine) - keep, 0)]]
+    removed = [tag for _, tag in mine[: max(len(mine) - keep, 0)]]
+    kept = [tag for _, tag in mine[len(removed):]]
+    if sizes is not None:
+        while len(kept) > 1 and sum(sizes.get(t, 0) for t in kept) > max_bytes:
+            removed.append(kept.pop(0))
+    return removed
 
 
-def rotate(ckpt, run: str, keep: int) -> list[str]:
-    """Remove the checkpoints of `run` beyond its newest `keep`; returns the tags removed."""
+def tag_bytes(ckpt, tags: list[str]) -> dict[str, int]:
+    """The size of each checkpoint folder of `tags` (bytes; 0 for one that is gone)."""
+    if is_remote(ckpt):
+        fs = storage._fs(_uri(ckpt))
+        return {t: fs.du(f"{_uri(ckpt)}/{t}") if fs.exists(f"{_uri(ckpt)}/{t}") else 0 for t in tags}
+    return {t: sum(f.stat().st_size for f in (Path(ckpt) / t).rglob("*") if f.is_file()) for t in tags}
+
+
+def rotate(ckpt, run: str, keep: int, max_gb: float = float("inf")) -> list[str]:
+    """Remove the checkpoints of `run` beyond its newest `keep`, and its oldest ones while its own
+    total passes `max_gb` GB (`--ckpt.max_mem`, OpenRLHF's unit; the newest always stays); returns
+    the tags removed."""
     record = read_record(ckpt)
-    removed = tags_to_remove(record, run, keep)
+    sizes = None
+    if max_gb != float("inf"):
+        sizes = tag_bytes(ckpt, [t for t, e in record["tags"].items() if isinstance(e, dict) and e.get("run") == run])
+    removed = tags_to_remove(record, run, keep, sizes, max_gb * 1024**3)
     for tag in removed:
         _remove_tag(ckpt, tag)
         del record["tags"][tag]
@@ -148,8 +169,9 @@ def begin(ckpt: Path, tag: str) -> Path:
     return partial
 
 
-def commit(ckpt: Path, tag: str) -> None:
-    """Rename the whole `partial_tag(tag)` folder to `tag`, then point `latest` at it (atomically).
+def commit(ckpt: Path, tag: str, resumable: bool = True) -> None:
+    """Rename the whole `partial_tag(tag)` folder to `tag`, then point `latest` at it (atomically);
+    not a tag that holds no training state (`--ckpt.disable_ds`: nothing to resume from).
 
     An earlier `tag` (a fresh run writing a step an older run wrote) is moved aside first and
     removed only after the new one is in place; `latest` is replaced, never rewritten in place.
@@ -160,7 +182,8 @@ def commit(ckpt: Path, tag: str) -> None:
         old = ckpt / f".{tag}.old-{uuid.uuid4().hex[:8]}"
         final.rename(old)
     (ckpt / partial_tag(tag)).rename(final)
-    write_latest(ckpt, tag)
+    if resumable:
+        write_latest(ckpt, tag)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -171,9 +171,10 @@ class TrainLoop:
             _barrier()
             partial = checkpoints.partial_tag(tag)
             try:
-                torch.save(checkpoints.rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
-                self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
-                                            save_latest=False)
+                if not self.cfg.ckpt.disable_ds:
+                    torch.save(checkpoints.rng_state(), ckpt / partial / f"rng_state_rank{self.rank}.pt")
+                    self.engine.save_checkpoint(str(ckpt), tag=partial, client_state={"step": self.step},
+                                                save_latest=False)
                 self._save_hf(ckpt / partial)
             except Exception as e:
                 if (ckpt / partial).is_dir():
@@ -183,7 +184,7 @@ class TrainLoop:
                                     f"rank {self.rank} wrote ({type(e).__name__}: {e})") from e
             _barrier()
             if self.rank == 0:
-                checkpoints.commit(ckpt, tag)
+                checkpoints.commit(ckpt, tag, resumable=not self.cfg.ckpt.disable_ds)
         self._record_and_rotate(ckpt, tag)
 
     def _save_hf(self, folder: Path) -> None:
@@ -206,15 +207,18 @@ class TrainLoop:
         try:
             with storage.saving("--ckpt_path", local, f"checkpoint {tag} (staged before its upload to {uri})", kept):
                 (local / tag).mkdir()
-                torch.save(checkpoints.rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
-                self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step}, save_latest=False)
+                if not self.cfg.ckpt.disable_ds:
+                    torch.save(checkpoints.rng_state(), local / tag / f"rng_state_rank{self.rank}.pt")
+                    self.engine.save_checkpoint(str(local), tag=tag, client_state={"step": self.step},
+                                                save_latest=False)
                 self._save_hf(local / tag)
             checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
         finally:
             shutil.rmtree(local, ignore_errors=True)
         _barrier()
         if self.rank == 0:
-            checkpoints.write_latest(uri, tag)
+            if not self.cfg.ckpt.disable_ds:
+                checkpoints.write_latest(uri, tag)
             print(f"checkpoint {tag} uploaded to {uri}/{tag}", file=sys.stderr, flush=True)
 
     def _record_and_rotate(self, ckpt, tag: str) -> None:
@@ -227,7 +231,7 @@ class TrainLoop:
             if self.checkpoint_run is None:
                 self.checkpoint_run = checkpoints.new_run_id()
             checkpoints.record_tag(ckpt, tag, self.checkpoint_run, self.cfg.stage, self.step)
-            checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.ckpt.max_num)
+            checkpoints.rotate(ckpt, self.checkpoint_run, self.cfg.ckpt.max_num, self.cfg.ckpt.max_mem)
 
     def load_checkpoint(self) -> int:
         """Restore the checkpoint `latest` names (every rank; on s3:// each node downloads it

@@ -70,3 +70,52 @@ def test_rotation_keeps_other_runs_checkpoints_and_a_resumed_run_rotates_its_own
         "global_step1": other.checkpoint_run, "global_step2": other.checkpoint_run,
         "global_step9": first.checkpoint_run, "global_step12": first.checkpoint_run,
         "global_step51": adopted.checkpoint_run}
+
+
+def test_max_ckpt_mem_removes_the_oldest_until_the_run_fits_and_keeps_the_newest(tmp_path):
+    """`--max_ckpt_mem` (GB, OpenRLHF's unit): beside `--max_ckpt_num`, the run's checkpoints may
+    take at most that much; the oldest go first, the newest stays even when alone too big."""
+    record = {"tags": {f"global_step{s}": {"run": "a", "step": s} for s in (1, 2, 3)}}
+    sizes = {"global_step1": 400, "global_step2": 400, "global_step3": 400}
+    assert checkpoints.tags_to_remove(record, "a", 10, sizes, 900) == ["global_step1"]
+    assert checkpoints.tags_to_remove(record, "a", 10, sizes, 100) == ["global_step1", "global_step2"]
+    assert checkpoints.tags_to_remove(record, "a", 2, sizes, 10_000) == ["global_step1"]
+
+    ckpt = tmp_path / "ckpt"
+    cfg = SFTConfig(pretrain="m", save_path="o", data={"dataset": "d"}, train_batch_size=8, micro_train_batch_size=8,
+                    ckpt_path=str(ckpt), save_steps=1, max_ckpt_num=10)
+    train = TrainLoop(cfg, FakeEngine(), None, list(range(64)), None, None, rank=0, world_size=1)
+    saved(train, 1)
+    one = checkpoints.tag_bytes(ckpt, ["global_step1"])["global_step1"]
+    cfg.ckpt.max_mem = 2.5 * one / 1024**3  # two of these tags fit, three do not
+    saved(train, 2, 3)
+    assert tags(ckpt) == ["global_step2", "global_step3"]
+
+
+def test_disable_ds_ckpt_writes_the_hf_model_only_and_no_latest(tmp_path, monkeypatch):
+    """`--disable_ds_ckpt` with `--save_hf_ckpt`: each tag holds the Hugging Face model alone (no
+    DeepSpeed state, no RNG), and `latest` names none (there is nothing to resume from); the flag
+    without --save_hf_ckpt, or with --load_checkpoint, is refused."""
+    import pytest
+
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.trainers import loop as loop_module
+
+    written = []
+    monkeypatch.setattr(loop_module, "write_hf_checkpoint",
+                        lambda module, tok, folder, rank: written.append(folder) or (Path(folder) / "hf").mkdir())
+    ckpt = tmp_path / "ckpt"
+    cfg = SFTConfig(pretrain="m", save_path="o", data={"dataset": "d"}, train_batch_size=8, micro_train_batch_size=8,
+                    ckpt_path=str(ckpt), save_steps=1, save_hf_ckpt=True, disable_ds_ckpt=True)
+    engine = FakeEngine()
+    engine.module = None
+    train = TrainLoop(cfg, engine, None, list(range(64)), None, None, rank=0, world_size=1)
+    saved(train, 1, 2)
+    assert tags(ckpt) == ["global_step1", "global_step2"] and len(written) == 2
+    assert [p.name for p in (ckpt / "global_step2").iterdir()] == ["hf"]
+    assert checkpoints.latest_tag(ckpt) is None
+    for flags in ({"save_hf_ckpt": False}, {"load_checkpoint": True}):
+        with pytest.raises((ConfigError, ValueError), match="disable_ds"):
+            SFTConfig(pretrain="m", save_path="o", data={"dataset": "d"}, train_batch_size=8,
+                      micro_train_batch_size=8, ckpt_path=str(ckpt), save_steps=1, disable_ds_ckpt=True,
+                      **{"save_hf_ckpt": True, **flags})
