@@ -152,17 +152,21 @@ class DSConfig(StrictModel):
                                    json_schema_extra=flat("param_dtype"))
     adam_offload: bool = Field(False, json_schema_extra=flat("adam_offload"))
     flash_attn: bool = Field(False, description="Same as --ds.attn_implementation flash_attention_2 (OpenRLHF "
-                             "<= 0.8's flag)", json_schema_extra=flat("flash_attn"))
+                             "<= 0.8's flag)", json_schema_extra=flat("flash_attn", gpu="CUDA and flash-attn; "
+                                                                      "elsewhere SDPA"))
     attn_implementation: str | None = Field(
         None, description="Attention kernel given to transformers: sdpa (default), eager, flex_attention, "
         "flash_attention_2 or _3 (a GPU with flash-attn; elsewhere sdpa, said in one log line)",
-        json_schema_extra=flat("attn_implementation"))
+        json_schema_extra=flat("attn_implementation", gpu="flash_attention_2/3 need CUDA and their package; "
+                               "elsewhere SDPA"))
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = Field(
         None, description="MoE experts' kernel given to transformers (grouped_mm and deepgemm need a GPU; "
-        "elsewhere transformers' default, said in one log line)", json_schema_extra=flat("experts_implementation"))
+        "elsewhere transformers' default, said in one log line)", json_schema_extra=flat(
+            "experts_implementation", gpu="grouped_mm and deepgemm need CUDA; elsewhere transformers' default"))
     use_liger_kernel: bool = Field(False, description="Liger's fused kernels in the trained causal LMs (a GPU with "
                                    "liger-kernel installed; elsewhere not applied, said in one log line)",
-                                   json_schema_extra=flat("use_liger_kernel"))
+                                   json_schema_extra=flat("use_liger_kernel", gpu="Triton kernels: CUDA and "
+                                                          "liger-kernel; elsewhere the model's own"))
     overlap_comm: bool = Field(False, description="DeepSpeed ZeRO: overlap the gradient reduction with the "
                                "backward", json_schema_extra=flat("overlap_comm"))
     zpg: int = Field(1, ge=1, description="ZeRO++ hierarchical partition size (ZeRO-3's secondary weight "
@@ -172,7 +176,7 @@ class DSConfig(StrictModel):
         json_schema_extra=flat("grad_accum_dtype"))
     deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile (its engine compiled with "
                               "torch.compile; CUDA, elsewhere not applied, said in one log line)",
-                              json_schema_extra=flat("deepcompile"))
+                              json_schema_extra=flat("deepcompile", gpu="CUDA; elsewhere uncompiled"))
 
     @property
     def attention(self) -> str:
@@ -419,7 +423,8 @@ class RefModelConfig(StrictModel):
                                            json_schema_extra=flat("ref_pretrain", **NOT_SEMANTIC))
     offload: bool = Field(False, description="Keep the reference's weights in CPU memory between uses (a GPU, "
                           "ZeRO-3's parameter offload; on a CPU they are there already, said in one log line)",
-                          json_schema_extra=flat("ref_offload"))
+                          json_schema_extra=flat("ref_offload", gpu="ZeRO-3 parameter offload on CUDA; on a CPU "
+                                                 "the weights are in CPU memory already"))
 
 
 def _deferred(reason: str, *names: str) -> dict[str, str]:

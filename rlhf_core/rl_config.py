@@ -120,7 +120,8 @@ class RewardConfig(Placement):
     model_name_or_path: str | None = Field(None, description="Reward model(s), comma-separated",
                                            json_schema_extra=flat("reward_pretrain", **NOT_SEMANTIC))
     offload: bool = Field(False, description="Keep the reward models' weights in CPU memory between uses (as "
-                          "--ref.offload)")
+                          "--ref.offload)", json_schema_extra={"gpu": "ZeRO-3 parameter offload on CUDA; on a CPU "
+                                                               "the weights are in CPU memory already"})
     remote_url: str | None = Field(None, description="Reward server URL(s) (http/https, comma-separated) or a "
                                    "Python file defining reward_func",
                                    json_schema_extra=flat("remote_rm_url", **NOT_SEMANTIC))
@@ -272,7 +273,8 @@ class EvalSection(StrictModel):
 class RLDSConfig(DSConfig, ValueHead):
     enable_sleep: bool = Field(False, description="Move the actor's and critic's DeepSpeed states off the GPU while "
                                "the rollout engines generate (ZeRO-3 on CUDA; elsewhere not applied, said in one log "
-                               "line)", json_schema_extra=flat("deepspeed_enable_sleep"))
+                               "line)", json_schema_extra=flat("deepspeed_enable_sleep", gpu="DeepSpeed's offload_states "
+                                                               "(ZeRO-3, CUDA)"))
     packing_samples: bool = Field(True, description="Accepted for OpenRLHF's scripts: every RL pass packs its samples "
                                   "(padding-free, the same numbers as padded batches), given or not",
                                   json_schema_extra=flat("packing_samples", noop="the RL passes always pack"))

@@ -79,3 +79,16 @@ def test_a_deferred_flag_in_yaml_is_refused_the_same_way(untouched, tmp_path, ca
     config.write_text("train:\n  async_enable: true\n")
     assert main([*COMMANDS["ppo"], "--config", str(config), "--dry_run"]) == 2
     assert "--train.async_enable: not built yet: asynchronous RL" in capsys.readouterr().err
+
+
+def test_the_flag_table_in_docs_is_generated_from_the_configs():
+    """docs/openrlhf-flags.md is `python -m rlhf_core.flag_table`'s output: a flag added to a config is
+    in it once the file is regenerated, and this fails until it is."""
+    from pathlib import Path
+
+    from rlhf_core.flag_table import markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "openrlhf-flags.md"
+    assert doc.read_text() == markdown(), "regenerate: python -m rlhf_core.flag_table > docs/openrlhf-flags.md"
+    assert "| `--ds.attn_implementation`, `--attn_implementation` |" in doc.read_text()
+    assert "`--enable_vllm_is_correction`" in doc.read_text()
