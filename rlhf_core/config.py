@@ -201,8 +201,9 @@ class CkptConfig(StrictModel):
     save_steps: int = Field(-1, description="Checkpoint every N steps (-1: never)",
                             json_schema_extra=flat("save_steps", **NOT_SEMANTIC))
     max_num: int = Field(3, gt=0, json_schema_extra=flat("max_ckpt_num", **NOT_SEMANTIC))
-    max_mem: float = Field(float("inf"), gt=0, description="GB this run's checkpoints may take: the oldest go "
-                           "first (the newest always stays)", json_schema_extra=flat("max_ckpt_mem", **NOT_SEMANTIC))
+    max_mem: float | None = Field(None, gt=0, description="GB this run's checkpoints may take: the oldest go "
+                                  "first (the newest always stays; default: no limit)",
+                                  json_schema_extra=flat("max_ckpt_mem", **NOT_SEMANTIC))
     load_enable: bool = Field(False, description="Resume from the latest checkpoint under ckpt.path",
                               json_schema_extra=flat("load_checkpoint", **NOT_SEMANTIC))
     save_hf: bool = Field(False, description="Also write the trained model (RL: the actor) in Hugging Face format "

@@ -133,15 +133,15 @@ def tag_bytes(ckpt, tags: list[str]) -> dict[str, int]:
     return {t: sum(f.stat().st_size for f in (Path(ckpt) / t).rglob("*") if f.is_file()) for t in tags}
 
 
-def rotate(ckpt, run: str, keep: int, max_gb: float = float("inf")) -> list[str]:
+def rotate(ckpt, run: str, keep: int, max_gb: float | None = None) -> list[str]:
     """Remove the checkpoints of `run` beyond its newest `keep`, and its oldest ones while its own
     total passes `max_gb` GB (`--ckpt.max_mem`, OpenRLHF's unit; the newest always stays); returns
     the tags removed."""
     record = read_record(ckpt)
     sizes = None
-    if max_gb != float("inf"):
+    if max_gb is not None and max_gb != float("inf"):
         sizes = tag_bytes(ckpt, [t for t, e in record["tags"].items() if isinstance(e, dict) and e.get("run") == run])
-    removed = tags_to_remove(record, run, keep, sizes, max_gb * 1024**3)
+    removed = tags_to_remove(record, run, keep, sizes, (max_gb or float("inf")) * 1024**3)
     for tag in removed:
         _remove_tag(ckpt, tag)
         del record["tags"][tag]
