@@ -149,8 +149,9 @@ class RewardConfig(Placement):
 class RolloutConfig(StrictModel):
     batch_size: int = Field(1024, gt=0, description="Prompts per rollout step",
                             json_schema_extra=flat("rollout_batch_size"))
-    micro_batch_size: int = Field(1, gt=0, description="Samples per generation / experience batch on one rank",
-                                  json_schema_extra=flat("micro_rollout_batch_size"))
+    micro_batch_size: int | None = Field(None, gt=0, description="Samples per experience-pass batch on one rank "
+                                         "(default: as many as rollout.max_tokens_per_gpu tokens hold)",
+                                         json_schema_extra=flat("micro_rollout_batch_size"))
     n_samples_per_prompt: int = Field(1, ge=1, json_schema_extra=flat("n_samples_per_prompt"))
     max_new_tokens: int | None = Field(None, gt=0, description="Default: the task's longest answer + EOS with "
                                        "--reward.task, else data.max_len - data.prompt_max_len when max_len is "
@@ -165,7 +166,7 @@ class RolloutConfig(StrictModel):
                                                  "(default: a rollout step's all at once)",
                                                  json_schema_extra=flat("vllm_generate_batch_size"))
     max_tokens_per_gpu: int | None = Field(None, gt=0, description="Tokens per experience-pass chunk on one rank "
-                                           "with train.dynamic_batch_enable (default: train.max_tokens_per_gpu)",
+                                           "when chunks go by tokens (default: train.max_tokens_per_gpu)",
                                            json_schema_extra=flat("rollout_max_tokens_per_gpu"))
     backend: RolloutBackend = Field(RolloutBackend.AUTO, description="Generation engine when vllm.num_engines is 0: "
                                     "auto or transformers; vllm needs num_engines > 0",
@@ -230,8 +231,9 @@ class AlgoConfig(StrictModel):
 class TrainSection(TrainLoopConfig):
     batch_size: int = Field(128, gt=0, description="Samples per optimizer step (all ranks)",
                             json_schema_extra=flat("train_batch_size"))
-    micro_batch_size: int = Field(1, gt=0, description="Samples per forward/backward on one rank",
-                                  json_schema_extra=flat("micro_train_batch_size"))
+    micro_batch_size: int | None = Field(None, gt=0, description="Samples per forward/backward on one rank "
+                                         "(default: as many as train.max_tokens_per_gpu tokens hold)",
+                                         json_schema_extra=flat("micro_train_batch_size"))
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout",
                             json_schema_extra=flat("max_epochs"))
     num_episodes: int = Field(1, ge=1, description="Passes over the prompts",
@@ -250,10 +252,11 @@ class TrainSection(TrainLoopConfig):
                                         "actor_init_on_gpu", noop="each rank builds its models on its own device",
                                         **NOT_SEMANTIC))
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
-                                       "the experience passes: rollout.max_tokens_per_gpu) instead of micro_batch_size: "
-                                       "the same loss, fewer and fuller passes", json_schema_extra=flat("use_dynamic_batch"))
+                                       "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
+                                       "are given (without them it is the default): the same loss, fewer and fuller "
+                                       "passes", json_schema_extra=flat("use_dynamic_batch"))
     max_tokens_per_gpu: int = Field(16192, gt=0, description="Tokens (prompt + response) per training micro-batch "
-                                    "on one rank, with dynamic_batch_enable",
+                                    "on one rank when micro-batches go by tokens (OpenRLHF's default)",
                                     json_schema_extra=flat("train_max_tokens_per_gpu"))
 
 
@@ -446,8 +449,11 @@ class PPOConfig(TrainingStageConfig):
                             f"({train.batch_size})")
         trained = [("actor", actor)] + ([("critic", critic)] if self.uses_critic else [])
         for role, placement in trained:
-            per_step = train.micro_batch_size * placement.world_size
-            if train.batch_size % per_step:
+            per_step = (train.micro_batch_size or 1) * placement.world_size
+            if train.batch_size % per_step and train.micro_batch_size is None:
+                problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of the {role} ranks "
+                                f"({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+            elif train.batch_size % per_step:
                 problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of "
                                 f"--train.micro_batch_size x {role} ranks ({train.micro_batch_size} x "
                                 f"{placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")

@@ -56,7 +56,9 @@ from rlhf_core.trainers.loop import optimizer_step
 
 def engine_settings(cfg, section, world_size: int) -> EngineSettings:
     """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
-    return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, world_size)
+    # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size // world_size
+    return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size)
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -132,10 +134,11 @@ class _Role:
         return self.cfg.data.max_len
 
     def _chunks(self, samples: list[RolloutSample]):
-        """The experience passes' chunks (no gradients): `--rollout.micro_batch_size` samples, or with
-        `--train.dynamic_batch_enable` consecutive runs within `--rollout.max_tokens_per_gpu` tokens."""
+        """The experience passes' chunks (no gradients): `--rollout.micro_batch_size` samples where it
+        is given (and `--train.dynamic_batch_enable` is not), otherwise consecutive runs within
+        `--rollout.max_tokens_per_gpu` tokens."""
         cfg = self.cfg
-        if cfg.train.dynamic_batch_enable:
+        if cfg.train.dynamic_batch_enable or cfg.rollout.micro_batch_size is None:
             budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
             return [[samples[i] for i in run] for run in budget_chunks([sequence_len(s) for s in samples], budget)]
         size = cfg.rollout.micro_batch_size
@@ -143,11 +146,12 @@ class _Role:
 
     def _micro_batches(self, samples: list[RolloutSample]) -> list[list[list[RolloutSample]]]:
         """This rank's share of an epoch in optimizer steps of micro-batches: `--train.micro_batch_size`
-        samples each, or with `--train.dynamic_batch_enable` by `--train.max_tokens_per_gpu` tokens,
-        every rank of the role in as many micro-batches as the one that needs most."""
+        samples each where it is given (and `--train.dynamic_batch_enable` is not), otherwise by
+        `--train.max_tokens_per_gpu` tokens, every rank of the role in as many micro-batches as the one
+        that needs most."""
         train = self.cfg.train
         per_rank = train.batch_size // self.world_size
-        if not train.dynamic_batch_enable:
+        if not train.dynamic_batch_enable and train.micro_batch_size is not None:
             return optimizer_steps(samples, per_rank, train.micro_batch_size)
         steps = optimizer_steps(samples, per_rank, per_rank)
         out = []

@@ -185,7 +185,8 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
     assert not_semantic_paths(PPOConfig) == {
         "actor.model_name_or_path", "critic.model_name_or_path", "ref.model_name_or_path", "reward.model_name_or_path",
         "reward.remote_url", "data.prompt_dataset", "eval.dataset", "ckpt.output_dir", "ckpt.path", "ckpt.save_steps",
-        "ckpt.max_num", "ckpt.load_enable", "ckpt.save_hf", "logger.logging_steps", "mlflow_experiment",
+        "ckpt.max_num", "ckpt.load_enable", "ckpt.save_hf", "ckpt.disable_ds", "ckpt.max_mem", "logger.logging_steps",
+        "mlflow_experiment",
         "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow", "actor.resources", "critic.resources", "ref.resources",
         "reward.resources", "logger.tensorboard_dir", "logger.wandb.group", "logger.wandb.key", "logger.wandb.mode",
         "logger.wandb.org", "logger.wandb.project", "logger.wandb.run_name", "local_rank", "data.dataloader_num_workers",

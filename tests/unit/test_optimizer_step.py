@@ -52,21 +52,27 @@ class ThreadRanks:
 
 class AccumulatingEngine:
     """What `optimizer_step` relies on of a DeepSpeed engine: `backward` divides the loss by the
-    accumulation steps, and the step at the accumulation boundary averages gradients over ranks."""
+    configured accumulation steps, and the step at the accumulation boundary (set by the caller)
+    averages gradients over ranks."""
 
     def __init__(self, weights: torch.Tensor, accumulation_steps: int, ranks: ThreadRanks):
         self.weights = weights.detach().clone().requires_grad_(True)
-        self.accumulation_steps, self.ranks, self.steps, self.grad = accumulation_steps, ranks, 0, None
+        self.accumulation_steps, self.ranks, self.grad, self.boundary = accumulation_steps, ranks, None, False
 
     def train(self):
         pass
+
+    def gradient_accumulation_steps(self):
+        return self.accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, boundary: bool):
+        self.boundary = boundary
 
     def backward(self, loss):
         (loss / self.accumulation_steps).backward()
 
     def step(self):
-        self.steps += 1
-        if self.steps == self.accumulation_steps:
+        if self.boundary:
             self.grad = self.ranks.all_reduce_sum(self.weights.grad) / self.ranks.world
 
 
