@@ -118,8 +118,8 @@ def run_ours(args) -> dict:
                  # --kl_coef 0: no KL term, so no reference model (TRL's beta=0 loads none either)
                  "kl": {"use_loss": args.kl_coef > 0, "estimator": "k3", "init_coef": args.kl_coef}},
         "rollout": {"n_samples_per_prompt": args.n, "batch_size": args.prompts, "max_new_tokens": args.max_new_tokens,
-                    "micro_batch_size": args.micro_batch_size, "temperature": 1.0},
-        "train": {"batch_size": args.train_batch_size, "micro_batch_size": args.micro_batch_size,
+                    "micro_batch_size": args.micro_batch_size or None, "temperature": 1.0},
+        "train": {"batch_size": args.train_batch_size, "micro_batch_size": args.micro_batch_size or None,
                   "max_steps": args.warmup + args.steps, "seed": SEED},
         "ds": {"param_dtype": args.precision}, "ckpt": {"output_dir": str(Path(args.out_dir) / "policy")},
         "use_mlflow": False,
@@ -180,7 +180,9 @@ def run_trl(args) -> dict:
         return [verifier.score(c[-1]["content"] if isinstance(c, list) else c, a)
                 for c, a in zip(completions, answer, strict=True)]
 
-    micro, accumulate = args.micro_batch_size, args.train_batch_size // args.micro_batch_size
+    # --micro_batch_size 0: TRL at one forward/backward per optimizer step (its per-device batch is the step)
+    micro = args.micro_batch_size or args.train_batch_size
+    accumulate = args.train_batch_size // micro
     rollout = args.prompts * args.n
     config = trl.GRPOConfig(
         output_dir=str(Path(args.out_dir) / "trl"), per_device_train_batch_size=micro,
@@ -305,10 +307,12 @@ def run_child(args, side: str, root: Path, out_dir: Path, snapshot: Path, work: 
                "--algo.kl.use_loss", str(kl).lower(), "--algo.kl.estimator", "k3",
                "--algo.kl.init_coef", str(args.kl_coef), "--rollout.n_samples_per_prompt", str(args.n),
                "--rollout.batch_size", str(args.prompts), "--rollout.max_new_tokens", str(args.max_new_tokens),
-               "--rollout.micro_batch_size", str(args.micro_batch_size), "--rollout.temperature", "1.0",
-               "--train.batch_size", str(args.train_batch_size), "--train.micro_batch_size",
-               str(args.micro_batch_size), "--train.max_steps", str(args.process_steps), "--train.seed", str(SEED),
+               "--rollout.temperature", "1.0", "--train.batch_size", str(args.train_batch_size),
+               "--train.max_steps", str(args.process_steps), "--train.seed", str(SEED),
                "--ds.param_dtype", args.precision, "--ckpt.output_dir", str(out_dir / "policy")]
+        if args.micro_batch_size:  # 0: our defaults (micro-batches by tokens)
+            cmd += ["--rollout.micro_batch_size", str(args.micro_batch_size), "--train.micro_batch_size",
+                    str(args.micro_batch_size)]
     else:
         cmd = [sys.executable, str(snapshot / Path(__file__).name), "--side", side, "--policy", str(root / "sft"),
                "--prompts_dir", str(root / "data" / "prompts"), "--out_dir", str(out_dir),
@@ -441,7 +445,7 @@ def driver_main(args) -> int:
         print("TRL is not installed, so there is nothing to compare against.\n"
               "Install the benchmark extra: pip install -e '.[bench]'  (or: pip install 'trl>=1.0')", file=sys.stderr)
         return 2
-    if (args.prompts * args.n) % args.train_batch_size or args.train_batch_size % args.micro_batch_size:
+    if (args.prompts * args.n) % args.train_batch_size or args.train_batch_size % (args.micro_batch_size or 1):
         raise SystemExit("--prompts x --n must be a multiple of --train_batch_size, and that of --micro_batch_size")
     from rlhf_core.infra.precision import resolve_here
 
@@ -527,7 +531,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=16, help="response budget (sort answers: at most 15 "
                                                                    "letters and EOS)")
     p.add_argument("--train_batch_size", type=int, default=64, help="samples per optimizer step")
-    p.add_argument("--micro_batch_size", type=int, default=32, help="samples per forward/backward")
+    p.add_argument("--micro_batch_size", type=int, default=32, help="samples per forward/backward; 0: each side's "
+                   "default (ours: micro-batches by tokens; TRL: its per-device batch set to --train_batch_size)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--kl_coef", type=float, default=0.01, help="k3 KL loss coefficient (TRL's beta); 0: no reference")
     p.add_argument("--sft_steps", type=int, default=None,
