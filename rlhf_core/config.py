@@ -390,8 +390,19 @@ class LoraConfig(StrictModel):
     rank: int = Field(0, ge=0, json_schema_extra=flat("lora_rank"))
     alpha: int = Field(16, gt=0, json_schema_extra=flat("lora_alpha"))
     dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=flat("lora_dropout"))
-    target_modules: str = Field("all-linear", description="Comma-separated module names or 'all-linear'",
-                                json_schema_extra=flat("target_modules"))
+    target_modules: list[str] = Field(["all-linear"], description="Module names (several after the flag, as "
+                                      "OpenRLHF takes them, or comma-separated) or 'all-linear'",
+                                      json_schema_extra=flat("target_modules"))
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, value):
+        """`q_proj,v_proj` (one string, as YAML and older configs give it) or a list of names."""
+        items = [value] if isinstance(value, str) else list(value)
+        names = [n.strip() for item in items for n in str(item).split(",") if n.strip()]
+        if not names:
+            raise ValueError("name at least one module, or 'all-linear'")
+        return names
 
 
 class TrainerDSConfig(DSConfig):

@@ -61,6 +61,8 @@ def flag_kwargs(annotation, description: str | None) -> dict | None:
         kwargs.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
     elif origin is tuple:
         kwargs.update(nargs=len(typing.get_args(ann)), type=typing.get_args(ann)[0])
+    elif origin is list:  # one or more values after the flag
+        kwargs.update(nargs="+", type=typing.get_args(ann)[0])
     elif origin is typing.Literal:
         kwargs.update(choices=list(typing.get_args(ann)), type=type(typing.get_args(ann)[0]))
     elif isinstance(ann, type) and issubclass(ann, Enum):

@@ -27,6 +27,7 @@ from rlhf_core.config import (
     AdamConfig,
     ConfigError,
     DSConfig,
+    LoraConfig,
     RefModelConfig,
     RolloutBackend,
     Schedule,
@@ -274,6 +275,9 @@ class EvalSection(StrictModel):
 
 
 class RLDSConfig(DSConfig, ValueHead):
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the actor and the critic "
+                             "(the critic's value head trained whole); merged into the weights the engines get and "
+                             "the output")
     enable_sleep: bool = Field(False, description="Move the actor's and critic's DeepSpeed states off the GPU while "
                                "the rollout engines generate (ZeRO-3 on CUDA; elsewhere not applied, said in one log "
                                "line)", json_schema_extra=flat("deepspeed_enable_sleep", gpu="DeepSpeed's offload_states "
@@ -457,6 +461,10 @@ class PPOConfig(TrainingStageConfig):
                 problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of "
                                 f"--train.micro_batch_size x {role} ranks ({train.micro_batch_size} x "
                                 f"{placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+
+        if self.ds.lora.rank > 0 and self.ds.zero_stage == 3:
+            problems.append("--ds.lora.rank (--lora_rank) with --ds.zero_stage 3 is not built yet in train ppo (the "
+                            "engines get merged weights, gathered without ZeRO-3): use --ds.zero_stage 2")
 
         # Placement.
         if (train.colocate_actor_ref or train.colocate_all) and self.uses_ref and \

@@ -205,14 +205,38 @@ def backbone(model):
     return getattr(base, base.base_model_prefix)
 
 
-def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, is_reward_model: bool):
+def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: list[str], is_reward_model: bool):
     from peft import LoraConfig, get_peft_model
 
-    targets = "all-linear" if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    targets = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type="SEQ_CLS" if is_reward_model else "CAUSAL_LM",
                         modules_to_save=["score"] if is_reward_model else None)
     return get_peft_model(model, config)
+
+
+def merged_lora_state(module) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's weights as the plain model holds them after `merge_and_unload`: each
+    adapted layer's base weight plus its adapter's delta, computed out of place (the live adapters
+    are left as they are), by the base model's names; on the module's device. Not for ZeRO-3."""
+    from peft.tuners.lora import LoraLayer
+
+    base = module.get_base_model()
+    deltas = {}
+    for name, layer in base.named_modules():
+        if isinstance(layer, LoraLayer) and layer.active_adapters:
+            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+            deltas[f"{name}.weight"] = delta
+    state = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name or ".original_module." in name:  # adapters; a trained head's frozen original
+            continue
+        plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        value = tensor.detach()
+        if plain in deltas:
+            value = value + deltas[plain].to(value.dtype)
+        state[plain] = value
+    return state
 
 
 def _is_partitioned(module) -> bool:

@@ -75,6 +75,27 @@ def mean_over_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
     return totals
 
 
+def with_lora(model, cfg, is_reward_model: bool):
+    """`--ds.lora.rank > 0`: LoRA adapters on a trained role's model (`models/loading.apply_lora`)."""
+    lora = cfg.ds.lora
+    if lora.rank == 0:
+        return model
+    from rlhf_core.models.loading import apply_lora
+
+    if cfg.actor.gradient_checkpointing_enable:
+        model.enable_input_require_grads()
+    return apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, is_reward_model)
+
+
+def plain_state(module) -> dict[str, torch.Tensor]:
+    """A whole (not ZeRO-3) model's weights by the plain model's names: LoRA merged in, out of place."""
+    if hasattr(module, "peft_config"):
+        from rlhf_core.models.loading import merged_lora_state
+
+        return merged_lora_state(module)
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
 def sequence_len(sample: RolloutSample) -> int:
     return len(sample.prompt_ids) + sample.response_len
 
@@ -253,6 +274,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         if cfg.actor.gradient_checkpointing_enable:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": cfg.actor.gradient_checkpointing_reentrant})
+        model = with_lora(model, cfg, is_reward_model=False)
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
 
@@ -339,13 +361,14 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         if _is_partitioned(module):
             state = _gathered_state_dict(module, self.rank) or {}
         else:
-            state = {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+            state = plain_state(module) if self.rank == 0 else {}
         return self._as_checkpoint(state) if checkpoint_format and state else state
 
     def _as_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from rlhf_core.models.loading import checkpoint_state_dict
 
-        return checkpoint_state_dict(self.engine.module, state)
+        module = self.engine.module
+        return checkpoint_state_dict(module.get_base_model() if hasattr(module, "peft_config") else module, state)
 
     # the weight sync's sources (`WeightSender`): every rank calls them
     def _sync_state(self) -> dict[str, torch.Tensor]:
@@ -357,7 +380,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
 
         module = self.engine.module
         if not _is_partitioned(module):
-            return {k: v.detach() for k, v in module.state_dict().items()}
+            return plain_state(module)
         import deepspeed
 
         names_of: dict[int, list[str]] = {}
@@ -392,6 +415,7 @@ class CriticRole(_Checkpointed, _Role):
         if actor.gradient_checkpointing_enable:  # OpenRLHF's flag covers both trained models
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": actor.gradient_checkpointing_reentrant})
+        model = with_lora(model, self.cfg, is_reward_model=True)
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size),
                                  self.total_optimizer_steps)

@@ -103,8 +103,8 @@ def test_every_flag_of_every_cli_is_known_here(tag, here):
 NOT_YET = {
     "--use_ds_universal_ckpt", "--ds.use_universal_ckpt",  # DeepSpeed universal checkpoints
     "--load_in_4bit", "--ds.load_in_4bit",  # QLoRA
-    "--lora_rank", "--lora_alpha", "--target_modules", "--lora_dropout",  # LoRA in train ppo
-    "--ds.lora.rank", "--ds.lora.alpha", "--ds.lora.target_modules", "--ds.lora.dropout",
+
+
     "--multiturn", "--data.multiturn",  # multi-turn SFT loss masks
     "--use_ms",  # ModelScope downloads
     "--ptx_coef",  # PPO-ptx (a pretraining loss mixed into the actor's)

@@ -101,3 +101,32 @@ def test_a_token_budget_gives_the_updates_of_fixed_micro_batches(prepared, tmp_p
     for name in ("budget", "tiny budget"):  # Adam's normalised steps carry the rounding: 1e-5 of 1e-3 moved
         gap = max((weights["fixed"][k] - weights[name][k]).abs().max().item() for k in base)
         assert gap < 0.05 * moved, (name, gap, moved)
+
+
+@pytest.mark.slow
+def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them_merged(prepared, tmp_path, capsys):
+    """`--lora_rank` in train ppo (OpenRLHF's flags): adapters on the actor and the critic (PPO with a
+    critic, GAE). The rollout engine gets the merged weights after every step: the engine's log-probs
+    stay the trainer's (a sync of the base weights alone would leave them apart once the adapters
+    move); the published policy is a plain model with the adapters merged in, not the base."""
+    import re
+
+    from safetensors.torch import load_file
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--remote_rm_url", str(reward), "--advantage_estimator", "gae", "--critic_pretrain", prepared["base"],
+                 "--rollout_batch_size", "8", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                 "--generate_max_len", "6", "--actor_learning_rate", "5e-3", "--critic_learning_rate", "5e-3",
+                 "--param_dtype", "fp32", "--max_steps", "3", "--use_mlflow", "false", "--lora_rank", "8",
+                 "--lora_alpha", "16", "--target_modules", "q_proj", "v_proj", "--save_path", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    mismatch = [float(v) for v in re.findall(r"\[rl step \d+/3\].*logprob_mismatch=([0-9.e+-]+)", err)]
+    assert len(mismatch) == 3 and max(mismatch) < 1e-3, mismatch
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    base = load_file(str(prepared["base"] + "/model.safetensors"))
+    assert out.keys() == base.keys()  # a plain model: no adapter weights
+    moved = [k for k in base if not torch.equal(out[k], base[k])]
+    assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in moved), moved
