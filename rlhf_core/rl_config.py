@@ -109,7 +109,8 @@ class CriticConfig(Placement, Schedule):
     freezing_steps: int = Field(0, ge=-1, description="Freeze the actor for the first N steps while the critic "
                                 "warms up (-1, OpenRLHF's default, is read as 0)",
                                 json_schema_extra=flat("freezing_actor_steps"))
-    save_value_network: bool = Field(False, description="Save the critic next to the policy",
+    save_value_network: bool = Field(False, description="Save the trained critic with the policy, as critic/ in the "
+                                     "stage output",
                                      json_schema_extra=flat("save_value_network"))
 
 
@@ -192,7 +193,12 @@ class VLLMConfig(StrictModel):
                                 json_schema_extra=flat("vllm_sync_bucket_mb"))
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM",
                                 json_schema_extra=flat("enforce_eager"))
-    enable_prefix_caching: bool = Field(False, json_schema_extra=flat("enable_prefix_caching"))
+    enable_prefix_caching: bool = Field(False, description="vLLM's prefix caching on (not given: vLLM's default, "
+                                        "on in its V1 engine)", json_schema_extra=flat("enable_prefix_caching"))
+    sync_with_ray: bool = Field(False, description="Accepted for OpenRLHF's scripts: the weights go over NCCL to GPU "
+                                "engines either way (--vllm.sync_backend); Ray's collective library is not used",
+                                json_schema_extra=flat("vllm_sync_with_ray", noop="the transport is "
+                                                       "--vllm.sync_backend's (NCCL to GPU engines)", **NOT_SEMANTIC))
 
 
 class AdvantageConfig(StrictModel):
@@ -248,6 +254,10 @@ class TrainSection(TrainLoopConfig):
     perf: bool = Field(False, description="Accepted for OpenRLHF 0.9's scripts: the perf/ and time/ metrics are "
                        "always logged", json_schema_extra=flat("perf", noop="perf/ and time/ metrics are always logged",
                                                                **NOT_SEMANTIC))
+    ptx_coef: float = Field(0.05, description="Accepted for OpenRLHF 0.9's scripts: its PPO-ptx loss needs "
+                            "pretraining data, which OpenRLHF 0.9 no longer takes either",
+                            json_schema_extra=flat("ptx_coef", noop="no pretraining data to mix in (OpenRLHF 0.9 "
+                                                   "dropped --pretrain_data too)", **NOT_SEMANTIC))
     actor_init_on_gpu: bool = Field(False, description="Accepted for OpenRLHF 0.9's scripts: each rank builds its "
                                     "models where it trains them", json_schema_extra=flat(
                                         "actor_init_on_gpu", noop="each rank builds its models on its own device",

@@ -234,6 +234,14 @@ class _Checkpointed:
             raise RuntimeError(f"--ckpt.load_enable: DeepSpeed could not load the {self.name} from {directory}")
         set_rng_state(torch.load(Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", weights_only=False))
 
+    def export(self) -> dict[str, torch.Tensor] | None:
+        """The state dict of the role's model as a plain HF model (LoRA merged, fp32, on CPU) on
+        rank 0, None elsewhere; call on every rank. A state dict, not the module: it crosses processes."""
+        from rlhf_core.models.loading import export_model
+
+        model = export_model(self.engine.module, self.rank)
+        return None if model is None else model.state_dict()
+
     # `--ds.enable_sleep`: the engine's weights, gradients and optimizer states leave the GPU while
     # the rollout engines generate (DeepSpeed's offload_states, ZeRO-3), and come back before the
     # experience pass.
@@ -343,14 +351,6 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             totals["steps"] = totals.get("steps", 0.0) + 1
         n = totals.pop("steps", 0.0)
         return {k: v / n for k, v in totals.items()} if n else {}
-
-    def export(self) -> dict[str, torch.Tensor] | None:
-        """The state dict of the policy as a plain HF model (LoRA merged, fp32, on CPU) on rank 0,
-        None elsewhere; call on every rank. A state dict, not the module: it crosses processes."""
-        from rlhf_core.models.loading import export_model
-
-        model = export_model(self.engine.module, self.rank)
-        return None if model is None else model.state_dict()
 
     def weights(self, checkpoint_format: bool = False) -> dict[str, torch.Tensor]:
         """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU; with

@@ -128,7 +128,8 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
                  dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
-                 bundle_indices: list[int] | None = None, gpus_per_worker: float | None = None):
+                 bundle_indices: list[int] | None = None, gpus_per_worker: float | None = None,
+                 enable_prefix_caching: bool | None = None):
         """`bundle_indices`: the bundles of the current placement group that the `tensor_parallel_size`
         workers take (`gpus_per_worker` of each GPU); see `tensor_parallel_setup`."""
         if enable_sleep and not torch.cuda.is_available():
@@ -161,6 +162,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, **memory,
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                        generation_config="vllm", logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep,
+                       **({} if enable_prefix_caching is None else {"enable_prefix_caching": enable_prefix_caching}),
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension")
         self.tensor_parallel_size = tensor_parallel_size

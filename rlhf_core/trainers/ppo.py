@@ -175,7 +175,9 @@ def engine_options(cfg) -> tuple[str, dict]:
                               "for the transformers engine")
         return "vllm", {"precision": cfg.ds.param_dtype, "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
                         "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
-                        "enable_sleep": cfg.vllm.enable_sleep, "tensor_parallel_size": cfg.vllm.tensor_parallel_size}
+                        "enable_sleep": cfg.vllm.enable_sleep, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
+                        # given: as asked; not given: vLLM's own default (on, in its V1 engine)
+                        "enable_prefix_caching": cfg.vllm.enable_prefix_caching or None}
     return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
 
 
@@ -270,7 +272,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
                                   kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps)
         metrics = controller.run()
         manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision,
-                               resume=controller.resume)
+                               resume=controller.resume, critic=roles.critic)
     except BaseException:
         tracker.finish("FAILED")
         raise
@@ -286,17 +288,26 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
 
 
 def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], tracker, precision: str,
-                resume: dict | None = None) -> dict:
+                resume: dict | None = None, critic=None) -> dict:
     """The actor as the stage output: HF model + tokenizer + stage.json, published atomically.
-    `resume`: where training started (`RLController.resume`), recorded in stage.json."""
+    `resume`: where training started (`RLController.resume`), recorded in stage.json. With
+    `--critic.save_value_network` the trained critic goes into the output too, as `critic/` (a
+    one-label sequence classifier with the tokenizer, as `rlhf train rm` writes one)."""
     from rlhf_core.infra.publishing import publish_output
-    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.models.loading import load_causal_lm, load_reward_model
     from rlhf_core.trainers.common import model_writer
 
     state = actor.call_all("export")[0]  # rank 0's; every rank takes part in a ZeRO-3 gather
     model = load_causal_lm(local_model_path(cfg.actor.model_name_or_path))
     model.load_state_dict(state, strict=True)
+    writers = [model_writer(model, tokenizer)]
+    if cfg.critic.save_value_network and critic is not None:
+        critic_state = critic.call_all("export")[0]
+        value_model = load_reward_model(local_model_path(cfg.critic.model_name_or_path), tokenizer.pad_token_id)
+        value_model.load_state_dict(critic_state, strict=True)
+        write_critic = model_writer(value_model, tokenizer)
+        writers.append(lambda folder: write_critic(folder / "critic"))
     inputs = {"pretrain": cfg.actor.model_name_or_path, "reward_pretrain": cfg.reward.model_name_or_path,
               "datasets": sources}
-    return publish_output(cfg, tracker, inputs, metrics, write=model_writer(model, tokenizer), precision=precision,
-                          resume=resume, trained=True)
+    return publish_output(cfg, tracker, inputs, metrics, write=lambda folder: [w(folder) for w in writers],
+                          precision=precision, resume=resume, trained=True)

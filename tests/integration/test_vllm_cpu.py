@@ -46,7 +46,8 @@ def engine(prepared):
 
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     group = RoleGroup(EngineWorker, 1, name="rollout", timeout_s=600,
-                      args=("vllm", prepared["base"], {"precision": "fp32", "enforce_eager": True, "seed": 0}))
+                      args=("vllm", prepared["base"], {"precision": "fp32", "enforce_eager": True, "seed": 0,
+                                                     "enable_prefix_caching": True}))
     try:
         assert group.call_all("setup") == ["cpu"]
         yield group

@@ -107,10 +107,10 @@ NOT_YET = {
 
     "--multiturn", "--data.multiturn",  # multi-turn SFT loss masks
     "--use_ms",  # ModelScope downloads
-    "--ptx_coef",  # PPO-ptx (a pretraining loss mixed into the actor's)
+
     "--enable_ema", "--ema_beta", "--train.enable_ema", "--train.ema_beta",  # EMA of the actor
     "--best_metric_key", "--ckpt.best_metric_key",  # best-checkpoint saving
-    "--vllm_sync_with_ray", "--vllm.sync_with_ray",  # weight sync through Ray's collectives
+
     "--optim", "--muon.lr", "--muon.momentum", "--muon.ns_steps", "--muon.nesterov", "--muon.no_nesterov",  # Muon
     "--actor.optim", "--actor.muon.lr", "--actor.muon.momentum", "--actor.muon.ns_steps", "--actor.muon.nesterov",
     "--actor.muon.no_nesterov", "--critic.optim", "--critic.muon.lr", "--critic.muon.momentum",

@@ -104,7 +104,8 @@ def test_a_token_budget_gives_the_updates_of_fixed_micro_batches(prepared, tmp_p
 
 
 @pytest.mark.slow
-def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them_merged(prepared, tmp_path, capsys):
+def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them_merged(prepared, tmp_path,
+                                                                                         capsys):
     """`--lora_rank` in train ppo (OpenRLHF's flags): adapters on the actor and the critic (PPO with a
     critic, GAE). The rollout engine gets the merged weights after every step: the engine's log-probs
     stay the trainer's (a sync of the base weights alone would leave them apart once the adapters
@@ -120,7 +121,8 @@ def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them
                  "--rollout_batch_size", "8", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
                  "--generate_max_len", "6", "--actor_learning_rate", "5e-3", "--critic_learning_rate", "5e-3",
                  "--param_dtype", "fp32", "--max_steps", "3", "--use_mlflow", "false", "--lora_rank", "8",
-                 "--lora_alpha", "16", "--target_modules", "q_proj", "v_proj", "--save_path", str(tmp_path / "out")])
+                 "--lora_alpha", "16", "--target_modules", "q_proj", "v_proj", "--save_value_network",
+                 "--save_path", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     mismatch = [float(v) for v in re.findall(r"\[rl step \d+/3\].*logprob_mismatch=([0-9.e+-]+)", err)]
@@ -130,3 +132,12 @@ def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them
     assert out.keys() == base.keys()  # a plain model: no adapter weights
     moved = [k for k in base if not torch.equal(out[k], base[k])]
     assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in moved), moved
+    # --save_value_network: the trained critic (adapters merged) in the output, as a reward model loads
+    from transformers import AutoModelForSequenceClassification
+
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
+    assert critic.config.num_labels == 1
+    weights = critic.state_dict()
+    assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
