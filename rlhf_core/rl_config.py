@@ -254,6 +254,11 @@ class TrainSection(TrainLoopConfig):
     perf: bool = Field(False, description="Accepted for OpenRLHF 0.9's scripts: the perf/ and time/ metrics are "
                        "always logged", json_schema_extra=flat("perf", noop="perf/ and time/ metrics are always logged",
                                                                **NOT_SEMANTIC))
+    enable_ema: bool = Field(False, description="The output is an exponential moving average of the policy's "
+                             "weights (updated after every optimizer step; the engines sample the policy itself)",
+                             json_schema_extra=flat("enable_ema"))
+    ema_beta: float = Field(0.992, ge=0, le=1, description="The moving average's decay: ema = beta x ema + (1 - beta) x "
+                            "weights", json_schema_extra=flat("ema_beta"))
     ptx_coef: float = Field(0.05, description="Accepted for OpenRLHF 0.9's scripts: its PPO-ptx loss needs "
                             "pretraining data, which OpenRLHF 0.9 no longer takes either",
                             json_schema_extra=flat("ptx_coef", noop="no pretraining data to mix in (OpenRLHF 0.9 "

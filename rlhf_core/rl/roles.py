@@ -75,6 +75,12 @@ def mean_over_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
     return totals
 
 
+def moving_average(ema: dict[str, torch.Tensor], current: dict[str, torch.Tensor], beta: float) -> None:
+    """`ema <- beta * ema + (1 - beta) * current`, in place (OpenRLHF's `--ema_beta`)."""
+    for name, value in current.items():
+        ema[name].mul_(beta).add_(value.to(ema[name].dtype), alpha=1.0 - beta)
+
+
 def with_lora(model, cfg, is_reward_model: bool):
     """`--ds.lora.rank > 0`: LoRA adapters on a trained role's model (`models/loading.apply_lora`)."""
     lora = cfg.ds.lora
@@ -285,6 +291,34 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         model = with_lora(model, cfg, is_reward_model=False)
         model.config.use_cache = False
         self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
+        # `--train.enable_ema`: an exponential moving average of the policy's weights (fp32, CPU, rank 0),
+        # from the starting weights on; the output is it, the engines sample the policy itself
+        self.ema = self._ema_source() if cfg.train.enable_ema else None
+
+    def _ema_source(self) -> dict[str, torch.Tensor] | None:
+        state = self.weights()  # every rank: a ZeRO-3 gather
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()} if self.rank == 0 else None
+
+    def _update_ema(self) -> None:
+        current = self._ema_source()
+        if self.rank == 0:
+            moving_average(self.ema, current, self.cfg.train.ema_beta)
+
+    def export(self) -> dict[str, torch.Tensor] | None:
+        """The output's weights: the moving average with `--train.enable_ema`, else the policy's."""
+        if self.ema is None:
+            return super().export()
+        return {k: v.clone() for k, v in self.ema.items()} if self.rank == 0 else None
+
+    def save_checkpoint(self, directory: str) -> None:
+        super().save_checkpoint(directory)
+        if self.ema is not None and self.rank == 0 and not self.cfg.ckpt.disable_ds:
+            torch.save(self.ema, Path(directory) / f"ema_{self.name}.pt")
+
+    def load_checkpoint(self, directory: str) -> None:
+        super().load_checkpoint(directory)
+        if self.cfg.train.enable_ema and self.rank == 0:
+            self.ema = torch.load(Path(directory) / f"ema_{self.name}.pt", weights_only=True)
 
     def _forward_model(self) -> tuple:
         return self.engine, False
@@ -340,6 +374,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
                                             self.world_size, self.precision)
+            if self.cfg.train.enable_ema:  # every rank: a ZeRO-3 gather
+                self._update_ema()
             tokens = max(1.0, float(sums["tokens"]))
             step = {"policy_loss": float(sums["policy_loss"] / units), "clip_frac": float(sums["clip_tokens"]) / tokens,
                     "ratio": float(sums["ratio_sum"]) / tokens, "entropy": float(sums["entropy_tokens"]) / tokens,

@@ -108,7 +108,7 @@ NOT_YET = {
     "--multiturn", "--data.multiturn",  # multi-turn SFT loss masks
     "--use_ms",  # ModelScope downloads
 
-    "--enable_ema", "--ema_beta", "--train.enable_ema", "--train.ema_beta",  # EMA of the actor
+
     "--best_metric_key", "--ckpt.best_metric_key",  # best-checkpoint saving
 
     "--optim", "--muon.lr", "--muon.momentum", "--muon.ns_steps", "--muon.nesterov", "--muon.no_nesterov",  # Muon

@@ -141,3 +141,34 @@ def test_lora_on_the_actor_and_critic_trains_syncs_merged_weights_and_saves_them
     assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+
+
+def test_moving_average_is_openrlhfs_ema():
+    from rlhf_core.rl.roles import moving_average
+
+    ema, current = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}
+    moving_average(ema, current, 0.75)
+    assert torch.allclose(ema["w"], torch.tensor([1.5, 3.0]))
+
+
+@pytest.mark.slow
+def test_with_ema_the_output_is_the_moving_average_not_the_policy(prepared, tmp_path, capsys):
+    """`--enable_ema --ema_beta 1`: the average never leaves the starting weights, so the output is
+    the base model exactly, while the policy (whose samples the engine draws) trained."""
+    import re
+
+    from safetensors.torch import load_file
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                 "--rollout_batch_size", "4", "--train_batch_size", "8", "--generate_max_len", "6", "--use_kl_loss",
+                 "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-2", "--param_dtype", "fp32", "--max_steps",
+                 "2", "--use_mlflow", "false", "--enable_ema", "--ema_beta", "1", "--save_path", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    kl = [float(v) for v in re.findall(r"\[rl step \d+/2\].* kl=([0-9.e+-]+)", err)]
+    assert kl[-1] > 0, "the policy moved away from the reference (the start)"
+    out, base = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(prepared["base"] + "/model.safetensors")
+    assert all(torch.equal(out[k], base[k]) for k in base)
