@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 
 import torch
 
@@ -205,9 +206,11 @@ def backbone(model):
     return getattr(base, base.base_model_prefix)
 
 
-def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: list[str], is_reward_model: bool):
+def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: list[str] | str, is_reward_model: bool):
     from peft import LoraConfig, get_peft_model
 
+    if isinstance(target_modules, str):  # "q_proj,v_proj"
+        target_modules = [m.strip() for m in target_modules.split(",") if m.strip()]
     targets = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type="SEQ_CLS" if is_reward_model else "CAUSAL_LM",
@@ -306,3 +309,22 @@ def export_model(module, rank: int):
     if hasattr(clone, "merge_and_unload"):
         clone = clone.merge_and_unload()
     return clone.to(torch.float32)
+
+
+def model_writer(model, tokenizer):
+    """`publish_output`'s `write` for a trained model: HF safetensors (with `use_cache` on) + the tokenizer."""
+
+    def write(folder: Path) -> None:
+        model.config.use_cache = True
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return write
+
+
+def write_hf_checkpoint(module, tokenizer, folder, rank: int) -> None:
+    """`module` as a plain Hugging Face model (LoRA merged) with `tokenizer` in `folder/hf`
+    (`--ckpt.save_hf`); call on every rank (ZeRO-3 shards are gathered), rank 0 writes."""
+    model = export_model(module, rank)
+    if rank == 0:
+        model_writer(model, tokenizer)(Path(folder) / "hf")

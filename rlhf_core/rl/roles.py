@@ -228,8 +228,7 @@ class _Checkpointed:
             torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
             self.engine.save_checkpoint(str(path), tag=self.name)
         if self.name == "actor" and self.cfg.ckpt.save_hf:  # `--ckpt.save_hf`: the policy, as transformers loads it
-            from rlhf_core.models.loading import load_tokenizer
-            from rlhf_core.trainers.loop import write_hf_checkpoint
+            from rlhf_core.models.loading import load_tokenizer, write_hf_checkpoint
 
             write_hf_checkpoint(self.engine.module, load_tokenizer(self.cfg.actor.model_name_or_path), path, self.rank)
 

@@ -10,7 +10,6 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +22,13 @@ from rlhf_core.infra.publishing import publish_output
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.models.lean import forward_report
-from rlhf_core.models.loading import apply_liger_kernel, apply_lora, export_model, load_tokenizer
+from rlhf_core.models.loading import (
+    apply_liger_kernel,
+    apply_lora,
+    export_model,
+    load_tokenizer,
+    model_writer,
+)
 
 
 @dataclass
@@ -208,12 +213,3 @@ def save_stage(ctx: StageContext, module, tokenizer, metrics: dict, inputs: dict
     return manifest
 
 
-def model_writer(model, tokenizer):
-    """`publish_output`'s `write` for a trained model: HF safetensors (with `use_cache` on) + the tokenizer."""
-
-    def write(folder: Path) -> None:
-        model.config.use_cache = True
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-
-    return write

@@ -190,6 +190,8 @@ class TrainLoop:
     def _save_hf(self, folder: Path) -> None:
         """`--ckpt.save_hf`: the model in Hugging Face format at `folder/hf` (every rank gathers, rank 0 writes)."""
         if self.cfg.ckpt.save_hf:
+            from rlhf_core.models.loading import write_hf_checkpoint
+
             write_hf_checkpoint(self.engine.module, self.tokenizer, folder, self.rank)
 
     def _save_remote(self) -> None:
@@ -350,13 +352,3 @@ def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
-
-def write_hf_checkpoint(module, tokenizer, folder: Path, rank: int) -> None:
-    """`module` as a plain Hugging Face model (LoRA merged) with `tokenizer` in `folder/hf`; call on
-    every rank (ZeRO-3 shards are gathered), rank 0 writes."""
-    from rlhf_core.models.loading import export_model
-    from rlhf_core.trainers.common import model_writer
-
-    model = export_model(module, rank)
-    if rank == 0:
-        model_writer(model, tokenizer)(Path(folder) / "hf")

@@ -294,8 +294,7 @@ def save_policy(cfg, actor, tokenizer, metrics: dict, sources: list[dict], track
     `--critic.save_value_network` the trained critic goes into the output too, as `critic/` (a
     one-label sequence classifier with the tokenizer, as `rlhf train rm` writes one)."""
     from rlhf_core.infra.publishing import publish_output
-    from rlhf_core.models.loading import load_causal_lm, load_reward_model
-    from rlhf_core.trainers.common import model_writer
+    from rlhf_core.models.loading import load_causal_lm, load_reward_model, model_writer
 
     state = actor.call_all("export")[0]  # rank 0's; every rank takes part in a ZeRO-3 gather
     model = load_causal_lm(local_model_path(cfg.actor.model_name_or_path))

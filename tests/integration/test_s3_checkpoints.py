@@ -171,7 +171,7 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
     def controller(role):
         return SimpleNamespace(actor=LocalRoleGroup(role, "actor"), critic=None, step=0,
                                prompts=SimpleNamespace(position=0), kl=KL(0.01), resume={},
-                               cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1)))
+                               cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
     ckpt = "s3://models/ckpt/ppo"
     role = Role()

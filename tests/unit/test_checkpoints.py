@@ -99,10 +99,10 @@ def test_disable_ds_ckpt_writes_the_hf_model_only_and_no_latest(tmp_path, monkey
     import pytest
 
     from rlhf_core.infra.settings import ConfigError
-    from rlhf_core.trainers import loop as loop_module
+    from rlhf_core.models import loading
 
     written = []
-    monkeypatch.setattr(loop_module, "write_hf_checkpoint",
+    monkeypatch.setattr(loading, "write_hf_checkpoint",
                         lambda module, tok, folder, rank: written.append(folder) or (Path(folder) / "hf").mkdir())
     ckpt = tmp_path / "ckpt"
     cfg = SFTConfig(pretrain="m", save_path="o", data={"dataset": "d"}, train_batch_size=8, micro_train_batch_size=8,
