@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
+    NOT_BUILT_FLAGS,
     SEED_STAGE_FLAGS,
     AdamConfig,
     ConfigError,
@@ -555,6 +556,12 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **SEED_STAGE_FLAGS,
+    **{name: reason for name, reason in NOT_BUILT_FLAGS.items() if not name.startswith(("optim", "muon."))},
+    **_deferred("the Muon optimizer is not built yet (AdamW is)", *(f"{role}.{name}" for role in ("actor", "critic")
+                for name in ("optim", "muon.lr", "muon.momentum", "muon.ns_steps", "muon.nesterov",
+                             "muon.no_nesterov"))),
+    **_deferred("best-checkpoint saving by a held-out metric is not built yet", "best_metric_key",
+                "ckpt.best_metric_key"),
     **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "actor.aux_loss_coef"),
     **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
     **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
