@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 from enum import Enum
 from typing import ClassVar, Literal
 
@@ -62,19 +61,15 @@ def mixing_probs(probs: str | None) -> list[float] | None:
     return [v / sum(values) for v in values]
 
 
-_DROPPED_TEMPLATES: set[str] = set()
-
-
 def template_or_none(template: str | None) -> str | None:
     """A template with no braces at all (`""`, a bare prefix) has no place for the prompt: OpenRLHF
     drops it with a warning, and so does this (one line on stderr, once per process). A template
     with braces but no `{}` stays an error (`check_input_template`): most likely a typo."""
     if template is None or "{" in template or "}" in template:
         return template
-    if template not in _DROPPED_TEMPLATES:
-        _DROPPED_TEMPLATES.add(template)
-        print(f"warning: --input_template {template!r} has no {{}} for the prompt: no template is applied",
-              file=sys.stderr, flush=True)
+    from rlhf_core.infra.not_applied import say_once
+
+    say_once(f"warning: --input_template {template!r} has no {{}} for the prompt: no template is applied")
     return None
 
 

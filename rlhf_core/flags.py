@@ -181,7 +181,7 @@ class Spellings:
                                 transform=transform, default=argparse.SUPPRESS, nargs="?", const=True,
                                 type=parse_bool, metavar="BOOL", help=help_text)
         for name, reason in self.deferred.items():
-            parser.add_argument(f"--{name}", action=_Deferred, nargs="*", default=argparse.SUPPRESS,
+            parser.add_argument(f"--{name}", action=_Deferred, nargs="*", default=argparse.SUPPRESS, reason=reason,
                                 help=f"Not built yet: {reason}")
 
     # -- YAML and parameters ----------------------------------------------------------------
@@ -272,8 +272,12 @@ class _Deferred(argparse.Action):
     """An OpenRLHF flag whose feature is not built yet: recognised (so a script fails on it by name,
     not as an unknown argument) and refused with exit 2."""
 
+    def __init__(self, option_strings, dest, reason: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason = reason
+
     def __call__(self, parser, namespace, values, option_string=None):
-        raise argparse.ArgumentError(None, deferred_message(option_string.lstrip("-"), self.help.split(": ", 1)[1]))
+        raise argparse.ArgumentError(None, deferred_message(option_string.lstrip("-"), self.reason))
 
 
 class _SetFields(argparse.Action):

@@ -550,13 +550,9 @@ class Lexer:
                     buf.append(s[self.i + 1])
                 self.i += 2
                 continue
-            if c == "$":
+            if c in "$`":
                 flush()
-                parts.extend(self._dollar(True))
-                continue
-            if c == "`":
-                flush()
-                parts.append(self._backtick(True))
+                parts.extend(self._expansion(True))
                 continue
             buf.append(c)
             self.i += 1
@@ -564,6 +560,10 @@ class Lexer:
         if not parts:
             parts.append(Part("lit", "", True))
         return parts
+
+    def _expansion(self, quoted: bool) -> list[Part]:
+        """The `$...` or backquoted expansion at the cursor."""
+        return self._dollar(quoted) if self.s[self.i] == "$" else [self._backtick(quoted)]
 
     def _backtick(self, quoted: bool) -> Part:
         s, i = self.s, self.i
@@ -610,13 +610,9 @@ class Lexer:
                 flush()
                 parts.extend(self._dquote())
                 continue
-            if c == "$":
+            if c in "$`":
                 flush()
-                parts.extend(self._dollar(False))
-                continue
-            if c == "`":
-                flush()
-                parts.append(self._backtick(False))
+                parts.extend(self._expansion(False))
                 continue
             buf.append(c)
             self.i += 1

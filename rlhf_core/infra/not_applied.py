@@ -12,10 +12,14 @@ PREFIX = "not applied here:"
 _SAID: set[str] = set()
 
 
-def not_applied(flag: str, value, needs: str, instead: str) -> str:
-    """Print (once per process) `not applied here: --flag value needs <needs>; <instead>`; returns the line."""
-    line = f"{PREFIX} --{flag} {value} needs {needs}; {instead}"
+def say_once(line: str) -> str:
+    """Print `line` on stderr, once per process (a config validated again, a second model loaded); returns it."""
     if line not in _SAID:
         _SAID.add(line)
         print(line, file=sys.stderr, flush=True)
     return line
+
+
+def not_applied(flag: str, value, needs: str, instead: str) -> str:
+    """`not applied here: --flag value needs <needs>; <instead>`, said once (`say_once`)."""
+    return say_once(f"{PREFIX} --{flag} {value} needs {needs}; {instead}")

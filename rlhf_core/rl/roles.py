@@ -78,7 +78,7 @@ def mean_over_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
 def moving_average(ema: dict[str, torch.Tensor], current: dict[str, torch.Tensor], beta: float) -> None:
     """`ema <- beta * ema + (1 - beta) * current`, in place (OpenRLHF's `--ema_beta`)."""
     for name, value in current.items():
-        ema[name].mul_(beta).add_(value.to(ema[name].dtype), alpha=1.0 - beta)
+        ema[name].mul_(beta).add_(value.detach().to(ema[name].device, ema[name].dtype), alpha=1.0 - beta)
 
 
 def with_lora(model, cfg, is_reward_model: bool):
@@ -227,10 +227,6 @@ class _Checkpointed:
         if not self.cfg.ckpt.disable_ds:  # `--ckpt.disable_ds`: the Hugging Face model alone (below)
             torch.save(rng_state(), path / f"rng_{self.name}_rank{self.rank}.pt")
             self.engine.save_checkpoint(str(path), tag=self.name)
-        if self.name == "actor" and self.cfg.ckpt.save_hf:  # `--ckpt.save_hf`: the policy, as transformers loads it
-            from rlhf_core.models.loading import load_tokenizer, write_hf_checkpoint
-
-            write_hf_checkpoint(self.engine.module, load_tokenizer(self.cfg.actor.model_name_or_path), path, self.rank)
 
     def load_checkpoint(self, directory: str) -> None:
         loaded, _ = self.engine.load_checkpoint(directory, tag=self.name, load_optimizer_states=True,
@@ -299,7 +295,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         return {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()} if self.rank == 0 else None
 
     def _update_ema(self) -> None:
-        current = self._ema_source()
+        current = self.weights()  # every rank (a ZeRO-3 gather); rank 0 averages them in, no copy kept
         if self.rank == 0:
             moving_average(self.ema, current, self.cfg.train.ema_beta)
 
@@ -313,6 +309,12 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         super().save_checkpoint(directory)
         if self.ema is not None and self.rank == 0 and not self.cfg.ckpt.disable_ds:
             torch.save(self.ema, Path(directory) / f"ema_{self.name}.pt")
+        if self.cfg.ckpt.save_hf:  # `--ckpt.save_hf`: the policy, as transformers loads it
+            from rlhf_core.models.loading import load_tokenizer, write_hf_checkpoint
+
+            if getattr(self, "_tokenizer", None) is None:  # read once, not at every checkpoint
+                self._tokenizer = load_tokenizer(self.cfg.actor.model_name_or_path)
+            write_hf_checkpoint(self.engine.module, self._tokenizer, Path(directory), self.rank)
 
     def load_checkpoint(self, directory: str) -> None:
         super().load_checkpoint(directory)

@@ -139,9 +139,9 @@ def rotate(ckpt, run: str, keep: int, max_gb: float | None = None) -> list[str]:
     the tags removed."""
     record = read_record(ckpt)
     sizes = None
-    if max_gb is not None and max_gb != float("inf"):
+    if max_gb is not None:
         sizes = tag_bytes(ckpt, [t for t, e in record["tags"].items() if isinstance(e, dict) and e.get("run") == run])
-    removed = tags_to_remove(record, run, keep, sizes, (max_gb or float("inf")) * 1024**3)
+    removed = tags_to_remove(record, run, keep, sizes, float("inf") if max_gb is None else max_gb * 1024**3)
     for tag in removed:
         _remove_tag(ckpt, tag)
         del record["tags"][tag]
