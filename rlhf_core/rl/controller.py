@@ -362,7 +362,7 @@ class RLController:
         size = self.cfg.rollout.vllm_generate_batch_size or len(prompt_ids) or 1
         out = []
         for start in range(0, len(prompt_ids), size):  # `--rollout.vllm_generate_batch_size` prompts a call
-            # seed + start: vLLM seeds prompt i with seed + i, so a split draws what one call would
+            # seed + start: one vLLM engine seeds prompt i with seed + i, so a split draws what one call would
             out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature,
                                              self.cfg.rollout.max_new_tokens, seed + start, top_k=top_k, top_p=top_p)
         return out

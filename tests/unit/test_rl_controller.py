@@ -120,3 +120,40 @@ def test_a_truncated_response_is_scaled_or_overridden_as_openrlhf_does():
     # OpenRLHF's overlong buffer is a float
     assert torch.allclose(overlong_penalty(torch.ones(2), torch.tensor([10, 20]), 20, 2.5, 1.0),
                           torch.tensor([1.0, 0.0]))
+
+
+def _controller_parts(**cfg):
+    """What `RLController.generate` and `.score` read, nothing more."""
+    from types import SimpleNamespace
+
+    rollout = SimpleNamespace(max_new_tokens=6, vllm_generate_batch_size=cfg.get("batch"))
+    reward = SimpleNamespace(overlong_buffer_len=None, overlong_penalty_factor=1.0,
+                             stop_properly_penalty_coef=cfg.get("coef"))
+    return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout, reward=reward), labels=[None] * 8)
+
+
+def test_generate_batch_size_splits_the_engine_calls_with_seeds_that_keep_each_prompts_own():
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.controller import RLController
+
+    calls = []
+    parts = _controller_parts(batch=3)
+    parts.engines = SimpleNamespace(wake_up=lambda: None, generate_ids=lambda ids, n, t, m, seed, **kw: calls.append(
+        (list(ids), seed)) or [[i] for i in ids])
+    out = RLController.generate(parts, [[1], [2], [3], [4], [5]], 2, 1.0, seed=100)
+    assert out == [[[1]], [[2]], [[3]], [[4]], [[5]]]
+    assert calls == [([[1], [2], [3]], 100), ([[4], [5]], 103)]  # --vllm_generate_batch_size 3
+
+
+def test_scoring_applies_the_truncation_penalty_to_responses_without_eos():
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.controller import RLController
+
+    parts = _controller_parts(coef=-0.5)
+    parts.reward_source = SimpleNamespace(score=lambda samples, labels: (torch.ones(len(samples)),
+                                                                         torch.ones(len(samples))))
+    samples = [SimpleNamespace(response_len=3, finished=f) for f in (True, False)]
+    RLController.score(parts, samples)
+    assert [s.reward for s in samples] == [1.0, -0.5] and [s.score for s in samples] == [1.0, 1.0]
