@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from enum import Enum
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from rlhf_core.algos.names import DPOLossType, RewardLossType
-from rlhf_core.flags import Spellings, flat
+from rlhf_core.flags import Spellings, flat, leaves
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
 from rlhf_core.infra.settings import ConfigError
@@ -124,6 +125,27 @@ class AdamConfig(StrictModel):
     betas: tuple[float, float] = Field((0.9, 0.95), json_schema_extra=flat("adam_betas"))
     eps: float = Field(1e-8, gt=0, description="Added to the denominator of the update")
     weight_decay: float = Field(0.0, ge=0, json_schema_extra=flat("l2"))
+
+
+class MuonConfig(StrictModel):
+    """Muon (with `--optim muon`): momentum orthogonalised by Newton-Schulz iterations for the hidden
+    weight matrices; embeddings, the LM head and every vector keep AdamW (`adam`, its own LR)."""
+
+    lr: float = Field(0.02, gt=0, description="Peak learning rate of the Muon (matrix) group")
+    momentum: float = Field(0.95, ge=0, lt=1, description="Momentum of the Muon group")
+    ns_steps: int = Field(5, ge=1, description="Newton-Schulz iterations (DeepSpeed's Muon runs 5: another "
+                          "value is not applied, said in one log line)")
+    nesterov: bool = Field(True, description="Nesterov momentum (DeepSpeed's Muon always uses it: off is not "
+                           "applied, said in one log line)")
+
+
+class Optimiser(StrictModel):
+    """Which optimiser one trained model gets: AdamW (`adam`), or Muon for its matrices with AdamW for
+    the rest (`muon`, as OpenRLHF 0.11's `--optim`)."""
+
+    optim: Literal["adam", "muon"] = Field("adam", description="adam: AdamW; muon: Muon for the hidden weight "
+                                           "matrices (--muon.*), AdamW for the rest (--adam.*)")
+    muon: MuonConfig = Field(default_factory=MuonConfig)
 
 
 class Schedule(StrictModel):
@@ -318,6 +340,12 @@ BF16 = {"bf16": (("ds.param_dtype",), lambda on: Precision.BF16.value if on else
                  "Older spelling of --ds.param_dtype bf16")}
 
 
+
+def no_nesterov(path: str) -> tuple[tuple[str, ...], Callable, str]:
+    """`--muon.no_nesterov` (OpenRLHF's) is `--muon.nesterov false`; `--muon.no_nesterov false` says nothing."""
+    return (path,), lambda on: False if on else None, f"--{path} false"
+
+
 # ---------------------------------------------------------------------------------------------
 # The supervised trainers: `rlhf train sft|rm|dpo|kto`, in OpenRLHF's sections.
 
@@ -453,12 +481,10 @@ NOT_BUILT_FLAGS = {
                 "use_ds_universal_ckpt", "ds.use_universal_ckpt"),
     **_deferred("4-bit QLoRA (bitsandbytes) is not built yet", "load_in_4bit", "ds.load_in_4bit"),
     **_deferred("ModelScope downloads are not built yet: give a local path, s3:// or a Hugging Face name", "use_ms"),
-    **_deferred("the Muon optimizer is not built yet (AdamW is)", "optim", "muon.lr", "muon.momentum",
-                "muon.ns_steps", "muon.nesterov", "muon.no_nesterov"),
 }
 
 
-class TrainConfig(TrainingStageConfig, Schedule):
+class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
     """What every supervised trainer shares. Flags: each field's dotted path (`--adam.lr`), and
     OpenRLHF's flat names (`--learning_rate`)."""
 
@@ -834,5 +860,7 @@ ROLLOUT_STAGE_CONFIGS: dict[str, type[RolloutStageConfig]] = {"eval": EvalConfig
 def spellings_of(config_cls: type[StageConfig]) -> Spellings:
     """A stage config's spellings (`flags.Spellings`): its paths, the flat names on its fields and
     its `ALIASES`; `--bf16` where it has a `ds` section."""
-    return Spellings(config_cls, config_cls.ALIASES, transforms=BF16 if "ds" in config_cls.model_fields else None,
-                     deferred=config_cls.DEFERRED)
+    transforms = dict(BF16) if "ds" in config_cls.model_fields else {}
+    transforms.update({f"{path[:-len('nesterov')]}no_nesterov": no_nesterov(path)
+                       for path in leaves(config_cls) if path.endswith("muon.nesterov")})
+    return Spellings(config_cls, config_cls.ALIASES, transforms=transforms, deferred=config_cls.DEFERRED)

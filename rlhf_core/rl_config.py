@@ -29,6 +29,7 @@ from rlhf_core.config import (
     ConfigError,
     DSConfig,
     LoraConfig,
+    Optimiser,
     RefModelConfig,
     RolloutBackend,
     Schedule,
@@ -82,7 +83,7 @@ class CriticAdam(AdamConfig):
     lr: float = Field(9e-6, gt=0, description="Peak learning rate (after warmup)")
 
 
-class ActorConfig(Placement, Schedule):
+class ActorConfig(Placement, Schedule, Optimiser):
     model_name_or_path: str | None = Field(None, description="Policy to start from (HF directory, s3:// URI or "
                                            "hub name; required)",
                                            json_schema_extra=flat("pretrain", **NOT_SEMANTIC))
@@ -101,7 +102,7 @@ class ActorConfig(Placement, Schedule):
                                        json_schema_extra=flat("entropy_loss_coef"))
 
 
-class CriticConfig(Placement, Schedule):
+class CriticConfig(Placement, Schedule, Optimiser):
     model_name_or_path: str | None = Field(None, description="Critic to start from (gae only); default: the "
                                            "first reward model, else the actor",
                                            json_schema_extra=flat("critic_pretrain", **NOT_SEMANTIC))
@@ -556,10 +557,7 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **SEED_STAGE_FLAGS,
-    **{name: reason for name, reason in NOT_BUILT_FLAGS.items() if not name.startswith(("optim", "muon."))},
-    **_deferred("the Muon optimizer is not built yet (AdamW is)", *(f"{role}.{name}" for role in ("actor", "critic")
-                for name in ("optim", "muon.lr", "muon.momentum", "muon.ns_steps", "muon.nesterov",
-                             "muon.no_nesterov"))),
+    **NOT_BUILT_FLAGS,
     **_deferred("best-checkpoint saving by a held-out metric is not built yet", "best_metric_key",
                 "ckpt.best_metric_key"),
     **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "actor.aux_loss_coef"),

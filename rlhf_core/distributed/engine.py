@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.config import AdamConfig, DSConfig, Schedule, TrainConfig
+from rlhf_core.config import AdamConfig, DSConfig, MuonConfig, Schedule, TrainConfig
 from rlhf_core.infra.network import free_port
 from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.infra.precision import Precision, resolve_here
@@ -36,6 +36,7 @@ class EngineSettings:
     batch_size: int
     micro_batch_size: int
     world_size: int
+    muon: MuonConfig | None = None  # None: AdamW; else Muon for the matrices, AdamW (`adam`) for the rest
 
     @property
     def accumulation_steps(self) -> int:
@@ -43,7 +44,8 @@ class EngineSettings:
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> EngineSettings:
-        return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size)
+        return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size,
+                   cfg.muon if cfg.optim == "muon" else None)
 
 
 def device() -> torch.device:
@@ -148,6 +150,11 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
     if train and ds.zpg > 1:
         zero["zero_hpz_partition_size"] = ds.zpg  # ZeRO++ hierarchical partitioning (ZeRO-3)
     extra: dict = {}
+    if train and settings.muon is not None:
+        # On a CPU without offload, torch's AdamW for the rest (DeepSpeed's FusedAdam is a C++ build
+        # of a minute on a fresh machine, for the same update)
+        extra["optimizer"] = muon_optimizer_config(settings.muon, settings.adam,
+                                                   torch_adam=not on_gpu and not ds.adam_offload)
     if train and ds.grad_accum_dtype:
         extra["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if train and ds.deepcompile and on_gpu:
@@ -166,6 +173,23 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
     }
 
 
+def muon_optimizer_config(muon: MuonConfig, adam: AdamConfig, torch_adam: bool = False) -> dict:
+    """DeepSpeed's Muon (MuonWithAuxAdam): it tags every parameter of two or more dimensions whose
+    name has neither `embed` nor `lm_head` for Muon (`muon.lr`, `muon.momentum`) and gives the rest
+    AdamW (`adam.lr`, betas, eps); one weight decay for both. It runs 5 Newton-Schulz steps with
+    Nesterov momentum whatever it is told, so other values are said not to apply."""
+    if muon.ns_steps != 5:
+        not_applied("muon.ns_steps", muon.ns_steps, "a Muon that takes a step count (DeepSpeed's runs 5)",
+                    "5 Newton-Schulz steps run")
+    if not muon.nesterov:
+        not_applied("muon.nesterov", False, "a Muon with plain momentum (DeepSpeed's is Nesterov's)",
+                    "Nesterov momentum runs")
+    return {"type": "Muon", "params": {
+        "lr": muon.lr, "muon_lr": muon.lr, "momentum": muon.momentum, "adam_lr": adam.lr,
+        "betas": list(adam.betas), "eps": adam.eps, "weight_decay": adam.weight_decay,
+        **({"torch_adam": True} if torch_adam else {})}}
+
+
 def build_optimizer(params, adam: AdamConfig, offload: bool):
     trainable = [p for p in params if p.requires_grad]
     kwargs = dict(lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
@@ -178,16 +202,28 @@ def build_optimizer(params, adam: AdamConfig, offload: bool):
 
 
 def initialize(model, settings: EngineSettings, total_steps: int):
-    """Wrap `model` in a DeepSpeed engine with AdamW and the warmup-cosine schedule."""
+    """Wrap `model` in a DeepSpeed engine with its optimiser (AdamW, or DeepSpeed's Muon) and the
+    warmup-then-decay schedule (each parameter group from its own peak LR)."""
     import deepspeed
 
     schedule = settings.schedule
-    optimizer = build_optimizer(model.parameters(), settings.adam, settings.ds.adam_offload)
     warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(schedule.lr_scheduler, s, total_steps, warmup, schedule.min_lr_ratio))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(settings))
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(schedule.lr_scheduler, s, total_steps, warmup, schedule.min_lr_ratio))
+
+    if settings.muon is None:
+        optimizer = build_optimizer(model.parameters(), settings.adam, settings.ds.adam_offload)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler(optimizer),
+                                          config=deepspeed_config(settings))
+    else:
+        if not torch.cuda.is_available():
+            # DeepSpeed's Muon update is a torch.compile'd function: on a CPU, compiling it costs tens
+            # of seconds per weight shape and buys nothing at these sizes, so it runs eagerly here.
+            torch.compiler.set_stance("force_eager")
+        engine, *_ = deepspeed.initialize(model=model, lr_scheduler=scheduler, config=deepspeed_config(settings),
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
     if settings.ds.deepcompile:
         if torch.cuda.is_available():
             engine.compile()

@@ -58,7 +58,8 @@ def engine_settings(cfg, section, world_size: int) -> EngineSettings:
     """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // world_size
-    return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size)
+    return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
+                          section.muon if section.optim == "muon" else None)
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:

@@ -200,3 +200,54 @@ def test_full_determinism_turns_on_deterministic_kernels():
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_muon_orthogonalises_the_hidden_matrices_and_adamw_steps_the_rest(capsys):
+    """`--optim muon`: DeepSpeed's Muon holds the hidden weight matrices (their first update is an
+    orthogonalised matrix: the singular values of update / muon.lr near 1 or 0, where AdamW's
+    sign-like first step has a spectral norm of several), AdamW at `adam.lr` the embeddings, norms and LM head; each group follows the
+    schedule from its own peak LR; the loss on a fixed batch falls; values DeepSpeed's Muon fixes
+    are said not to apply."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.distributed.engine import init_distributed, initialize
+    from rlhf_core.infra.not_applied import PREFIX
+
+    init_distributed(0, 1, "127.0.0.1", None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False))
+    cfg = build_config(SFTConfig, {"pretrain": "m", "save_path": "o", "dataset": "d"},
+                       {"optim": "muon", "muon.lr": 0.02, "muon.momentum": 0.9, "muon.ns_steps": 3,
+                        "muon.no_nesterov": True, "learning_rate": 1e-3, "train_batch_size": 4,
+                        "micro_train_batch_size": 4, "param_dtype": "fp32", "lr_warmup_ratio": 0.0,
+                        "lr_scheduler": "constant"})
+    assert cfg.muon.nesterov is False  # OpenRLHF's --muon.no_nesterov
+    engine = initialize(model, EngineSettings.of(cfg), total_steps=20)
+    assert type(engine.optimizer).__name__ == "MuonWithAuxAdam"
+    if not torch.cuda.is_available():  # torch's AdamW for the rest: no C++ build of DeepSpeed's FusedAdam
+        assert type(engine.optimizer.aux_optimizer) is torch.optim.AdamW
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["use_muon"]: g for g in engine.optimizer.param_groups}
+    muon_names = {names[id(p)] for p in groups[True]["params"]}
+    adam_names = {names[id(p)] for p in groups[False]["params"]}
+    assert "model.layers.0.self_attn.q_proj.weight" in muon_names and "model.layers.1.mlp.down_proj.weight" in muon_names
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adam_names
+    assert (groups[True]["lr"], groups[True]["momentum"], groups[False]["lr"]) == (0.02, 0.9, 1e-3)
+    err = capsys.readouterr().err
+    assert f"{PREFIX} --muon.ns_steps 3 needs" in err and f"{PREFIX} --muon.nesterov False needs" in err
+
+    batch = torch.randint(0, 64, (4, 12))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    before, losses = q.detach().clone(), []
+    for _ in range(20):
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if len(losses) == 1:
+            singular = torch.linalg.svdvals((before - q.detach()) / 0.02)
+            # (the first gradient of a tiny batch is rank-deficient: its null directions stay 0)
+            assert 0.5 < singular.max() < 1.5 and (singular > 0.5).float().mean() > 0.5, singular
+    assert losses[-1] < 0.85 * losses[0], losses

@@ -120,12 +120,15 @@ def optimizer_state(tag: Path) -> dict:
     return optim
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto"])
-def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base, tmp_path, capfd,
+@pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}),
+                                          ("sft", {"optim": "muon", "muon.lr": 0.01})],
+                         ids=["sft", "rm", "dpo", "kto", "sft-muon"])
+def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropout_base, tmp_path, capfd,
                                                    one_torch_thread):
+    """(With `--optim muon` too: Muon's momentum buffers are in the checkpoint and come back.)"""
     prepare_environment()
     # Uninterrupted, through --load_checkpoint on an empty folder: step 0, said and recorded.
-    full_v = values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt")
+    full_v = {**values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt"), **optim}
     full = run_recipe(build_config(STAGE_CONFIGS[stage], None, {**full_v, "save_hf_ckpt": True}))
     assert "--load_checkpoint: no checkpoint in" in capfd.readouterr().err
     assert full["resume"] == {"requested": True, "checkpoint": None, "start_step": 0}
@@ -134,7 +137,7 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
 
     # Killed by SIGKILL in the middle of step 6, a real process; the step-4 checkpoint is the latest.
     ckpt = tmp_path / "ckpt"
-    split_v = values(stage, prepared, dropout_base, tmp_path / "split", ckpt)
+    split_v = {**values(stage, prepared, dropout_base, tmp_path / "split", ckpt), **optim}
     env = {**os.environ, "RLHF_TEST_KILL_AT_STEP": str(KILL_AT), "OMP_NUM_THREADS": "1", "RLHF_NO_PROGRESS": "1"}
     killed = subprocess.run(cli_args(stage, {**split_v, "load_checkpoint": False}), env=env, capture_output=True,
                             text=True, timeout=600)
@@ -156,7 +159,9 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, prepared, dropout_base
     files = assert_same_checkpoint(tmp_path / "full_ckpt" / final, ckpt / final)  # weights, Adam, scheduler, RNG
     assert "mp_rank_00_model_states.pt" in files and "rng_state_rank0.pt" in files
     moments = optimizer_state(ckpt / final)["state"]
-    assert moments and all(torch.count_nonzero(s["exp_avg_sq"]) for s in moments.values())
+    kinds = {"exp_avg_sq"} | ({"momentum_buffer"} if optim else set())  # Adam's, and Muon's for the matrices
+    assert moments and {k for s in moments.values() for k in s} >= kinds
+    assert all(torch.count_nonzero(v) for s in moments.values() for k, v in s.items() if k in kinds)
     wa, wb = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
                                                                                     "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
