@@ -550,15 +550,28 @@ class SFTAdam(AdamConfig):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (after warmup)")
 
 
-class SFTConfig(TrainConfig):
-    DEFERRED: ClassVar[dict[str, str]] = {
-        **TrainConfig.DEFERRED,
-        **_deferred("multi-turn SFT (a loss on every assistant turn) is not built yet", "multiturn", "data.multiturn"),
-    }
+class SFTDataConfig(DataConfig):
+    multiturn: bool = Field(False, description="Each row's input column is a whole conversation (with the output "
+                            "column's message appended where present); the loss is on every assistant turn as the "
+                            "chat template writes it (needs --apply_chat_template)",
+                            json_schema_extra=flat("multiturn"))
 
+
+class SFTConfig(TrainConfig):
     stage: Literal["sft"] = "sft"
     model: SFTModelConfig = Field(default_factory=SFTModelConfig)
     adam: SFTAdam = Field(default_factory=SFTAdam)
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+
+    @model_validator(mode="after")
+    def _check_multiturn(self) -> SFTConfig:
+        if self.data.multiturn and not self.data.apply_chat_template:
+            raise ValueError("--data.multiturn (--multiturn) needs --apply_chat_template: the chat template marks "
+                             "where each assistant turn starts and ends")
+        if self.data.multiturn and self.model.pretrain_mode_enable:
+            raise ValueError("--data.multiturn (--multiturn) and --pretrain_mode exclude each other (a loss on the "
+                             "assistant turns, or on every token)")
+        return self
 
 
 class RMModelConfig(ModelConfig):

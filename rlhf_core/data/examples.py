@@ -63,11 +63,11 @@ class PromptFormatter:
             self._render([{"role": "user", "content": "1+1="}],
                          "--tokenizer_chat_template" if cfg.tokenizer_chat_template else "the tokenizer's chat template")
 
-    def _render(self, messages: list, what: str) -> str:
+    def _render(self, messages: list, what: str, generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except TemplateError as e:
             line = f" (template line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise DataError(f"{what}: cannot be rendered{line}: {type(e).__name__}: {e}") from None
@@ -94,13 +94,40 @@ class PromptFormatter:
              loss_on_prompt: bool = False) -> Sequence:
         ids = prompt_ids + completion_ids
         mask = [1 if loss_on_prompt else 0] * len(prompt_ids) + [1] * len(completion_ids)
+        return self._fit(ids, mask, where, row)
+
+    def conversation(self, messages: list, where: str, row: int) -> Sequence:
+        """A whole conversation (`--multiturn`), as the chat template writes it: every assistant turn
+        is in the loss, everything before and between them is context. Each piece is tokenized apart
+        (the boundaries are exact) and the pieces together are the rendered conversation."""
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            raise DataError(f"{where}: row {row}: --multiturn: the conversation has no assistant message to learn")
+        ids, mask, done = [], [], ""
+        for i in turns:
+            before = self._render(messages[:i], f"{where}: row {row}: the chat template")
+            upto = self._render(messages[: i + 1], f"{where}: row {row}: the chat template", generation_prompt=False)
+            if not (before.startswith(done) and upto.startswith(before)):
+                raise DataError(f"{where}: row {row}: --multiturn: the chat template does not write the conversation "
+                                f"as a growing text (message {i + 1} changes what came before it)")
+            for text, in_loss in ((before[len(done):], 0), (upto[len(before):], 1)):
+                piece = self.tok(text, add_special_tokens=False)["input_ids"]
+                ids += piece
+                mask += [in_loss] * len(piece)
+            done = upto
+        if ids[-1] != self.tok.eos_token_id:  # the last turn ends the text
+            ids, mask = [*ids, self.tok.eos_token_id], [*mask, 1]
+        return self._fit(ids, mask, where, row)
+
+    def _fit(self, ids: list[int], mask: list[int], where: str, row: int) -> Sequence:
+        """`max_len`: a longer row fails, or with `--truncate` loses its end (not all of its loss tokens)."""
         mask[0] = 0  # nothing predicts the first token
         if len(ids) > self.cfg.max_len:
             if not self.cfg.truncate:
                 raise DataError(f"{where}: row {row}: {len(ids)} tokens, longer than --max_len {self.cfg.max_len} "
                                 "(raise --max_len or pass --truncate)")
-            if len(prompt_ids) >= self.cfg.max_len:
-                raise DataError(f"{where}: row {row}: the prompt alone has {len(prompt_ids)} tokens "
+            if 1 not in mask[: self.cfg.max_len]:
+                raise DataError(f"{where}: row {row}: the prompt alone has {mask.index(1)} tokens "
                                 f"(--max_len {self.cfg.max_len}); truncation only cuts completions")
             ids, mask = ids[: self.cfg.max_len], mask[: self.cfg.max_len]
         return Sequence(ids, mask)
@@ -115,21 +142,45 @@ def _rows_with_origin(ds, described):
 
 def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: bool = False,
              eval_dataset: str | None = None):
-    keys = [cfg.input_key] if pretrain_mode else [cfg.input_key, cfg.output_key]
+    multiturn = getattr(cfg, "multiturn", False)
+    keys = [cfg.input_key] if pretrain_mode or multiturn else [cfg.input_key, cfg.output_key]
+    kept = [cfg.input_key, cfg.output_key] if multiturn else keys  # multi-turn: an output column if there is one
     chat = {cfg.input_key} if cfg.apply_chat_template else set()
-    ds, described = _load(cfg, split, seed, keys, lambda d, w: check_rows(d, w, keys, chat_keys=chat), eval_dataset)
+    ds, described = _load(cfg, split, seed, kept, lambda d, w: check_rows(d, w, keys, chat_keys=chat), eval_dataset)
     if ds is None:
         return None, []
     fmt = PromptFormatter(tokenizer, cfg)
     examples = []
     for row, where, i in _rows_with_origin(ds, described):
-        if pretrain_mode:
+        if multiturn:
+            examples.append(SFTExample(fmt.conversation(_whole_conversation(row, cfg, where, i), where, i)))
+        elif pretrain_mode:
             ids = tokenizer(row[cfg.input_key], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
             examples.append(SFTExample(fmt.join(ids[:1], ids[1:], where, i, loss_on_prompt=True)))
         else:
             p = fmt.prompt_ids(row[cfg.input_key], where, i)
             examples.append(SFTExample(fmt.join(p, fmt.completion_ids(row[cfg.output_key]), where, i)))
     return examples, described
+
+
+def _whole_conversation(row: dict, cfg: DataConfig, where: str, i: int) -> list[dict]:
+    """`--multiturn`: the input column's messages, then the output column's where a row has one (a
+    message, a list of them, or the text of a last assistant turn), as OpenRLHF reads them."""
+    messages = row[cfg.input_key]
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: row {i}: --multiturn: key {cfg.input_key!r} must be a list of {{role, content}} "
+                        "messages (the whole conversation)")
+    tail = row.get(cfg.output_key)
+    if tail is None or tail == "":
+        tail = []
+    elif isinstance(tail, str):
+        tail = [{"role": "assistant", "content": tail}]
+    elif isinstance(tail, dict):
+        tail = [tail]
+    if not isinstance(tail, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in tail):
+        raise DataError(f"{where}: row {i}: --multiturn: key {cfg.output_key!r} must be text or {{role, content}} "
+                        "messages")
+    return [*messages, *tail]
 
 
 def load_pairs(cfg: DataConfig, tokenizer, split: str, seed: int, eval_dataset: str | None = None):

@@ -75,6 +75,53 @@ def test_too_long_rows_fail_unless_truncating(tmp_path, tok):
     assert max(len(e.seq.input_ids) for e in examples) == 20
 
 
+def loss_spans(seq, tok) -> list[str]:
+    """The decoded runs of loss tokens of a sequence."""
+    spans, run = [], []
+    for token, in_loss in zip(seq.input_ids, seq.loss_mask, strict=True):
+        if in_loss:
+            run.append(token)
+        elif run:
+            spans, run = [*spans, tok.decode(run)], []
+    return spans + ([tok.decode(run)] if run else [])
+
+
+def test_multiturn_sft_learns_every_assistant_turn_as_the_chat_template_writes_it(tmp_path, tok):
+    """OpenRLHF's `--multiturn`: the whole conversation in the input column (the output column's
+    reply appended where a row has one); loss on each assistant turn, context elsewhere; the
+    sequence is the rendered conversation; bad rows name the file, row and key."""
+    from rlhf_core.config import SFTDataConfig
+
+    talk = [{"role": "user", "content": "add 1+2="}, {"role": "assistant", "content": "3"},
+            {"role": "user", "content": "add 3+4="}, {"role": "assistant", "content": "7"}]
+    f = write_jsonl(tmp_path / "talk.jsonl", [
+        {"messages": talk},
+        {"messages": talk[:3], "answer": "7"},  # the last reply in the output column
+        {"messages": [*talk, {"role": "user", "content": "thanks"}]},  # a trailing user turn: context only
+    ])
+    cfg = SFTDataConfig(dataset=str(f), input_key="messages", output_key="answer", apply_chat_template=True,
+                        multiturn=True, max_len=64)
+    examples, _ = load_sft(cfg, tok, "train", 0)
+    eos = tok.eos_token
+    for ex in examples[:2]:
+        assert loss_spans(ex.seq, tok) == [f"3{eos}", f"7{eos}"]
+        assert tok.decode(ex.seq.input_ids) == tok.apply_chat_template(talk, tokenize=False)
+    assert loss_spans(examples[2].seq, tok) == [f"3{eos}", f"7{eos}"]
+    # single-turn SFT of the same first exchange: the loss covers the answer only
+    single, _ = load_sft(SFTDataConfig(dataset=str(write_jsonl(tmp_path / "one.jsonl", [
+        {"prompt": "add 1+2=", "response": "3"}])), apply_chat_template=True), tok, "train", 0)
+    assert loss_spans(single[0].seq, tok) == [f"3{eos}"]
+
+    for rows, message in [([{"messages": "add 1+2="}], "row 1: --multiturn: key 'messages' must be a list"),
+                          ([{"messages": talk[:1]}], "row 1: --multiturn: the conversation has no assistant"),
+                          ([{"messages": talk}, {"messages": talk[:1], "answer": 7}], "row 2: --multiturn: key "
+                           "'answer' must be text")]:
+        with pytest.raises(DataError, match=message) as err:
+            load_sft(cfg.model_copy(update={"dataset": str(write_jsonl(tmp_path / "bad.jsonl", rows))}), tok,
+                     "train", 0)
+        assert "bad.jsonl" in str(err.value)
+
+
 def test_missing_file_and_bad_json(tmp_path, tok):
     with pytest.raises(DataError, match="no such file"):
         load_sft(DataConfig(dataset=str(tmp_path / "nope.jsonl")), tok, "train", 0)
