@@ -312,11 +312,13 @@ class TrainingStageConfig(StageConfig):
 
     @model_validator(mode="after")
     def _default_checkpoint_path(self):
-        """Checkpoints asked for (`--ckpt.save_steps`, `--ckpt.load_enable`) without `--ckpt.path` go
+        """Checkpoints asked for (`--ckpt.save_steps`, `--ckpt.load_enable`, a `--ckpt.best_metric_key`
+        by name) without `--ckpt.path` go
         where OpenRLHF puts them: `./ckpt/checkpoints_<stage>` (`ppo_ray` for RL) in the working
         directory the command runs in (made absolute here, so every rank and job reads the same)."""
         ckpt = self.ckpt
-        if ckpt.path is None and (ckpt.save_steps > 0 or ckpt.load_enable):
+        best = getattr(ckpt, "best_metric_key", "") not in ("", "none")  # the RL stage's, asked for by name
+        if ckpt.path is None and (ckpt.save_steps > 0 or ckpt.load_enable or best):
             stage = getattr(self, "stage", "")
             ckpt.path = os.path.abspath(os.path.join("ckpt", f"checkpoints_{'ppo_ray' if stage == 'ppo' else stage}"))
         return self

@@ -26,6 +26,7 @@ from rlhf_core.config import (
     NOT_BUILT_FLAGS,
     SEED_STAGE_FLAGS,
     AdamConfig,
+    CkptConfig,
     ConfigError,
     DSConfig,
     LoraConfig,
@@ -337,6 +338,31 @@ class PromptDataConfig(TokenizingOptions):
                                                 json_schema_extra=flat("tokenizer_chat_template"))
 
 
+# The held-out metrics of the RL stage's evaluation (`rl/controller.py`), for --ckpt.best_metric_key
+EVAL_METRICS = ("sampled_accuracy", "greedy_accuracy", "sampled_reward", "greedy_reward")
+
+
+class RLCkptConfig(CkptConfig):
+    best_metric_key: str = Field("", description="Keep the checkpoint of the best held-out evaluation as "
+                                 "best_global_step<N> under --ckpt.path (the previous best removed, never rotated): "
+                                 "'' the sampled accuracy where a verifier scores the evaluation (OpenRLHF's first "
+                                 f"pass@1 metric), else none; one of {', '.join(EVAL_METRICS)} (with or without eval/; "
+                                 "OpenRLHF's <source>_pass1 is sampled_accuracy); 'none': off",
+                                 json_schema_extra=flat("best_metric_key", **NOT_SEMANTIC))
+
+    @field_validator("best_metric_key")
+    @classmethod
+    def _a_metric_of_the_evaluation(cls, key: str) -> str:
+        """The metric's full name (`eval/greedy_accuracy`), '' (automatic) or 'none'."""
+        if key in ("", "none"):
+            return key
+        name = "sampled_accuracy" if key.endswith("_pass1") else key.removeprefix("eval/")
+        if name not in EVAL_METRICS:
+            raise ValueError(f"{key!r} is not a metric of the evaluation; give one of {', '.join(EVAL_METRICS)}, "
+                             "'' (automatic) or 'none'")
+        return f"eval/{name}"
+
+
 class PPOConfig(TrainingStageConfig):
     """`rlhf train ppo`: every section of the RL stage."""
 
@@ -352,6 +378,7 @@ class PPOConfig(TrainingStageConfig):
     eval: EvalSection = Field(default_factory=EvalSection)
     ds: RLDSConfig = Field(default_factory=RLDSConfig)
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
+    ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig)
 
     @property
     def pretrain(self) -> str | None:
@@ -558,8 +585,6 @@ PPOConfig.ALIASES = {
 PPOConfig.DEFERRED = {
     **SEED_STAGE_FLAGS,
     **NOT_BUILT_FLAGS,
-    **_deferred("best-checkpoint saving by a held-out metric is not built yet", "best_metric_key",
-                "ckpt.best_metric_key"),
     **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "actor.aux_loss_coef"),
     **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
     **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",

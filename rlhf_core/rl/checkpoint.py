@@ -6,6 +6,9 @@ Layout under `--ckpt.path`:
     global_step<N>/rng_<role>_rank<r>.pt   each rank's RNG states
     global_step<N>/controller.pt     step, prompt position, KL controller, the driver's RNG states
     latest                           the newest complete tag, written last
+    best_global_step<N>/             the best held-out evaluation so far (`--ckpt.best_metric_key`):
+                                     the same contents; never rotated, replaced by a better one,
+                                     never named by `latest`
 
 A tag is written as `.global_step<N>.partial` and renamed when whole, so `latest` never names a
 half-written checkpoint and a failed save leaves the earlier ones as they were. A resumed run
@@ -28,22 +31,55 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.infra.not_applied import say_once
 from rlhf_core.trainers import checkpoints
 from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
 
 CONTROLLER = "controller.pt"
 
 
+class BestMetric:
+    """The best held-out evaluation so far, by `--ckpt.best_metric_key` ('': the sampled accuracy
+    where the evaluation has one; 'none': off). Part of the checkpoint: a resumed run keeps it."""
+
+    AUTO = "eval/sampled_accuracy"
+
+    def __init__(self, key: str):
+        self.key, self.value, self.step = key, float("-inf"), None
+
+    def improves(self, metrics: dict[str, float], step: int) -> bool:
+        """Whether `metrics` (one evaluation's, at `step`) beat the best so far; if so, it becomes it."""
+        key = self.AUTO if self.key == "" else self.key
+        if self.key == "none" or key not in metrics:
+            if self.key not in ("", "none") and metrics:
+                say_once(f"rlhf: --ckpt.best_metric_key {self.key}: the evaluation has no such metric (it has "
+                         f"{', '.join(sorted(metrics))}); no best checkpoint is kept")
+            return False
+        if metrics[key] <= self.value:
+            return False
+        self.value, self.step = metrics[key], step
+        return True
+
+    def state_dict(self) -> dict:
+        return {"key": self.key, "value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state and state.get("key") == self.key:  # a resume asking for another metric starts its own best
+            self.value, self.step = state["value"], state["step"]
+
+
 def _state(controller) -> dict:
     return {"step": controller.step, "prompt_position": controller.prompts.position,
-            "kl": controller.kl.state_dict(), "rng": rng_state()}
+            "kl": controller.kl.state_dict(), "rng": rng_state(), "best": controller.best.state_dict()}
 
 
-def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
+def save(controller, ckpt: str | os.PathLike, run_id: str | None, best: bool = False) -> str:
     """Write the checkpoint of `controller`'s current step, whole or not at all; returns this run's
-    id (for rotation). A full disk removes the partial folder and raises DiskFullError (exit 2)."""
+    id (for rotation). A full disk removes the partial folder and raises DiskFullError (exit 2).
+    `best`: the best evaluation so far, as `best_global_step<N>`, replacing the run's earlier best."""
     from rlhf_core.infra import storage
-    tag = f"global_step{controller.step}"
+    tag = f"{'best_' if best else ''}global_step{controller.step}"
+    resumable = not controller.cfg.ckpt.disable_ds and not best  # `latest` names regular tags only
     roles = [g for g in (controller.actor, controller.critic) if g is not None]
     if checkpoints.is_remote(ckpt):
         ckpt = str(ckpt).rstrip("/")
@@ -57,7 +93,7 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
             if not controller.cfg.ckpt.disable_ds:
                 torch.save(_state(controller), local / CONTROLLER)
         checkpoints.upload_part(local, ckpt, tag)  # removes `local`
-        if not controller.cfg.ckpt.disable_ds:
+        if resumable:
             checkpoints.write_latest(ckpt, tag)  # last: every part is on S3
         print(f"checkpoint {tag} uploaded to {ckpt}/{tag}", file=sys.stderr, flush=True)
     else:
@@ -70,12 +106,15 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None) -> str:
                 pending.per_rank()
             if not controller.cfg.ckpt.disable_ds:
                 torch.save(_state(controller), directory / CONTROLLER)
-            checkpoints.commit(ckpt, tag, resumable=not controller.cfg.ckpt.disable_ds)
+            checkpoints.commit(ckpt, tag, resumable=resumable)
     with storage.saving("--ckpt.path", ckpt, checkpoints.CHECKPOINTS, f"checkpoint {tag} is whole and `latest` "
                         "names it; only its entry for rotation is missing"):
         run_id = run_id or checkpoints.new_run_id()
-        checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)
+        checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step, best=best)
         checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num, controller.cfg.ckpt.max_mem)
+    if best:
+        print(f"best checkpoint: {controller.best.key or BestMetric.AUTO}={controller.best.value:.4f} at step "
+              f"{controller.step}: {checkpoints.location(ckpt, tag)}", file=sys.stderr, flush=True)
     return run_id
 
 
@@ -106,6 +145,7 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     controller.step = int(state["step"])
     controller.prompts.position = int(state["prompt_position"])
     controller.kl.load_state_dict(state["kl"])
+    controller.best.load_state_dict(state.get("best"))
     set_rng_state(state["rng"])
     run_id = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
     checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)

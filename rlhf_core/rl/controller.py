@@ -108,6 +108,7 @@ class RLController:
         # Where training started, recorded in stage.json: a --load_checkpoint that found nothing says so.
         self.resume = {"requested": bool(cfg.ckpt.load_enable), "checkpoint": None, "start_step": 0}
         self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
+        self.best = checkpoint.BestMetric(cfg.ckpt.best_metric_key)  # the best evaluation's checkpoint
         self.history: list[dict] = []
 
     # -- the loop ---------------------------------------------------------------------------
@@ -130,15 +131,24 @@ class RLController:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
             if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
                     and self.step < self.rollout_steps:
-                self._log(self.evaluate())
+                self._evaluated(self.evaluate())
         final = self.evaluate()
-        self._log(final)
+        self._evaluated(final)
         summary = {**initial, **final, "train/steps": self.step, "train/start_step": start,
                    "train/steps_run": self.steps_run}
+        if self.best.step is not None:
+            summary.update({"best/step": self.best.step, "best/value": self.best.value})
         trained = [m for m in self.history if "rollout/reward_mean" in m]
         if trained:  # the last step's rollout and training numbers
             summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})
         return summary
+
+    def _evaluated(self, metrics: dict[str, float]) -> None:
+        """Log an evaluation during training; where it is the best so far and checkpoints have a
+        place (`--ckpt.path`), keep its checkpoint (`--ckpt.best_metric_key`)."""
+        self._log(metrics)
+        if self.cfg.ckpt.path and self.best.improves(metrics, self.step):
+            self.checkpoint_run = checkpoint.save(self, self.cfg.ckpt.path, self.checkpoint_run, best=True)
 
     def _trainable(self) -> list:
         return [group for group in (self.actor, self.critic) if group is not None]

@@ -103,20 +103,29 @@ def run_of(ckpt, tag: str) -> str | None:
     return entry.get("run") if isinstance(entry, dict) else None
 
 
-def record_tag(ckpt, tag: str, run: str, stage: str, step: int) -> None:
-    """Note that `run` wrote (or resumed from) `tag`."""
+def record_tag(ckpt, tag: str, run: str, stage: str, step: int, best: bool = False) -> None:
+    """Note that `run` wrote (or resumed from) `tag`; `best`: its best checkpoint so far (never rotated;
+    `--ckpt.best_metric_key`), which replaces the run's earlier best."""
     record = read_record(ckpt)
-    record["tags"][tag] = {"run": run, "stage": stage, "step": step}
+    if best:
+        for old in [t for t, e in record["tags"].items() if t != tag and _is_best_of(e, run)]:
+            _remove_tag(ckpt, old)
+            del record["tags"][old]
+    record["tags"][tag] = {"run": run, "stage": stage, "step": step, **({"best": True} if best else {})}
     _write(ckpt, record)
+
+
+def _is_best_of(entry, run: str) -> bool:
+    return isinstance(entry, dict) and entry.get("run") == run and bool(entry.get("best"))
 
 
 def tags_to_remove(record: dict, run: str, keep: int, sizes: dict[str, int] | None = None,
                    max_bytes: float = float("inf")) -> list[str]:
     """The tags of `run` beyond its newest `keep` (by step), then, oldest first, as many more as
     bring the rest of its tags to at most `max_bytes` (`sizes`: bytes per tag; the newest always
-    stays); oldest first; other runs' tags never."""
+    stays); oldest first; other runs' tags and best checkpoints never."""
     mine = sorted((entry["step"], tag) for tag, entry in record["tags"].items()
-                  if isinstance(entry, dict) and entry.get("run") == run)
+                  if isinstance(entry, dict) and entry.get("run") == run and not entry.get("best"))
     removed = [tag for _, tag in mine[: max(len(mine) - keep, 0)]]
     kept = [tag for _, tag in mine[len(removed):]]
     if sizes is not None:

@@ -1,0 +1,85 @@
+"""`--ckpt.best_metric_key` (OpenRLHF's `--best_metric_key`): the RL stage keeps the checkpoint of its
+best held-out evaluation as `best_global_step<N>`, apart from the rotated ones, and a resume keeps
+the best so far."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rlhf_core.cli import main
+from rlhf_core.rl.checkpoint import BestMetric
+from rlhf_core.trainers import checkpoints
+
+REWARD = '''
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):  # shorter answers score higher: the policy moves
+    return torch.tensor([float(len(p) - len(q)) for q, p in zip(queries, prompts)])
+'''
+
+
+def test_the_best_metric_is_the_highest_evaluation_and_comes_back_on_resume():
+    best = BestMetric("")  # automatic: the sampled accuracy (OpenRLHF's first pass@1 metric)
+    assert not best.improves({"eval/sampled_reward": 1.0}, 1)  # no accuracy (no verifier): nothing kept
+    assert best.improves({"eval/sampled_accuracy": 0.2}, 1) and not best.improves({"eval/sampled_accuracy": 0.2}, 2)
+    assert best.improves({"eval/sampled_accuracy": 0.5}, 3) and (best.step, best.value) == (3, 0.5)
+    assert not BestMetric("none").improves({"eval/sampled_accuracy": 1.0}, 1)
+    resumed = BestMetric("")
+    resumed.load_state_dict(best.state_dict())
+    assert not resumed.improves({"eval/sampled_accuracy": 0.4}, 4)  # below the best before the restart
+    other = BestMetric("eval/greedy_reward")
+    other.load_state_dict(best.state_dict())  # another metric: its own best from scratch
+    assert other.improves({"eval/greedy_reward": -5.0}, 4)
+
+
+def test_best_checkpoints_are_never_rotated_and_replace_each_other(tmp_path):
+    for step in (1, 2, 3):
+        (tmp_path / f"global_step{step}").mkdir()
+        checkpoints.record_tag(tmp_path, f"global_step{step}", "run", "ppo", step)
+        if step in (1, 3):
+            (tmp_path / f"best_global_step{step}").mkdir()
+            checkpoints.record_tag(tmp_path, f"best_global_step{step}", "run", "ppo", step, best=True)
+    assert not (tmp_path / "best_global_step1").exists()  # the better one replaced it
+    assert checkpoints.rotate(tmp_path, "run", keep=1) == ["global_step1", "global_step2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["best_global_step3", "global_step3"]
+
+
+@pytest.mark.parametrize("key", ["sampled_reward", "eval_math_pass1"])
+def test_ppo_keeps_the_checkpoint_of_its_best_evaluation(key, prepared, tmp_path, capsys, monkeypatch,
+                                                          one_torch_thread):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "reward.py").write_text(REWARD)
+    held_out = tmp_path / "held_out.jsonl"
+    rows = open(f"{prepared['prompts']}/test.jsonl").read().splitlines()[:4]
+    held_out.write_text("\n".join(rows) + "\n")
+    ckpt = tmp_path / "ckpt"
+    code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--input_key", "prompt", "--label_key", "answer", "--max_samples", "16", "--remote_rm_url",
+                 str(tmp_path / "reward.py"), "--eval_dataset", str(held_out), "--eval.task", "addition",
+                 "--eval_n_samples_per_prompt", "2", "--eval_steps", "1", "--best_metric_key", key,
+                 "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                 "--generate_max_len", "6", "--actor_learning_rate", "5e-3", "--max_steps", "3",
+                 "--save_steps", "1", "--max_ckpt_num", "1", "--ckpt_path", str(ckpt), "--save_path",
+                 str(tmp_path / "out"), "--use_mlflow", "false", "--seed", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    metric = "eval/sampled_reward" if key == "sampled_reward" else "eval/sampled_accuracy"
+    evaluations = {int(step): float(value) for step, value in
+                   re.findall(rf"\[rl step (\d+)\] .*{metric}=(-?[\d.]+)", out.err) if int(step) > 0}
+    assert sorted(evaluations) == [1, 2, 3]  # every step's evaluation and the final one
+    best_step = max(evaluations, key=lambda s: (evaluations[s], -s))  # the first of the highest
+    kept = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert kept == sorted({f"best_global_step{best_step}", "global_step3"}), (kept, evaluations)
+    assert checkpoints.latest_tag(ckpt) == "global_step3"  # `latest` names regular checkpoints only
+    assert (ckpt / f"best_global_step{best_step}" / "actor").is_dir()
+    import torch
+
+    state = torch.load(ckpt / "global_step3" / "controller.pt", weights_only=False)["best"]  # what a resume reads
+    assert state == {"key": metric, "step": best_step,
+                     "value": pytest.approx(evaluations[best_step], abs=1e-4)}
+    manifest = json.loads(out.out[out.out.index("{"):])
+    assert manifest["metrics"]["best/step"] == best_step
+    assert manifest["metrics"]["best/value"] == pytest.approx(evaluations[best_step], abs=1e-4)
