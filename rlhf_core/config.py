@@ -194,6 +194,24 @@ class DSConfig(StrictModel):
     deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile (its engine compiled with "
                               "torch.compile; CUDA, elsewhere not applied, said in one log line)",
                               json_schema_extra=flat("deepcompile", gpu="CUDA; elsewhere uncompiled"))
+    load_in_4bit: bool = Field(False, description="QLoRA: load the stage's models with 4-bit NF4 weights "
+                               "(bitsandbytes, double quantisation, computing in the training precision) and train "
+                               "LoRA adapters on them (needs --lora_rank; not with ZeRO-3); the output is the "
+                               "adapters merged into the dequantised weights, a plain model",
+                               json_schema_extra=flat("load_in_4bit"))
+
+    def quantisation_problems(self) -> list[str]:
+        """Why `load_in_4bit` cannot run with these settings (none: it can, or it is off)."""
+        if not self.load_in_4bit:
+            return []
+        found = []
+        if getattr(self, "lora", None) is None or self.lora.rank <= 0:
+            found.append("--ds.load_in_4bit (--load_in_4bit) trains LoRA adapters on frozen 4-bit weights: give "
+                         "--ds.lora.rank (--lora_rank) > 0")
+        if self.zero_stage == 3:
+            found.append("--ds.load_in_4bit (--load_in_4bit) cannot shard 4-bit weights with ZeRO-3: use "
+                         "--zero_stage 0, 1 or 2")
+        return found
 
     @property
     def attention(self) -> str:
@@ -481,7 +499,6 @@ SEED_STAGE_FLAGS = {
 NOT_BUILT_FLAGS = {
     **_deferred("DeepSpeed universal checkpoints (resume on another number of ranks) are not built yet",
                 "use_ds_universal_ckpt", "ds.use_universal_ckpt"),
-    **_deferred("4-bit QLoRA (bitsandbytes) is not built yet", "load_in_4bit", "ds.load_in_4bit"),
     **_deferred("ModelScope downloads are not built yet: give a local path, s3:// or a Hugging Face name", "use_ms"),
 }
 
@@ -517,7 +534,7 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
                 f"--train.micro_batch_size (--micro_train_batch_size) x ranks ({self.train.micro_batch_size} x "
                 f"{self.world_size})"
             )
-        problems = self.ckpt.problems()
+        problems = self.ckpt.problems() + self.ds.quantisation_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -55,6 +55,7 @@ def supported(model) -> str | None:
         "partitioned (ZeRO-3) weights": any(hasattr(p, "ds_id") for p in model.parameters()),
         "rotary attention scaling": getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0,
         "Liger kernels (--ds.use_liger_kernel)": getattr(model, "_rlhf_liger", False),
+        "4-bit weights (--ds.load_in_4bit)": bool(getattr(model, "is_loaded_in_4bit", False)),
     }
     reasons = [k for k, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.infra.not_applied import not_applied
+from rlhf_core.models.lean import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,46 @@ def apply_liger_kernel(model) -> bool:
 
 def model_options(ds) -> dict:
     """`load_causal_lm` / `load_reward_model` keywords from a stage's `ds` section."""
-    return {"attention": ds.attention, "experts": ds.experts_implementation}
+    return {"attention": ds.attention, "experts": ds.experts_implementation,
+            "quantization": four_bit_config(ds.param_dtype) if getattr(ds, "load_in_4bit", False) else None}
+
+
+def four_bit_config(param_dtype: str):
+    """QLoRA's weights (`--ds.load_in_4bit`): NF4 with double quantisation, as OpenRLHF loads them,
+    computing in the training precision resolved on this device (bf16 where it is native, else fp32)."""
+    from rlhf_core.infra.precision import Precision, resolve_here
+    from rlhf_core.infra.settings import ConfigError
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("--ds.load_in_4bit (--load_in_4bit) needs bitsandbytes: pip install "
+                          "'rlhf-lifecycle[qlora]'")
+    from transformers import BitsAndBytesConfig
+
+    compute = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
+        resolve_here(Precision(param_dtype).value), torch.float32)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+
+
+def _quantized(quantization) -> dict:
+    """`from_pretrained` keywords for 4-bit weights (on this rank's GPU, where there is one)."""
+    if quantization is None:
+        return {}
+    device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    return {"quantization_config": quantization, **({"device_map": device} if device else {})}
+
+
+def strict_load(module) -> bool:
+    """Whether a DeepSpeed checkpoint of `module` loads strictly: not with 4-bit weights, whose saved
+    state also holds bitsandbytes' quantisation entries (absmax, quant_map, ...), which are not
+    parameters (the frozen 4-bit weights themselves load as saved)."""
+    return not is_quantized(unwrap(module))
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` (or the model under a PEFT wrapper) holds 4-bit bitsandbytes weights."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_loaded_in_4bit", False))
 
 
 def experts_implementation(requested: str | None) -> dict:
@@ -163,22 +203,36 @@ def give_reward_model_its_own_pad(model, tokenizer) -> bool:
 
 
 def load_causal_lm(path: str, attention: str | bool = "sdpa", dtype: torch.dtype = torch.float32,
-                   experts: str | None = None):
+                   experts: str | None = None, quantization=None):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(attention),
-                                                **experts_implementation(experts))
+    return _trainable_4bit(AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention_implementation(attention), **experts_implementation(experts),
+        **_quantized(quantization)))
+
+
+def _trainable_4bit(model):
+    """On a CPU with AVX-512 BF16, bitsandbytes repacks a 4-bit layer's weights for its bf16 inference
+    kernel at the first forward in eval mode without gradients (a held-out evaluation), and every
+    later forward, training ones included, runs that kernel, which has no backward: the gradients to
+    everything before the layer silently vanish. Its ordinary path (dequantise, then matmul in the
+    compute dtype) is kept for every forward instead, the path training and the published model use."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "score", attention: str | bool = "sdpa",
-                      dtype: torch.dtype = torch.float32, experts: str | None = None):
+                      dtype: torch.dtype = torch.float32, experts: str | None = None, quantization=None):
     """A one-label sequence classifier; a head saved as `{value_head_prefix}.*` is mapped onto `score`."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(attention),
-        **experts_implementation(experts))
+        **experts_implementation(experts), **_quantized(quantization))
     model.config.pad_token_id = pad_token_id
+    _trainable_4bit(model)
     if value_head_prefix != "score":
         _load_renamed_head(model, path, value_head_prefix)
     return model
@@ -221,7 +275,9 @@ def apply_lora(model, rank: int, alpha: int, dropout: float, target_modules: lis
 def merged_lora_state(module) -> dict[str, torch.Tensor]:
     """A PEFT LoRA model's weights as the plain model holds them after `merge_and_unload`: each
     adapted layer's base weight plus its adapter's delta, computed out of place (the live adapters
-    are left as they are), by the base model's names; on the module's device. Not for ZeRO-3."""
+    are left as they are), by the base model's names; on the module's device. Not for ZeRO-3.
+    4-bit base weights (QLoRA) are dequantised first: the result is the function that was trained,
+    in plain floating-point weights."""
     from peft.tuners.lora import LoraLayer
 
     base = module.get_base_model()
@@ -231,7 +287,7 @@ def merged_lora_state(module) -> dict[str, torch.Tensor]:
             delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
             deltas[f"{name}.weight"] = delta
     state = {}
-    for name, tensor in base.state_dict().items():
+    for name, tensor in dequantized_state(base).items():
         if ".lora_" in name or ".original_module." in name:  # adapters; a trained head's frozen original
             continue
         plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
@@ -240,6 +296,27 @@ def merged_lora_state(module) -> dict[str, torch.Tensor]:
             value = value + deltas[plain].to(value.dtype)
         state[plain] = value
     return state
+
+
+def dequantized_state(model) -> dict[str, torch.Tensor]:
+    """`model.state_dict()`, with each 4-bit (bitsandbytes) weight as the floating-point matrix it
+    stands for, in its layer's compute dtype, and its quantisation entries left out."""
+    state = model.state_dict()
+    four_bit = {name: layer for name, layer in model.named_modules() if hasattr(getattr(layer, "weight", None),
+                                                                               "quant_state")}
+    if not four_bit:
+        return state
+    from bitsandbytes.functional import dequantize_4bit
+
+    out = {}
+    for name, tensor in state.items():
+        owner, _, rest = name.partition(".weight")
+        if owner in four_bit and rest == "":
+            weight = four_bit[owner].weight
+            out[name] = dequantize_4bit(weight.data, weight.quant_state).to(four_bit[owner].compute_dtype)
+        elif not (owner in four_bit and rest.startswith(".")):  # not one of its quantisation entries
+            out[name] = tensor
+    return out
 
 
 def _is_partitioned(module) -> bool:
@@ -278,8 +355,6 @@ def checkpoint_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, to
     and converts back on save; a model without such conversions comes back unchanged."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from rlhf_core.models.lean import unwrap
-
     return revert_weight_conversion(unwrap(model), dict(state))
 
 
@@ -291,12 +366,17 @@ def export_model(module, rank: int):
     """
     import copy
 
+    if is_quantized(module):  # QLoRA: a new plain model of the merged, dequantised weights
+        if rank != 0:
+            return None
+        return plain_copy(module, merged_lora_state(module) if hasattr(module, "peft_config")
+                          else dequantized_state(module))
     if _is_partitioned(module):
         state = _gathered_state_dict(module, rank)
         if rank != 0:
             return None
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        clone = type(base)._from_config(base.config)
+        clone = _new_model(type(base), base.config)
         if hasattr(module, "peft_config"):
             from peft import get_peft_model
 
@@ -309,6 +389,27 @@ def export_model(module, rank: int):
     if hasattr(clone, "merge_and_unload"):
         clone = clone.merge_and_unload()
     return clone.to(torch.float32)
+
+
+def _new_model(cls, config):
+    """An fp32 model of `cls` built from `config`, its weights to be loaded; its random initialisation
+    draws from a forked generator, so exporting mid-run (a checkpoint's Hugging Face copy) leaves the
+    training's random stream, and with it a resumed run's equality, as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return cls._from_config(config, dtype=torch.float32)
+
+
+def plain_copy(module, state: dict[str, torch.Tensor]):
+    """A new fp32 model of `module`'s (base) class and config, without quantisation, holding `state`."""
+    import copy
+
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clone = _new_model(type(base), config)
+    clone.load_state_dict({k: v.to("cpu", torch.float32) for k, v in state.items()}, strict=True)
+    return clone
 
 
 def model_writer(model, tokenizer):

@@ -47,6 +47,7 @@ from rlhf_core.distributed.engine import (
 )
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model
+from rlhf_core.models.loading import strict_load
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
@@ -231,7 +232,8 @@ class _Checkpointed:
 
     def load_checkpoint(self, directory: str) -> None:
         loaded, _ = self.engine.load_checkpoint(directory, tag=self.name, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True,
+                                                load_module_strict=strict_load(self.engine))
         if loaded is None:
             raise RuntimeError(f"--ckpt.load_enable: DeepSpeed could not load the {self.name} from {directory}")
         set_rng_state(torch.load(Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", weights_only=False))

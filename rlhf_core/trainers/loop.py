@@ -35,6 +35,7 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
+from rlhf_core.models.loading import strict_load
 from rlhf_core.trainers import checkpoints
 
 
@@ -248,7 +249,8 @@ class TrainLoop:
         # DeepSpeed reads `<folder>/<tag>/`: a download's folder is named by its cache key, not the tag.
         local = checkpoints.fetch(ckpt, tag) if checkpoints.is_remote(ckpt) else Path(ckpt) / tag
         path, client = self.engine.load_checkpoint(str(local.parent), tag=local.name, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=strict_load(self.engine))
         if path is None:
             raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
         checkpoints.set_rng_state(torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False))

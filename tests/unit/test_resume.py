@@ -121,11 +121,13 @@ def optimizer_state(tag: Path) -> dict:
 
 
 @pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}),
-                                          ("sft", {"optim": "muon", "muon.lr": 0.01})],
-                         ids=["sft", "rm", "dpo", "kto", "sft-muon"])
+                                          ("sft", {"optim": "muon", "muon.lr": 0.01}),
+                                          ("sft", {"load_in_4bit": True, "lora_rank": 8})],
+                         ids=["sft", "rm", "dpo", "kto", "sft-muon", "sft-qlora"])
 def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropout_base, tmp_path, capfd,
                                                    one_torch_thread):
-    """(With `--optim muon` too: Muon's momentum buffers are in the checkpoint and come back.)"""
+    """(With `--optim muon` too: Muon's momentum buffers are in the checkpoint and come back; and
+    QLoRA's adapters on 4-bit weights.)"""
     prepare_environment()
     # Uninterrupted, through --load_checkpoint on an empty folder: step 0, said and recorded.
     full_v = {**values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt"), **optim}
@@ -159,7 +161,7 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropo
     files = assert_same_checkpoint(tmp_path / "full_ckpt" / final, ckpt / final)  # weights, Adam, scheduler, RNG
     assert "mp_rank_00_model_states.pt" in files and "rng_state_rank0.pt" in files
     moments = optimizer_state(ckpt / final)["state"]
-    kinds = {"exp_avg_sq"} | ({"momentum_buffer"} if optim else set())  # Adam's, and Muon's for the matrices
+    kinds = {"exp_avg_sq"} | ({"momentum_buffer"} if "optim" in optim else set())  # Adam's, Muon's for matrices
     assert moments and {k for s in moments.values() for k in s} >= kinds
     assert all(torch.count_nonzero(v) for s in moments.values() for k, v in s.items() if k in kinds)
     wa, wb = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "split" /
