@@ -325,6 +325,9 @@ class TrainingStageConfig(StageConfig):
 
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    use_ms: bool = Field(False, description="Hub names of models and datasets resolve on ModelScope instead of the "
+                         "Hugging Face Hub (modelscope's patch_hub in every process that loads them; "
+                         "pip install modelscope)", json_schema_extra=flat("use_ms", **NOT_SEMANTIC))
     local_rank: int = Field(-1, description="Accepted for DeepSpeed's launcher; not read",
                             json_schema_extra=flat("local_rank", noop=NOOP_LOCAL_RANK, **NOT_SEMANTIC))
 
@@ -499,7 +502,6 @@ SEED_STAGE_FLAGS = {
 NOT_BUILT_FLAGS = {
     **_deferred("DeepSpeed universal checkpoints (resume on another number of ranks) are not built yet",
                 "use_ds_universal_ckpt", "ds.use_universal_ckpt"),
-    **_deferred("ModelScope downloads are not built yet: give a local path, s3:// or a Hugging Face name", "use_ms"),
 }
 
 

@@ -118,6 +118,10 @@ class EngineWorker:
         self.engine = None
 
     def setup(self) -> str:
+        from rlhf_core.infra.hubs import use_modelscope
+
+        self.options = dict(self.options)
+        use_modelscope(self.options.pop("use_ms", False))
         if self.backend == "vllm":
             from rlhf_core.rollout.vllm_engine import VLLMEngine
 

@@ -45,6 +45,7 @@ from rlhf_core.distributed.engine import (
     initialize,
     precision_of,
 )
+from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model
 from rlhf_core.models.loading import strict_load
@@ -128,6 +129,7 @@ class _Role:
 
     def __init__(self, cfg, pad_id: int, rank: int = 0, world_size: int = 1):
         self.cfg, self.pad_id, self.rank, self.world_size = cfg, pad_id, rank, world_size
+        use_modelscope(cfg.use_ms)  # a Ray rank's own process loads its model by name
         self.precision = precision_of(cfg.ds)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.packing = True

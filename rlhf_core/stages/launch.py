@@ -10,6 +10,7 @@ import sys
 from rlhf_core.config import TrainConfig
 from rlhf_core.distributed.cluster import ensure_ray, prepare_environment
 from rlhf_core.infra import heap
+from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.infra.settings import ConfigError
 
 
@@ -49,6 +50,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     cfg.check_complete()
     storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
     prepare_environment()
+    use_modelscope(cfg.use_ms)
     data = check_data(cfg)
     heap.settle()  # modules and checked data stay: later collector passes skip them (heap.py)
     if trains_in_process(cfg):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from rlhf_core.infra.hubs import use_modelscope
+
 RECIPES = {
     "sft": "rlhf_core.trainers.sft:SFTRecipe",
     "rm": "rlhf_core.trainers.rm:RewardModelRecipe",
@@ -21,6 +23,7 @@ def run_recipe(cfg, data=None) -> dict | None:
     """Run one stage on this rank; returns the stage manifest on rank 0, None elsewhere.
 
     `data`: the stage's StageData as `check_data` loaded it; None loads it here."""
+    use_modelscope(cfg.use_ms)  # a rank's own process loads the models by name
     recipe = recipe_class(cfg.stage)(cfg)
     recipe.setup(data)
     try:

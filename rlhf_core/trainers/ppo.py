@@ -26,6 +26,7 @@ from rlhf_core.config import mixing_probs
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed.engine import init_distributed, precision_of
 from rlhf_core.distributed.local_role_group import LocalRoleGroup
+from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
@@ -177,8 +178,8 @@ def engine_options(cfg) -> tuple[str, dict]:
                         "enforce_eager": cfg.vllm.enforce_eager, "seed": cfg.train.seed,
                         "enable_sleep": cfg.vllm.enable_sleep, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
                         # given: as asked; not given: vLLM's own default (on, in its V1 engine)
-                        "enable_prefix_caching": cfg.vllm.enable_prefix_caching or None}
-    return "transformers", {"batch_size": GENERATION_BATCH}  # fp32 on CPU, bf16 on GPU
+                        "enable_prefix_caching": cfg.vllm.enable_prefix_caching or None, "use_ms": cfg.use_ms}
+    return "transformers", {"batch_size": GENERATION_BATCH, "use_ms": cfg.use_ms}  # fp32 on CPU, bf16 on GPU
 
 
 def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list[str]) -> RoleGroups:
@@ -224,6 +225,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     from rlhf_core.models.loading import load_tokenizer
 
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    use_modelscope(cfg.use_ms)
     actor_path = local_model_path(cfg.actor.model_name_or_path)
     tokenizer = load_tokenizer(actor_path, use_fast=not cfg.data.disable_fast_tokenizer)
     prompt_ids, labels, sources, left_out = load_prompts(cfg, tokenizer, cfg.data.prompt_split)
