@@ -200,11 +200,19 @@ class DSConfig(StrictModel):
                                "adapters merged into the dequantised weights, a plain model",
                                json_schema_extra=flat("load_in_4bit"))
 
-    def quantisation_problems(self) -> list[str]:
-        """Why `load_in_4bit` cannot run with these settings (none: it can, or it is off)."""
-        if not self.load_in_4bit:
-            return []
+    use_universal_ckpt: bool = Field(False, description="Resume through DeepSpeed's universal checkpoint format, so "
+                                     "the number of ranks may differ from the run that wrote it (the tag loaded is "
+                                     "converted once, into <tag>/universal); keeps the ZeRO stage asked for on one "
+                                     "CPU rank too", json_schema_extra=flat("use_ds_universal_ckpt"))
+
+    def problems(self) -> list[str]:
+        """Why `load_in_4bit` or `use_universal_ckpt` cannot run with these settings (none: they can)."""
         found = []
+        if self.use_universal_ckpt and self.zero_stage == 0:
+            found.append("--ds.use_universal_ckpt (--use_ds_universal_ckpt) converts ZeRO's per-rank slices: give "
+                         "--zero_stage 1, 2 or 3")
+        if not self.load_in_4bit:
+            return found
         if getattr(self, "lora", None) is None or self.lora.rank <= 0:
             found.append("--ds.load_in_4bit (--load_in_4bit) trains LoRA adapters on frozen 4-bit weights: give "
                          "--ds.lora.rank (--lora_rank) > 0")
@@ -500,8 +508,6 @@ SEED_STAGE_FLAGS = {
 }
 # OpenRLHF flags of this stage's own features still to build (refused by name, not as unknown).
 NOT_BUILT_FLAGS = {
-    **_deferred("DeepSpeed universal checkpoints (resume on another number of ranks) are not built yet",
-                "use_ds_universal_ckpt", "ds.use_universal_ckpt"),
 }
 
 
@@ -536,7 +542,7 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
                 f"--train.micro_batch_size (--micro_train_batch_size) x ranks ({self.train.micro_batch_size} x "
                 f"{self.world_size})"
             )
-        problems = self.ckpt.problems() + self.ds.quantisation_problems()
+        problems = self.ckpt.problems() + self.ds.problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -542,7 +542,7 @@ class PPOConfig(TrainingStageConfig):
             problems.append(f"--rollout.backend transformers contradicts --vllm.num_engines {vllm.num_engines}: "
                             "give one of them")
 
-        problems += self.ckpt.problems() + self.ds.quantisation_problems()
+        problems += self.ckpt.problems() + self.ds.problems()
 
         if problems:
             raise ValueError("\n  ".join(problems))

@@ -115,7 +115,8 @@ def lr_factor(kind: str, step: int, total_steps: int, warmup_steps: int, min_rat
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu: bool = False) -> int:
+def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu: bool = False,
+                         universal: bool = False) -> int:
     """The ZeRO stage DeepSpeed is given.
 
     ZeRO-1/2 partition optimizer state and gradients across ranks; a single CPU rank has nothing
@@ -123,9 +124,10 @@ def effective_zero_stage(stage: int, world_size: int, adam_offload: bool, on_gpu
     the same math (weights match a real ZeRO-2 to float tolerance:
     `test_one_cpu_rank_at_stage_0_trains_like_zero_2` in tests/unit/test_trainers.py).
     Kept as asked for: several ranks, GPUs (DeepSpeed's bf16 path differs between stages there),
-    CPU Adam offload (it needs a ZeRO stage), and stage 3.
+    CPU Adam offload (it needs a ZeRO stage), stage 3, and universal checkpoints (`universal`: they
+    are converted from ZeRO's slices and loaded by ZeRO's optimizers).
     """
-    if world_size == 1 and stage in (1, 2) and not adam_offload and not on_gpu:
+    if world_size == 1 and stage in (1, 2) and not adam_offload and not on_gpu and not universal:
         return 0
     return stage
 
@@ -139,7 +141,7 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
     ds = settings.ds
     precision = precision_of(ds)
     on_gpu = torch.cuda.is_available()
-    stage = effective_zero_stage(ds.zero_stage, settings.world_size, ds.adam_offload, on_gpu)
+    stage = effective_zero_stage(ds.zero_stage, settings.world_size, ds.adam_offload, on_gpu, ds.use_universal_ckpt)
     zero: dict = {"stage": stage if train else (3 if stage == 3 else 0)}
     if train and ds.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -155,6 +157,8 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
         # of a minute on a fresh machine, for the same update)
         extra["optimizer"] = muon_optimizer_config(settings.muon, settings.adam,
                                                    torch_adam=not on_gpu and not ds.adam_offload)
+    if train and ds.use_universal_ckpt:  # a resume reads the converted tag (trainers/universal.py)
+        extra["checkpoint"] = {"load_universal": True}
     if train and ds.grad_accum_dtype:
         extra["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if train and ds.deepcompile and on_gpu:
@@ -208,6 +212,10 @@ def initialize(model, settings: EngineSettings, total_steps: int):
 
     schedule = settings.schedule
     warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
+    if settings.ds.use_universal_ckpt:
+        from rlhf_core.trainers.universal import mark_convertible
+
+        mark_convertible(model)
 
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(
@@ -287,6 +295,12 @@ def autocast(precision: Precision):
     if precision.is_half and not torch.cuda.is_available():
         return torch.autocast("cpu", dtype=torch.bfloat16 if precision == Precision.BF16 else torch.float16)
     return contextlib.nullcontext()
+
+
+def barrier() -> None:
+    """Wait for every rank of this process group (nothing to wait for without one)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

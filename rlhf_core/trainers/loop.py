@@ -31,12 +31,12 @@ from typing import Protocol
 import torch
 
 from rlhf_core.data.batching import BatchPlan
-from rlhf_core.distributed.engine import all_reduce_sum, autocast, precision_of
+from rlhf_core.distributed.engine import all_reduce_sum, autocast, barrier, precision_of
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
 from rlhf_core.models.loading import strict_load
-from rlhf_core.trainers import checkpoints
+from rlhf_core.trainers import checkpoints, universal
 
 
 class Recipe(Protocol):
@@ -169,7 +169,7 @@ class TrainLoop:
                             cleanup=lambda: checkpoints.abandon(ckpt, tag)):
             if self.rank == 0:
                 checkpoints.begin(ckpt, tag)
-            _barrier()
+            barrier()
             partial = checkpoints.partial_tag(tag)
             try:
                 if not self.cfg.ckpt.disable_ds:
@@ -183,7 +183,7 @@ class TrainLoop:
                 # Another rank failed (a full disk, say) and removed the folder under this one's writes.
                 raise FollowOnError(f"checkpoint {tag}: its folder was removed by another rank's failure while "
                                     f"rank {self.rank} wrote ({type(e).__name__}: {e})") from e
-            _barrier()
+            barrier()
             if self.rank == 0:
                 checkpoints.commit(ckpt, tag, resumable=not self.cfg.ckpt.disable_ds)
         self._record_and_rotate(ckpt, tag)
@@ -204,7 +204,7 @@ class TrainLoop:
         uri, tag = self.cfg.ckpt.path.rstrip("/"), f"global_step{self.step}"
         if self.rank == 0:
             checkpoints.begin_remote(uri, tag)
-        _barrier()
+        barrier()
         local = checkpoints.staging_dir(f"rank{self.rank}")
         kept = f"nothing of checkpoint {tag} was uploaded; earlier ones and `latest` at {uri} are as they were"
         try:
@@ -218,7 +218,7 @@ class TrainLoop:
             checkpoints.upload_part(local / tag, uri, tag)  # the tag only: DeepSpeed's script beside it stays here
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        _barrier()
+        barrier()
         if self.rank == 0:
             if not self.cfg.ckpt.disable_ds:
                 checkpoints.write_latest(uri, tag)
@@ -248,12 +248,21 @@ class TrainLoop:
             return 0
         # DeepSpeed reads `<folder>/<tag>/`: a download's folder is named by its cache key, not the tag.
         local = checkpoints.fetch(ckpt, tag) if checkpoints.is_remote(ckpt) else Path(ckpt) / tag
-        path, client = self.engine.load_checkpoint(str(local.parent), tag=local.name, load_optimizer_states=True,
+        load_dir, load_tag = str(local.parent), local.name
+        if self.cfg.ds.use_universal_ckpt:  # any rank count: the tag as DeepSpeed's universal checkpoint
+            load_dir, load_tag = universal.universal_tag(local, universal.local_rank(), barrier)
+        path, client = self.engine.load_checkpoint(load_dir, tag=load_tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True,
                                                    load_module_strict=strict_load(self.engine))
         if path is None:
             raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
-        checkpoints.set_rng_state(torch.load(local / f"rng_state_rank{self.rank}.pt", weights_only=False))
+        rng = universal.rng_file(local, f"rng_state_rank{self.rank}.pt")
+        if rng is not None:
+            checkpoints.set_rng_state(torch.load(rng, weights_only=False))
+        elif not self.cfg.ds.use_universal_ckpt:
+            raise RuntimeError(f"--load_checkpoint: checkpoint {tag} in {ckpt} has no random state of rank "
+                               f"{self.rank}: it was written by fewer ranks (--ds.use_universal_ckpt resumes on "
+                               "another rank count)")
         where = checkpoints.location(ckpt, tag)
         if self.rank == 0:
             # The same run, continued: its earlier tags (and the one resumed from) keep rotating.
@@ -348,9 +357,4 @@ def total_steps(cfg, num_examples: int) -> int:
     steps = (num_examples // cfg.train.batch_size) * cfg.train.max_epochs
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
