@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,29 @@ def test_the_flag_table_in_docs_is_generated_from_the_configs():
     assert doc.read_text() == markdown(), "regenerate: python -m rlhf_core.flag_table > docs/openrlhf-flags.md"
     assert "| `--ds.attn_implementation`, `--attn_implementation` |" in doc.read_text()
     assert "`--enable_vllm_is_correction`" in doc.read_text()
+
+
+def test_no_config_field_is_accepted_and_left_unread():
+    """Every field of every stage config is read by the code (an attribute access `.name` somewhere in
+    rlhf_core, or its name given to getattr outside the config modules), or marked no-op by design
+    with its reason (`flat(..., noop=...)`, listed in docs/openrlhf-flags.md). A field added to a
+    config and wired to nothing fails here."""
+    import re
+
+    from rlhf_core.config import STAGE_CONFIGS
+    from rlhf_core.flags import leaves
+    from rlhf_core.rl_config import PPOConfig
+
+    package = Path(__file__).resolve().parents[2] / "rlhf_core"
+    sources = {p: p.read_text() for p in package.rglob("*.py")}
+    configs = {package / "config.py", package / "rl_config.py"}
+    unread = set()
+    for cls in [*STAGE_CONFIGS.values(), PPOConfig]:
+        for path, field in leaves(cls).items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            name = path.rsplit(".", 1)[-1]
+            read = any(re.search(rf"\.{name}\b", text) for text in sources.values()) or any(
+                re.search(rf"""["']{name}["']""", text) for p, text in sources.items() if p not in configs)
+            if not read and not extra.get("noop"):
+                unread.add(path)
+    assert not unread, sorted(unread)
