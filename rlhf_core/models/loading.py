@@ -75,6 +75,15 @@ def four_bit_config(param_dtype: str):
                           "'rlhf-lifecycle[qlora]'")
     from transformers import BitsAndBytesConfig
 
+    # bitsandbytes' CPU backend warns at import that its optional bf16 inference kernel (the `kernels`
+    # package) is missing: that kernel is kept off here anyway (`_trainable_4bit`), so the line is noise
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops.level
+    cpu_ops.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        cpu_ops.setLevel(level)
     compute = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
         resolve_here(Precision(param_dtype).value), torch.float32)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

@@ -14,6 +14,7 @@ from rlhf_core.config import SFTConfig, build_config
 from rlhf_core.distributed.engine import EngineSettings, deepspeed_config
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.trainers import universal
+from rlhf_core.trainers.universal import FOLDER
 
 GIVEN = {"pretrain": "m", "save_path": "o", "dataset": "d"}
 
@@ -74,3 +75,43 @@ def test_a_two_rank_run_resumes_on_one_rank_as_if_uninterrupted(prepared, tmp_pa
     assert moved > 1e-3 and gap < 1e-6, (moved, gap)
     # the one-rank run wrote ZeRO slices of its own: convertible in turn
     assert list((one / "ckpt" / "global_step4").glob("zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+
+
+REWARD = '''
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return torch.tensor([float(len(q) % 3) for q in queries])
+'''
+
+
+@pytest.mark.slow
+def test_the_rl_stage_resumes_through_universal_checkpoints(prepared, tmp_path, capsys, monkeypatch):
+    """The RL roles' checkpoints (actor and critic, ZeRO-2) convert and load the same way; resumed
+    at step 1, a run ends where an uninterrupted one does (one rank each: equal to rounding)."""
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "reward.py").write_text(REWARD)
+
+    def ppo(name: str, steps: int, *extra: str) -> int:
+        return main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--input_key", "prompt", "--max_samples", "16", "--remote_rm_url", str(tmp_path / "reward.py"),
+                     "--advantage_estimator", "gae", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+                     "--train_batch_size", "8", "--generate_max_len", "5", "--actor_learning_rate", "1e-3",
+                     "--critic_learning_rate", "1e-3", "--param_dtype", "fp32", "--zero_stage", "2",
+                     "--use_ds_universal_ckpt", "--save_steps", "1", "--max_ckpt_num", "5", "--seed", "3",
+                     "--max_steps", str(steps), "--ckpt_path", str(tmp_path / f"{name}_ckpt"), "--save_path",
+                     str(tmp_path / f"{name}_out"), "--use_mlflow", "false", *extra])
+
+    assert ppo("full", 2) == 0, capsys.readouterr().err[-3000:]
+    assert ppo("split", 1) == 0
+    assert ppo("split", 2, "--load_checkpoint") == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and (tmp_path / "split_ckpt" / "global_step1" / "actor" / FOLDER / "zero").is_dir()
+    assert (tmp_path / "split_ckpt" / "global_step1" / "critic" / FOLDER / "zero").is_dir()
+    a, b = load_file(str(tmp_path / "full_out" / "model.safetensors")), load_file(str(tmp_path / "split_out" /
+                                                                                      "model.safetensors"))
+    base = load_file(f"{prepared['base']}/model.safetensors")
+    assert max((a[k] - base[k]).abs().max().item() for k in a) > 1e-4  # it trained
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
