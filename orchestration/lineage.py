@@ -194,8 +194,21 @@ def register(stage: str, output_uri: str, run_id: str, tags: dict[str, str] | No
     source = output_uri if storage.is_remote(output_uri) else f"runs:/{run_id}/{storage.MANIFEST}"
     version = c.create_model_version(name, source=source, run_id=run_id,
                                      tags={"rlhf.output_uri": output_uri, "rlhf.stage": stage, **(tags or {})})
-    c.set_registered_model_alias(name, CANDIDATE, version.version)
+    set_alias_racing(c, name, CANDIDATE, version.version)
     return version
+
+
+def set_alias_racing(c, name: str, alias: str, version) -> None:
+    """Point `alias` at `version`. MLflow's SQL store inserts an alias it did not find: two runs
+    setting one new alias at once (two first pipeline runs) can both insert, and the second fails
+    its UNIQUE constraint (a BAD_REQUEST). Tried again, it finds the alias and moves it."""
+    for attempt in range(3):
+        try:
+            c.set_registered_model_alias(name, alias, version)
+            return
+        except MlflowException as e:
+            if attempt == 2 or "UNIQUE constraint failed" not in str(e):
+                raise
 
 
 def register_once(stage: str, output_uri: str, training_run_id: str):
@@ -246,10 +259,10 @@ def promote(name: str, version: str, metric: str, value: float) -> tuple[bool, f
     champion = alias_version(name, CHAMPION)
     previous = recorded_value(champion, metric) if champion is not None else None
     if champion is None or previous is None or value > previous:
-        c.set_registered_model_alias(name, CHAMPION, version)
+        set_alias_racing(c, name, CHAMPION, version)
         return True, previous
     return False, previous
 
 
 def set_alias(name: str, alias: str, version: str) -> None:
-    client().set_registered_model_alias(name, alias, version)
+    set_alias_racing(client(), name, alias, version)

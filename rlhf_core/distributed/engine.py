@@ -205,6 +205,18 @@ def build_optimizer(params, adam: AdamConfig, offload: bool):
     return torch.optim.AdamW(trainable, fused=not torch.cuda.is_available(), **kwargs)
 
 
+def mark_convertible(model) -> None:
+    """Tag `model` so DeepSpeed writes into every checkpoint the state its universal-checkpoint
+    converter requires (`--ds.use_universal_ckpt`, trainers/universal.py)."""
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
 def initialize(model, settings: EngineSettings, total_steps: int):
     """Wrap `model` in a DeepSpeed engine with its optimiser (AdamW, or DeepSpeed's Muon) and the
     warmup-then-decay schedule (each parameter group from its own peak LR)."""
@@ -213,8 +225,6 @@ def initialize(model, settings: EngineSettings, total_steps: int):
     schedule = settings.schedule
     warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
     if settings.ds.use_universal_ckpt:
-        from rlhf_core.trainers.universal import mark_convertible
-
         mark_convertible(model)
 
     def scheduler(optimizer):

@@ -8,7 +8,8 @@ an engine with `checkpoint.load_universal` cuts them again for its own ranks. Op
 conversion to the user; here a resume with the flag converts the tag it loads, once, into
 `<tag>/universal/` (each node's first rank converts, the others wait), so the same command resumes
 on any rank count. With the flag the ZeRO stage asked for is kept on one CPU rank too (stage 0,
-which one CPU rank otherwise trains at, has no slices to convert).
+which one CPU rank otherwise trains at, has no slices to convert); the engine tags the model so
+DeepSpeed writes what the converter needs (`distributed/engine.mark_convertible`).
 
 Where the math allows the resumed run equals an uninterrupted one: weights, moments, schedule and
 step come back exactly, and a global batch's gradient is the same average on any rank count (its
@@ -28,17 +29,6 @@ from argparse import Namespace
 from pathlib import Path
 
 FOLDER = "universal"
-
-
-def mark_convertible(model) -> None:
-    """Tag `model` so DeepSpeed writes the state its converter requires into every checkpoint."""
-    from deepspeed.checkpoint.constants import (
-        UNIVERSAL_CHECKPOINT_INFO,
-        UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-    )
-
-    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
 def universal_tag(tag_dir: Path, local_rank: int, barrier) -> tuple[str, str]:

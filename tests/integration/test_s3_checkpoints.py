@@ -15,6 +15,7 @@ import pytest
 from rlhf_core.config import SFTConfig
 from rlhf_core.infra import storage
 from rlhf_core.infra.settings import state_dir
+from rlhf_core.rl.checkpoint import BestMetric
 from rlhf_core.trainers.loop import TrainLoop
 from tests.integration.simulated_cluster import staged_leftovers
 
@@ -170,7 +171,7 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
 
     def controller(role):
         return SimpleNamespace(actor=LocalRoleGroup(role, "actor"), critic=None, step=0,
-                               prompts=SimpleNamespace(position=0), kl=KL(0.01), resume={},
+                               prompts=SimpleNamespace(position=0), kl=KL(0.01), resume={}, best=BestMetric(""),
                                cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
     ckpt = "s3://models/ckpt/ppo"

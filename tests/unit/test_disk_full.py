@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from rlhf_core.infra import storage
+from rlhf_core.rl.checkpoint import BestMetric
 from rlhf_core.trainers import checkpoints
 
 
@@ -138,7 +139,8 @@ class FakeKL:
 
 def controller(step: int, roles=None):
     return SimpleNamespace(step=step, actor=roles, critic=None, prompts=SimpleNamespace(position=step * 4),
-                           kl=FakeKL(), cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
+                           kl=FakeKL(), best=BestMetric(""),
+                           cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
 
 class FakeRoles:

@@ -190,7 +190,8 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
         "mlflow_run_name", "mlflow_parent_run_id", "use_mlflow", "actor.resources", "critic.resources", "ref.resources",
         "reward.resources", "logger.tensorboard_dir", "logger.wandb.group", "logger.wandb.key", "logger.wandb.mode",
         "logger.wandb.org", "logger.wandb.project", "logger.wandb.run_name", "local_rank", "data.dataloader_num_workers",
-        "train.actor_init_on_gpu", "train.perf", "train.ptx_coef", "vllm.sync_with_ray"}
+        "train.actor_init_on_gpu", "train.perf", "train.ptx_coef", "vllm.sync_with_ray", "ckpt.best_metric_key",
+        "use_ms"}
     job, key, _, _ = ppo_job_for(tmp_path)
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
     for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},
