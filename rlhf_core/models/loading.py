@@ -215,9 +215,10 @@ def load_causal_lm(path: str, attention: str | bool = "sdpa", dtype: torch.dtype
                    experts: str | None = None, quantization=None):
     from transformers import AutoModelForCausalLM
 
-    return _trainable_4bit(AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attention_implementation(attention), **experts_implementation(experts),
-        **_quantized(quantization)))
+        **_quantized(quantization))
+    return model if quantization is None else _trainable_4bit(model)
 
 
 def _trainable_4bit(model):
@@ -241,7 +242,8 @@ def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "sc
         path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(attention),
         **experts_implementation(experts), **_quantized(quantization))
     model.config.pad_token_id = pad_token_id
-    _trainable_4bit(model)
+    if quantization is not None:
+        _trainable_4bit(model)
     if value_head_prefix != "score":
         _load_renamed_head(model, path, value_head_prefix)
     return model

@@ -40,7 +40,6 @@ from rlhf_core.data.token_budget import balanced_groups, budget_chunks, micro_ba
 from rlhf_core.distributed.engine import (
     EngineSettings,
     autocast,
-    barrier,
     device,
     init_distributed,
     initialize,
@@ -49,11 +48,10 @@ from rlhf_core.distributed.engine import (
 from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model
-from rlhf_core.models.loading import strict_load
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
-from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
+from rlhf_core.trainers.checkpoints import rng_state
 from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
@@ -235,21 +233,9 @@ class _Checkpointed:
             self.engine.save_checkpoint(str(path), tag=self.name)
 
     def load_checkpoint(self, directory: str) -> None:
-        load_dir, tag = directory, self.name
-        if self.cfg.ds.use_universal_ckpt:  # any rank count: the role's tag as DeepSpeed's universal checkpoint
-            load_dir, tag = universal.universal_tag(Path(directory) / self.name, universal.local_rank(), barrier)
-        loaded, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True,
-                                                load_module_strict=strict_load(self.engine))
-        if loaded is None:
-            raise RuntimeError(f"--ckpt.load_enable: DeepSpeed could not load the {self.name} from {directory}")
-        rng = universal.rng_file(Path(directory), f"rng_{self.name}_rank{self.rank}.pt")
-        if rng is not None:
-            set_rng_state(torch.load(rng, weights_only=False))
-        elif not self.cfg.ds.use_universal_ckpt:
-            raise RuntimeError(f"--ckpt.load_enable: the {self.name} in {directory} has no random state of rank "
-                               f"{self.rank}: it was written by fewer ranks (--ds.use_universal_ckpt resumes on "
-                               "another rank count)")
+        universal.load_engine(self.engine, Path(directory) / self.name,
+                              Path(directory) / f"rng_{self.name}_rank{self.rank}.pt", self.cfg.ds.use_universal_ckpt,
+                              "--ckpt.load_enable")
 
     def export(self) -> dict[str, torch.Tensor] | None:
         """The state dict of the role's model as a plain HF model (LoRA merged, fp32, on CPU) on

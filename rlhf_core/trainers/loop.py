@@ -35,7 +35,6 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, barrier, prec
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
-from rlhf_core.models.loading import strict_load
 from rlhf_core.trainers import checkpoints, universal
 
 
@@ -248,21 +247,8 @@ class TrainLoop:
             return 0
         # DeepSpeed reads `<folder>/<tag>/`: a download's folder is named by its cache key, not the tag.
         local = checkpoints.fetch(ckpt, tag) if checkpoints.is_remote(ckpt) else Path(ckpt) / tag
-        load_dir, load_tag = str(local.parent), local.name
-        if self.cfg.ds.use_universal_ckpt:  # any rank count: the tag as DeepSpeed's universal checkpoint
-            load_dir, load_tag = universal.universal_tag(local, universal.local_rank(), barrier)
-        path, client = self.engine.load_checkpoint(load_dir, tag=load_tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True,
-                                                   load_module_strict=strict_load(self.engine))
-        if path is None:
-            raise RuntimeError(f"--load_checkpoint: DeepSpeed could not load checkpoint {tag} from {ckpt}")
-        rng = universal.rng_file(local, f"rng_state_rank{self.rank}.pt")
-        if rng is not None:
-            checkpoints.set_rng_state(torch.load(rng, weights_only=False))
-        elif not self.cfg.ds.use_universal_ckpt:
-            raise RuntimeError(f"--load_checkpoint: checkpoint {tag} in {ckpt} has no random state of rank "
-                               f"{self.rank}: it was written by fewer ranks (--ds.use_universal_ckpt resumes on "
-                               "another rank count)")
+        client = universal.load_engine(self.engine, local, local / f"rng_state_rank{self.rank}.pt",
+                                       self.cfg.ds.use_universal_ckpt, "--load_checkpoint")
         where = checkpoints.location(ckpt, tag)
         if self.rank == 0:
             # The same run, continued: its earlier tags (and the one resumed from) keep rotating.

@@ -7,7 +7,8 @@ rewrites those slices per parameter (`zero/<name>/fp32.pt, exp_avg.pt, exp_avg_s
 an engine with `checkpoint.load_universal` cuts them again for its own ranks. OpenRLHF leaves the
 conversion to the user; here a resume with the flag converts the tag it loads, once, into
 `<tag>/universal/` (each node's first rank converts, the others wait), so the same command resumes
-on any rank count. With the flag the ZeRO stage asked for is kept on one CPU rank too (stage 0,
+on any rank count (`load_engine`, the one loader of the supervised trainers and the RL roles).
+With the flag the ZeRO stage asked for is kept on one CPU rank too (stage 0,
 which one CPU rank otherwise trains at, has no slices to convert); the engine tags the model so
 DeepSpeed writes what the converter needs (`distributed/engine.mark_convertible`).
 
@@ -27,6 +28,12 @@ import sys
 import uuid
 from argparse import Namespace
 from pathlib import Path
+
+import torch
+
+from rlhf_core.distributed.engine import barrier
+from rlhf_core.models.loading import strict_load
+from rlhf_core.trainers.checkpoints import set_rng_state
 
 FOLDER = "universal"
 
@@ -66,11 +73,22 @@ def convert(tag_dir: Path, out: Path) -> None:
         latest.unlink()
 
 
-def rng_file(tag_dir: Path, name: str) -> Path | None:
-    """This rank's random state in the checkpoint, or None where the run that wrote it had fewer ranks."""
-    path = Path(tag_dir) / name
-    return path if path.is_file() else None
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+def load_engine(engine, tag_dir: Path, rng: Path, universal: bool, flag: str) -> dict:
+    """Load the DeepSpeed checkpoint in `tag_dir` (`<load_dir>/<tag>`) into `engine` and this rank's
+    random state from `rng`; returns DeepSpeed's client state. `universal`: through the universal
+    format (any rank count); a rank the writing run did not have then keeps its seeded stream, and
+    without it that is an error naming the flag. 4-bit weights load non-strictly (`strict_load`).
+    Every rank calls it (the conversion waits for all)."""
+    load_dir, tag = str(tag_dir.parent), tag_dir.name
+    if universal:
+        load_dir, tag = universal_tag(tag_dir, int(os.environ.get("LOCAL_RANK", "0")), barrier)
+    path, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True, load_module_strict=strict_load(engine))
+    if path is None:
+        raise RuntimeError(f"{flag}: DeepSpeed could not load the checkpoint in {tag_dir}")
+    if rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    elif not universal:
+        raise RuntimeError(f"{flag}: {tag_dir} has no {rng.name}: the checkpoint was written by fewer ranks "
+                           "(--ds.use_universal_ckpt resumes on another rank count)")
+    return client or {}

@@ -99,7 +99,9 @@ def test_no_config_field_is_accepted_and_left_unread():
     """Every field of every stage config is read by the code (an attribute access `.name` somewhere in
     rlhf_core, or its name given to getattr outside the config modules), or marked no-op by design
     with its reason (`flat(..., noop=...)`, listed in docs/openrlhf-flags.md). A field added to a
-    config and wired to nothing fails here."""
+    config and wired to nothing fails here. A read inside the config modules counts: there a field
+    is folded into the one the code reads (`--flash_attn` into `ds.attention`, `--margin_loss` into
+    `data.margin_key`, `--eps_clip` into `eps_clip_low_high`, `ckpt.output_dir` as `save_path`)."""
     import re
 
     from rlhf_core.config import STAGE_CONFIGS
