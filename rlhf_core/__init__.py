@@ -1,0 +1,5 @@
+"""The RLHF lifecycle library: stages, trainers, rollout engines and their infrastructure."""
+
+from rlhf_core.infra.lean_imports import skip_sklearn_in_transformers
+
+skip_sklearn_in_transformers()
