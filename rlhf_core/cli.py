@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlhf_core.stages.launch import run_stage
 
             check_config_stores(cfg)
-            _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain"})
+            _check_models(cfg, {"pretrain": "--pretrain", "ref_pretrain": "--ref_pretrain",
+                                "teacher_pretrain": "--teacher_model"})
             manifest = run_stage(cfg)
             print(json.dumps(manifest, indent=2, sort_keys=True))
             return 0

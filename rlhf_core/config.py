@@ -547,11 +547,14 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
             raise ValueError("; ".join(problems))
         return self
 
+    def required(self) -> dict[str, str | None]:
+        """The inputs and output a run needs, by field path: their values (None or "" when not given)."""
+        return {"model.model_name_or_path": self.pretrain, "ckpt.output_dir": self.save_path,
+                "data.dataset": self.data.dataset}
+
     def check_complete(self) -> None:
-        """Raise ConfigError naming every input/output a run still needs (pretrain, save_path, dataset)."""
-        missing = [spellings_of(type(self)).flag_name((path,)) for path, value in
-                   (("model.model_name_or_path", self.pretrain), ("ckpt.output_dir", self.save_path),
-                    ("data.dataset", self.data.dataset)) if not value]
+        """Raise ConfigError naming every input/output a run still needs (`required`)."""
+        missing = [spellings_of(type(self)).flag_name((path,)) for path, value in self.required().items() if not value]
         if missing:
             raise ConfigError(f"{self.stage}: " + "; ".join(f"{name}: required" for name in missing))
 
@@ -599,6 +602,43 @@ class SFTConfig(TrainConfig):
             raise ValueError("--data.multiturn (--multiturn) and --pretrain_mode exclude each other (a loss on the "
                              "assistant turns, or on every token)")
         return self
+
+
+class TeacherModelConfig(StrictModel):
+    model_name_or_path: str | None = Field(None, description="The teacher of knowledge distillation: a causal LM "
+                                           "over the student's vocabulary (required)",
+                                           json_schema_extra=flat("teacher_model", **NOT_SEMANTIC))
+    offload: bool = Field(False, description="Keep the teacher's weights in CPU memory between uses (a GPU, "
+                          "ZeRO-3's parameter offload; on a CPU they are there already, said in one log line)",
+                          json_schema_extra=flat("teacher_offload", gpu="ZeRO-3 parameter offload on CUDA; on a "
+                                                 "CPU the weights are in CPU memory already"))
+
+
+class KDModelConfig(SFTModelConfig):
+    kd_coef: float = Field(0.4, ge=0, le=1, description="The loss is (1 - kd_coef) x the NLL of the data's "
+                           "responses + kd_coef x the cross-entropy to the teacher's next-token distribution",
+                           json_schema_extra=flat("kd_coef"))
+
+
+class KDAdam(AdamConfig):
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (after warmup)")
+
+
+class KDConfig(SFTConfig):
+    """Knowledge distillation (OpenRLHF's `train_kd`): SFT of the student on the data's responses,
+    mixed with the cross-entropy to a frozen teacher's distribution at every response token."""
+
+    stage: Literal["kd"] = "kd"
+    model: KDModelConfig = Field(default_factory=KDModelConfig)
+    adam: KDAdam = Field(default_factory=KDAdam)
+    teacher: TeacherModelConfig = Field(default_factory=TeacherModelConfig)
+
+    @property
+    def teacher_pretrain(self) -> str | None:
+        return self.teacher.model_name_or_path
+
+    def required(self) -> dict[str, str | None]:
+        return {**super().required(), "teacher.model_name_or_path": self.teacher_pretrain}
 
 
 class RMModelConfig(ModelConfig):
@@ -688,6 +728,7 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
     "rm": RMConfig,
     "dpo": DPOConfig,
     "kto": KTOConfig,
+    "kd": KDConfig,
 }
 
 

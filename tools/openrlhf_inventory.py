@@ -8,8 +8,8 @@ stubs) and writes, per release tag, two JSON
 files under tests/data/openrlhf/ that the compatibility tests read:
 
 - flags-<tag>.json: {"tag", "commit", "clis": {"train_sft": [flag, ...], ...}}: every module of
-  CLI_MODULES present at the tag (train_kto.py is in the tags up to v0.9.5, not in v0.9.10 or
-  v0.11.0; at v0.9.0 all five are there)
+  CLI_MODULES present at the tag (train_kto.py, train_kd.py and train_prm.py are in the tags up to
+  v0.9.5, not in v0.9.10 or v0.11.0; at v0.9.0 all seven are there)
 - scripts-<tag>.json: {"tag", "commit", "scripts": [script, ...], "commands": [command, ...]}:
   script = {"path", "training_commands", "training_clis", "other_openrlhf_cli"} for every script;
   command = {"script", "index" (0-based within the script), "cli", "argv", "launcher" (the words
@@ -74,7 +74,7 @@ that stops bash there; the rest is read as if it were filled in). Commands of ot
 (batch_inference, serve_rm) are not training commands; each script entry lists them.
 openrlhf_unrecognized / openrlhf_error: what OpenRLHF's own parser at the same tag, rebuilt from
 the flag records, makes of the argv with parse_known_args (the unrecognised arguments, [] when it
-accepts all; or its error); both null for CLIs without flag records (train_kd, train_prm).
+accepts all; or its error); both null for a CLI without flag records.
 
 --check-bash cross-checks the static interpreter against real bash: each script with training
 commands is run by /bin/bash in a scratch copy of examples/scripts/ with `env -i`, a PATH holding
@@ -102,7 +102,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 DEFAULT_TAGS = ("v0.9.10", "v0.11.0", "v0.9.0")
-CLI_MODULES = ("train_sft", "train_rm", "train_dpo", "train_kto", "train_ppo_ray")
+CLI_MODULES = ("train_sft", "train_rm", "train_dpo", "train_kto", "train_ppo_ray", "train_kd", "train_prm")
 SCRIPTS_DIR = "examples/scripts"
 HELP_CHARS = 200
 MODULE_RE = re.compile(r"openrlhf\.cli\.([A-Za-z_][A-Za-z0-9_]*)")

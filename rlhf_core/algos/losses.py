@@ -37,6 +37,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "REWARD_LOSSES",
     "aggregate_loss",
+    "distillation_losses",
     "dpo_loss",
     "entropy_from_logits",
     "gather_token_logprobs",
@@ -127,6 +128,35 @@ def sft_loss(token_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     split; a per-micro-batch mean is not when micro-batches hold different numbers of tokens.
     """
     return -masked_sum(token_logprobs, loss_mask)
+
+
+# --- knowledge distillation -------------------------------------------------------------------
+
+
+def distillation_losses(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
+                        weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The student's NLL of the labels and its cross-entropy to the teacher's next-token
+    distribution, both summed over positions: `(Σ w·−log p_S(y), Σ w·−Σ_v p_T(v) log p_S(v))`,
+    float32 scalars (docs/algorithms.md, "Knowledge distillation").
+
+    student_logits, teacher_logits: `(n, vocab)`, the logits that predict each of n loss tokens
+        (the same positions in both; any float dtype, one vocabulary).
+    labels: `(n,)` the tokens predicted; weights: `(n,)` the loss mask there.
+    The second term is the forward KL(p_T || p_S) plus the teacher's entropy, which does not depend
+    on the student (OpenRLHF's KDLoss). Where a student logit is −inf it contributes 0, as there.
+    The trainer mixes them, `(1 − kd_coef)·NLL + kd_coef·distillation`, and divides by the step's
+    loss tokens like the SFT loss. Computed a few rows at a time in float32 (`upcast_chunks`).
+    """
+    nll, distill = student_logits.new_zeros((), dtype=torch.float32), student_logits.new_zeros((), dtype=torch.float32)
+    rows = _chunk_rows(student_logits)
+    for s, t, y, w in zip(student_logits.split(rows), teacher_logits.split(rows), labels.split(rows),
+                          _f32(weights).split(rows), strict=True):
+        logp = torch.log_softmax(s.float(), dim=-1)
+        p_teacher = torch.softmax(t.float(), dim=-1)
+        cross = torch.where(torch.isinf(s), torch.zeros_like(logp), p_teacher * logp).sum(-1)
+        nll = nll - (logp.gather(-1, y.long().unsqueeze(-1)).squeeze(-1) * w).sum()
+        distill = distill - (cross * w).sum()
+    return nll, distill
 
 
 # --- reward model -----------------------------------------------------------------------------

@@ -49,6 +49,21 @@ def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
     return logprobs.new_zeros(rows * width).index_put((targets,), logprobs).reshape(rows, width)
 
 
+def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(targets, logits)`: the flat positions (into `rows * T`) of the loss tokens (nonzero
+    `batch.loss_mask` on real tokens), and the logits that predict each of them, `(len(targets),
+    vocab)`: what a loss over whole next-token distributions needs (knowledge distillation). Only
+    those positions go through the LM head; Llama models run the lean forward (`lean_train.py`)."""
+    keep = (batch.loss_mask != 0) & (batch.seq_ids >= 0)
+    targets = keep.reshape(-1).nonzero().squeeze(-1)
+    lean = lean_model(model)
+    if lean is None:
+        return targets, response_logits(model, batch, targets)
+    hidden = selected_hidden(lean, batch.input_ids, batch.position_ids, batch.attention_mask,
+                             predicting_index(batch, targets))
+    return targets, lean.logits(hidden)
+
+
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Sum `values * loss_mask` over each sample's tokens: `(rows, T)` -> `(num_samples,)`."""
     flat_ids = batch.seq_ids.reshape(-1)

@@ -141,6 +141,8 @@ STAGE_CURVES: dict[str, list[tuple[str, dict[str, str]]]] = {
             ("implicit-reward accuracy", {"train": "train/reward_accuracy", "held-out": "eval/reward_accuracy"}),
             ("chosen - rejected log-prob margin", {"train": "train/logp_margin", "held-out": "eval/logp_margin"})],
     "kto": [("loss", {"train": "train/loss", "held-out": "eval/loss"})],
+    "kd": [("loss (NLL and distillation mixed)", {"train": "train/loss", "held-out": "eval/loss"}),
+           ("the terms", {"NLL": "train/nll", "distillation": "train/distill_loss", "held-out NLL": "eval/nll"})],
     "ppo": [("reward (rollouts)", {"mean": "rollout/reward_mean"}),
             ("KL to reference (rollouts)", {"kl": "rollout/kl"}),
             ("entropy", {"entropy": "train/entropy"}),

@@ -11,6 +11,7 @@ RECIPES = {
     "rm": "rlhf_core.trainers.rm:RewardModelRecipe",
     "dpo": "rlhf_core.trainers.dpo:DPORecipe",
     "kto": "rlhf_core.trainers.kto:KTORecipe",
+    "kd": "rlhf_core.trainers.kd:KDRecipe",
 }
 
 

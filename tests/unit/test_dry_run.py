@@ -23,6 +23,8 @@ COMMANDS = {
             "--save_path", "./ckpt/dpo", "--beta", "0.1"],
     "kto": ["train", "kto", "--pretrain", HUB, "--dataset", "Dylan2048/ultrafeedback-unpaired-preferences",
             "--save_path", "./ckpt/kto"],
+    "kd": ["train", "kd", "--pretrain", HUB, "--teacher_model", "meta-llama/Meta-Llama-3-70B-Instruct", "--dataset",
+           "Open-Orca/OpenOrca", "--save_path", "./ckpt/kd", "--kd_coef", "0.4", "--teacher_offload"],
     "ppo": ["train", "ppo", "--pretrain", HUB, "--prompt_data", "OpenRLHF/prompt-collection-v0.1", "--save_path", "./ckpt/ppo",
             "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "4",
             "--vllm_tensor_parallel_size", "2", "--remote_rm_url", "/nowhere/reward_func.py"],

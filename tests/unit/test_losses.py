@@ -377,3 +377,40 @@ def test_registries_pick_by_name_and_reject_unknown_names():
         kl_penalty(POLICY_C, REF_C, "k4")
     with pytest.raises(ValueError):
         pairwise_reward_loss(POLICY_C, REF_C, "hinge")
+
+
+def test_distillation_losses_are_the_nll_and_the_cross_entropy_to_the_teacher():
+    """By hand: NLL = −Σ w·log p_S(y); distillation = −Σ w·Σ_v p_T(v) log p_S(v), whose gradient in
+    the student's logits is w·(p_S − p_T): it pulls the student's whole distribution to the
+    teacher's, not only the label's probability; a −inf student logit adds nothing."""
+    from rlhf_core.algos.losses import distillation_losses
+
+    torch.manual_seed(0)
+    student = torch.randn(5, 7, requires_grad=True)
+    teacher = torch.randn(5, 7)
+    labels = torch.tensor([0, 3, 6, 2, 2])
+    weights = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5])
+    nll, distill = distillation_losses(student, teacher, labels, weights)
+    logp = torch.log_softmax(student.detach(), -1)
+    p_teacher = torch.softmax(teacher, -1)
+    assert torch.allclose(nll, -(logp[torch.arange(5), labels] * weights).sum())
+    assert torch.allclose(distill, -((p_teacher * logp).sum(-1) * weights).sum())
+    distill.backward()
+    assert torch.allclose(student.grad, weights[:, None] * (logp.exp() - p_teacher), atol=1e-6)
+    # the teacher's own distribution: the cross-entropy is its entropy, the minimum over students
+    _, own = distillation_losses(teacher, teacher, labels, weights)
+    assert own < distill and torch.allclose(own, -((p_teacher * p_teacher.log()).sum(-1) * weights).sum())
+    masked = teacher.clone()
+    masked[0, 1] = float("-inf")
+    _, finite = distillation_losses(masked, teacher, labels, weights)
+    assert torch.isfinite(finite)
+    # bf16 logits are computed in float32, and chunking rows does not change the sums
+    import rlhf_core.algos.losses as losses
+
+    chunked = losses.UPCAST_CHUNK_ELEMENTS
+    losses.UPCAST_CHUNK_ELEMENTS = 14  # two rows a chunk
+    try:
+        again = distillation_losses(student.detach(), teacher, labels, weights)
+    finally:
+        losses.UPCAST_CHUNK_ELEMENTS = chunked
+    assert torch.allclose(again[0], nll) and torch.allclose(again[1], distill)

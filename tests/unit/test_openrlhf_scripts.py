@@ -1,7 +1,7 @@
 """OpenRLHF's own example scripts, as written, against `rlhf train <stage> --dry_run`.
 
 The argv of every training command in OpenRLHF's `examples/scripts/` at v0.9.10 (flat flags),
-v0.11.0 (dotted flags) and v0.9.0 (which also has `train_kto`) is test data
+v0.11.0 (dotted flags) and v0.9.0 (which also has `train_kto`, `train_kd` and `train_prm`) is test data
 (`tests/data/openrlhf/scripts-<tag>.json`, extracted by `tools/openrlhf_inventory.py`; nothing is
 fetched here), and so is each CLI's flag inventory (`flags-<tag>.json`). Every command is accepted,
 except where it gives a flag of a feature not built yet (refused by name, exit 2) or a flag
@@ -20,9 +20,10 @@ from rlhf_core.cli import _parser, main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "openrlhf"
 TAGS = ("v0.9.10", "v0.11.0", "v0.9.0")
-STAGES = {"train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "train_kto": "kto", "train_ppo_ray": "ppo"}
+STAGES = {"train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "train_kto": "kto", "train_ppo_ray": "ppo",
+          "train_kd": "kd"}
 # OpenRLHF CLIs with no stage here yet: the seed-stages work brings them.
-NOT_STAGES = {"train_kd", "train_prm"}
+NOT_STAGES = {"train_prm"}
 
 
 def commands(tag: str) -> list[dict]:
@@ -181,6 +182,8 @@ def scaled_down(tag, script, prepared, tmp_path, data_kind, dotted: bool) -> tup
                        "--max_steps": "2"})
         if data_kind == "sft":
             values["--output_key"] = "response"
+        if stage == "kd":  # the student distils the same tiny model (a teacher shares its tokenizer)
+            values["--teacher_model"] = prepared["base"]
     if dotted:
         values = {names[k]: v for k, v in values.items()}
     return stage, replaced(found["argv"], values)
@@ -191,6 +194,7 @@ def scaled_down(tag, script, prepared, tmp_path, data_kind, dotted: bool) -> tup
     ("v0.9.10", "train_rm.sh", "preference", False, None),
     ("v0.9.10", "train_dpo_llama.sh", "preference", False, None),
     ("v0.9.0", "train_kto_llama.sh", "unpaired", False, None),
+    ("v0.9.0", "train_knowledge_distillation.sh", "sft", False, None),
     ("v0.9.10", "train_ppo_with_reward_fn.sh", None, False, OLD_ERA_REWARD),
     ("v0.11.0", "train_ppo_with_reward_fn.sh", None, True, NEW_ERA_REWARD),
 ])

@@ -59,8 +59,9 @@ def dropout_base(prepared, tmp_path_factory):
 
 
 def values(stage, prepared, base, out: Path, ckpt: Path) -> dict:
-    data = "sft" if stage == "sft" else "preference"
-    return {"pretrain": base, "dataset": f"json@{prepared[data]}", "save_path": str(out),
+    data = "sft" if stage in ("sft", "kd") else "preference"
+    teacher = {"teacher_model": prepared["base"]} if stage == "kd" else {}  # distillation's frozen teacher
+    return {**teacher, "pretrain": base, "dataset": f"json@{prepared[data]}", "save_path": str(out),
             "apply_chat_template": True, "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 8,
             "max_samples": 48, "max_eval_samples": 16, "max_epochs": 3, "max_steps": STEPS,
             "learning_rate": 1e-3, "lr_warmup_ratio": 0.25, "param_dtype": "fp32", "zero_stage": 2, "seed": 7,
@@ -120,10 +121,10 @@ def optimizer_state(tag: Path) -> dict:
     return optim
 
 
-@pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}),
+@pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}), ("kd", {}),
                                           ("sft", {"optim": "muon", "muon.lr": 0.01}),
                                           ("sft", {"load_in_4bit": True, "lora_rank": 8})],
-                         ids=["sft", "rm", "dpo", "kto", "sft-muon", "sft-qlora"])
+                         ids=["sft", "rm", "dpo", "kto", "kd", "sft-muon", "sft-qlora"])
 def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropout_base, tmp_path, capfd,
                                                    one_torch_thread):
     """(With `--optim muon` too: Muon's momentum buffers are in the checkpoint and come back; and
