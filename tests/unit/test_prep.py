@@ -155,7 +155,9 @@ def test_chat_template_rejects_unknown_roles(tokenizer):
 
 
 def test_build_tiny_llama_sizes_and_seeding(tokenizer):
-    assert set(MODEL_SIZES) == {"tiny", "small", "100m"}
+    assert set(MODEL_SIZES) == {"nano", "tiny", "small", "100m"}
+    nano = build_tiny_llama(tokenizer, size="nano")
+    assert sum(p.numel() for p in nano.model.layers.parameters()) < 200_000  # a student smaller than tiny
     with pytest.raises(ValueError, match="tiny"):
         build_tiny_llama(tokenizer, size="huge")
     torch.manual_seed(7)
