@@ -74,17 +74,20 @@ def test_one_rank_of_two_killed_mid_step_resumes_bit_identical(prepared, dropout
 
 
 def pair_values(stage, prepared, out, **overrides):
+    # distillation reads SFT rows, its teacher the tiny base (a teacher shares the student's vocabulary)
+    kd = {"dataset": f"json@{prepared['sft']}", "teacher_model": prepared["base"]} if stage == "kd" else {}
     return {"pretrain": prepared["base"], "dataset": f"json@{prepared['preference']}", "save_path": str(out),
             "apply_chat_template": True, "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 4,
             "max_samples": 64, "max_eval_samples": 32, "max_steps": 3, "learning_rate": 1e-3,
             "lr_warmup_ratio": 0.0, "param_dtype": "fp32", "zero_stage": 2, "seed": 5, "use_mlflow": False,
-            **overrides}
+            **kd, **overrides}
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
+@pytest.mark.parametrize("stage", ["rm", "dpo", "kto", "kd"])
 def test_two_ranks_train_like_one(stage, prepared, tmp_path):
-    """The loss is normalised by the global count of units (pairs, examples) and KTO's KL reference
-    point is averaged over ranks: 2 ranks of 2 micro-batches make the updates of 1 rank of 4."""
+    """The loss is normalised by the global count of units (pairs, examples, response tokens) and
+    KTO's KL reference point is averaged over ranks: 2 ranks of 2 micro-batches make the updates of
+    1 rank of 4 (distillation's teacher runs on each rank)."""
     one = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "one")))
     two = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "two",
                                                                          num_gpus_per_node=2)))
