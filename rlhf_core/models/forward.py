@@ -37,16 +37,17 @@ def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
     """`token_logprobs` where `batch.loss_mask` is nonzero (on real tokens), 0 elsewhere: `(rows, T)`
     float32, for the supervised losses. Llama models run the lean forward (`models/lean_train.py`:
     head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`."""
-    lean = lean_model(model)
-    keep = (batch.loss_mask != 0) & (batch.seq_ids >= 0)
-    if lean is None:
-        return token_logprobs(model, batch).masked_fill(~keep, 0.0)
+    if lean_model(model) is None:
+        return token_logprobs(model, batch).masked_fill(~loss_positions(batch), 0.0)
     rows, width = batch.input_ids.shape
-    targets = keep.reshape(-1).nonzero().squeeze(-1)
-    hidden = selected_hidden(lean, batch.input_ids, batch.position_ids, batch.attention_mask,
-                             predicting_index(batch, targets))
-    logprobs = gather_token_logprobs(lean.logits(hidden), batch.input_ids.reshape(-1)[targets])
+    targets, logits = loss_logits(model, batch)
+    logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[targets])
     return logprobs.new_zeros(rows * width).index_put((targets,), logprobs).reshape(rows, width)
+
+
+def loss_positions(batch: Batch) -> torch.Tensor:
+    """`(rows, T)` bool: the tokens a supervised loss covers (nonzero loss mask, real tokens)."""
+    return (batch.loss_mask != 0) & (batch.seq_ids >= 0)
 
 
 def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +55,7 @@ def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     `batch.loss_mask` on real tokens), and the logits that predict each of them, `(len(targets),
     vocab)`: what a loss over whole next-token distributions needs (knowledge distillation). Only
     those positions go through the LM head; Llama models run the lean forward (`lean_train.py`)."""
-    keep = (batch.loss_mask != 0) & (batch.seq_ids >= 0)
-    targets = keep.reshape(-1).nonzero().squeeze(-1)
+    targets = loss_positions(batch).reshape(-1).nonzero().squeeze(-1)
     lean = lean_model(model)
     if lean is None:
         return targets, response_logits(model, batch, targets)

@@ -26,12 +26,14 @@ def run_recipe(cfg, data=None) -> dict | None:
     `data`: the stage's StageData as `check_data` loaded it; None loads it here."""
     use_modelscope(cfg.use_ms)  # a rank's own process loads the models by name
     recipe = recipe_class(cfg.stage)(cfg)
-    recipe.setup(data)
     try:
+        recipe.setup(data)
         recipe.train()
         manifest = recipe.save()
     except BaseException:
-        recipe.ctx.tracker.finish("FAILED")
+        ctx = getattr(recipe, "ctx", None)  # set once setup has started the stage's run
+        if ctx is not None:
+            ctx.tracker.finish("FAILED")
         raise
     recipe.ctx.tracker.finish("FINISHED")
     return manifest

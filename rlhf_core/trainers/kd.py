@@ -22,7 +22,7 @@ from rlhf_core.distributed.engine import EngineSettings, initialize_frozen
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.models.forward import loss_logits
 from rlhf_core.models.loading import load_causal_lm, model_options
-from rlhf_core.trainers.common import local_model_path, save_stage
+from rlhf_core.trainers.common import local_model_path
 from rlhf_core.trainers.sft import SFTRecipe
 from rlhf_core.trainers.sft import load_data as load_data  # the same examples as SFT
 
@@ -41,7 +41,6 @@ class KDRecipe(SFTRecipe):
         teacher = load_causal_lm(local_model_path(cfg.teacher_pretrain), **model_options(cfg.ds))
         student_vocab, teacher_vocab = output_size(self.engine.module), output_size(teacher)
         if student_vocab != teacher_vocab:
-            self.ctx.tracker.finish("FAILED")
             raise ConfigError(f"--teacher_model {cfg.teacher_pretrain}: its vocabulary has {teacher_vocab} tokens, the "
                               f"student's (--pretrain {cfg.pretrain}) {student_vocab}: distillation needs one tokenizer")
         self.teacher = initialize_frozen(teacher, EngineSettings.of(cfg), offload=cfg.teacher.offload)
@@ -59,7 +58,5 @@ class KDRecipe(SFTRecipe):
         stats = {"loss": loss.detach(), "nll": nll.detach(), "distill_loss": distill.detach()}
         return loss, stats, int((batch.seq_ids >= 0).sum())
 
-    def save(self) -> dict | None:
-        inputs = {"pretrain": self.cfg.pretrain, "teacher_model": self.cfg.teacher_pretrain,
-                  "datasets": self.data.sources}
-        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, inputs)
+    def inputs(self) -> dict:
+        return {**super().inputs(), "teacher_model": self.cfg.teacher_pretrain}

@@ -59,6 +59,9 @@ class SFTRecipe:
         self.metrics = run_training(self)
         return self.metrics
 
+    def inputs(self) -> dict:
+        """What the stage's manifest records it was trained from."""
+        return {"pretrain": self.cfg.pretrain, "datasets": self.data.sources}
+
     def save(self) -> dict | None:
-        inputs = {"pretrain": self.cfg.pretrain, "datasets": self.data.sources}
-        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, inputs)
+        return save_stage(self.ctx, self.engine.module, self.data.tokenizer, self.metrics, self.inputs())

@@ -1,40 +1,83 @@
-"""`rlhf train kd`: a teacher is required, and one whose vocabulary differs from the student's is
-refused naming the flag (exit 2). That distillation teaches more than SFT on the same rows is
+"""`rlhf train kd`: a teacher is required; one whose vocabulary differs from the student's is refused
+naming the flag (exit 2) and the stage's MLflow run is closed as FAILED; the teacher enters the
+update exactly through `--kd_coef`. That distillation teaches more than SFT on the same rows is
 tests/learning/test_kd_learning.py; the loss against a hand computation is test_losses.py."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from rlhf_core.cli import main
 
 
-def kd(prepared, tmp_path, *extra: str) -> list[str]:
+def kd(prepared, out, *extra: str, mlflow: bool = False) -> list[str]:
     return ["train", "kd", "--pretrain", prepared["base"], "--dataset", f"json@{prepared['sft']}", "--save_path",
-            str(tmp_path / "out"), "--max_steps", "1", "--train_batch_size", "8", "--micro_train_batch_size", "8",
-            "--use_mlflow", "false", *extra]
+            str(out), "--max_steps", "2", "--train_batch_size", "8", "--micro_train_batch_size", "8",
+            "--learning_rate", "1e-2", "--param_dtype", "fp32", "--use_mlflow", str(mlflow).lower(), *extra]
+
+
+@pytest.fixture(scope="module")
+def other_teacher(prepared, tmp_path_factory) -> str:
+    """A teacher over the same tokenizer with other (random) weights."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.models.tiny import build_tiny_llama
+
+    out = tmp_path_factory.mktemp("other_teacher")
+    tokenizer = AutoTokenizer.from_pretrained(prepared["base"])
+    build_tiny_llama(tokenizer, seed=11).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
 
 
 def test_a_teacher_is_required(prepared, tmp_path, capsys):
-    assert main(kd(prepared, tmp_path)) == 2
+    assert main(kd(prepared, tmp_path / "out")) == 2
     assert "--teacher.model_name_or_path (--teacher_model): required" in capsys.readouterr().err
 
 
-def test_a_teacher_with_another_vocabulary_is_refused_naming_it(prepared, tmp_path, capsys):
+def test_a_teacher_with_another_vocabulary_is_refused_and_the_run_closed_as_failed(prepared, tmp_path, capsys):
+    from mlflow import MlflowClient
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    from rlhf_core.infra.settings import tracking_uri
 
     config = AutoConfig.from_pretrained(prepared["base"])
     config.vocab_size += 16
-    other = tmp_path / "other_teacher"
+    other = tmp_path / "other_vocabulary"
     LlamaForCausalLM(config).save_pretrained(other)
     AutoTokenizer.from_pretrained(prepared["base"]).save_pretrained(other)
-    assert main(kd(prepared, tmp_path, "--teacher_model", str(other))) == 2
+    name = f"kd-vocabulary-{tmp_path.name}"
+    assert main(kd(prepared, tmp_path / "out", "--teacher_model", str(other), "--mlflow_run_name", name,
+                   mlflow=True)) == 2
     err = capsys.readouterr().err
     assert f"--teacher_model {other}: its vocabulary has {config.vocab_size} tokens" in err, err[-2000:]
+    client = MlflowClient(tracking_uri())
+    experiment = client.get_experiment_by_name("rlhf").experiment_id
+    runs = client.search_runs([experiment], f"attributes.run_name = '{name}'")
+    assert [r.info.status for r in runs] == ["FAILED"]  # a setup failure does not leave a run RUNNING
 
 
-def test_the_stage_records_its_teacher_and_coefficient(prepared, tmp_path, capsys, one_torch_thread):
-    assert main(kd(prepared, tmp_path, "--teacher_model", prepared["base"], "--kd_coef", "0.5")) == 0
-    manifest = json.loads((tmp_path / "out" / "stage.json").read_text())
-    assert manifest["inputs"]["teacher_model"] == prepared["base"]
-    assert manifest["config"]["model"]["kd_coef"] == 0.5 and manifest["config"]["teacher"]["model_name_or_path"]
+def weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(next(iter(sorted(path.glob("*.safetensors")))))
+
+
+def test_the_teacher_enters_the_update_through_kd_coef(prepared, other_teacher, tmp_path, one_torch_thread):
+    """Two teachers: with `--kd_coef 0` the student's weights come out bit-identical (the NLL alone,
+    which is SFT), with `--kd_coef 1` they differ; the manifest records the teacher and the coefficient."""
+    out = {}
+    for coef in ("0", "1"):
+        for name, teacher in (("base", prepared["base"]), ("other", other_teacher)):
+            out[coef, name] = tmp_path / f"{coef}-{name}"
+            assert main(kd(prepared, out[coef, name], "--teacher_model", teacher, "--kd_coef", coef)) == 0
+    same = weights(out["0", "base"]), weights(out["0", "other"])
+    assert all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+    apart = weights(out["1", "base"]), weights(out["1", "other"])
+    assert max((apart[0][k] - apart[1][k]).abs().max().item() for k in apart[0]) > 1e-4
+    manifest = json.loads((out["1", "other"] / "stage.json").read_text())
+    assert manifest["inputs"]["teacher_model"] == other_teacher
+    assert manifest["config"]["model"]["kd_coef"] == 1.0
