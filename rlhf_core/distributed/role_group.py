@@ -1,13 +1,13 @@
 """A role (actor, critic, reference, reward, rollout, or a supervised stage's ranks) as Ray actors.
 
-`RoleGroup(worker_cls, world_size, pool)` makes one Ray actor per rank from any plain class:
-rank 0 first, which picks its node's address and a free port for the role's torch.distributed
-rendezvous, then the other ranks. Before the class's own `__init__` runs, every rank has RANK,
-WORLD_SIZE, LOCAL_RANK (0: Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES), MASTER_ADDR and
-MASTER_PORT set, and torch uses as many threads as the rank has whole CPUs (at least one). Each
-role rendezvouses on its own port, so each has its own process group (`init_process_group`, or
-the worker's own `deepspeed.init_distributed` in a later method: never in `__init__`, which runs
-before the other ranks exist).
+`RoleGroup(worker_cls, world_size, pool)` makes one Ray actor per rank from any plain class, all
+ranks at once: a light task in rank 0's bundle first picks that node's address and a free port
+for the role's torch.distributed rendezvous (a role of one rank picks its own). Before the class's
+own `__init__` runs, every rank has RANK, WORLD_SIZE, LOCAL_RANK (0: Ray gives each GPU actor its
+own CUDA_VISIBLE_DEVICES), MASTER_ADDR and MASTER_PORT set, and torch uses as many threads as the
+rank has whole CPUs (at least one). Each role rendezvouses on its own port, so each has its own
+process group (`init_process_group`, or the worker's own `deepspeed.init_distributed` in a later
+method: never in `__init__`, which may run before the other ranks exist).
 
 The controller calls methods on the ranks: `call_all` (same arguments everywhere, results in rank
 order), `call_rank0`, `call_each_async` (each rank its own arguments) and `call_sharded` (a batch
@@ -80,7 +80,7 @@ class RankActor:
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         env = dict(_role_setup["env"])
-        if "MASTER_ADDR" not in env:  # rank 0: the rendezvous is on its node
+        if "MASTER_ADDR" not in env:  # a role of one rank: the rendezvous is on its node
             from rlhf_core.infra.network import free_port
 
             env.update(MASTER_ADDR=ray.util.get_node_ip_address(), MASTER_PORT=str(free_port()))
@@ -92,9 +92,6 @@ class RankActor:
         if _role_setup.get("prepare_args") is not None:  # e.g. remote models -> this node's downloads
             args, kwargs = _role_setup["prepare_args"](args, kwargs)
         super().__init__(*args, **kwargs)
-
-    def _role_master(self) -> tuple[str, int]:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
     def _role_info(self) -> dict:
         import torch
@@ -133,6 +130,14 @@ class RankActor:
         return dist.get_rank(), dist.get_world_size()
 
 
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """This node's address and a free port on it: where a role of several ranks rendezvouses."""
+    from rlhf_core.infra.network import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
 _ACTOR_CLASSES: dict[type, Any] = {}
 
 
@@ -146,6 +151,24 @@ def actor_class(worker_cls: type):
                    {"__qualname__": f"RoleActor.{worker_cls.__name__}", "__doc__": worker_cls.__doc__})
         _ACTOR_CLASSES[worker_cls] = ray.remote(cls)
     return _ACTOR_CLASSES[worker_cls]
+
+
+def start_together(groups: Sequence[RoleGroup]) -> None:
+    """Finish starting groups made with `wait=False`, whose rank-0 processes are already starting:
+    then each starts its other ranks, and every rank of every group is waited for at once. A rank's
+    process imports torch and the model code before it answers, seconds each: roles started this way
+    import side by side instead of one role after the other. On a failure (naming the role and rank)
+    every group is shut down."""
+    try:
+        for group in groups:
+            group._start_ranks()
+        infos = gather_all([group.call_all_async("_role_info") for group in groups])  # every rank constructed
+        for group, info in zip(groups, infos, strict=True):
+            group._started(info)
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
 
 
 # -- waiting with deadlines ------------------------------------------------------------------
@@ -237,13 +260,17 @@ class RoleGroup:
 
     `prepare_args(args, kwargs) -> (args, kwargs)` (a module-level function) runs on each rank before
     the worker's `__init__`, on the rank's node: e.g. remote model URIs replaced by that node's
-    downloads (`trainers/ppo.models_on_this_node`)."""
+    downloads (`trainers/ppo.models_on_this_node`).
+
+    `wait=False`: return as soon as rank 0 is asked for, and let `start_together(groups)` finish
+    several groups at once, so that their processes start side by side."""
 
     def __init__(self, worker_cls: type, world_size: int, pool: ResourcePool | None = None, *,
                  name: str | None = None, share: float = 1.0, bundle_offset: int = 0, args: Sequence = (),
                  kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
-                 devices: ClusterDevices | None = None, bundles_per_rank: int = 1, prepare_args=None):
+                 devices: ClusterDevices | None = None, bundles_per_rank: int = 1, prepare_args=None,
+                 wait: bool = True):
         if timeout_s is None or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.name = name or worker_cls.__name__
@@ -285,18 +312,37 @@ class RoleGroup:
                 strategy = pool.scheduling(self.rank_bundles[rank][0], capture_child_tasks=spanning)
                 return cls.options(scheduling_strategy=strategy, **options).remote(setup, *args, **(kwargs or {}))
 
-            self.actors.append(start(0, {}))
-            self.master_addr, self.master_port = self.call_rank0("_role_master")
-            master = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
-            self.actors += [start(rank, master) for rank in range(1, world_size)]
-            self.info: list[dict] = self.call_all("_role_info")  # every rank constructed, or an error naming it
-            # Which process is which rank, for whoever reads the log of a rank that dies.
-            print(f"role {self.name!r}: " + ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['node']}"
-                                                      for i in self.info)
-                  + f" (nodes {', '.join(i['node_id'][:12] for i in self.info)})", file=sys.stderr, flush=True)
+            self._start_rank = start
+            if world_size == 1:  # its rank picks the address itself (RankActor)
+                self.actors.append(start(0, {}))
+            else:  # rank 0's node and a free port there, from a task in its bundle (no torch to import)
+                self._rendezvous = _rendezvous.options(scheduling_strategy=pool.scheduling(
+                    self.rank_bundles[0][0])).remote()
         except BaseException:
             self.shutdown()
             raise
+        if wait:
+            start_together([self])
+
+    def _start_ranks(self) -> None:
+        """Ranks 1.. (rank 0 too, when there are several) once the rendezvous address is known."""
+        if self.world_size == 1:
+            return
+        try:
+            self.master_addr, self.master_port = ray.get(self._rendezvous, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RoleTimeoutError(self.name, [0], "rendezvous", f"no node for rank 0 within {self.timeout_s:g} s "
+                                   "(its placement bundle was never scheduled)") from e
+        except ray.exceptions.RayError as e:
+            raise RoleError(self.name, [0], "rendezvous", f"picking rank 0's address failed: {e}") from e
+        master = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        self.actors += [self._start_rank(rank, master) for rank in range(self.world_size)]
+
+    def _started(self, info: list[dict]) -> None:
+        self.info = info
+        # Which process is which rank, for whoever reads the log of a rank that dies.
+        print(f"role {self.name!r}: " + ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['node']}" for i in info)
+              + f" (nodes {', '.join(i['node_id'][:12] for i in info)})", file=sys.stderr, flush=True)
 
     # dispatch ---------------------------------------------------------------------------------
 

@@ -184,7 +184,7 @@ def engine_options(cfg) -> tuple[str, dict]:
 
 def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list[str]) -> RoleGroups:
     from rlhf_core.distributed.resources import create_pools, detect_devices
-    from rlhf_core.distributed.role_group import RoleGroup, gather_all
+    from rlhf_core.distributed.role_group import RoleGroup, gather_all, start_together
     from rlhf_core.rl.engines import EngineWorker, RayEngines
     from rlhf_core.rl.ray_roles import rl_layout
     from rlhf_core.trainers.stage_worker import stage_timeout_s
@@ -200,7 +200,9 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list
                 else (EngineWorker, (backend, actor_model, options))
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
                                    args=worker_args, timeout_s=stage_timeout_s(),
-                                   bundles_per_rank=place.bundles_per_rank, prepare_args=models_on_this_node)
+                                   bundles_per_rank=place.bundles_per_rank, prepare_args=models_on_this_node,
+                                   wait=False)
+        start_together(list(made.values()))  # the roles' processes start (import torch, ...) side by side
         # Models load in parallel; a model role's ranks first join its process group.
         gather_all([group.call_all_async("setup", join=True) if kind in specs else group.call_all_async("setup")
                     for kind, group in made.items()])

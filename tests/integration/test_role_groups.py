@@ -4,12 +4,19 @@ one process group per role, and errors that name the role and rank instead of ha
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_core.distributed.resources import PlacementError, create_pools, detect_devices, plan_layout
-from rlhf_core.distributed.role_group import RoleError, RoleGroup, RoleTimeoutError, gather_all
+from rlhf_core.distributed.role_group import (
+    RoleError,
+    RoleGroup,
+    RoleTimeoutError,
+    gather_all,
+    start_together,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -17,9 +24,17 @@ pytestmark = pytest.mark.integration
 class ToyWorker:
     """Holds a tensor; knows its rank from the environment the group set."""
 
-    def __init__(self, value: float = 0.0):
+    def __init__(self, value: float = 0.0, meet: tuple[str, int] | None = None):
         self.value = torch.tensor([value])
         self.rank = int(os.environ["RANK"])
+        if meet is not None:  # (folder, n): wait in __init__ until n ranks are in theirs
+            folder, n = meet
+            (Path(folder) / f"{os.environ['TOY_FLAG']}-{self.rank}").touch()
+            deadline = time.monotonic() + 60
+            while len(list(Path(folder).iterdir())) < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(list(Path(folder).iterdir()))} of {n} ranks got as far as __init__")
+                time.sleep(0.05)
 
     def whoami(self) -> dict:
         import torch.distributed as dist
@@ -82,14 +97,19 @@ def pools(cluster):
 
 
 @pytest.fixture(scope="module")
-def roles(pools):
+def roles(pools, tmp_path_factory):
+    """Two roles of two ranks, started together (`start_together`): no rank's `__init__` returns
+    before all four ranks are in theirs, which only ranks started side by side can do."""
     layout, made = pools
+    meet = (str(tmp_path_factory.mktemp("meet")), 4)
     groups = {}
     try:
         for role, value in (("actor", 1.0), ("ref", 10.0)):
             p = layout.roles[role]
             groups[role] = RoleGroup(ToyWorker, p.world_size, made[p.pool], name=role, share=p.share,
-                                     kwargs={"value": value}, env={"TOY_FLAG": role}, timeout_s=60)
+                                     kwargs={"value": value, "meet": meet}, env={"TOY_FLAG": role}, timeout_s=90,
+                                     wait=False)
+        start_together(list(groups.values()))
         yield groups
     finally:
         for g in groups.values():
