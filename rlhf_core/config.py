@@ -74,6 +74,14 @@ def template_or_none(template: str | None) -> str | None:
     return None
 
 
+def check_aux_loss(section) -> None:
+    """Reentrant gradient checkpointing runs each layer's forward without gradients: the routers'
+    load-balancing loss would reach none of them (`models/moe.py` keeps only forwards with gradients)."""
+    if section.aux_loss_coef > 0 and section.gradient_checkpointing_enable and section.gradient_checkpointing_reentrant:
+        raise ValueError("aux_loss_coef: the load-balancing loss needs gradients through the routers, which "
+                         "reentrant gradient checkpointing does not give; drop --gradient_checkpointing_use_reentrant")
+
+
 def check_input_template(template: str | None, name: str) -> None:
     """ValueError unless `template` formats one prompt: exactly one `{}` and no other field."""
     if template is None:
@@ -482,6 +490,14 @@ class ModelConfig(StrictModel):
     gradient_checkpointing_enable: bool = Field(False, json_schema_extra=flat("gradient_checkpointing"))
     gradient_checkpointing_reentrant: bool = Field(False, description="torch's reentrant checkpointing variant",
                                                    json_schema_extra=flat("gradient_checkpointing_use_reentrant"))
+    aux_loss_coef: float = Field(0.0, ge=0, description="Weight of a Mixture-of-Experts model's router "
+                                 "load-balancing loss (Switch Transformer's), added to the training loss; 0: off",
+                                 json_schema_extra=flat("aux_loss_coef"))
+
+    @model_validator(mode="after")
+    def _aux_loss_needs_gradients(self) -> ModelConfig:
+        check_aux_loss(self)
+        return self
 
 
 class RefModelConfig(StrictModel):
@@ -499,8 +515,6 @@ def _deferred(reason: str, *names: str) -> dict[str, str]:
 
 # OpenRLHF flags (v0.9 flat, v0.11 dotted) whose features come with later work: refused, exit 2.
 SEED_STAGE_FLAGS = {
-    **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "aux_loss_coef",
-                "model.aux_loss_coef"),
     **_deferred("ring attention (sequence parallelism) comes with the seed stages", "ring_attn_size",
                 "ds.ring_attn_size", "ring_head_stride", "ds.ring_attn_head_stride"),
     **_deferred("DeepSpeed tensor-parallel training comes with the seed stages", "ds_tensor_parallel_size",

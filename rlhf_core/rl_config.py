@@ -40,6 +40,7 @@ from rlhf_core.config import (
     TrainLoopConfig,
     ValueHead,
     _deferred,
+    check_aux_loss,
     check_input_template,
     check_probs,
     spellings_of,
@@ -101,6 +102,14 @@ class ActorConfig(Placement, Schedule, Optimiser):
                                     json_schema_extra=flat("dual_clip"))
     entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)",
                                        json_schema_extra=flat("entropy_loss_coef"))
+    aux_loss_coef: float = Field(0.0, ge=0, description="Weight of a Mixture-of-Experts router's load-balancing "
+                                 "loss in the actor's loss (and the critic's, when it is one too); 0: off",
+                                 json_schema_extra=flat("aux_loss_coef"))
+
+    @model_validator(mode="after")
+    def _aux_loss_needs_gradients(self) -> ActorConfig:
+        check_aux_loss(self)
+        return self
 
 
 class CriticConfig(Placement, Schedule, Optimiser):
@@ -585,7 +594,6 @@ PPOConfig.ALIASES = {
 PPOConfig.DEFERRED = {
     **SEED_STAGE_FLAGS,
     **NOT_BUILT_FLAGS,
-    **_deferred("the MoE load-balancing loss comes with the seed stages (MoE training)", "actor.aux_loss_coef"),
     **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
     **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
                 "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",

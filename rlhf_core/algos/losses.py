@@ -162,6 +162,24 @@ def distillation_losses(student_logits: Tensor, teacher_logits: Tensor, labels: 
 # --- reward model -----------------------------------------------------------------------------
 
 
+def load_balancing_loss(router_logits: list[Tensor], top_k: int) -> Tensor:
+    """The Mixture-of-Experts load-balancing loss of Switch Transformer, over every routed row of
+    every MoE layer: `E * sum_e f_e * P_e`, where `f_e` is the share of rows that pick expert `e`
+    among their `top_k` (the shares sum to `top_k`) and `P_e` the mean router probability of `e`.
+    `router_logits`: `(rows, E)` per layer, real tokens only. Balanced routing gives `top_k`; all
+    rows on the same experts give up to `E`. Only `P` carries a gradient (the picks are discrete),
+    which pushes probability away from the experts that get more than their share. 0 for no rows.
+    The same number as transformers' `load_balancing_loss_func` on the same rows."""
+    rows = [r.float() for r in router_logits if r.shape[0]]
+    if not rows:
+        return torch.zeros(())
+    probs = torch.cat(rows).softmax(dim=-1)
+    experts = probs.shape[-1]
+    picks = probs.topk(top_k, dim=-1).indices.reshape(-1)
+    share = torch.zeros(experts, device=probs.device).scatter_add_(0, picks, torch.ones_like(picks, dtype=probs.dtype))
+    return experts * (share / probs.shape[0] * probs.mean(dim=0)).sum()
+
+
 def _sigmoid_reward_loss(delta: Tensor) -> Tensor:
     return -F.logsigmoid(delta)
 

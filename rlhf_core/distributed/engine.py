@@ -23,6 +23,7 @@ from rlhf_core.config import AdamConfig, DSConfig, MuonConfig, Schedule, TrainCo
 from rlhf_core.infra.network import free_port
 from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.infra.precision import Precision, resolve_here
+from rlhf_core.infra.settings import ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EngineSettings:
     micro_batch_size: int
     world_size: int
     muon: MuonConfig | None = None  # None: AdamW; else Muon for the matrices, AdamW (`adam`) for the rest
+    aux_loss_coef: float = 0.0  # > 0: an MoE model's load-balancing loss, weighted so (models/moe.py)
 
     @property
     def accumulation_steps(self) -> int:
@@ -45,7 +47,7 @@ class EngineSettings:
     @classmethod
     def of(cls, cfg: TrainConfig) -> EngineSettings:
         return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size,
-                   cfg.muon if cfg.optim == "muon" else None)
+                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef)
 
 
 def device() -> torch.device:
@@ -219,11 +221,19 @@ def mark_convertible(model) -> None:
 
 def initialize(model, settings: EngineSettings, total_steps: int):
     """Wrap `model` in a DeepSpeed engine with its optimiser (AdamW, or DeepSpeed's Muon) and the
-    warmup-then-decay schedule (each parameter group from its own peak LR)."""
+    warmup-then-decay schedule (each parameter group from its own peak LR); with `aux_loss_coef`,
+    an MoE model's routers are watched for their load-balancing loss (`models/moe.RouterBalance`)."""
     import deepspeed
 
     schedule = settings.schedule
     warmup = math.ceil(schedule.lr_warmup_ratio * total_steps)
+    if settings.aux_loss_coef > 0:
+        from rlhf_core.models.moe import RouterBalance, router_modules
+
+        if not router_modules(model):
+            raise ConfigError(f"--aux_loss_coef {settings.aux_loss_coef:g}: {type(model).__name__} is not a "
+                              "Mixture-of-Experts model (no router), so it has no load-balancing loss; leave it at 0")
+        RouterBalance(model, settings.aux_loss_coef)
     if settings.ds.use_universal_ckpt:
         mark_convertible(model)
 

@@ -2,7 +2,9 @@
 
 Token log-probs are aligned with `input_ids`: position t holds log p(x_t | x_<t) and position 0
 holds 0 (nothing predicts the first token; the loss mask is 0 there). Per-sample reductions go
-through `seq_ids`, so padded and packed batches give the same per-sample numbers.
+through `seq_ids`, so padded and packed batches give the same per-sample numbers. Every forward of
+a model that is not a plain Llama tells `models/moe.py` which of its tokens are real (`note_tokens`),
+for an MoE model's load-balancing loss.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rlhf_core.data.batching import Batch
 from rlhf_core.models.lean import lean_model
 from rlhf_core.models.lean_train import selected_hidden
 from rlhf_core.models.loading import backbone
+from rlhf_core.models.moe import note_tokens
 
 
 def token_logprobs(model, batch: Batch) -> torch.Tensor:
@@ -25,6 +28,7 @@ def token_logprobs(model, batch: Batch) -> torch.Tensor:
     """
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, use_cache=False)
+    note_tokens(model, batch.seq_ids >= 0)
     logprobs = F.pad(gather_token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:]), (1, 0))
     if batch.predecessors is not None and len(batch.predecessors):
         rows, cols, preds = batch.predecessors.unbind(-1)
@@ -64,6 +68,14 @@ def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return targets, lean.logits(hidden)
 
 
+def backbone_hidden(model, batch: Batch) -> torch.Tensor:
+    """The last hidden states of `model`'s backbone (no head): `(rows, T, hidden)`."""
+    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    note_tokens(model, batch.seq_ids >= 0)
+    return hidden
+
+
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Sum `values * loss_mask` over each sample's tokens: `(rows, T)` -> `(num_samples,)`."""
     flat_ids = batch.seq_ids.reshape(-1)
@@ -79,8 +91,7 @@ def sequence_logprobs(model, batch: Batch) -> torch.Tensor:
 
 def reward_scores(model, batch: Batch) -> torch.Tensor:
     """Scalar reward per sample from a sequence classifier, read at its last token: `(num_samples,)`."""
-    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = backbone_hidden(model, batch)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     values = base.score(hidden).squeeze(-1).float()
     return values.reshape(-1)[batch.last_token_index]
@@ -136,8 +147,7 @@ def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
         return _tempered(lean.logits(hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]),
                          temperature)
-    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = backbone_hidden(model, batch)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
     logits = base.get_output_embeddings()(hidden)
@@ -160,8 +170,7 @@ def response_logprobs(model, batch: Batch, index: torch.Tensor, temperature: flo
 def response_values(critic, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     """A value model's estimate before each response token (read at the position that predicts
     it, as the log-probs are): `(num_samples, T)` float32."""
-    hidden = backbone(critic)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = backbone_hidden(critic, batch)
     base = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
     hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
     return base.score(hidden).squeeze(-1).float()

@@ -56,12 +56,12 @@ from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
 
-def engine_settings(cfg, section, world_size: int) -> EngineSettings:
+def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0) -> EngineSettings:
     """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // world_size
     return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
-                          section.muon if section.optim == "muon" else None)
+                          section.muon if section.optim == "muon" else None, aux_loss_coef)
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -287,7 +287,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
                 gradient_checkpointing_kwargs={"use_reentrant": cfg.actor.gradient_checkpointing_reentrant})
         model = with_lora(model, cfg, is_reward_model=False)
         model.config.use_cache = False
-        self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size), self.total_optimizer_steps)
+        self.engine = initialize(model, engine_settings(cfg, cfg.actor, self.world_size, cfg.actor.aux_loss_coef),
+                                 self.total_optimizer_steps)
         # `--train.enable_ema`: an exponential moving average of the policy's weights (fp32, CPU, rank 0),
         # from the starting weights on; the output is it, the engines sample the policy itself
         self.ema = self._ema_source() if cfg.train.enable_ema else None
@@ -385,6 +386,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
                     "lr": self.engine.get_lr()[0]}
             if "kl_loss_tokens" in sums:
                 step["kl_loss"] = float(sums["kl_loss_tokens"]) / tokens
+            if "aux_loss" in sums:  # an MoE policy's load balancing (--aux_loss_coef)
+                step["aux_loss"] = float(sums["aux_loss"] / units)
             for k, v in step.items():
                 totals[k] = totals.get(k, 0.0) + v
             totals["steps"] = totals.get("steps", 0.0) + 1
@@ -448,6 +451,7 @@ class CriticRole(_Checkpointed, _Role):
 
     def _build(self) -> None:
         from rlhf_core.models.loading import load_reward_model, model_options
+        from rlhf_core.models.moe import router_modules
 
         model = load_reward_model(self.model_path, self.pad_id, **model_options(self.cfg.ds))
         actor = self.cfg.actor
@@ -456,7 +460,9 @@ class CriticRole(_Checkpointed, _Role):
                 gradient_checkpointing_kwargs={"use_reentrant": actor.gradient_checkpointing_reentrant})
         model = with_lora(model, self.cfg, is_reward_model=True)
         model.config.use_cache = False
-        self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size),
+        # OpenRLHF's one --aux_loss_coef covers the critic too, where it is a Mixture of Experts
+        aux = actor.aux_loss_coef if router_modules(model) else 0.0
+        self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size, aux),
                                  self.total_optimizer_steps)
 
     def _forward_model(self) -> tuple:
@@ -493,13 +499,18 @@ class CriticRole(_Checkpointed, _Role):
             return summed, {"value_loss": summed.detach(), "value_tokens": (values.detach() * mask).sum(),
                             "tokens": mask.sum()}, int(batch.input_ids.numel())
 
-        losses, means = [], []
+        losses, means, aux = [], [], []
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
                                             self.world_size, self.precision)
             losses.append(float(sums["value_loss"] / units))
             means.append(float(sums["value_tokens"]) / max(1.0, float(sums["tokens"])))
-        return {"value_loss": sum(losses) / len(losses), "values": sum(means) / len(means)} if losses else {}
+            if "aux_loss" in sums:  # an MoE critic's load balancing (--aux_loss_coef)
+                aux.append(float(sums["aux_loss"] / units))
+        if not losses:
+            return {}
+        stats = {"value_loss": sum(losses) / len(losses), "values": sum(means) / len(means)}
+        return {**stats, "value_aux_loss": sum(aux) / len(aux)} if aux else stats
 
 
 class ReferenceRole(_Role):

@@ -19,6 +19,7 @@ in optimizer step N, after the forward of its last micro-batch: gradients accumu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ from rlhf_core.distributed.engine import all_reduce_sum, autocast, barrier, prec
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
 from rlhf_core.infra import heap
+from rlhf_core.models.moe import router_balance
 from rlhf_core.trainers import checkpoints, universal
 
 
@@ -291,17 +293,23 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     DeepSpeed divides by its accumulation steps and averages over ranks; the scale multiplies both
     back. The last micro-batch is the accumulation boundary (set explicitly, so a step may have any
     number of micro-batches: `--use_dynamic_batch`; every rank must have the same number, as ZeRO
-    reduces at the boundary on all). Returns `(metric sums over all ranks, global units, global tokens)`.
+    reduces at the boundary on all). An MoE model's load-balancing loss (`--aux_loss_coef`,
+    `models/moe.py`) joins each micro-batch's loss weighted by its units, and is reported as
+    `aux_loss`. Returns `(metric sums over all ranks, global units, global tokens)`.
     """
     units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches))))
     scale = world_size * engine.gradient_accumulation_steps() / units.clamp(min=1.0)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
     tokens = 0
+    balance = router_balance(engine)
     engine.train()
     for i, examples in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-        with autocast(precision):
+        with autocast(precision), balance.collecting() if balance else contextlib.nullcontext():
             loss_sum, stats, n_tok = micro_step(engine, examples)
+        if balance is not None:  # weighted by the micro-batch's units: the step's unit-weighted mean
+            aux = balance.loss().to(loss_sum.device) * count(examples)
+            loss_sum, stats = loss_sum + balance.coef * aux, {**stats, "aux_loss": aux.detach()}
         engine.backward(loss_sum * scale.to(loss_sum.device))
         engine.step()
         for k, v in stats.items():

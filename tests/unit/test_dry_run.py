@@ -63,7 +63,7 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 @pytest.mark.parametrize("stage, argv", [
     ("sft", ["--ring_attn_size", "2"]),
-    ("dpo", ["--model.aux_loss_coef", "0.01"]),
+    ("dpo", ["--ds.tensor_parallel_size", "2"]),
     ("ppo", ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5.0"]),
     ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),
