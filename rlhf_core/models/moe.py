@@ -35,11 +35,11 @@ def router_modules(model) -> list[tuple[torch.nn.Module, int]]:
 
 
 def experts_per_token(model) -> int:
-    config = model.config
-    for key in ("num_experts_per_tok", "moe_topk", "top_k"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    raise ValueError(f"{type(model).__name__}: its config names no experts-per-token (num_experts_per_tok)")
+    """k of the top-k routing: `num_experts_per_tok`, the name every MoE config of transformers uses."""
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not isinstance(k, int):
+        raise ValueError(f"{type(model).__name__}: its config has no num_experts_per_tok")
+    return k
 
 
 class RouterBalance:

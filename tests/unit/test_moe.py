@@ -43,8 +43,10 @@ def test_the_loss_is_transformers_load_balancing_loss():
 
 
 def test_balanced_routing_costs_top_k_and_one_expert_for_all_costs_more():
-    even = torch.zeros(40, 4)  # every expert equally likely: picks spread by topk's tie order, probs uniform
-    assert load_balancing_loss([even], top_k=1).item() == pytest.approx(1.0)  # P_e = 1/4 everywhere, shares sum to 1
+    even = torch.zeros(40, 4)  # every expert equally likely: P_e = 1/4, so E * sum_e f_e / 4 = top_k whatever is picked
+    assert load_balancing_loss([even], top_k=1).item() == pytest.approx(1.0)
+    spread = torch.eye(4).repeat(10, 1) * 5.0  # each row prefers another expert, in turn: f_e = P_e = 1/4
+    assert load_balancing_loss([spread], top_k=1).item() == pytest.approx(1.0)
     skewed = torch.zeros(40, 4)
     skewed[:, 0] = 8.0  # everything on expert 0
     assert load_balancing_loss([skewed], top_k=1).item() > 3.9
