@@ -74,9 +74,9 @@ SEED = 42
 PHASES = ("generate", "reward", "experience", "train", "sync")
 # By model size: the starting policy's SFT steps and learning rate (a 100m SFT step takes seconds on a 2-core
 # CPU), and the rollout steps of a whole run (`--mode process`; 40 is the README's GRPO run).
-SFT_STEPS = {"tiny": 300, "small": 300, "100m": 100}
-SFT_LR = {"tiny": 1e-3, "small": 1e-3, "100m": 3e-4}
-PROCESS_STEPS = {"tiny": 40, "small": 40, "100m": 10}
+SFT_STEPS = {"nano": 300, "tiny": 300, "small": 300, "100m": 100, "500m": 100}
+SFT_LR = {"nano": 1e-3, "tiny": 1e-3, "small": 1e-3, "100m": 3e-4, "500m": 3e-4}
+PROCESS_STEPS = {"nano": 40, "tiny": 40, "small": 40, "100m": 10, "500m": 10}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +147,11 @@ def run_ours(args) -> dict:
     rl_controller.RLController.train_step = timed_step
     rl_controller.RLController.rollout = counted_rollout
     run_ppo(cfg, on_ray=False)
-    setup = {"precision": args.precision, "generation": "rlhf_core sampler, lean Llama forward, fp32 weights"
-             + (" under bf16 autocast (the trainer's math)" if args.precision == "bf16" else "")}
+    gpu = torch.cuda.is_available()
+    setup = {"precision": args.precision, "device": torch.cuda.get_device_name() if gpu else "cpu",
+             "generation": "rlhf_core sampler (transformers engine), "
+             + ("bf16 weights" if gpu else "fp32 weights" + (" under bf16 autocast (the trainer's math)"
+                                                             if args.precision == "bf16" else ""))}
     return summarize(args, ends, phases, lengths, setup, sequences)
 
 
@@ -192,7 +195,7 @@ def run_trl(args) -> dict:
         max_steps=(args.process_steps if args.whole else args.warmup + args.steps) * (rollout // args.train_batch_size),
         learning_rate=args.lr,
         adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
-        bf16=args.precision == "bf16", use_cpu=True, gradient_checkpointing=False, report_to="none",
+        bf16=args.precision == "bf16", use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, report_to="none",
         logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True, seed=SEED,
         log_completions=False, dataloader_num_workers=0,
     )
@@ -273,14 +276,15 @@ def prepare_policy(args, work: Path, snapshot: Path) -> Path:
     sides start from."""
     root = work / f"rl-{args.model_size}"
     stamp = root / "bench_policy.json"
-    recipe = {"task": TASK, "model_size": args.model_size, "sft_steps": args.sft_steps, "sft_lr": args.sft_lr,
+    recipe = {"task": TASK, "model_size": args.model_size, "model_family": args.model_family, "sft_steps": args.sft_steps, "sft_lr": args.sft_lr,
               "precision": args.precision}
     if stamp.exists() and json.loads(stamp.read_text()) == recipe and (root / "sft" / "config.json").exists():
         print(f"reusing the SFT policy in {root} (--work_dir, same recipe)", file=sys.stderr, flush=True)
         return root
     env = child_env(args, work, snapshot)
     steps = [[sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(root), "--task", TASK, "--seed", "0",
-              "--model_size", args.model_size, "--demo_error_rate", "0.3"],
+              "--model_size", args.model_size, "--demo_error_rate", "0.3"]
+             + (["--model_family", args.model_family] if args.model_family else []),
              [sys.executable, "-m", "rlhf_core.cli", "train", "sft", "--pretrain", str(root / "base"),
               "--dataset", f"json@{root / 'data' / 'sft'}", "--apply_chat_template", "--max_len", "64",
               "--packing_samples", "--train_batch_size", "32", "--micro_train_batch_size", "32",
@@ -355,6 +359,10 @@ def train_figures(args, r: dict) -> tuple[float, float, float] | None:
     return rate, flops, mfu(flops, info["peaks"], args.precision)
 
 
+def model_name(args) -> str:
+    return f"{getattr(args, 'model_family', None) or 'llama'} {getattr(args, 'model_size', 'tiny')}"
+
+
 def report(args, results: dict[str, list[dict]]) -> list[str]:
     ok = {side: [r for r in results[side] if not r.get("failed")] for side in results}
 
@@ -421,7 +429,7 @@ def report_whole(args, results: dict[str, list[dict]]) -> list[str]:
 
     lines = [f"### GRPO whole process: {args.process_steps} rollout steps of {args.prompts} prompts x {args.n} "
              f"samples (at most {args.max_new_tokens} new tokens), optimizer steps of {args.train_batch_size}; "
-             f"{args.precision}; model {getattr(args, 'model_size', 'tiny')}; ours `rlhf train ppo`, TRL a "
+             f"{args.precision}; model {model_name(args)}; ours `rlhf train ppo`, TRL a "
              f"GRPOTrainer script; from process start to exit (loading, every rollout, saving); medians of "
              f"{args.repeats} alternating runs", "",
              "| side | runs ok | seconds (median) | per run | samples/s | **TRL ÷ ours** (time) | CPU s (median) | "
@@ -515,7 +523,10 @@ def print_saved(path: str) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_size", default="tiny", choices=SIZES,
-                   help="the policy's size, an rlhf prep size: tiny, small or 100m")
+                   help="the policy's size, an rlhf prep size: tiny, small, 100m, or 500m (Qwen2.5-0.5B's shape, "
+                        "for a GPU)")
+    p.add_argument("--model_family", default=None, help="rlhf prep --model_family of the policy (default: its "
+                   "Llama); qwen2 with --model_size 500m is a random-init Qwen2.5-0.5B")
     p.add_argument("--mode", choices=["steps", "process", "both"], default="steps",
                    help="steps: timed rollout steps in steady state, with phases and MFU; process: whole runs as "
                         "users start them (ours: `rlhf train ppo`), timed from process start to exit; both: "

@@ -86,8 +86,9 @@ LEARNING_RATE = {"sft": 1e-4, "dpo": 5e-7}
 SEED = 42  # our configs' default seed; it fixes the row order both sides train on
 # Rows of a whole run (one epoch) by model size: a 100m step takes seconds on a 2-core CPU (tens of times a
 # small one's), so its whole runs train 100 SFT / 50 DPO steps of 32, still most of the process's time.
-PROCESS_ROWS = {"tiny": {"sft": 16000, "dpo": 8000}, "small": {"sft": 16000, "dpo": 8000},
-                "100m": {"sft": 3200, "dpo": 1600}}
+PROCESS_ROWS = {"nano": {"sft": 16000, "dpo": 8000}, "tiny": {"sft": 16000, "dpo": 8000},
+                "small": {"sft": 16000, "dpo": 8000}, "100m": {"sft": 3200, "dpo": 1600},
+                "500m": {"sft": 3200, "dpo": 1600}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def run_trl(args) -> dict:
         learning_rate=LEARNING_RATE[args.stage], lr_scheduler_type="cosine",
         warmup_steps=math.ceil(0.03 * (len(dataset) // args.train_batch_size if args.whole
                                        else args.warmup + args.steps)), adam_beta1=0.9, adam_beta2=0.95,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused", bf16=args.precision == "bf16", use_cpu=True,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused", bf16=args.precision == "bf16", use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False, train_sampling_strategy="random" if args.whole else "sequential",
         dataloader_num_workers=0,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
@@ -646,12 +647,13 @@ def driver_main(args) -> int:
     snapshot, code = take_snapshot(work)
     roots = {}
     for mode in modes:
-        roots[mode] = data_root = work / f"prep-{args.task}-{args.model_size}-{mode}"
+        roots[mode] = data_root = work / f"prep-{args.task}-{args.model_family or 'llama'}-{args.model_size}-{mode}"
         print(f"preparing data and the {args.model_size} model in {data_root} ...", file=sys.stderr, flush=True)
         n_train = max(args.process_rows.values()) if mode == "process" else None  # else prep's default
         rows = ["--n_train", str(n_train)] if n_train is not None else []
         prep = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "prep", "--out", str(data_root), "--task",
-                               args.task, "--seed", "0", "--model_size", args.model_size, *rows],
+                               args.task, "--seed", "0", "--model_size", args.model_size, *rows]
+                              + (["--model_family", args.model_family] if args.model_family else []),
                               capture_output=True, text=True, cwd=snapshot)
         if prep.returncode != 0:
             print(prep.stderr[-3000:], file=sys.stderr)
@@ -737,6 +739,8 @@ def parse_args(argv=None):
     p.add_argument("--model_size", default="small", choices=SIZES,
                    help="the model both sides train, an rlhf prep size: tiny, small or 100m (~113M parameters "
                         "besides the embeddings)")
+    p.add_argument("--model_family", default=None, help="rlhf prep --model_family of the model (default: its Llama); "
+                   "qwen2 with --model_size 500m is a random-init Qwen2.5-0.5B, for a GPU")
     p.add_argument("--task", default="sort", help="built-in task whose data both sides train on (default: the "
                                                    "pipeline's task; addition has shorter, more even rows)")
     p.add_argument("--mode", choices=["steps", "process", "both"], default="steps",

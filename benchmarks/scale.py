@@ -94,27 +94,33 @@ def row_lengths(tokenizer, rows: list[dict], stage: str, max_len: int) -> list[i
 # The measured peak.
 
 def matmul_peak(precision: str, threads: int, n: int = PEAK_N, repeats: int = PEAK_REPEATS) -> dict:
-    """GFLOP/s of an n x n by n x n matmul in `precision` ("bf16" or "fp32") on `threads` torch
-    threads: the best of `repeats` timed products after two untimed ones (the peak), and their median."""
+    """GFLOP/s of an n x n by n x n matmul in `precision` ("bf16" or "fp32") where the runs train: on
+    the GPU where there is one (n at least 8192, so the product fills it), else on `threads` torch
+    threads; the best of `repeats` timed products after two untimed ones (the peak), and their median."""
     import torch
 
+    gpu = torch.cuda.is_available()
+    n = max(n, 8192) if gpu else n
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
         gen = torch.Generator().manual_seed(0)
-        a, b = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
+        a, b = (torch.randn(n, n, generator=gen).to(device="cuda" if gpu else "cpu", dtype=dtype) for _ in range(2))
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
         for _ in range(2):
             torch.mm(a, b)
         rates = []
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             torch.mm(a, b)
+            sync()
             rates.append(2 * n ** 3 / (time.perf_counter() - start) / 1e9)
     finally:
         torch.set_num_threads(before)
     return {"precision": precision, "threads": threads, "n": n, "peak_gflops": max(rates),
-            "median_gflops": statistics.median(rates)}
+            "median_gflops": statistics.median(rates), "device": torch.cuda.get_device_name() if gpu else "cpu"}
 
 
 def measured_peaks(threads: int, previous: dict | None = None) -> dict:
@@ -135,8 +141,9 @@ def peak_line(peaks: dict, precision: str) -> str:
     p = peaks[precision]
     others = ", ".join(f"{k} {v['peak_gflops']:.0f}" for k, v in peaks.items() if k != precision)
     readings = ", ".join(f"{r:.0f}" for r in p["readings"])
-    return (f"Measured matmul peak ({p['n']}x{p['n']} square matmul, best of {PEAK_REPEATS}, {p['threads']} torch "
-            f"threads; the highest of the readings {readings}, taken before and after the runs): "
+    where = p.get("device", "cpu")
+    where = f"{p['threads']} torch threads" if where == "cpu" else f"on the GPU, {where}"
+    return (f"Measured matmul peak ({p['n']}x{p['n']} square matmul, best of {PEAK_REPEATS}, {where}; the highest of the readings {readings}, taken before and after the runs): "
             f"**{precision} {p['peak_gflops']:.0f} GFLOP/s**; {others} GFLOP/s. MFU is against the {precision} figure.")
 
 

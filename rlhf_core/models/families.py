@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, MODEL_SIZES
+from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, size_dims
 
 
 @dataclass(frozen=True)
@@ -134,10 +134,7 @@ def train_family_tokenizer(family: Family, texts: Iterable[str], vocab_size: int
 def family_config(family: Family, tokenizer, size: str = "tiny"):
     from transformers import AutoConfig
 
-
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")
-    dims = MODEL_SIZES[size]
+    dims = size_dims(size, family.kv_heads_ratio)
     heads = dims["num_attention_heads"]
     head_dim = dims["hidden_size"] // heads
     extra = dict(family.config)
@@ -146,7 +143,7 @@ def family_config(family: Family, tokenizer, size: str = "tiny"):
     elif family.model_type == "qwen3":
         extra |= {"head_dim": head_dim}
     return AutoConfig.for_model(
-        family.model_type, vocab_size=len(tokenizer), num_key_value_heads=heads // family.kv_heads_ratio,
+        family.model_type, vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS, tie_word_embeddings=family.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, **dims, **extra)

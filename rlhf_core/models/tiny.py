@@ -24,7 +24,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, MODEL_SIZES
+from rlhf_core.models.sizes import MAX_POSITION_EMBEDDINGS, size_dims
 
 PAD, BOS, EOS, USER, ASSISTANT = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT]
@@ -87,7 +87,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
 def build_tiny_llama(
     tokenizer: PreTrainedTokenizerFast, size: str = "tiny", seed: int = 0, dropout: float = 0.0
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama sized by ``MODEL_SIZES[size]``, matched to ``tokenizer``.
+    """A randomly initialised Llama sized by ``MODEL_SIZES[size]`` (`sizes.size_dims`), matched to ``tokenizer``.
 
     ``dropout``: Llama's attention dropout (its only dropout), active in training mode. It draws
     from torch's global RNG at every training forward, so a resumed run equals an uninterrupted
@@ -95,19 +95,15 @@ def build_tiny_llama(
     """
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")
-    dims = MODEL_SIZES[size]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        num_key_value_heads=dims["num_attention_heads"],
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         attention_dropout=dropout,
-        **dims,
+        **size_dims(size),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,6 +1,21 @@
 """What the GPU tests share: a local Ray for the vLLM engines (skipped where vLLM is not installed)."""
 
+import importlib.util
+
 import pytest
+
+VLLM_FIXTURES = {"cluster", "vllm_engine"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without vLLM, tests of its engines are skipped before their session fixtures (an SFT'd RL
+    policy takes a minute to build) are set up for nothing."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed")
+    for item in items:
+        if "tests/gpu/" in item.nodeid and VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ def _sft(prepared, out, **overrides):
 
     values = {"pretrain": prepared["base"], "dataset": f"json@{prepared['sft']}", "save_path": str(out),
               "apply_chat_template": True, "max_len": 48, "train_batch_size": 32, "micro_train_batch_size": 16,
-              "learning_rate": 2e-3, "max_steps": 20, "param_dtype": "auto", "max_eval_samples": 64, **overrides}
+              "learning_rate": 2e-3, "max_steps": 20, "param_dtype": "auto", "max_eval_samples": 64,
+              "use_mlflow": False, **overrides}  # the GPU paths, not tracking (tested on CPU)
     return build_config(SFTConfig, None, values)
 
 

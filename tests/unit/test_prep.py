@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.data.synthetic import TASKS, build_splits
-from rlhf_core.models.tiny import MODEL_SIZES, build_tiny_llama, train_tokenizer
+from rlhf_core.models.sizes import MODEL_SIZES
+from rlhf_core.models.tiny import build_tiny_llama, train_tokenizer
 from rlhf_core.stages.prep import prepare
 
 SMALL = {"n_train": 300, "n_test": 40}
@@ -155,7 +156,7 @@ def test_chat_template_rejects_unknown_roles(tokenizer):
 
 
 def test_build_tiny_llama_sizes_and_seeding(tokenizer):
-    assert set(MODEL_SIZES) == {"nano", "tiny", "small", "100m"}
+    assert set(MODEL_SIZES) == {"nano", "tiny", "small", "100m", "500m"}
     nano = build_tiny_llama(tokenizer, size="nano")
     assert sum(p.numel() for p in nano.model.layers.parameters()) < 200_000  # a student smaller than tiny
     with pytest.raises(ValueError, match="tiny"):
@@ -172,8 +173,21 @@ def test_build_tiny_llama_sizes_and_seeding(tokenizer):
     )
     assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight)
     assert a.config.hidden_size == 128 and a.config.num_hidden_layers == 4
+    assert a.config.num_key_value_heads == a.config.num_attention_heads == 4  # the Llama: one per head
     assert a.config.max_position_embeddings == 256
     assert a.get_output_embeddings().weight is a.get_input_embeddings().weight
+
+
+def test_500m_is_qwen2_5_0_5b_shaped(tokenizer):
+    """`--model_family qwen2 --model_size 500m`: Qwen2.5-0.5B's shape (its own 2 key/value heads, not
+    the family's grouping), the GPU benchmarks' model; other sizes keep the family's grouping."""
+    from rlhf_core.models.families import family_config, get_family
+
+    config = family_config(get_family("qwen2"), tokenizer, "500m")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size) == (896, 24, 14, 2, 4864)
+    assert family_config(get_family("qwen2"), tokenizer, "tiny").num_key_value_heads == 2  # 4 heads, pairs
+    assert family_config(get_family("phi3"), tokenizer, "tiny").num_key_value_heads == 4  # full multi-head
 
 
 def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in(tmp_path, monkeypatch):
