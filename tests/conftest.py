@@ -22,6 +22,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+GPU_DRY_RUN = pytest.StashKey()
+GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
+
+
+def pytest_collection_finish(session):
+    """The GPU profile's pip resolve starts once the test that reads it is collected (tests/pip_dry_run.py)."""
+    if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
+        from tests.pip_dry_run import PipDryRun
+
+        session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
+
+
+def pytest_unconfigure(config):
+    dry_run = config.stash.get(GPU_DRY_RUN, None)
+    if dry_run is not None:
+        dry_run.stop()  # a session cut short leaves no pip behind
+
+
+@pytest.fixture
+def gpu_profile_dry_run(request):
+    """The GPU profile's dry run (started when collection ended, or now)."""
+    from tests.pip_dry_run import PipDryRun
+
+    return request.config.stash.get(GPU_DRY_RUN, None) or PipDryRun("gpu")
+
+
 @pytest.fixture(autouse=True)
 def _no_vllm_in_the_test_process():
     """vLLM runs in processes of its own in the tests (Ray actors, `rlhf` subprocesses): started in
