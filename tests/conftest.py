@@ -26,18 +26,38 @@ GPU_DRY_RUN = pytest.StashKey()
 GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
 
 
+RL_SETTING = pytest.StashKey()
+
+
 def pytest_collection_finish(session):
-    """The GPU profile's pip resolve starts once the test that reads it is collected (tests/pip_dry_run.py)."""
+    """Slow preparations start once a test that reads them is collected, and run beside the tests
+    before it: the GPU profile's pip resolve (tests/pip_dry_run.py; it waits on the registry) and
+    the RL setting's SFT and reward model (tests/rl_setting.py; minutes of training, while the
+    integration tests before the first RL test mostly wait on their processes)."""
     if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
         from tests.pip_dry_run import PipDryRun
 
         session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
+    if any("rl_setting" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("skip")
+           for item in session.items):
+        import tempfile
+        from pathlib import Path
+
+        from tests.rl_setting import PendingSetting
+
+        session.config.stash[RL_SETTING] = PendingSetting(Path(tempfile.mkdtemp(prefix="rlhf-rl-setting-")))
 
 
 def pytest_unconfigure(config):
-    dry_run = config.stash.get(GPU_DRY_RUN, None)
-    if dry_run is not None:
-        dry_run.stop()  # a session cut short leaves no pip behind
+    import shutil
+
+    for key in (GPU_DRY_RUN, RL_SETTING):
+        pending = config.stash.get(key, None)
+        if pending is not None:
+            pending.stop()  # a session cut short leaves nothing running
+    setting = config.stash.get(RL_SETTING, None)
+    if setting is not None:
+        shutil.rmtree(setting.root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -103,24 +123,10 @@ def _drop_stale_build_locks(extensions_dir: str, older_than_s: float = 900) -> N
 
 
 @pytest.fixture(scope="session")
-def rl_setting(tmp_path_factory):
-    """Where RL has room: sort with 30% wrong SFT demonstrations. An SFT model of it answers held-out
-    prompts right greedily (~98%) but only ~65-70% of the time sampled at temperature 1; a reward
-    model trained on the (always correct) preference pairs ranks ~98% of held-out pairs.
-    fp32, one in-process rank each: the same on every CPU kind. Shared by every RL test."""
-    from rlhf_core.cli import main
-    from rlhf_core.stages.prep import prepare
+def rl_setting(request, tmp_path_factory):
+    """Where RL has room (tests/rl_setting.py), shared by every RL test: built by a process of its
+    own, started when collection ended where a collected test needs it."""
+    from tests.rl_setting import PendingSetting
 
-    root = tmp_path_factory.mktemp("rl_setting")
-    paths = prepare(root / "prep", task="sort", seed=0, model_size="tiny", n_train=4000, n_test=200,
-                    demo_error_rate=0.3)
-    common = ["--apply_chat_template", "--max_len", "64", "--packing_samples", "--param_dtype", "fp32",
-              "--lr_warmup_ratio", "0.05", "--seed", "0", "--use_mlflow", "false", "--learning_rate", "1e-3",
-              "--max_epochs", "50"]
-    assert main(["train", "sft", "--pretrain", paths["base"], "--dataset", f"json@{paths['sft']}",
-                 "--save_path", str(root / "sft"), "--train_batch_size", "32", "--micro_train_batch_size", "32",
-                 "--max_steps", "1000", *common]) == 0
-    assert main(["train", "rm", "--pretrain", str(root / "sft"), "--dataset", f"json@{paths['preference']}",
-                 "--save_path", str(root / "rm"), "--train_batch_size", "64", "--micro_train_batch_size", "32",
-                 "--max_steps", "300", *common]) == 0
-    return {"sft": str(root / "sft"), "rm": str(root / "rm"), "prompts": paths["prompts"], "root": str(root)}
+    pending = request.config.stash.get(RL_SETTING, None) or PendingSetting(tmp_path_factory.mktemp("rl_setting"))
+    return pending.result()

@@ -1,0 +1,73 @@
+"""The RL tests' shared setting, built by its own process (`python -m tests.rl_setting ROOT`): sort
+with 30% wrong SFT demonstrations. An SFT model of it answers held-out prompts right greedily
+(~98%) but only ~65-70% of the time sampled at temperature 1; a reward model trained on the (always
+correct) preference pairs ranks ~98% of held-out pairs. fp32, one in-process rank each: the same on
+every CPU kind.
+
+Building it trains for minutes on the CPU. conftest starts this process as soon as a test that
+needs the setting is collected, so it trains while the tests before that one mostly wait on Ray,
+Prefect and their subprocesses; the `rl_setting` fixture then waits for it and reads `setting.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(root: Path) -> dict:
+    from rlhf_core.cli import main
+    from rlhf_core.stages.prep import prepare
+
+    paths = prepare(root / "prep", task="sort", seed=0, model_size="tiny", n_train=4000, n_test=200,
+                    demo_error_rate=0.3)
+    common = ["--apply_chat_template", "--max_len", "64", "--packing_samples", "--param_dtype", "fp32",
+              "--lr_warmup_ratio", "0.05", "--seed", "0", "--use_mlflow", "false", "--learning_rate", "1e-3",
+              "--max_epochs", "50"]
+    assert main(["train", "sft", "--pretrain", paths["base"], "--dataset", f"json@{paths['sft']}",
+                 "--save_path", str(root / "sft"), "--train_batch_size", "32", "--micro_train_batch_size", "32",
+                 "--max_steps", "1000", *common]) == 0
+    assert main(["train", "rm", "--pretrain", str(root / "sft"), "--dataset", f"json@{paths['preference']}",
+                 "--save_path", str(root / "rm"), "--train_batch_size", "64", "--micro_train_batch_size", "32",
+                 "--max_steps", "300", *common]) == 0
+    setting = {"sft": str(root / "sft"), "rm": str(root / "rm"), "prompts": paths["prompts"], "root": str(root)}
+    (root / "setting.json").write_text(json.dumps(setting))
+    return setting
+
+
+class PendingSetting:
+    """The build, started in the background."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, RLHF_HOME=str(root / ".rlhf"), RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("RAY_ADDRESS", None)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        self.log = root / "build.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.rl_setting", str(root)], cwd=REPO, env=env,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self, timeout_s: float = 1800) -> dict:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert code == 0, f"building the RL setting failed (exit {code}):\n" + self.log.read_text()[-4000:]
+        return json.loads((self.root / "setting.json").read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))
