@@ -97,6 +97,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi3", "phi3", ("<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
            bos="<s>", eos="<|end|>", pad="<|endoftext|>", chat_template=_PHI3_TEMPLATE, kv_heads_ratio=1,
            config={"rope_theta": 10000.0}),
+    # Qwen3-MoE (30B-A3B's design): Qwen3's attention (QK-norm, no biases), a sparse mixture of experts
+    # in every layer (here 4 experts of a quarter of the dense MLP's width, top 2, top-k weights
+    # renormalised), untied, ChatML with think tags.
+    Family("qwen3_moe", "qwen3_moe", (*_CHATML_SPECIALS, "<think>", "</think>"), eos="<|im_end|>",
+           pad="<|endoftext|>", chat_template=_CHATML_TEMPLATE,
+           config={"rope_theta": 1000000.0, "attention_bias": False, "num_experts": 4, "num_experts_per_tok": 2,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1}),
     # Mixtral: Mistral's attention with a sparse mixture of experts (4 experts, top 2) in every layer.
     Family("mixtral", "mixtral", _MISTRAL_SPECIALS, bos="<s>", eos="</s>", chat_template=_MISTRAL_TEMPLATE,
            config={"rope_theta": 1000000.0, "sliding_window": None, "num_local_experts": 4,
@@ -140,8 +147,10 @@ def family_config(family: Family, tokenizer, size: str = "tiny"):
     extra = dict(family.config)
     if family.model_type == "gemma2":
         extra |= {"head_dim": head_dim, "query_pre_attn_scalar": head_dim}
-    elif family.model_type == "qwen3":
+    elif family.model_type in ("qwen3", "qwen3_moe"):
         extra |= {"head_dim": head_dim}
+    if family.model_type == "qwen3_moe":  # each expert a quarter of the dense MLP: 4 of them hold as much
+        extra |= {"moe_intermediate_size": dims["intermediate_size"] // 4}
     return AutoConfig.for_model(
         family.model_type, vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS, tie_word_embeddings=family.tie_word_embeddings,

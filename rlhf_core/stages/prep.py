@@ -8,7 +8,7 @@ Writes under ``out_dir``::
     tokenizer/                          byte-level BPE trained on the train split's text
     base/                               random tiny Llama (or a `--model_family` model) + its tokenizer
 
-With ``model_family`` (`models/families.py`: qwen2, qwen3, llama, mistral, gemma, phi3, mixtral) the
+With ``model_family`` (`models/families.py`: qwen2, qwen3, llama, mistral, gemma, phi3, mixtral, qwen3_moe) the
 tokenizer carries that family's special tokens and chat template and the base model is built from
 the family's own transformers config, at the same dimensions.
 

@@ -275,10 +275,11 @@ FAMILY_FORMATS = {  # what the family's own chat format puts before a user's pro
     "gemma": ("<bos><start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
     "phi3": ("<|user|>\n", "<|end|>\n<|assistant|>\n"),
     "mixtral": ("<s>[INST] ", " [/INST]"),
+    "qwen3_moe": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
 }
 FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "mistral": "MistralForCausalLM", "gemma": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMATS))
@@ -305,6 +306,8 @@ def test_model_family_base_is_that_family_with_its_tokens_and_chat_format(tmp_pa
               "gemma": lambda: cfg.attn_logit_softcapping == 50.0 and cfg.final_logit_softcapping == 30.0,
               "phi3": lambda: hasattr(model.model.layers[0].self_attn, "qkv_proj"),
               "mixtral": lambda: cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 2,
+              "qwen3_moe": lambda: cfg.num_experts == 4 and cfg.num_experts_per_tok == 2 and cfg.norm_topk_prob
+              and hasattr(model.model.layers[0].self_attn, "q_norm") and not cfg.tie_word_embeddings,
               "llama": lambda: cfg.num_key_value_heads < cfg.num_attention_heads and tok.pad_token is None,
               "mistral": lambda: cfg.sliding_window is None and tok.pad_token is None}
     assert traits[family](), family
