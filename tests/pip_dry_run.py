@@ -6,7 +6,6 @@ test that reads it is collected, and it runs beside the tests before that one.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,10 +26,10 @@ class PipDryRun:
         (folder / "requirements.txt").write_text("\n".join(project["dependencies"]
                                                            + project["optional-dependencies"][extra]))
         self.report = folder / "report.json"
-        self.proc = subprocess.Popen([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+        self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
                                       "--quiet", "--report", str(self.report), "-r", str(folder / "requirements.txt")],
-                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=lambda: os.nice(19))  # idle cores only: it mostly waits anyway
+                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)  # niced (nice execs pip): idle cores only; it mostly waits anyway
 
     def result(self, timeout_s: float = 600) -> dict[str, str]:
         """Name -> version of everything it would install, this package aside (waits for pip)."""
