@@ -14,7 +14,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="vLLM is not installed")
     for item in items:
-        if "tests/gpu/" in item.nodeid and VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.nodeid.startswith("tests/gpu/test_vllm") or (
+                "tests/gpu/" in item.nodeid and VLLM_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(skip)
 
 
