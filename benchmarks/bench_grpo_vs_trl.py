@@ -57,7 +57,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import clock, take_snapshot, versions_line  # noqa: E402
 from scale import (  # noqa: E402
-    SIZES,
     counts_line,
     flops_per_token,
     formula,
@@ -522,7 +521,7 @@ def print_saved(path: str) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_size", default="tiny", choices=SIZES,
+    p.add_argument("--model_size", default="tiny", choices=tuple(SFT_STEPS),  # the sizes it has settings for
                    help="the policy's size, an rlhf prep size: tiny, small, 100m, or 500m (Qwen2.5-0.5B's shape, "
                         "for a GPU)")
     p.add_argument("--model_family", default=None, help="rlhf prep --model_family of the policy (default: its "

@@ -54,7 +54,6 @@ import time
 from pathlib import Path
 
 from scale import (
-    SIZES,
     counts_line,
     flops_per_token,
     formula,
@@ -736,9 +735,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=None,
                    help=f"comma-separated runs per stage (default sft: {','.join(DEFAULT_VARIANTS['sft'])}; "
                         f"dpo: {','.join(DEFAULT_VARIANTS['dpo'])}); known: {', '.join(VARIANTS)}")
-    p.add_argument("--model_size", default="small", choices=SIZES,
-                   help="the model both sides train, an rlhf prep size: tiny, small or 100m (~113M parameters "
-                        "besides the embeddings)")
+    p.add_argument("--model_size", default="small", choices=tuple(PROCESS_ROWS),  # the sizes it has settings for
+                   help="the model both sides train, an rlhf prep size: tiny, small, 100m (~113M parameters "
+                        "besides the embeddings) or 500m (Qwen2.5-0.5B's shape, for a GPU)")
     p.add_argument("--model_family", default=None, help="rlhf prep --model_family of the model (default: its Llama); "
                    "qwen2 with --model_size 500m is a random-init Qwen2.5-0.5B, for a GPU")
     p.add_argument("--task", default="sort", help="built-in task whose data both sides train on (default: the "

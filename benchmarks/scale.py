@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rlhf_core.models.sizes import MODEL_SIZES
 
-SIZES = tuple(MODEL_SIZES)  # rlhf prep's: tiny, small, 100m
+SIZES = tuple(MODEL_SIZES)  # rlhf prep's sizes
 PEAK_N = 2048  # the square matmul the peak is timed on
 PEAK_REPEATS = 10
 

@@ -24,8 +24,6 @@ def pytest_collection_modifyitems(config, items):
 
 GPU_DRY_RUN = pytest.StashKey()
 GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
-
-
 RL_SETTING = pytest.StashKey()
 
 
@@ -49,15 +47,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
-    import shutil
-
     for key in (GPU_DRY_RUN, RL_SETTING):
         pending = config.stash.get(key, None)
         if pending is not None:
-            pending.stop()  # a session cut short leaves nothing running
-    setting = config.stash.get(RL_SETTING, None)
-    if setting is not None:
-        shutil.rmtree(setting.root, ignore_errors=True)
+            pending.stop()  # a session cut short leaves nothing running (and the setting's folder goes)
 
 
 @pytest.fixture
@@ -65,7 +58,10 @@ def gpu_profile_dry_run(request):
     """The GPU profile's dry run (started when collection ended, or now)."""
     from tests.pip_dry_run import PipDryRun
 
-    return request.config.stash.get(GPU_DRY_RUN, None) or PipDryRun("gpu")
+    stash = request.config.stash
+    if GPU_DRY_RUN not in stash:
+        stash[GPU_DRY_RUN] = PipDryRun("gpu")
+    return stash[GPU_DRY_RUN]
 
 
 @pytest.fixture(autouse=True)
@@ -128,5 +124,7 @@ def rl_setting(request, tmp_path_factory):
     own, started when collection ended where a collected test needs it."""
     from tests.rl_setting import PendingSetting
 
-    pending = request.config.stash.get(RL_SETTING, None) or PendingSetting(tmp_path_factory.mktemp("rl_setting"))
-    return pending.result()
+    stash = request.config.stash
+    if RL_SETTING not in stash:  # not started at collection: now, and stopped at the end all the same
+        stash[RL_SETTING] = PendingSetting(tmp_path_factory.mktemp("rl_setting"))
+    return stash[RL_SETTING].result()

@@ -6,15 +6,16 @@ test that reads it is collected, and it runs beside the tests before that one.""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from tests.background import BackgroundProcess
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-class PipDryRun:
+class PipDryRun(BackgroundProcess):
     def __init__(self, extra: str):
         try:
             import tomllib
@@ -26,23 +27,12 @@ class PipDryRun:
         (folder / "requirements.txt").write_text("\n".join(project["dependencies"]
                                                            + project["optional-dependencies"][extra]))
         self.report = folder / "report.json"
-        self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-                                      "--quiet", "--report", str(self.report), "-r", str(folder / "requirements.txt")],
-                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)  # niced (nice execs pip): idle cores only; it mostly waits anyway
+        super().__init__([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                          "--report", str(self.report), "-r", str(folder / "requirements.txt")], folder / "pip.log",
+                         cwd=REPO)
 
     def result(self, timeout_s: float = 600) -> dict[str, str]:
         """Name -> version of everything it would install, this package aside (waits for pip)."""
-        try:
-            _, err = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        assert self.proc.returncode == 0, err[-4000:]
+        self.wait(timeout_s)
         return {item["metadata"]["name"].lower(): item["metadata"]["version"]
                 for item in json.loads(self.report.read_text())["install"]}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()

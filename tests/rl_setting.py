@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
 from pathlib import Path
+
+from tests.background import BackgroundProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,8 +43,8 @@ def build(root: Path) -> dict:
     return setting
 
 
-class PendingSetting:
-    """The build, started in the background."""
+class PendingSetting(BackgroundProcess):
+    """The build, started in the background; `stop` also removes what it wrote."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -50,26 +52,16 @@ class PendingSetting:
         env = dict(os.environ, RLHF_HOME=str(root / ".rlhf"), RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
         env.pop("RAY_ADDRESS", None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        self.log = root / "build.log"
-        with open(self.log, "w") as log:
-            # niced: it takes the cores only when the tests leave them idle (started at full priority,
-            # it slowed the first pipeline beside it from 160 to 407 s)
-            self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "tests.rl_setting", str(root)],
-                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # (started at full priority, it slowed the first pipeline beside it from 160 to 407 s)
+        super().__init__([sys.executable, "-m", "tests.rl_setting", str(root)], root / "build.log", cwd=REPO, env=env)
 
     def result(self, timeout_s: float = 1800) -> dict:
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        assert code == 0, f"building the RL setting failed (exit {code}):\n" + self.log.read_text()[-4000:]
+        self.wait(timeout_s)
         return json.loads((self.root / "setting.json").read_text())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().stop()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 if __name__ == "__main__":

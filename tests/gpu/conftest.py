@@ -4,18 +4,16 @@ import importlib.util
 
 import pytest
 
-VLLM_FIXTURES = {"cluster", "vllm_engine"}
-
 
 def pytest_collection_modifyitems(config, items):
-    """Without vLLM, tests of its engines are skipped before their session fixtures (an SFT'd RL
-    policy takes a minute to build) are set up for nothing."""
+    """Without vLLM, the tests of its engines (test_vllm_*: every user of `cluster` and
+    `vllm_engine`) are skipped before their session fixtures (an SFT'd RL policy takes a minute to
+    build) are set up for nothing."""
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed")
     for item in items:
-        if item.nodeid.startswith("tests/gpu/test_vllm") or (
-                "tests/gpu/" in item.nodeid and VLLM_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        if item.nodeid.startswith("tests/gpu/test_vllm"):
             item.add_marker(skip)
 
 
