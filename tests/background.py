@@ -4,13 +4,17 @@ collection ends (tests/pip_dry_run.py, tests/rl_setting.py) and stops what still
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
+MARK = "RLHF_TESTS_BACKGROUND"  # in the environment of a background command and all it starts
+
 
 class BackgroundProcess:
-    def __init__(self, argv: list[str], log: Path, **popen):
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None, **popen):
         self.argv, self.log = argv, log
+        popen["env"] = {**(os.environ if env is None else env), MARK: "1"}
         with open(log, "w") as out:
             self.proc = subprocess.Popen(["nice", "-n", "19", *argv], stdout=out, stderr=subprocess.STDOUT, **popen)
 

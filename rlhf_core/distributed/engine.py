@@ -68,8 +68,11 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if world_size == 1:  # nobody to meet: an in-memory store, so a one-rank job opens no port at all
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     with _no_shm_op_for_one_cpu_rank(world_size):
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend=backend)  # takes over the group started above
 
 
 @contextlib.contextmanager

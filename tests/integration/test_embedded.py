@@ -48,6 +48,19 @@ def _listening(processes) -> set[tuple[str, int, str]]:
     return found
 
 
+def _cluster_side(processes) -> list:
+    """These processes less the suite's own background preparations (tests/background.py), which
+    run beside the tests and are no part of the cluster under test."""
+    from tests.background import MARK
+
+    def ours(p) -> bool:
+        try:
+            return MARK in p.environ()
+        except psutil.Error:
+            return False
+    return [p for p in processes if not ours(p)]
+
+
 def _without_token(url: str) -> int:
     return requests.get(url, timeout=5).status_code
 
@@ -77,7 +90,7 @@ def test_local_ray_listens_on_loopback_only_and_refuses_requests_without_the_tok
                              timeout=5).status_code == 401
 
         # Every process of the cluster (GCS, raylet, dashboard, agents, idle workers) binds loopback.
-        sockets = _listening(psutil.Process().children(recursive=True))
+        sockets = _listening(_cluster_side(psutil.Process().children(recursive=True)))
         assert {"gcs_server", "raylet"} <= {name for _, _, name in sockets}
         exposed = {s for s in sockets if s[0] not in LOOPBACK}
         assert not exposed, f"listening beyond loopback: {sorted(exposed)}"

@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -125,6 +126,23 @@ def test_one_cpu_rank_does_not_build_deepspeed_s_shared_memory_all_reduce():
     assert ds_torch_comm.build_shm_op is original
     init_distributed(0, 1, "127.0.0.1", None)
     assert comm.comm.cdb is not None and comm.comm.cdb.shm_comm_op is None
+
+
+def test_a_one_rank_process_group_listens_on_no_port_beyond_loopback():
+    """torch's TCP rendezvous store listens on every interface; one rank meets nobody, so its group
+    starts on an in-memory store. (A process of its own: this one may hold a group already.)"""
+    import subprocess
+    import sys
+
+    code = ("import json, psutil, deepspeed.comm as dc\n"
+            "from rlhf_core.distributed.engine import init_distributed\n"
+            "init_distributed(0, 1, '127.0.0.1', None)\n"
+            "assert dc.is_initialized() and dc.get_world_size() == 1\n"
+            "print(json.dumps([c.laddr.ip for c in psutil.Process().net_connections(kind='tcp')"
+            " if c.status == psutil.CONN_LISTEN]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    listening = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(listening) <= {"127.0.0.1", "::1"}, listening
 
 
 def test_an_optimizer_step_is_the_same_whatever_the_micro_batches():
