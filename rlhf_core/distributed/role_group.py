@@ -125,8 +125,12 @@ class RankActor:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+            rank, world_size, timeout = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout_s)
+            if world_size == 1:  # nobody to meet: no TCP store (it would listen on every interface)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                        timeout=timeout)
         return dist.get_rank(), dist.get_world_size()
 
 
