@@ -23,29 +23,43 @@ class PipelineError(ConfigError):
     the CLI exits 2 with its message, and the flow run's log shows it without a traceback."""
 
 
-def prep_job(ctx: PipelineContext, prep: PrepParams) -> StageJob:
+def prep_job(ctx: PipelineContext, prep: PrepParams, distills: bool = False) -> StageJob:
+    """`rlhf prep`; with `distills` (the run trains a distilled student) it also builds a student
+    base, of `prep.student_size` or the size below the policy's. A run without a student keeps the
+    key it had before students existed."""
+    from rlhf_core.models.sizes import smaller_size
+
     out = ctx.output("prep")
+    student = prep.student_size or (smaller_size(prep.model_size) if distills else None)
     args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
             "--n_train", str(prep.n_train), "--n_test", str(prep.n_test),
             "--demo_error_rate", str(prep.demo_error_rate)]
     if prep.model_family:
         args += ["--model_family", prep.model_family]
-    return StageJob("prep", "prep", args, out, params_hash(prep))
+    if student:
+        args += ["--student_size", student]
+    resolved = prep.model_copy(update={"student_size": student})
+    return StageJob("prep", "prep", args, out,
+                    params_hash(resolved, exclude=frozenset() if student else frozenset({"student_size"})))
 
 
 def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
     root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
-    return {"base": f"{root}/base", "sft": f"json@{root}/data/sft", "preference": f"json@{root}/data/preference",
-            "prompts": f"json@{root}/data/prompts"}
+    return {"base": f"{root}/base", "student": f"{root}/student", "sft": f"json@{root}/data/sft",
+            "preference": f"json@{root}/data/preference", "prompts": f"json@{root}/data/prompts"}
 
 
-UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference")}
+# Per supervised stage: the upstream stage its model starts from (`prep`: prep's base, or its
+# student base for a distilled student) and prep's data kind it trains on.
+UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference"), "kd": ("prep", "sft")}
 
 
 def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig, need,
               name: str | None = None, model_from: StageOutcome | None = None,
-              data_from: tuple[StageOutcome, str] | None = None, eval_dataset: str | None = None) -> StageJob:
-    """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT model)."""
+              data_from: tuple[StageOutcome, str] | None = None, eval_dataset: str | None = None,
+              teacher_from: StageOutcome | None = None) -> StageJob:
+    """A supervised training stage whose missing inputs come from upstream outcomes (prep data, SFT
+    model; a distilled student's teacher from `teacher_from`)."""
     import yaml
 
     stage = cfg.stage
@@ -58,9 +72,24 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
     if cfg.pretrain is None:
         source = model_from or need(model_role)
         upstream["model"] = source
-        updates["pretrain"] = prep_paths(source)["base"] if source.stage == "prep" else source.output_uri
+        updates["pretrain"] = (prep_paths(source)["student" if stage == "kd" else "base"] if source.stage == "prep"
+                               else source.output_uri)
+        if stage == "kd" and source.stage == "prep" and "student" not in source.manifest.get("outputs", {}):
+            raise PipelineError(f"stage {name!r}: the prep output {source.output_uri} has no student base (prep "
+                                "builds one when the run's stages include distill, or with prep.student_size); "
+                                "run prep in this run, or set distill.pretrain to a student model")
     else:
         external["model"] = cfg.pretrain
+    if stage == "kd":
+        if cfg.teacher_pretrain is None:
+            source = teacher_from
+            if source is None:
+                raise PipelineError(f"stage {name!r} needs a teacher: a policy stage or SFT in this run or from_run, "
+                                    "or distill.teacher.model_name_or_path")
+            upstream["teacher"] = source
+            updates["teacher.model_name_or_path"] = source.output_uri
+        else:
+            external["teacher"] = cfg.teacher_pretrain
     reference = given_reference(cfg)
     if reference is not None:
         external["reference"] = reference

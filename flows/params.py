@@ -15,7 +15,7 @@ from enum import Enum
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config import DPOConfig, RMConfig, SFTConfig, StrictModel, spellings_of
+from rlhf_core.config import DPOConfig, KDConfig, RMConfig, SFTConfig, StrictModel, spellings_of
 from rlhf_core.models.families import FAMILIES
 from rlhf_core.models.sizes import MODEL_SIZES
 from rlhf_core.rl_config import PPOConfig
@@ -33,6 +33,10 @@ TUNED = {
     "rm": {**COMMON, "train.batch_size": 64, "train.micro_batch_size": 32, "adam.lr": 1e-3, "train.max_epochs": 2},
     "dpo": {**COMMON, "train.batch_size": 64, "train.micro_batch_size": 32, "adam.lr": 1e-4, "train.max_epochs": 1,
             "model.beta": 0.1, "model.nll_loss_coef": 1.0, "data.max_samples": 4000},
+    # The distilled student (a size below the policy, from prep's student base) on the SFT rows,
+    # half NLL, half the teacher's distribution: tests/learning/test_kd_learning.py's nano recipe.
+    "kd": {**COMMON, "train.batch_size": 32, "train.micro_batch_size": 32, "adam.lr": 2e-3, "train.max_epochs": 2,
+           "model.kd_coef": 0.5},
     # PPO, critic initialised from the reward model (OpenRLHF's default), rewards from the reward
     # model normalised by its stored mean/std (the flow turns that on when it fills in the run's
     # reward model): the recipe tests/learning/test_rl_stage.py guards.
@@ -88,6 +92,18 @@ class PipelineDPOConfig(DPOConfig):
         return with_tuned_defaults(cls, values)
 
 
+class PipelineKDConfig(KDConfig):
+    """`rlhf train kd`'s config (section `distill`) with the pipeline's tuned defaults under what a
+    run gives. Left empty, the flow fills the student from prep's student base (a size below the
+    policy's), the teacher from the run's policy (PPO, else DPO, else SFT) and the rows from prep's
+    SFT data."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tuned(cls, values):
+        return with_tuned_defaults(cls, values)
+
+
 DERIVED_PPO_FIELDS = frozenset({"critic.model_name_or_path", "ref.model_name_or_path", "rollout.max_new_tokens",
                                 "data.max_len", "eval.task"})
 
@@ -133,6 +149,7 @@ class Stage(str, Enum):
     RM = "rm"
     DPO = "dpo"
     PPO = "ppo"
+    DISTILL = "distill"
     EVAL = "eval"
     ITERATIVE_DPO = "iterative_dpo"
     ONLINE_RL = "online_rl"
@@ -141,7 +158,10 @@ class Stage(str, Enum):
 # The lifecycle the product card names: SFT -> reward model -> PPO. DPO is one `settings.stages`
 # away (`[prep, sft, rm, dpo, eval]`, or both policy stages side by side: `[..., dpo, ppo, eval]`).
 FULL_PIPELINE = [Stage.PREP, Stage.SFT, Stage.RM, Stage.PPO, Stage.EVAL]
-POLICY_STAGES = (Stage.DPO, Stage.PPO)
+POLICY_STAGES = (Stage.DPO, Stage.PPO)  # they register `rlhf-policy` versions; the champion is one of them
+EVALUATED_STAGES = (*POLICY_STAGES, Stage.DISTILL)  # the eval stage compares these with the reference
+# The run's policy a `distill` stage learns from, first found first: RL, then DPO, then SFT.
+TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.SFT)
 
 
 class PrepParams(StrictModel):
@@ -157,6 +177,9 @@ class PrepParams(StrictModel):
     n_test: int = Field(PREP["n_test"], gt=0)
     demo_error_rate: float = Field(PREP["demo_error_rate"], ge=0, lt=1,
                                    description="Fraction of SFT demonstrations made wrong (room for RL)")
+    student_size: str | None = Field(None, pattern="^(" + "|".join(MODEL_SIZES) + ")$", examples=["nano"],
+                                     description="Also build a student base of this size (stage distill's start); "
+                                     "default: the size below model_size when the run's stages include distill")
 
 
 # `rlhf eval` reports `eval/<policy name>/<metric>` and `eval/reference/<metric>` for these metrics
@@ -265,4 +288,5 @@ class PipelineSettings(StrictModel):
                                              "a local or s3:// output_root)")
 
 
-STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig, "ppo": PipelinePPOConfig}
+STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig, "ppo": PipelinePPOConfig,
+                "distill": PipelineKDConfig}

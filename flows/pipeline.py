@@ -1,4 +1,5 @@
-"""The `rlhf` flow: prep -> SFT -> reward model -> PPO and/or DPO -> evaluation (and iterative DPO rounds).
+"""The `rlhf` flow: prep -> SFT -> reward model -> PPO and/or DPO -> a distilled student -> evaluation
+(and iterative DPO rounds).
 
 Orchestration only: each stage is a task submitting the `rlhf` CLI as a Ray job
 (`orchestration/stages.py`, jobs built in `flows/jobs.py`); this module decides what runs, in which
@@ -12,6 +13,9 @@ order, on whose outputs, and records the pipeline run in MLflow.
 - Policy stages (DPO, PPO) train from the same SFT and reward model; one `rlhf eval` job compares
   them with SFT. Each registers an `rlhf-policy` version; `champion` moves to the best of them and
   the current champion by `evaluation.promote_metric`.
+- `distill` trains a smaller student (prep's student base) on the SFT rows with the run's policy
+  (PPO, else DPO, else SFT) as its teacher; the evaluation compares it beside the policies, and it
+  registers an `rlhf-student` version tagged with its teacher (never the policy champion).
 - Per stage, the task's wall time and the Ray job's run time are recorded (the difference is the
   orchestration overhead).
 """
@@ -27,11 +31,13 @@ from prefect.runtime import flow_run
 from flows import embedded, user_errors
 from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
 from flows.params import (
-    POLICY_STAGES,
+    EVALUATED_STAGES,
+    TEACHER_STAGES,
     EvalParams,
     IterativeDPOParams,
     OnlineRLParams,
     PipelineDPOConfig,
+    PipelineKDConfig,
     PipelinePPOConfig,
     PipelineRMConfig,
     PipelineSettings,
@@ -51,7 +57,8 @@ from rlhf_core.infra.settings import state_dir
 embedded.make_prefect_home()  # the embedded default's Prefect home, before any flow starts a server
 user_errors.install()
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.DISTILL, Stage.EVAL, Stage.ITERATIVE_DPO,
+         Stage.ONLINE_RL]
 
 
 def _close_orphans(experiment: str, logger) -> None:
@@ -77,14 +84,15 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          sft: PipelineSFTConfig = PipelineSFTConfig(), rm: PipelineRMConfig = PipelineRMConfig(),  # noqa: B008
          dpo: PipelineDPOConfig = PipelineDPOConfig(), ppo: PipelinePPOConfig = PipelinePPOConfig(),  # noqa: B008
          evaluation: EvalParams = EvalParams(), iterative: IterativeDPOParams = IterativeDPOParams(),  # noqa: B008
-         online: OnlineRLParams = OnlineRLParams(),  # noqa: B008
+         online: OnlineRLParams = OnlineRLParams(), distill: PipelineKDConfig = PipelineKDConfig(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     refuse_inline_secrets({"settings": settings.model_dump(mode="json"), "prep": prep.model_dump(mode="json"),
                            "sft": sft.model_dump(mode="json"), "rm": rm.model_dump(mode="json"),
                            "dpo": dpo.model_dump(mode="json"), "ppo": ppo.model_dump(mode="json"),
                            "evaluation": evaluation.model_dump(mode="json"),
-                           "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json")},
+                           "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json"),
+                           "distill": distill.model_dump(mode="json")},
                           "flow parameters")
     logger = get_run_logger()
     started = time.perf_counter()
@@ -120,12 +128,16 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
             for stage in stages:
                 if stage == Stage.PREP:
-                    outcomes["prep"] = run(prep_job(ctx, prep))
+                    outcomes["prep"] = run(prep_job(ctx, prep, distills=Stage.DISTILL in stages))
                 elif stage in (Stage.SFT, Stage.RM, Stage.DPO):
                     cfg = {"sft": sft, "rm": rm, "dpo": dpo}[stage.value]
                     outcomes[stage.value] = run(train_job(ctx, settings, cfg, need))
                 elif stage == Stage.PPO:
                     outcomes["ppo"] = run(ppo_job(ctx, settings, prep, ppo, need))
+                elif stage == Stage.DISTILL:
+                    teacher = distill_teacher(outcomes, earlier, need) if distill.teacher_pretrain is None else None
+                    outcomes["distill"] = run(train_job(ctx, settings, distill, need, name="distill",
+                                                        teacher_from=teacher))
                 elif stage == Stage.EVAL:
                     policies = evaluated_policies(stages, outcomes, earlier, need, settings)
                     outcomes["eval"] = run(eval_job(ctx, prep, evaluation, need("prep"), policies, need("sft"),
@@ -222,12 +234,24 @@ def evaluated_policies(stages: list[Stage], outcomes: dict[str, StageOutcome], e
                        need, settings: PipelineSettings) -> dict[str, StageOutcome]:
     """The policies one eval job compares: the policy stages this run trained, else (an eval-only
     rerun) those of `from_run`. Names are the stage names (`dpo`, `ppo`)."""
-    ran = [s.value for s in stages if s in POLICY_STAGES]
-    names = ran or [s.value for s in POLICY_STAGES if s.value in earlier]
+    ran = [s.value for s in stages if s in EVALUATED_STAGES]
+    names = ran or [s.value for s in EVALUATED_STAGES if s.value in earlier]
     if not names:
-        raise PipelineError("stage 'eval' needs a policy: add dpo or ppo to settings.stages, or pass a from_run "
-                            f"that trained one ({settings.from_run!r} has none)")
+        raise PipelineError("stage 'eval' needs a policy: add dpo, ppo or distill to settings.stages, or pass a "
+                            f"from_run that trained one ({settings.from_run!r} has none)")
     return {name: outcomes[name] if name in outcomes else need(name) for name in names}
+
+
+def distill_teacher(outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome], need) -> StageOutcome:
+    """The run's policy a distilled student learns from: the first of PPO, DPO and SFT that this run
+    trained, else that `from_run` has (SFT is needed, and named, when none is found)."""
+    for stage in TEACHER_STAGES:
+        if stage.value in outcomes:
+            return outcomes[stage.value]
+    for stage in TEACHER_STAGES:
+        if stage.value in earlier:
+            return need(stage.value)
+    return need(Stage.SFT.value)
 
 
 def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams, policies: list[str]) -> dict:
@@ -242,6 +266,13 @@ def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams, policie
             o = outcomes[stage]
             version = lineage.register_once(stage, o.output_uri, o.manifest.get("mlflow_run_id") or o.run_id)
             registered[stage] = {"model": version.name, "version": version.version}
+    if "distill" in outcomes:
+        o = outcomes["distill"]
+        teacher = o.manifest.get("inputs", {}).get("teacher_model", "")
+        version = lineage.register_once("distill", o.output_uri, o.manifest.get("mlflow_run_id") or o.run_id,
+                                        tags={"rlhf.teacher_uri": teacher})
+        registered["student"] = {"model": version.name, "version": version.version, "uri": o.output_uri,
+                                 "teacher_uri": teacher}
     trained = [name for name in ("dpo", "ppo") if name in outcomes]
     if not trained:
         return registered

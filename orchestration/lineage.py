@@ -31,7 +31,9 @@ from rlhf_core.infra.settings import tracking_uri
 from rlhf_core.infra.tracking import ensure_experiment, redact_params
 
 POLICY_MODEL = "rlhf-policy"  # every policy stage (DPO, PPO, iterative rounds) registers here
-REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL}
+STUDENT_MODEL = "rlhf-student"  # a smaller policy distilled from the run's policy (stage distill)
+REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL,
+                    "distill": STUDENT_MODEL}
 CANDIDATE, CHAMPION = "candidate", "champion"
 
 
@@ -211,14 +213,14 @@ def set_alias_racing(c, name: str, alias: str, version) -> None:
                 raise
 
 
-def register_once(stage: str, output_uri: str, training_run_id: str):
+def register_once(stage: str, output_uri: str, training_run_id: str, tags: dict[str, str] | None = None):
     """The registered version of the output trained by `training_run_id`, registering it if new."""
     name = REGISTERED_NAMES[stage]
     # An unknown model name gives an empty result, not an error.
     existing = client().search_model_versions(f"name = '{name}' and run_id = '{training_run_id}'")
     if existing:
         return max(existing, key=lambda v: int(v.version))
-    return register(stage, output_uri, training_run_id)
+    return register(stage, output_uri, training_run_id, tags)
 
 
 def alias_version(name: str, alias: str):

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--model_family", default=None, help="Build the base in the shape of a model family, with its "
                       "special tokens and chat template: " + ", ".join(FAMILIES) + " (default: the built-in "
                       "tiny Llama)")
+    prep.add_argument("--student_size", default=None, choices=list(MODEL_SIZES), help="Also build a randomly "
+                      "initialised student base of this (smaller) size with the same tokenizer, in student/: where "
+                      "`rlhf train kd` (the pipeline's distill stage) starts a smaller model (default: none)")
     prep.add_argument("--n_train", type=int, default=None, help="Training examples per data kind")
     prep.add_argument("--n_test", type=int, default=None, help="Held-out examples per data kind")
     prep.add_argument("--demo_error_rate", type=float, default=None, help="Fraction of SFT training demonstrations "
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prep":
             from rlhf_core.stages.prep import check_prep_params, prep_config, run_prep
 
-            sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate", "model_family")
+            sizes = {k: getattr(args, k) for k in ("n_train", "n_test", "demo_error_rate", "model_family",
+                                                        "student_size")
                      if getattr(args, k) is not None}
             check_prep_params(prep_config(task=args.task, seed=args.seed, model_size=args.model_size, **sizes))
             check_stage_stores({"out": args.out}, use_mlflow=bool(os.environ.get("MLFLOW_RUN_ID")))

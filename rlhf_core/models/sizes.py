@@ -3,7 +3,7 @@ the torch-free flow parameters validate against the same names."""
 
 MAX_POSITION_EMBEDDINGS = 256
 
-MODEL_SIZES: dict[str, dict[str, int]] = {
+MODEL_SIZES: dict[str, dict[str, int]] = {  # smallest first
     # ~0.1M parameters besides embeddings: a student smaller than `tiny` (knowledge distillation).
     "nano": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 256},
     # ~1.05M parameters besides embeddings.
@@ -28,3 +28,11 @@ def size_dims(size: str, kv_heads_ratio: int = 1) -> dict[str, int]:
     dims = dict(MODEL_SIZES[size])
     dims.setdefault("num_key_value_heads", dims["num_attention_heads"] // kv_heads_ratio)
     return dims
+
+
+def smaller_size(size: str) -> str | None:
+    """The next size down (a distilled student's default), None below the smallest."""
+    names = list(MODEL_SIZES)
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(MODEL_SIZES)}")
+    return names[names.index(size) - 1] if names.index(size) > 0 else None

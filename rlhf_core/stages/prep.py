@@ -7,6 +7,8 @@ Writes under ``out_dir``::
     data/prompts/{train,test}.jsonl     {"prompt", "answer"}
     tokenizer/                          byte-level BPE trained on the train split's text
     base/                               random tiny Llama (or a `--model_family` model) + its tokenizer
+    student/                            with `student_size`: the same at that (smaller) size, from
+                                        another seed: a distilled student's start (stage `distill`)
 
 With ``model_family`` (`models/families.py`: qwen2, qwen3, llama, mistral, gemma, phi3, mixtral, qwen3_moe) the
 tokenizer carries that family's special tokens and chat template and the base model is built from
@@ -37,7 +39,7 @@ DEFAULT_N_TEST = 200
 DATA_KINDS = ("sft", "preference", "prompts")
 # What a local prep rewrites under its folder; anything else there (e.g. models saved under
 # `work/models`) is left alone, so rerunning prep over its own output is allowed with it present.
-REWRITTEN = ("data", "tokenizer", "base")
+REWRITTEN = ("data", "tokenizer", "base", "student")
 
 
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
@@ -85,11 +87,13 @@ def prepare(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     demo_error_rate: float = 0.0,
     model_family: str | None = None,
+    student_size: str | None = None,
 ) -> dict[str, str]:
     """Build the data, tokenizer and base model under ``out_dir``; return their paths.
 
     Keys: ``sft``, ``preference``, ``prompts`` (data folders), ``<kind>_<split>`` for each jsonl
-    file (e.g. ``sft_train``), ``tokenizer`` and ``base`` (model folders).
+    file (e.g. ``sft_train``), ``tokenizer`` and ``base`` (model folders), and ``student`` with
+    ``student_size``.
     """
     out = Path(out_dir)
     synthetic_task = get_task(task)
@@ -107,31 +111,39 @@ def prepare(
     train_texts = [text for row in splits["sft"]["train"] for text in (row["prompt"], row["response"])]
     if model_family is None:
         tokenizer = train_tokenizer(train_texts, vocab_size=vocab_size)
-        model = build_tiny_llama(tokenizer, size=model_size, seed=seed)
+
+        def build(size: str, seed: int):
+            return build_tiny_llama(tokenizer, size=size, seed=seed)
     else:
         family = get_family(model_family)
         tokenizer = train_family_tokenizer(family, train_texts, vocab_size)
-        model = build_family_model(family, tokenizer, size=model_size, seed=seed)
+
+        def build(size: str, seed: int):
+            return build_family_model(family, tokenizer, size=size, seed=seed)
 
     _save_dir_atomic(out / "tokenizer", tokenizer)
-    _save_dir_atomic(out / "base", model, tokenizer)
+    _save_dir_atomic(out / "base", build(model_size, seed), tokenizer)
     paths["tokenizer"] = str(out / "tokenizer")
     paths["base"] = str(out / "base")
+    if student_size is not None:
+        _save_dir_atomic(out / "student", build(student_size, seed + 1), tokenizer)
+        paths["student"] = str(out / "student")
     return paths
 
 
 def prep_config(**params) -> dict:
     """Every parameter of `prepare` but the output folder, defaults filled in: what prep's output depends on.
 
-    Unknown names raise TypeError, as `prepare` would. `model_family` is left out when it is None
-    (the built-in tiny Llama), so outputs prepared before the flag existed keep their config hash.
+    Unknown names raise TypeError, as `prepare` would. `model_family` and `student_size` are left
+    out when None (the built-in tiny Llama, no student), so outputs prepared before those flags
+    existed keep their config hash.
     """
     import inspect
 
     bound = inspect.signature(prepare).bind(None, **params)
     bound.apply_defaults()
     return {k: v for k, v in bound.arguments.items()
-            if k != "out_dir" and not (k == "model_family" and v is None)}
+            if k != "out_dir" and not (k in ("model_family", "student_size") and v is None)}
 
 
 def check_prep_params(params: dict) -> None:
@@ -146,8 +158,9 @@ def check_prep_params(params: dict) -> None:
     for name in ("n_train", "n_test"):
         if isinstance(params[name], bool) or not isinstance(params[name], int) or params[name] < 1:
             raise ConfigError(f"--{name}: must be a whole number of examples >= 1, got {params[name]!r}")
-    if params["model_size"] not in MODEL_SIZES:
-        raise ConfigError(f"--model_size: must be one of {', '.join(MODEL_SIZES)}, got {params['model_size']!r}")
+    for flag in ("model_size", "student_size"):
+        if flag in params and params[flag] not in MODEL_SIZES:
+            raise ConfigError(f"--{flag}: must be one of {', '.join(MODEL_SIZES)}, got {params[flag]!r}")
     if params.get("model_family") is not None:
         try:
             get_family(params["model_family"])

@@ -31,11 +31,12 @@ PPO_STEPS = {"train.max_steps": 2, "rollout.batch_size": 8, "rollout.n_samples_p
              "critic.freezing_steps": 0, "eval.n_samples_per_prompt": 1}
 TINY = {
     "settings": {"retries": 0, "checkpoint_steps": 1},
-    "prep": {"n_train": 256, "n_test": 32},
+    "prep": {"n_train": 256, "n_test": 32, "student_size": "nano"},  # a student base for runs that distill
     "sft": STEPS,
     "rm": STEPS,
     "dpo": STEPS,
     "ppo": PPO_STEPS,
+    "distill": STEPS,
     "evaluation": {"max_samples": 16, "n_samples_per_prompt": 2},
 }
 DEFAULT_STAGES = {"prep", "sft", "rm", "ppo", "eval"}
@@ -248,13 +249,14 @@ def test_single_stage_rerun_reuses_upstream_and_leaves_it_untouched(first_run):
 def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_by_side(first_run):
     """A rerun of PPO alone (forced) beside DPO, from the first run's SFT and reward model: the new PPO
     run starts at step 0 in a folder of its own, the upstream outputs are reused untouched, and
-    the evaluation ranks DPO and PPO side by side."""
+    the evaluation ranks DPO and PPO side by side, with a smaller student distilled from that PPO
+    policy beside them (registered as `rlhf-student`, never the champion)."""
     from flows.pipeline import rlhf
 
     before = {s: tree_digest(first_run["outputs"][s]) for s in ("prep", "sft", "rm")}
-    result = rlhf(**params(settings={"stages": ["dpo", "ppo", "eval"], "from_run": first_run["pipeline_run_id"],
-                                     "force_stages": ["ppo"]}))
-    assert set(result["stages"]) == {"prep", "sft", "rm", "dpo", "ppo", "eval"}
+    result = rlhf(**params(settings={"stages": ["dpo", "ppo", "distill", "eval"],
+                                     "from_run": first_run["pipeline_run_id"], "force_stages": ["ppo"]}))
+    assert set(result["stages"]) == {"prep", "sft", "rm", "dpo", "ppo", "distill", "eval"}
     assert not result["stages"]["ppo"]["cached"] and result["outputs"]["ppo"] != first_run["outputs"]["ppo"]
     assert {s: result["outputs"][s] for s in before} == {s: first_run["outputs"][s] for s in before}
     assert {s: tree_digest(first_run["outputs"][s]) for s in before} == before
@@ -264,11 +266,23 @@ def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_
     assert runs["rm"].data.tags["rlhf.reused_from_run"] == first["rm"].info.run_id
     assert "rlhf.resumed_from_checkpoints" not in tags  # a new run's folder: it starts at step 0
 
-    assert result["evaluation"]["policies"] == ["dpo", "ppo"]
+    assert result["evaluation"]["policies"] == ["dpo", "ppo", "distill"]
     metrics = result["evaluation"]["metrics"]
-    for name in ("dpo", "ppo"):
+    for name in ("dpo", "ppo", "distill"):
         for metric in ("sampled_accuracy", "greedy_accuracy", "win_rate", "kl"):
             assert f"eval/{name}/{metric}" in metrics, (name, metric)
+    student = runs["distill"].data.tags
+    assert student["rlhf.upstream.teacher.model_uri"] == result["outputs"]["ppo"]  # this run's policy teaches
+    assert student["rlhf.upstream.model.model_uri"] == first_run["outputs"]["prep"]  # from prep's student base
+    assert runs["eval"].data.tags["rlhf.upstream.policy-distill.model_uri"] == result["outputs"]["distill"]
+    from transformers import AutoConfig
+
+    sizes = {n: AutoConfig.from_pretrained(result["outputs"][n]).hidden_size for n in ("ppo", "distill")}
+    assert sizes["distill"] < sizes["ppo"], sizes
+    registered = result["registry"]["student"]
+    assert registered["model"] == "rlhf-student" and registered["teacher_uri"] == result["outputs"]["ppo"]
+    version = mlflow_client().get_model_version("rlhf-student", registered["version"])
+    assert version.tags["rlhf.teacher_uri"] == result["outputs"]["ppo"]
     for name in ("dpo", "ppo"):
         assert runs[name].data.tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
         assert runs["eval"].data.tags[f"rlhf.upstream.policy-{name}.model_uri"] == result["outputs"][name]

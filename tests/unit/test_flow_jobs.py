@@ -295,3 +295,66 @@ def test_the_prep_job_builds_the_chosen_model_family(tmp_path):
     assert "--model_family" not in _prep_job(flow_ctx(tmp_path), PrepParams()).args
     with pytest.raises(ValueError, match="model_family"):
         PrepParams(model_family="gpt5")
+
+
+def test_the_prep_job_builds_a_student_only_for_a_run_that_distills(tmp_path):
+    """With `distill` among the stages, prep also builds a student base a size below the policy's
+    (or `prep.student_size`); without, its command and key are what they were before students."""
+    from flows.jobs import prep_job as _prep_job
+    from flows.params import PrepParams
+    from rlhf_core.cli import _parser
+    from rlhf_core.infra.manifests import params_hash
+
+    ctx = flow_ctx(tmp_path)
+    plain = _prep_job(ctx, PrepParams())
+    assert "--student_size" not in plain.args
+    assert plain.config_hash == params_hash(PrepParams(), exclude=frozenset({"student_size"}))
+    distilling = _prep_job(ctx, PrepParams(), distills=True)
+    assert _parser().parse_args(distilling.args).student_size == "nano"  # tiny's next size down
+    assert distilling.config_hash != plain.config_hash
+    small = _prep_job(ctx, PrepParams(model_size="small"), distills=True)
+    assert _parser().parse_args(small.args).student_size == "tiny"
+    chosen = _prep_job(ctx, PrepParams(student_size="nano", model_size="small"))
+    assert _parser().parse_args(chosen.args).student_size == "nano"
+    assert "--student_size" not in _prep_job(ctx, PrepParams(model_size="nano"), distills=True).args  # none smaller
+
+
+def test_the_distill_job_starts_prep_s_student_and_learns_from_the_teacher_it_is_given(tmp_path):
+    import yaml
+
+    from flows.jobs import PipelineError, train_job
+    from flows.params import PipelineKDConfig, PipelineSettings
+    from orchestration.stages import StageOutcome, _tags, stage_cache_key
+
+    rows = tmp_path / "prep" / "data" / "sft"
+    rows.mkdir(parents=True)
+    (rows / "train.jsonl").write_text('{"prompt": "cba", "response": "abc"}\n')
+    prep = StageOutcome("prep", "prep", str(tmp_path / "prep"), "run-prep", "key-prep", False, {},
+                        {"outputs": {"base": "b", "student": "s"}})
+    upstream = {"prep": prep, "sft": outcome("sft", tmp_path)}
+    ctx = flow_ctx(tmp_path)
+
+    def job(teacher, cfg=None, prep_outcome=prep):
+        return train_job(ctx, PipelineSettings(), cfg or PipelineKDConfig(), {**upstream, "prep": prep_outcome}.__getitem__,
+                         name="distill", teacher_from=teacher)
+
+    ppo = outcome("ppo", tmp_path)
+    distill = job(ppo)
+    config = yaml.safe_load(distill.config_yaml)
+    assert (distill.stage, distill.name, distill.args[:2]) == ("kd", "distill", ["train", "kd"])
+    assert config["model"]["model_name_or_path"] == f"{prep.output_uri}/student"
+    assert config["teacher"]["model_name_or_path"] == ppo.output_uri
+    assert config["data"]["dataset"] == f"json@{prep.output_uri}/data/sft"
+    assert config["model"]["kd_coef"] == 0.5  # the pipeline's tuned default
+    tags = _tags(ctx, distill, stage_cache_key(distill))
+    assert tags["rlhf.upstream.teacher.model_uri"] == ppo.output_uri
+    # Another teacher is another student: the teacher's key is in the student's.
+    assert stage_cache_key(job(outcome("dpo", tmp_path))) != stage_cache_key(distill)
+    named = job(None, PipelineKDConfig.model_validate({"teacher_model": "/models/teacher"}))
+    assert stage_cache_key(named) != stage_cache_key(distill)
+    no_student = StageOutcome("prep", "prep", prep.output_uri, "run-prep", "key-prep", False, {},
+                              {"outputs": {"base": "b"}})
+    with pytest.raises(PipelineError, match="no student base"):
+        job(ppo, prep_outcome=no_student)
+    with pytest.raises(PipelineError, match="needs a teacher"):
+        job(None)

@@ -206,8 +206,9 @@ def test_prep_manifest_hashes_every_parameter_of_prepare_with_defaults_filled_in
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setattr(prep_module, "prepare", functools.wraps(prepare)(fake_prepare))
     full = prep_module.prep_config(task="sort")
-    # model_family None (the built-in tiny Llama) is left out: outputs prepared before it existed keep their hash
-    assert set(full) == set(inspect.signature(prepare).parameters) - {"out_dir", "model_family"}
+    # model_family None (the built-in tiny Llama) and student_size None (no student) are left out:
+    # outputs prepared before they existed keep their hash
+    assert set(full) == set(inspect.signature(prepare).parameters) - {"out_dir", "model_family", "student_size"}
     manifest = prep_module.run_prep(tmp_path / "a", task="sort")
     assert manifest["config"] == full and manifest["config_hash"] == values_hash(full)
     assert prep_module.run_prep(tmp_path / "b", task="sort", **{k: full[k] for k in ("n_train", "vocab_size")}) \
@@ -323,3 +324,27 @@ def test_unknown_model_family_is_a_config_error_naming_the_flag(tmp_path, capsys
     err = capsys.readouterr().err
     assert "--model_family" in err and "gpt5" in err and "qwen3" in err
     assert not (tmp_path / "p").exists()
+
+
+def test_a_student_base_is_the_same_family_and_tokenizer_at_the_smaller_size(tmp_path):
+    """`rlhf prep --student_size nano`: student/ beside base/, a fresh model of the student's
+    size over the same vocabulary (what distillation needs), loadable by plain transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.cli import main
+    from rlhf_core.models.sizes import MODEL_SIZES, smaller_size
+
+    assert [smaller_size(s) for s in ("nano", "tiny", "small")] == [None, "nano", "tiny"]
+    assert main(["prep", "--out", str(tmp_path / "p"), "--task", "sort", "--n_train", "64", "--n_test", "8",
+                 "--student_size", "nano"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "p" / "base")
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "p" / "student")
+    assert student.config.hidden_size == MODEL_SIZES["nano"]["hidden_size"] < base.config.hidden_size
+    assert student.config.vocab_size == base.config.vocab_size
+    tok = AutoTokenizer.from_pretrained(tmp_path / "p" / "student")
+    assert tok.get_vocab() == AutoTokenizer.from_pretrained(tmp_path / "p" / "base").get_vocab()
+    manifest = json.loads((tmp_path / "p" / "stage.json").read_text())
+    assert manifest["config"]["student_size"] == "nano" and manifest["outputs"]["student"].endswith("/student")
+    with pytest.raises(SystemExit) as refused:  # argparse's choices: exit 2 naming the flag
+        main(["prep", "--out", str(tmp_path / "q"), "--student_size", "huge"])
+    assert refused.value.code == 2 and not (tmp_path / "q").exists()
