@@ -130,6 +130,9 @@ def build_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome],
                      "policies with their reference.\n\n")
     else:
         parts.append(headline(report, promote_metric)["text"] + "\n\n")
+        students = {name: o.manifest.get("inputs", {}).get("teacher_model") for name, o in outcomes.items()
+                    if o.stage == "kd"}
+        parts += [line + "\n\n" for line in student_lines(report, students, promote_metric)]
         images[EVAL_CHART] = eval_comparison_png(report)
         parts.append(("image", "evaluation: policies side by side", EVAL_CHART))
         parts.append("\n\n" + _demote(format_eval_markdown(report)) + "\n")
@@ -206,6 +209,56 @@ def headline(report: dict, promote_metric: str) -> dict:
             text += " Other policies: " + "; ".join(others) + "."
     out["text"] = text + f" (Promote metric: `{promote_metric}`, higher wins.)"
     return out
+
+
+def student_lines(report: dict, students: dict[str, str | None], promote_metric: str) -> list[str]:
+    """Per distilled student the evaluation compared (name -> its teacher's URI): its size against
+    its teacher's and what it kept of the teacher's promote metric."""
+    from rlhf_core.config import REFERENCE_NAME
+    from rlhf_core.stages.evaluation import metric_key
+
+    metric = promote_metric.rsplit("/", 1)[-1]
+    label = METRIC_LABELS.get(metric, metric.replace("_", " "))
+    fraction = metric in {"greedy_accuracy", "sampled_accuracy", "win_rate"} or metric.startswith("pass_at_")
+    entries = {p["name"]: p for p in report["policies"]}
+    if report.get("reference"):
+        entries.setdefault(REFERENCE_NAME, {"name": REFERENCE_NAME, "uri": report["reference"],
+                                            "parameters": report.get("reference_parameters")})
+
+    def show(v: float) -> str:
+        return f"{v:.1%}" if fraction else f"{v:.4g}"
+
+    lines = []
+    for name, teacher_uri in students.items():
+        if name not in entries:
+            continue
+        teacher = next((e for e in entries.values() if e["uri"] == teacher_uri and e["name"] != name), None)
+        size, text = entries[name].get("parameters"), f"Distilled student `{name}`"
+        if size:
+            text += f" ({_count(size)} parameters"
+            if teacher is not None and teacher.get("parameters"):
+                text += f", {size / teacher['parameters']:.0%} of its teacher `{teacher['name']}`'s"
+            text += ")"
+        value = report["metrics"].get(metric_key(name, metric))
+        if value is None:
+            lines.append(text + ".")
+            continue
+        text += f": {label} **{show(value)}**"
+        teacher_value = report["metrics"].get(metric_key(teacher["name"], metric)) if teacher else None
+        if teacher_value is not None:
+            kept = f"{(value - teacher_value) * 100:+.1f} points" if fraction else f"{value - teacher_value:+.4g}"
+            text += f" against {show(teacher_value)} for its teacher ({kept})"
+        elif teacher_uri:
+            text += f" (its teacher `{teacher_uri}` was not evaluated here)"
+        lines.append(text + ".")
+    return lines
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 METRIC_LABELS = {"greedy_accuracy": "held-out greedy accuracy", "sampled_accuracy": "held-out sampled accuracy",

@@ -265,6 +265,24 @@ def _load_renamed_head(model, path: str, prefix: str) -> None:
     raise ValueError(f"--value_head_prefix {prefix!r}: no '{prefix}.*' weights in {path}")
 
 
+def stored_parameters(path: str) -> int | None:
+    """How many parameters a saved model folder holds, from its safetensors headers (no weights
+    read); None when it has no safetensors files (a LoRA adapter's base, a `.bin` checkpoint)."""
+    import math
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
+
+
 def backbone(model):
     """The transformer body of a causal LM or sequence classifier (e.g. `LlamaModel`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -222,9 +222,13 @@ def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
             metrics[metric_key(name, "kl")] = k1_kl(g.own_logps, g.ref_logps)
         metrics[metric_key(name, "response_len")] = mean([len(s.token_ids) for s in g.greedy])
 
+    from rlhf_core.models.loading import stored_parameters
+
     return {
-        "policies": [{"name": name, "uri": uri} for name, uri in policies],
+        "policies": [{"name": name, "uri": uri, "parameters": stored_parameters(policy_paths[name])}
+                     for name, uri in policies],
         "reference": cfg.ref_pretrain, "reward_model": cfg.reward_pretrain,
+        "reference_parameters": stored_parameters(ref_path) if ref_path else None,
         "task": cfg.task, "dataset": cfg.dataset, "num_prompts": len(prompts),
         "n_samples_per_prompt": k, "temperature": cfg.temperature,
         "num_kl_samples": len(prompt_ids) * k if ref_path else 0,

@@ -283,6 +283,7 @@ def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_
     assert registered["model"] == "rlhf-student" and registered["teacher_uri"] == result["outputs"]["ppo"]
     version = mlflow_client().get_model_version("rlhf-student", registered["version"])
     assert version.tags["rlhf.teacher_uri"] == result["outputs"]["ppo"]
+    assert "Distilled student `distill` (" in result["report"] and "of its teacher `ppo`'s" in result["report"]
     for name in ("dpo", "ppo"):
         assert runs[name].data.tags["rlhf.upstream.model.model_uri"] == first_run["outputs"]["sft"]
         assert runs["eval"].data.tags[f"rlhf.upstream.policy-{name}.model_uri"] == result["outputs"][name]

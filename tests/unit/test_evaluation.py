@@ -176,7 +176,11 @@ def test_eval_of_a_model_against_itself(prepared, models, tmp_path, capsys, watc
     assert m["eval/policy/reward"] == m["eval/reference/reward"]
     assert 1 <= m["eval/policy/response_len"] <= 5  # addition: at most 4 answer tokens + EOS
     assert manifest["metrics"] == m and report["num_prompts"] == N_PROMPTS and report["num_kl_samples"] == 16
-    assert report["policies"] == [{"name": "policy", "uri": prepared["base"]}] and report["n_samples_per_prompt"] == 2
+    from transformers import AutoModelForCausalLM
+
+    tiny = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(prepared["base"]).parameters())
+    assert report["policies"] == [{"name": "policy", "uri": prepared["base"], "parameters": tiny}]
+    assert report["reference_parameters"] == tiny and report["n_samples_per_prompt"] == 2
     assert len(report["samples"]) == 5
     assert set(report["samples"][0]["responses"]) == {"policy", "reference"}
     assert {"text", "score", "correct", "sampled_correct"} == set(report["samples"][0]["responses"]["policy"])
@@ -239,8 +243,8 @@ def test_policies_side_by_side(prepared, models, tmp_path, capsys, watched_engin
         assert m[f"eval/{name}/reward"] != m["eval/reference/reward"]  # so the two orders differ
         assert m[f"eval/{name}/win_rate"] == win_rate(policy, reference)
     report = read_eval_report(str(out))
-    assert report["policies"] == [{"name": "rival", "uri": models["other"]},
-                                  {"name": "oracle", "uri": models["scripted"]}]
+    assert [(p["name"], p["uri"]) for p in report["policies"]] == [("rival", models["other"]),
+                                                                   ("oracle", models["scripted"])]
     oracle_rows = [row["responses"]["oracle"] for row in report["samples"]]
     assert [r["sampled_correct"] for r in oracle_rows] == counts[:5] and all(r["correct"] for r in oracle_rows)
 

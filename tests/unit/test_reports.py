@@ -51,6 +51,25 @@ def test_headline_best_policy_against_the_reference():
         reports.headline(eval_report(), "eval/policy_exact_match")
 
 
+def test_a_distilled_student_is_reported_with_its_size_against_its_teacher():
+    report = eval_report()
+    report["policies"] = [{"name": "ppo", "uri": "/m/ppo", "parameters": 1_050_000},
+                          {"name": "distill", "uri": "/m/distill", "parameters": 148_480}]
+    report["reference_parameters"] = 1_050_000
+    report["metrics"]["eval/distill/sampled_accuracy"] = 0.75
+    (line,) = reports.student_lines(report, {"distill": "/m/ppo"}, "sampled_accuracy")
+    assert line == ("Distilled student `distill` (148k parameters, 14% of its teacher `ppo`'s): held-out sampled "
+                    "accuracy **75.0%** against 82.0% for its teacher (-7.0 points).")
+    (line,) = reports.student_lines(report, {"distill": "/m/sft"}, "sampled_accuracy")  # SFT taught it
+    assert "of its teacher `reference`'s" in line and "against 69.0% for its teacher (+6.0 points)" in line
+    (line,) = reports.student_lines(report, {"distill": "/elsewhere"}, "sampled_accuracy")
+    assert line.endswith("(its teacher `/elsewhere` was not evaluated here).")
+    assert reports.student_lines(report, {"distill-round2": "/m/ppo"}, "sampled_accuracy") == []  # not evaluated
+    outcome = StageOutcome("kd", "distill", "/m/distill", "run-d", "k", False, {}, {"inputs": {"teacher_model": "/m/ppo"}})
+    built = reports.build_pipeline_report("parent", {"distill": outcome}, report, {}, "sampled_accuracy")
+    assert "Distilled student `distill` (148k parameters" in built.markdown
+
+
 def log_history(client, run_id, series: dict[str, list[tuple[int, float]]]):
     from mlflow.entities import Metric
 
