@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     add_config_flags(_dry_run(sub.add_parser("pairs", argument_default=argparse.SUPPRESS, help="Sample the policy, "
                                              "score, keep (best, worst) per prompt: online DPO data")),
                      ROLLOUT_STAGE_CONFIGS["pairs"])
+    from rlhf_core.config import BatchInferenceConfig
+
+    add_config_flags(_dry_run(sub.add_parser("batch_inference", argument_default=argparse.SUPPRESS,
+                                             help="OpenRLHF's batch inference: generate best-of-N responses, or score "
+                                             "rows into rejection-sampling, conditional-SFT or DPO data")),
+                     BatchInferenceConfig)
 
     _add_orchestration_commands(sub)
 
@@ -209,6 +215,17 @@ def main(argv: list[str] | None = None) -> int:
             except NoPairsError as e:
                 return _fail(str(e), EXIT_USAGE)
             print(json.dumps(manifest, indent=2, sort_keys=True))
+            return 0
+        if args.command == "batch_inference":
+            from rlhf_core.config import BatchInferenceConfig
+            from rlhf_core.stages.batch_inference import run_batch_inference
+
+            cfg = build_config(BatchInferenceConfig, load_yaml(args.config) if args.config else None, flag_values(args))
+            if args.dry_run:
+                return dry_run(cfg)
+            cfg.check_complete()
+            _check_models(cfg, {"pretrain": "--pretrain"})
+            print(json.dumps(run_batch_inference(cfg), indent=2, sort_keys=True))
             return 0
         if args.command == "serve-rm":
             from rlhf_core.rewards.cli import serve_rm_main

@@ -948,6 +948,117 @@ class PairsConfig(RolloutStageConfig):
         return self
 
 
+# ---------------------------------------------------------------------------------------------
+# `rlhf batch_inference`: OpenRLHF 0.9's `openrlhf.cli.batch_inference`, flat flags, its defaults.
+
+class EvalTask(str, Enum):
+    GENERATE = "generate"  # the transformers engine
+    GENERATE_VLLM = "generate_vllm"  # vLLM (its CUDA or CPU build)
+    RM = "rm"  # score rows with a reward model (or `--task`'s verifier), then post-process
+
+
+class PostProcessor(str, Enum):
+    RS = "rs"  # rejection sampling: the best response per prompt (SFT data)
+    CSFT = "csft"  # conditional SFT: the score written into the prompt (`--reward_template`)
+    ITER_DPO = "iter_dpo"  # the best and the worst response per prompt (DPO pairs)
+
+
+NOOP_ENGINE = "the engine's own settings (precision by the device; one process) decide this here"
+
+
+class BatchInferenceConfig(StageConfig):
+    """`rlhf batch_inference`: generate `--best_of_n` responses per prompt, or score rows and turn
+    them into rejection-sampling, conditional-SFT or DPO data (`stages/batch_inference.py`)."""
+
+    stage: Literal["batch_inference"] = "batch_inference"
+    eval_task: EvalTask | None = Field(None, description="generate (transformers), generate_vllm (vLLM) or rm "
+                                       "(score rows, then --post_processor)")
+    pretrain: str | None = Field(None, description="The policy (generate) or the reward model (rm): a local HF "
+                                 "directory or s3:// URI", json_schema_extra=NOT_SEMANTIC)
+    dataset: str | None = Field(None, description="Prompts (generate) or rows with a prompt and a response (rm)",
+                                json_schema_extra=NOT_SEMANTIC)
+    dataset_probs: str | None = None
+    input_key: str = "input"
+    output_key: str = "output"
+    label_key: str = Field("answer", description="Reference answers (kept with generated rows; --task's verifier "
+                           "reads them)")
+    task: str | None = Field(None, description="rm: score with this built-in task's verifier against --label_key "
+                             "instead of a reward model (no --pretrain)")
+    apply_chat_template: bool = False
+    input_template: str | None = Field(None, description="Python format string with one {} for the prompt (empty: "
+                                       "none)")
+    max_samples: int = Field(100_000_000, gt=0)
+    output_path: str | None = Field(None, description="The JSON-lines file written (local or s3://)",
+                                    json_schema_extra=NOT_SEMANTIC)
+    prompt_max_len: int = Field(1024, gt=0, description="Longer prompts keep their last tokens")
+    max_new_tokens: int = Field(1024, gt=0)
+    max_len: int = Field(2048, gt=1, description="rm: longer prompt + response texts keep their first tokens")
+    greedy_sampling: bool = False
+    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, description="Only 1.0 (no penalty): neither engine here applies one")
+    best_of_n: int = Field(1, ge=1, description="Responses per prompt")
+    post_processor: PostProcessor | None = None
+    iter: int | None = Field(None, ge=0, description="Generate for prompts [iter x rollout_batch_size, (iter + 1) x "
+                             "rollout_batch_size) only")
+    rollout_batch_size: int = Field(2048, gt=0)
+    normalize_reward: bool = Field(False, description="csft: z-score the rewards over all rows before writing them")
+    reward_template: str | None = Field(None, description="csft: where {input} and {reward} go (default "
+                                        "'{input} <rm_score>: {reward} ')")
+    enable_csft: bool = Field(False, description="Generate conditioned on --csft_prompt, appended to each prompt")
+    csft_prompt: str = "<rm_score>: 5.00"
+    value_head_prefix: str | None = Field(None, description="rm: the reward head's weight prefix (default: the model "
+                                          "config's value_head_prefix, else score)")
+    micro_batch_size: int = Field(16, gt=0, description="rm: rows scored at once")
+    seed: int = 1234
+    disable_fast_tokenizer: bool = False
+    zero_stage: int = Field(0, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    bf16: bool = Field(False, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    param_dtype: str | None = Field(None, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    attn_implementation: str | None = Field(None, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    flash_attn: bool = Field(False, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    tp_size: int | None = Field(None, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    max_num_seqs: int | None = Field(None, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    enable_prefix_caching: bool = Field(False, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    full_determinism: bool = Field(False, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
+    local_rank: int = Field(-1, json_schema_extra={"noop": "one process, no DeepSpeed launcher", **NOT_SEMANTIC})
+    use_ms: bool = Field(False, description="Load models named by a hub id from ModelScope")
+
+    @field_validator("input_template")
+    @classmethod
+    def _braceless_template_is_none(cls, template: str | None) -> str | None:
+        return template_or_none(template)
+
+    @model_validator(mode="after")
+    def _check(self) -> BatchInferenceConfig:
+        check_probs(self.dataset_probs, self.dataset, "dataset_probs")
+        check_input_template(self.input_template, "input_template")
+        if self.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty: only 1.0 (none) here; neither generation engine applies a penalty")
+        if self.reward_template is not None and not ("{input}" in self.reward_template
+                                                     and "{reward}" in self.reward_template):
+            raise ValueError(f"reward_template {self.reward_template!r} must contain {{input}} and {{reward}}")
+        if self.task is not None:
+            from rlhf_core.data.synthetic import get_task
+
+            try:
+                get_task(self.task)
+            except ValueError as e:
+                raise ValueError(f"task: {e}") from None
+        return self
+
+    def check_complete(self) -> None:
+        """ConfigError naming everything a run still needs."""
+        needs = ["eval_task", "dataset", "output_path"]
+        if not (self.eval_task == EvalTask.RM and self.task is not None):
+            needs.append("pretrain")
+        missing = [f"--{name}: required" for name in needs if getattr(self, name) is None]
+        if self.post_processor is not None and self.eval_task not in (None, EvalTask.RM):
+            missing.append(f"--post_processor {self.post_processor.value}: post-processes scored rows (--eval_task rm)")
+        if missing:
+            raise ConfigError("batch_inference: " + "; ".join(missing))
+
+
 ROLLOUT_STAGE_CONFIGS: dict[str, type[RolloutStageConfig]] = {"eval": EvalConfig, "pairs": PairsConfig}
 
 

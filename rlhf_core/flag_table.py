@@ -16,7 +16,7 @@ from rlhf_core.config import STAGE_CONFIGS, spellings_of
 
 HEADER = """# Flags: what each does here (generated)
 
-Every `rlhf train <stage>` flag, generated from the stage configs by `python -m rlhf_core.flag_table`
+Every `rlhf train <stage>` flag (and `rlhf batch_inference`'s), generated from the stage configs by `python -m rlhf_core.flag_table`
 (do not edit by hand). A flag's first spelling is its dotted path (OpenRLHF 0.11's, and the YAML
 key); the others are OpenRLHF's flat names (0.9 and earlier) and older ones; any spelling works,
 in any mix, on the command line and in `--config` YAML. Status: empty means honoured as
@@ -42,9 +42,10 @@ def _cell(text: str | None) -> str:
     return (text or "").replace("|", "\\|").replace("\n", " ")
 
 
-def stage_table(stage: str, config_cls) -> str:
+def stage_table(stage: str, config_cls, command: str | None = None) -> str:
     spellings = spellings_of(config_cls)
-    rows = [f"## `rlhf train {stage}`", "", "| flags | default | what it does here | status |", "|---|---|---|---|"]
+    rows = [f"## `{command or f'rlhf train {stage}'}`", "", "| flags | default | what it does here | status |",
+            "|---|---|---|---|"]
     for path, field in spellings.leaves.items():
         if path in spellings.skip:
             continue
@@ -63,10 +64,12 @@ def stage_table(stage: str, config_cls) -> str:
 
 
 def markdown() -> str:
+    from rlhf_core.config import BatchInferenceConfig
     from rlhf_core.rl_config import PPOConfig
 
     stages = {**STAGE_CONFIGS, "ppo": PPOConfig}
-    return HEADER + "\n" + "\n".join(stage_table(name, cls) for name, cls in stages.items())
+    return HEADER + "\n" + "\n".join([*(stage_table(name, cls) for name, cls in stages.items()),
+                                       stage_table("batch_inference", BatchInferenceConfig, "rlhf batch_inference")])
 
 
 if __name__ == "__main__":

@@ -83,8 +83,11 @@ class PromptFormatter:
 
     def prompt_ids(self, prompt, where: str | None = None, row: int | None = None) -> list[int]:
         text = self.prompt_text(prompt, where, row)
-        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
-        return self.tok(text, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"]
+        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS),
+        # unless it is a prompt written out already (batch inference's rows start with the BOS text).
+        bos = self.tok.bos_token
+        written = bool(bos) and text.startswith(bos)
+        return self.tok(text, add_special_tokens=not (self.cfg.apply_chat_template or written))["input_ids"]
 
     def completion_ids(self, completion: str) -> list[int]:
         ids = self.tok(completion, add_special_tokens=False)["input_ids"]

@@ -245,11 +245,11 @@ def load_reward_model(path: str, pad_token_id: int, value_head_prefix: str = "sc
     if quantization is not None:
         _trainable_4bit(model)
     if value_head_prefix != "score":
-        _load_renamed_head(model, path, value_head_prefix)
+        load_renamed_head(model, path, value_head_prefix)
     return model
 
 
-def _load_renamed_head(model, path: str, prefix: str) -> None:
+def load_renamed_head(model, path: str, prefix: str) -> None:
     from pathlib import Path
 
     from safetensors import safe_open

@@ -17,15 +17,21 @@ from rlhf_core.rollout.prompts import prompt_formatter
 
 class RewardModelReward:
     def __init__(self, path: str, apply_chat_template: bool = True, normalize: bool = False, batch_size: int = 32,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 value_head_prefix: str | None = None):
         from transformers import AutoModelForSequenceClassification
 
-        from rlhf_core.models.loading import load_tokenizer
+        from rlhf_core.models.loading import load_renamed_head, load_tokenizer
 
         device = device or inference_device()
         self.tokenizer = load_tokenizer(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype or inference_dtype(device)).to(device).eval()
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                                   dtype=dtype or inference_dtype(device))
+        # A head saved under another name (OpenRLHF's `value_head`): the one given, else the config's.
+        prefix = value_head_prefix or getattr(model.config, "value_head_prefix", None) or "score"
+        if prefix != "score":
+            load_renamed_head(model, path, prefix)
+        self.model = model.to(device).eval()
         self.formatter = prompt_formatter(self.tokenizer, apply_chat_template)
         self.batch_size = batch_size
         self.shift, self.scale = 0.0, 1.0

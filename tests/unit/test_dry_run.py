@@ -106,7 +106,7 @@ def test_no_config_field_is_accepted_and_left_unread():
     `data.margin_key`, `--eps_clip` into `eps_clip_low_high`, `ckpt.output_dir` as `save_path`)."""
     import re
 
-    from rlhf_core.config import STAGE_CONFIGS
+    from rlhf_core.config import STAGE_CONFIGS, BatchInferenceConfig
     from rlhf_core.flags import leaves
     from rlhf_core.rl_config import PPOConfig
 
@@ -114,7 +114,7 @@ def test_no_config_field_is_accepted_and_left_unread():
     sources = {p: p.read_text() for p in package.rglob("*.py")}
     configs = {package / "config.py", package / "rl_config.py"}
     unread = set()
-    for cls in [*STAGE_CONFIGS.values(), PPOConfig]:
+    for cls in [*STAGE_CONFIGS.values(), PPOConfig, BatchInferenceConfig]:
         for path, field in leaves(cls).items():
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             name = path.rsplit(".", 1)[-1]

@@ -1,0 +1,249 @@
+"""`rlhf batch_inference` (OpenRLHF 0.9's `openrlhf.cli.batch_inference`): sample, score, post-process.
+
+- `--eval_task generate|generate_vllm`: `--best_of_n` responses per prompt from the transformers
+  engine or vLLM, written as JSON lines `{"input": <prompt as the model saw it>, "output": <response>}`
+  (plus the `--label_key` answer where the prompts have one). `--iter K` takes prompts
+  [K x rollout_batch_size, (K + 1) x rollout_batch_size) only, so a script's rounds walk the data.
+  `--enable_csft` appends `--csft_prompt` to every prompt (generation conditioned on a high score).
+- `--eval_task rm`: scores rows `{input, output}` with a reward model (the raw head value, less the
+  reward mean and over the std the model stores, as OpenRLHF's reward models are read; our
+  extension `--task` scores with a built-in verifier instead), then `--post_processor`:
+  `rs` keeps the best response per prompt (SFT data), `iter_dpo` the best and the worst (DPO pairs),
+  `csft` writes each row's reward into its prompt through `--reward_template` (conditional SFT).
+
+Where OpenRLHF 0.9 differs: its rm task no longer runs at any 0.9 tag (its SFT dataset changed
+shape); `iter_dpo` there keeps prompts whose samples all tie (chosen = rejected, a pair with no
+signal), here they are left out and counted; rows are written per prompt, all of a prompt's samples
+together. The file is written whole or not at all (a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+from rlhf_core.config import BatchInferenceConfig, EvalTask, PostProcessor
+
+DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+def prompt_window(n_rows: int, iteration: int | None, rollout_batch_size: int) -> range:
+    """The rows one `--iter` generates for: all of them without it."""
+    if iteration is None:
+        return range(n_rows)
+    start = iteration * rollout_batch_size
+    return range(min(start, n_rows), min(start + rollout_batch_size, n_rows))
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows by their exact `input`, in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["input"], []).append(row)
+    return groups
+
+
+def best_of(rows: list[dict]) -> list[dict]:
+    """Rejection sampling: each prompt's highest-reward row (the first of equals)."""
+    return [max(group, key=lambda r: r["reward"]) for group in _groups(rows).values()]
+
+
+def preference_pairs(rows: list[dict]) -> tuple[list[dict], int]:
+    """Iterative DPO: per prompt the highest-reward response as `chosen` and the lowest as
+    `rejected` (the first of equals); prompts whose rewards all tie are skipped and counted."""
+    pairs, ties = [], 0
+    for prompt, group in _groups(rows).items():
+        best = max(group, key=lambda r: r["reward"])
+        worst = min(group, key=lambda r: r["reward"])
+        if best["reward"] == worst["reward"]:
+            ties += 1
+            continue
+        pairs.append({"prompt": prompt, "chosen": best["output"], "chosen_reward": best["reward"],
+                      "rejected": worst["output"], "rejected_reward": worst["reward"]})
+    return pairs, ties
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (n - 1; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+
+
+def z_scores(values: list[float]) -> list[float]:
+    """(v - mean) / std over all values (all equal: 0 each)."""
+    mean, std = mean_std(values)
+    return [(v - mean) / std if std > 0 else 0.0 for v in values]
+
+
+def conditioned(rows: list[dict], template: str | None, normalize: bool) -> list[dict]:
+    """Conditional SFT: each row's reward (z-scored over all rows with `normalize`), to two decimals,
+    written into its input through the template (`{reward}` first, then `{input}`, as plain text)."""
+    template = template or DEFAULT_REWARD_TEMPLATE
+    rewards = z_scores([r["reward"] for r in rows]) if normalize else [r["reward"] for r in rows]
+    out = []
+    for row, reward in zip(rows, rewards, strict=True):
+        text = template.replace("{reward}", f"{reward:.2f}").replace("{input}", row["input"])
+        out.append({**row, "input": text, "reward": reward})
+    return out
+
+
+def post_process(rows: list[dict], cfg: BatchInferenceConfig) -> tuple[list[dict], dict]:
+    """The scored rows as the post-processor writes them, and what it did (metrics)."""
+    if cfg.post_processor is None:
+        return rows, {}
+    if cfg.post_processor == PostProcessor.RS:
+        kept = best_of(rows)
+        return kept, {"batch_inference/kept_rows": len(kept),
+                      "batch_inference/kept_reward_mean": sum(r["reward"] for r in kept) / len(kept)}
+    if cfg.post_processor == PostProcessor.ITER_DPO:
+        pairs, ties = preference_pairs(rows)
+        return pairs, {"batch_inference/pairs": len(pairs), "batch_inference/tied_prompts": ties}
+    return conditioned(rows, cfg.reward_template, cfg.normalize_reward), {}
+
+
+# -- engines and files --------------------------------------------------------------------------
+
+def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
+    """Generate or score (and post-process); write `cfg.output_path`; returns the run's metrics."""
+    from rlhf_core.data.loading import DataError
+    from rlhf_core.infra.tracking import Tracker
+
+    cfg.check_complete()
+    tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
+                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage})
+    try:
+        tracker.log_params(cfg.model_dump(mode="json"))
+        if cfg.eval_task == EvalTask.RM:
+            rows, sources = score(cfg)
+            mean, std = mean_std([r["reward"] for r in rows])
+            metrics = {"batch_inference/rows": len(rows), "batch_inference/reward_mean": mean,
+                       "batch_inference/reward_std": std}
+            rows, more = post_process(rows, cfg)
+            metrics.update(more)
+            if not rows:
+                raise DataError(f"--dataset {cfg.dataset}: every prompt's responses scored the same: no "
+                                f"{cfg.post_processor.value} rows to write")
+        else:
+            rows, sources = generate(cfg)
+            metrics = {"batch_inference/rows": len(rows)}
+        tracker.log_datasets(sources, "training")
+        write_jsonl(cfg.output_path, rows)
+        tracker.log_metrics(metrics, step=0)
+        tracker.set_tags({"rlhf.output_uri": cfg.output_path})
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    print(f"[batch_inference] {cfg.eval_task.value}: {len(rows)} rows -> {cfg.output_path}", file=sys.stderr,
+          flush=True)
+    return metrics
+
+
+def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
+    from rlhf_core.config import mixing_probs
+    from rlhf_core.infra.hubs import use_modelscope
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
+    from rlhf_core.trainers.common import local_model_path
+
+    use_modelscope(cfg.use_ms)
+    prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key, max_samples=cfg.max_samples,
+                              seed=cfg.seed, chat=cfg.apply_chat_template, probs=mixing_probs(cfg.dataset_probs))
+    window = prompt_window(len(prompts.prompts), cfg.iter, cfg.rollout_batch_size)
+    path = local_model_path(cfg.pretrain)
+    tokenizer = load_tokenizer(path, use_fast=not cfg.disable_fast_tokenizer)
+    fmt = prompt_formatter(tokenizer, cfg.apply_chat_template, cfg.input_template)
+    suffix = cfg.csft_prompt.strip() + " " if cfg.enable_csft else ""
+    texts = [fmt.prompt_text(prompts.prompts[i], row=i + 1) + suffix for i in window]
+    ids = [tokenizer(t, add_special_tokens=not cfg.apply_chat_template)["input_ids"][-cfg.prompt_max_len:]
+           for t in texts]
+    engine = make_engine(path, "vllm" if cfg.eval_task == EvalTask.GENERATE_VLLM else "transformers",
+                         not cfg.apply_chat_template)
+    try:
+        temperature = 0.0 if cfg.greedy_sampling else cfg.temperature
+        groups = engine.generate_ids(ids, cfg.best_of_n, temperature, cfg.max_new_tokens, cfg.seed, top_p=cfg.top_p)
+    finally:
+        engine.close()
+    rows = []
+    for i, text, group in zip(window, texts, groups, strict=True):
+        answer = prompts.answers[i]
+        for sample in group:
+            row = {"input": text, "output": tokenizer.decode(sample.token_ids, skip_special_tokens=True)}
+            rows.append(row if answer is None else {**row, cfg.label_key: answer})
+    return rows, prompts.sources
+
+
+def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
+    """Rows `{input, output, reward}` (and the answer with `--task`) of the dataset's train split."""
+    from rlhf_core.config import mixing_probs
+    from rlhf_core.data.loading import DataError, check_rows, load_mixture
+
+    required = [cfg.input_key, cfg.output_key] + ([cfg.label_key] if cfg.task else [])
+    ds, sources = load_mixture(cfg.dataset, "train", mixing_probs(cfg.dataset_probs), cfg.max_samples, cfg.seed,
+                               list(dict.fromkeys([*required, cfg.label_key])),  # answers travel with the rows
+                               lambda d, where: check_rows(d, where, required,
+                                                           chat_keys={cfg.input_key} if cfg.apply_chat_template
+                                                           else set()))
+    if len(ds) == 0:
+        raise DataError(f"{cfg.dataset}: no rows to score")
+    inputs, outputs = list(ds[cfg.input_key]), [str(o) for o in ds[cfg.output_key]]
+    answers = [str(a) for a in ds[cfg.label_key]] if cfg.label_key in ds.column_names else None
+    if cfg.task is not None:
+        from rlhf_core.rewards import VerifierReward
+
+        texts, rewards = inputs, VerifierReward(cfg.task).score(inputs, outputs, answers)
+    else:
+        rm = reward_model(cfg)
+        texts = [rm.formatter.prompt_text(p) if cfg.apply_chat_template
+                 else cfg.input_template.format(p) if cfg.input_template else p for p in inputs]
+        rewards = rm.score_sequences([s[: cfg.max_len] for s in rm.sequences_from_text(texts, outputs)])
+    rows = [{"input": t, "output": o, "reward": float(r)} for t, o, r in zip(texts, outputs, rewards, strict=True)]
+    if answers is not None:
+        rows = [{**row, cfg.label_key: a} for row, a in zip(rows, answers, strict=True)]
+    return rows, sources
+
+
+def reward_model(cfg: BatchInferenceConfig):
+    """The reward model, its scores less the mean and over the std it stores (when it stores them:
+    `rlhf train rm` and OpenRLHF both save them), as OpenRLHF's batch scoring reads them."""
+    from rlhf_core.rewards import RewardModelReward
+    from rlhf_core.trainers.common import local_model_path
+
+    rm = RewardModelReward(local_model_path(cfg.pretrain), cfg.apply_chat_template, normalize=False,
+                           batch_size=cfg.micro_batch_size, value_head_prefix=cfg.value_head_prefix)
+    mean, std = (getattr(rm.model.config, k, None) for k in ("reward_mean", "reward_std"))
+    if mean is not None and std:
+        rm.shift, rm.scale = float(mean), float(std)
+    return rm
+
+
+def write_jsonl(uri: str, rows: list[dict]) -> None:
+    """All rows or nothing: a temporary file renamed into place (one object put on S3)."""
+    from rlhf_core.infra import storage
+
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if storage.is_remote(uri):
+        import fsspec
+
+        with fsspec.open(uri, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    folder = os.path.dirname(os.path.abspath(uri))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(uri)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, uri)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

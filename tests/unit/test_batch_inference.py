@@ -1,0 +1,178 @@
+"""`rlhf batch_inference`: OpenRLHF 0.9's flags and file formats; the post-processors' rules; files
+written whole. (That rejection sampling from a policy teaches it: tests/learning/test_batch_inference_learning.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_core.cli import main
+from rlhf_core.stages.batch_inference import (
+    DEFAULT_REWARD_TEMPLATE,
+    best_of,
+    conditioned,
+    preference_pairs,
+    prompt_window,
+    z_scores,
+)
+
+ROWS = [{"input": "a", "output": "a1", "reward": 0.5}, {"input": "b", "output": "b1", "reward": 2.0},
+        {"input": "a", "output": "a2", "reward": 1.5}, {"input": "a", "output": "a3", "reward": 1.5},
+        {"input": "b", "output": "b2", "reward": 2.0}]
+
+# The batch_inference lines of OpenRLHF v0.9.0's examples/scripts (train_rejection_sampling_llama.sh:
+# generate, then score with rs; train_iterative_dpo_llama.sh: score with iter_dpo;
+# train_conditional_llama.sh: score with csft), models and datasets replaced by local stand-ins.
+OPENRLHF_V0_9_0 = {
+    "rejection sampling: generate": "--eval_task generate_vllm --pretrain {policy} --bf16 --max_new_tokens 2048 "
+    "--prompt_max_len 2048 --dataset {prompts} --input_key context_messages --apply_chat_template --temperature 0.9 "
+    "--zero_stage 0 --best_of_n 4 --enable_prefix_caching --tp_size 4 --max_num_seqs 64 --iter 0 "
+    "--rollout_batch_size 10240 --output_path {out}/generate.jsonl",
+    "rejection sampling: score": "--eval_task rm --pretrain {rm} --bf16 --max_len 4096 --dataset {out}/generate.jsonl "
+    "--dataset_probs 1.0 --zero_stage 0 --post_processor rs --micro_batch_size 4 --output_path {out}/rm.jsonl",
+    "iterative DPO: score": "--eval_task rm --pretrain {rm} --bf16 --max_len 4096 --dataset {out}/generate.jsonl "
+    "--dataset_probs 1.0 --zero_stage 0 --post_processor iter_dpo --micro_batch_size 4 --output_path {out}/rm.jsonl",
+    "conditional SFT: score": "--eval_task rm --pretrain {rm} --bf16 --max_len 4096 --dataset {prompts} "
+    "--input_key chosen --apply_chat_template --max_samples 128000 --zero_stage 0 --post_processor csft "
+    "--normalize_reward --micro_batch_size 4 --output_path {out}/rm.jsonl",
+}
+
+
+def test_the_prompt_window_of_each_iteration():
+    assert prompt_window(10, None, 4) == range(10)
+    assert [prompt_window(10, i, 4) for i in range(4)] == [range(0, 4), range(4, 8), range(8, 10), range(10, 10)]
+
+
+def test_rejection_sampling_keeps_each_prompt_s_best_the_first_of_equals():
+    assert best_of(ROWS) == [ROWS[2], ROWS[1]]
+
+
+def test_iterative_dpo_pairs_best_with_worst_and_leaves_out_prompts_that_all_tie():
+    pairs, ties = preference_pairs(ROWS)
+    assert pairs == [{"prompt": "a", "chosen": "a2", "chosen_reward": 1.5, "rejected": "a1", "rejected_reward": 0.5}]
+    assert ties == 1  # b: both 2.0
+
+
+def test_conditional_sft_writes_the_reward_into_the_prompt():
+    rows = conditioned(ROWS[:2], None, normalize=False)
+    assert DEFAULT_REWARD_TEMPLATE == "{input} <rm_score>: {reward} "
+    assert [r["input"] for r in rows] == ["a <rm_score>: 0.50 ", "b <rm_score>: 2.00 "]
+    assert [r["output"] for r in rows] == ["a1", "b1"]
+    normalized = conditioned(ROWS[:2], "[{reward}] {input}", normalize=True)
+    assert [r["input"] for r in normalized] == ["[-0.71] a", "[0.71] b"]  # z-scores with n - 1
+    assert z_scores([1.0, 1.0]) == [0.0, 0.0]
+    # The reward is put in first: a prompt that itself reads "{reward}" is left as it is.
+    assert conditioned([{"input": "x {reward}", "output": "y", "reward": 1.0}], None, False)[0]["input"] == \
+        "x {reward} <rm_score>: 1.00 "
+
+
+def test_openrlhf_s_batch_inference_commands_are_accepted(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, line in OPENRLHF_V0_9_0.items():
+        argv = line.format(policy="/p", rm="/rm", prompts="/d.jsonl", out=str(tmp_path)).split()
+        assert main(["batch_inference", *argv, "--dry_run"]) == 0, name
+        resolved = json.loads(capsys.readouterr().out)
+        assert resolved["eval_task"] == argv[argv.index("--eval_task") + 1], name
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--eval_task", "rm", "--dataset", "d.jsonl", "--output_path", "o.jsonl"], "--pretrain: required"),
+    (["--eval_task", "generate", "--pretrain", "p", "--dataset", "d", "--output_path", "o", "--post_processor", "rs"],
+     "post-processes scored rows"),
+    (["--eval_task", "rm", "--task", "sort", "--dataset", "d", "--output_path", "o", "--reward_template", "{input}"],
+     "must contain {input} and {reward}"),
+    (["--eval_task", "generate", "--repetition_penalty", "1.1"], "repetition_penalty"),
+])
+def test_what_cannot_run_exits_2_naming_the_flag(argv, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["batch_inference", *argv, "--use_mlflow", "false"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_generate_then_score_and_post_process_on_the_cli(prepared, tmp_path, capsys):
+    """Generation reads prompts with the chat template, takes its `--iter` window, writes
+    `best_of_n` rows per prompt; scoring a file of them with a verifier and `rs` keeps one per prompt."""
+    out = tmp_path / "gen.jsonl"
+    common = ["--use_mlflow", "false", "--seed", "0"]
+    assert main(["batch_inference", "--eval_task", "generate", "--pretrain", prepared["base"], "--dataset",
+                 f"json@{prepared['prompts']}", "--input_key", "prompt", "--apply_chat_template", "--best_of_n", "3",
+                 "--max_new_tokens", "6", "--iter", "1", "--rollout_batch_size", "5", "--enable_csft",
+                 "--output_path", str(out), *common]) == 0
+    assert json.loads(capsys.readouterr().out) == {"batch_inference/rows": 15}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    train = [json.loads(line) for line in open(prepared["prompts_train"])]
+    assert len(rows) == 5 * 3
+    assert [r["answer"] for r in rows[::3]] == [str(t["answer"]) for t in train[5:10]]  # the second window
+    assert all(r["input"].endswith("<|assistant|><rm_score>: 5.00 ") for r in rows)  # OpenRLHF appends it as is
+    assert train[5]["prompt"] in rows[0]["input"]
+    # Rewards from the task's verifier: one row per prompt kept, the best.
+    right = {**rows[0], "output": rows[0]["answer"]}
+    out.write_text("".join(json.dumps(r) + "\n" for r in [right, *rows]))
+    kept = tmp_path / "rs.jsonl"
+    assert main(["batch_inference", "--eval_task", "rm", "--task", "addition", "--dataset", str(out),
+                 "--post_processor", "rs", "--output_path", str(kept), *common]) == 0
+    best = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert len(best) == 5 and best[0]["output"] == right["output"] and best[0]["reward"] == 1.0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["batch_inference/rows"] == 16 and metrics["batch_inference/kept_rows"] == 5
+
+
+def test_a_reward_model_scores_rows_as_the_reward_source_does_less_its_stored_mean(prepared, tmp_path):
+    """`--eval_task rm` with a reward model: the score of input + output, normalised by the mean and
+    std the model stores; a head saved under OpenRLHF's `value_head` name is read from there."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core.rewards import RewardModelReward
+
+    rm_dir = tmp_path / "rm"
+    model = AutoModelForSequenceClassification.from_pretrained(prepared["base"], num_labels=1)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.score.weight)
+    model.config.reward_mean, model.config.reward_std = 0.25, 2.0
+    model.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(prepared["base"]).save_pretrained(rm_dir)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "1+2=", "output": "3"}\n{"input": "1+2=", "output": "4"}\n')
+    out = tmp_path / "scored.jsonl"
+    assert main(["batch_inference", "--eval_task", "rm", "--pretrain", str(rm_dir), "--dataset", str(rows),
+                 "--output_path", str(out), "--use_mlflow", "false"]) == 0
+    scored = [json.loads(line)["reward"] for line in out.read_text().splitlines()]
+    rm = RewardModelReward(str(rm_dir), apply_chat_template=False)
+    raw = rm.score_sequences(rm.sequences_from_text(["1+2=", "1+2="], ["3", "4"]))
+    assert scored == pytest.approx([(r - 0.25) / 2.0 for r in raw])
+
+    # The same head under OpenRLHF's name: read from `value_head.*` (its config names the prefix).
+    weights = load_file(rm_dir / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, rm_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((rm_dir / "config.json").read_text())
+    (rm_dir / "config.json").write_text(json.dumps({**config, "value_head_prefix": "value_head"}))
+    assert main(["batch_inference", "--eval_task", "rm", "--pretrain", str(rm_dir), "--dataset", str(rows),
+                 "--output_path", str(out), "--use_mlflow", "false"]) == 0
+    assert [json.loads(line)["reward"] for line in out.read_text().splitlines()] == pytest.approx(scored)
+
+
+def test_a_prompt_written_out_already_gets_no_second_bos_in_training(tmp_path):
+    """Rows batch inference wrote (`input`: the chat-templated prompt, as OpenRLHF writes it) train
+    SFT on exactly the tokens the chat template gives, with `--input_template ""` as OpenRLHF's
+    rejection-sampling script passes it (a Llama tokenizer adds BOS to plain text)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.examples import PromptFormatter
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.stages.prep import prepare
+
+    tok = load_tokenizer(prepare(tmp_path, task="sort", n_train=32, n_test=4, model_family="llama")["base"])
+    # BOS before plain text, as Llama 3's own tokenizer adds it
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                              special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    assert tok("x")["input_ids"][0] == tok.bos_token_id
+    chat = PromptFormatter(tok, DataConfig(apply_chat_template=True))
+    written = PromptFormatter(tok, DataConfig(input_template=""))
+    assert written.prompt_ids(chat.prompt_text("sort: CBA")) == chat.prompt_ids("sort: CBA")
+    assert written.prompt_ids("sort: CBA")[0] == tok.bos_token_id  # a plain prompt still gets its BOS
