@@ -990,6 +990,9 @@ class BatchInferenceConfig(StageConfig):
     max_samples: int = Field(100_000_000, gt=0)
     output_path: str | None = Field(None, description="The JSON-lines file written (local or s3://)",
                                     json_schema_extra=NOT_SEMANTIC)
+    save_path: str | None = Field(None, description="Instead of --output_path: a stage folder with train.jsonl and "
+                                  "stage.json (what a pipeline stage writes; `json@DIR` reads it)",
+                                  json_schema_extra=NOT_SEMANTIC)
     prompt_max_len: int = Field(1024, gt=0, description="Longer prompts keep their last tokens")
     max_new_tokens: int = Field(1024, gt=0)
     max_len: int = Field(2048, gt=1, description="rm: longer prompt + response texts keep their first tokens")
@@ -1049,10 +1052,12 @@ class BatchInferenceConfig(StageConfig):
 
     def check_complete(self) -> None:
         """ConfigError naming everything a run still needs."""
-        needs = ["eval_task", "dataset", "output_path"]
+        needs = ["eval_task", "dataset"]
         if not (self.eval_task == EvalTask.RM and self.task is not None):
             needs.append("pretrain")
         missing = [f"--{name}: required" for name in needs if getattr(self, name) is None]
+        if (self.output_path is None) == (self.save_path is None):
+            missing.append("--output_path (a file) or --save_path (a stage folder): give one")
         if self.post_processor is not None and self.eval_task not in (None, EvalTask.RM):
             missing.append(f"--post_processor {self.post_processor.value}: post-processes scored rows (--eval_task rm)")
         if missing:

@@ -7,14 +7,16 @@
   `--enable_csft` appends `--csft_prompt` to every prompt (generation conditioned on a high score).
 - `--eval_task rm`: scores rows `{input, output}` with a reward model (the raw head value, less the
   reward mean and over the std the model stores, as OpenRLHF's reward models are read; our
-  extension `--task` scores with a built-in verifier instead), then `--post_processor`:
+  extension `--task` scores with a built-in verifier instead; rows whose response is blank are
+  left out and counted, as OpenRLHF drops them unsaid), then `--post_processor`:
   `rs` keeps the best response per prompt (SFT data), `iter_dpo` the best and the worst (DPO pairs),
   `csft` writes each row's reward into its prompt through `--reward_template` (conditional SFT).
 
 Where OpenRLHF 0.9 differs: its rm task no longer runs at any 0.9 tag (its SFT dataset changed
 shape); `iter_dpo` there keeps prompts whose samples all tie (chosen = rejected, a pair with no
 signal), here they are left out and counted; rows are written per prompt, all of a prompt's samples
-together. The file is written whole or not at all (a temporary name, then renamed).
+together. The file is written whole or not at all (a temporary name, then renamed); `--save_path`
+(ours) writes a stage folder instead, `train.jsonl` and `stage.json`, as the pipeline's stages do.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import sys
 import tempfile
 
 from rlhf_core.config import BatchInferenceConfig, EvalTask, PostProcessor
+from rlhf_core.infra import storage
+from rlhf_core.infra.manifests import code_version
 
 DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
+ROWS_FILE = "train.jsonl"  # in a --save_path stage folder: `json@<folder>` reads it
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -115,15 +120,17 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
     from rlhf_core.infra.tracking import Tracker
 
     cfg.check_complete()
+    if cfg.save_path is not None:
+        storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
-                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage})
+                      cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
     try:
         tracker.log_params(cfg.model_dump(mode="json"))
         if cfg.eval_task == EvalTask.RM:
-            rows, sources = score(cfg)
+            rows, sources, blank = score(cfg)
             mean, std = mean_std([r["reward"] for r in rows])
-            metrics = {"batch_inference/rows": len(rows), "batch_inference/reward_mean": mean,
-                       "batch_inference/reward_std": std}
+            metrics = {"batch_inference/rows": len(rows), "batch_inference/blank_outputs": blank,
+                       "batch_inference/reward_mean": mean, "batch_inference/reward_std": std}
             rows, more = post_process(rows, cfg)
             metrics.update(more)
             if not rows:
@@ -133,15 +140,21 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
             rows, sources = generate(cfg)
             metrics = {"batch_inference/rows": len(rows)}
         tracker.log_datasets(sources, "training")
-        write_jsonl(cfg.output_path, rows)
-        tracker.log_metrics(metrics, step=0)
-        tracker.set_tags({"rlhf.output_uri": cfg.output_path})
+        if cfg.save_path is not None:
+            from rlhf_core.infra.publishing import publish_output
+
+            inputs = {"pretrain": cfg.pretrain, "datasets": sources}
+            publish_output(cfg, tracker, inputs, metrics, files={ROWS_FILE: jsonl_text(rows)})
+        else:
+            write_jsonl(cfg.output_path, rows)
+            tracker.log_metrics(metrics, step=0)
+            tracker.set_tags({"rlhf.output_uri": cfg.output_path})
     except BaseException:
         tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED")
-    print(f"[batch_inference] {cfg.eval_task.value}: {len(rows)} rows -> {cfg.output_path}", file=sys.stderr,
-          flush=True)
+    print(f"[batch_inference] {cfg.eval_task.value}: {len(rows)} rows -> {cfg.save_path or cfg.output_path}",
+          file=sys.stderr, flush=True)
     return metrics
 
 
@@ -179,20 +192,25 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     return rows, prompts.sources
 
 
-def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
-    """Rows `{input, output, reward}` (and the answer with `--task`) of the dataset's train split."""
+def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
+    """Rows `{input, output, reward}` (and the answer where there is one) of the dataset's train
+    split, its sources, and how many rows were left out for a blank response."""
     from rlhf_core.config import mixing_probs
     from rlhf_core.data.loading import DataError, check_rows, load_mixture
 
-    required = [cfg.input_key, cfg.output_key] + ([cfg.label_key] if cfg.task else [])
+    required = [cfg.input_key] + ([cfg.label_key] if cfg.task else [])
+    # A response may be blank (a sample that stopped at once): present as a string, left out below.
     ds, sources = load_mixture(cfg.dataset, "train", mixing_probs(cfg.dataset_probs), cfg.max_samples, cfg.seed,
-                               list(dict.fromkeys([*required, cfg.label_key])),  # answers travel with the rows
-                               lambda d, where: check_rows(d, where, required,
+                               list(dict.fromkeys([*required, cfg.output_key, cfg.label_key])),  # answers travel too
+                               lambda d, where: check_rows(d, where, required, {cfg.output_key: (str,)},
                                                            chat_keys={cfg.input_key} if cfg.apply_chat_template
                                                            else set()))
-    if len(ds) == 0:
-        raise DataError(f"{cfg.dataset}: no rows to score")
-    inputs, outputs = list(ds[cfg.input_key]), [str(o) for o in ds[cfg.output_key]]
+    kept = [i for i, o in enumerate(ds[cfg.output_key]) if o.strip()]
+    blank = len(ds) - len(kept)
+    if not kept:
+        raise DataError(f"{cfg.dataset}: no rows with a response ({cfg.output_key!r}) to score")
+    ds = ds.select(kept)
+    inputs, outputs = list(ds[cfg.input_key]), list(ds[cfg.output_key])
     answers = [str(a) for a in ds[cfg.label_key]] if cfg.label_key in ds.column_names else None
     if cfg.task is not None:
         from rlhf_core.rewards import VerifierReward
@@ -206,7 +224,7 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     rows = [{"input": t, "output": o, "reward": float(r)} for t, o, r in zip(texts, outputs, rewards, strict=True)]
     if answers is not None:
         rows = [{**row, cfg.label_key: a} for row, a in zip(rows, answers, strict=True)]
-    return rows, sources
+    return rows, sources, blank
 
 
 def reward_model(cfg: BatchInferenceConfig):
@@ -223,11 +241,13 @@ def reward_model(cfg: BatchInferenceConfig):
     return rm
 
 
+def jsonl_text(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
 def write_jsonl(uri: str, rows: list[dict]) -> None:
     """All rows or nothing: a temporary file renamed into place (one object put on S3)."""
-    from rlhf_core.infra import storage
-
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    text = jsonl_text(rows)
     if storage.is_remote(uri):
         import fsspec
 

@@ -84,6 +84,8 @@ def test_openrlhf_s_batch_inference_commands_are_accepted(tmp_path, capsys, monk
     (["--eval_task", "rm", "--task", "sort", "--dataset", "d", "--output_path", "o", "--reward_template", "{input}"],
      "must contain {input} and {reward}"),
     (["--eval_task", "generate", "--repetition_penalty", "1.1"], "repetition_penalty"),
+    (["--eval_task", "rm", "--task", "sort", "--dataset", "d", "--output_path", "o", "--save_path", "s"],
+     "--output_path (a file) or --save_path (a stage folder): give one"),
 ])
 def test_what_cannot_run_exits_2_naming_the_flag(argv, says, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -110,10 +112,12 @@ def test_generate_then_score_and_post_process_on_the_cli(prepared, tmp_path, cap
     # Rewards from the task's verifier: one row per prompt kept, the best.
     right = {**rows[0], "output": rows[0]["answer"]}
     out.write_text("".join(json.dumps(r) + "\n" for r in [right, *rows]))
-    kept = tmp_path / "rs.jsonl"
+    folder = tmp_path / "rs"  # a stage folder this time, as the pipeline writes: train.jsonl + stage.json
     assert main(["batch_inference", "--eval_task", "rm", "--task", "addition", "--dataset", str(out),
-                 "--post_processor", "rs", "--output_path", str(kept), *common]) == 0
-    best = [json.loads(line) for line in kept.read_text().splitlines()]
+                 "--post_processor", "rs", "--save_path", str(folder), *common]) == 0
+    best = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    manifest = json.loads((folder / "stage.json").read_text())
+    assert manifest["stage"] == "batch_inference" and manifest["metrics"]["batch_inference/kept_rows"] == 5
     assert len(best) == 5 and best[0]["output"] == right["output"] and best[0]["reward"] == 1.0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["batch_inference/rows"] == 16 and metrics["batch_inference/kept_rows"] == 5
