@@ -149,6 +149,7 @@ class Stage(str, Enum):
     RM = "rm"
     DPO = "dpo"
     PPO = "ppo"
+    REJECTION_SAMPLING = "rejection_sampling"
     DISTILL = "distill"
     EVAL = "eval"
     ITERATIVE_DPO = "iterative_dpo"
@@ -158,10 +159,11 @@ class Stage(str, Enum):
 # The lifecycle the product card names: SFT -> reward model -> PPO. DPO is one `settings.stages`
 # away (`[prep, sft, rm, dpo, eval]`, or both policy stages side by side: `[..., dpo, ppo, eval]`).
 FULL_PIPELINE = [Stage.PREP, Stage.SFT, Stage.RM, Stage.PPO, Stage.EVAL]
-POLICY_STAGES = (Stage.DPO, Stage.PPO)  # they register `rlhf-policy` versions; the champion is one of them
+# They register `rlhf-policy` versions; the champion is one of them.
+POLICY_STAGES = (Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING)
 EVALUATED_STAGES = (*POLICY_STAGES, Stage.DISTILL)  # the eval stage compares these with the reference
-# The run's policy a `distill` stage learns from, first found first: RL, then DPO, then SFT.
-TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.SFT)
+# The run's policy a `distill` stage learns from, first found first: RL, then DPO, rejection sampling, SFT.
+TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.REJECTION_SAMPLING, Stage.SFT)
 
 
 class PrepParams(StrictModel):
@@ -251,6 +253,24 @@ class IterativeDPOParams(StrictModel):
                             description="Start from the registered champion policy (falls back to SFT) or SFT")
     seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run, so every "
                              "scheduled run samples fresh pairs)")
+
+
+class RejectionSamplingParams(StrictModel):
+    """Rejection sampling (stage `rejection_sampling`, OpenRLHF's script): per round, best-of-N samples
+    of the current policy on fresh training prompts, scored, each prompt's best kept, SFT on them."""
+
+    rounds: int = Field(1, gt=0)
+    n_prompts: int = Field(2048, gt=0, description="Training prompts per round (round r takes the r-th window)")
+    best_of_n: int = Field(4, ge=2, description="Samples per prompt")
+    temperature: float = Field(1.0, gt=0)
+    reward: str = Field("reward_model", pattern="^(verifier|reward_model)$",
+                        description="Who picks the best: the run's reward model, or the task's verifier")
+    start_from: str = Field("sft", pattern="^(champion|sft)$",
+                            description="The policy the first round samples and trains: the run's SFT model, or the "
+                            "registered champion (falls back to SFT)")
+    learning_rate: float = Field(2e-4, gt=0, description="SFT on the kept rows (the `sft` section's other settings)")
+    max_epochs: int = Field(3, gt=0)
+    seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run)")
 
 
 class OnlineRLParams(StrictModel):

@@ -13,6 +13,8 @@ order, on whose outputs, and records the pipeline run in MLflow.
 - Policy stages (DPO, PPO) train from the same SFT and reward model; one `rlhf eval` job compares
   them with SFT. Each registers an `rlhf-policy` version; `champion` moves to the best of them and
   the current champion by `evaluation.promote_metric`.
+- `rejection_sampling` (`flows/rejection.py`): rounds of best-of-N sampling, the best kept, SFT on
+  them; its policy is evaluated and registered like DPO's and PPO's.
 - `distill` trains a smaller student (prep's student base) on the SFT rows with the run's policy
   (PPO, else DPO, else SFT) as its teacher; the evaluation compares it beside the policies, and it
   registers an `rlhf-student` version tagged with its teacher (never the policy champion).
@@ -32,6 +34,7 @@ from flows import embedded, user_errors
 from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
 from flows.params import (
     EVALUATED_STAGES,
+    POLICY_STAGES,
     TEACHER_STAGES,
     EvalParams,
     IterativeDPOParams,
@@ -43,6 +46,7 @@ from flows.params import (
     PipelineSettings,
     PipelineSFTConfig,
     PrepParams,
+    RejectionSamplingParams,
     Stage,
 )
 from orchestration import lineage
@@ -57,8 +61,8 @@ from rlhf_core.infra.settings import state_dir
 embedded.make_prefect_home()  # the embedded default's Prefect home, before any flow starts a server
 user_errors.install()
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.DISTILL, Stage.EVAL, Stage.ITERATIVE_DPO,
-         Stage.ONLINE_RL]
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.DISTILL, Stage.EVAL,
+         Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
 
 def _close_orphans(experiment: str, logger) -> None:
@@ -85,6 +89,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          dpo: PipelineDPOConfig = PipelineDPOConfig(), ppo: PipelinePPOConfig = PipelinePPOConfig(),  # noqa: B008
          evaluation: EvalParams = EvalParams(), iterative: IterativeDPOParams = IterativeDPOParams(),  # noqa: B008
          online: OnlineRLParams = OnlineRLParams(), distill: PipelineKDConfig = PipelineKDConfig(),  # noqa: B008
+         rejection_sampling: RejectionSamplingParams = RejectionSamplingParams(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     refuse_inline_secrets({"settings": settings.model_dump(mode="json"), "prep": prep.model_dump(mode="json"),
@@ -92,7 +97,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                            "dpo": dpo.model_dump(mode="json"), "ppo": ppo.model_dump(mode="json"),
                            "evaluation": evaluation.model_dump(mode="json"),
                            "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json"),
-                           "distill": distill.model_dump(mode="json")},
+                           "distill": distill.model_dump(mode="json"),
+                           "rejection_sampling": rejection_sampling.model_dump(mode="json")},
                           "flow parameters")
     logger = get_run_logger()
     started = time.perf_counter()
@@ -134,6 +140,11 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                     outcomes[stage.value] = run(train_job(ctx, settings, cfg, need))
                 elif stage == Stage.PPO:
                     outcomes["ppo"] = run(ppo_job(ctx, settings, prep, ppo, need))
+                elif stage == Stage.REJECTION_SAMPLING:
+                    from flows.rejection import run_rejection_sampling
+
+                    outcomes["rejection_sampling"] = run_rejection_sampling(ctx, settings, prep, sft,
+                                                                            rejection_sampling, need, run, outcomes)
                 elif stage == Stage.DISTILL:
                     teacher = distill_teacher(outcomes, earlier, need) if distill.teacher_pretrain is None else None
                     outcomes["distill"] = run(train_job(ctx, settings, distill, need, name="distill",
@@ -273,7 +284,7 @@ def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams, policie
                                         tags={"rlhf.teacher_uri": teacher})
         registered["student"] = {"model": version.name, "version": version.version, "uri": o.output_uri,
                                  "teacher_uri": teacher}
-    trained = [name for name in ("dpo", "ppo") if name in outcomes]
+    trained = [s.value for s in POLICY_STAGES if s.value in outcomes]
     if not trained:
         return registered
     registered["policies"] = {}

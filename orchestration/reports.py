@@ -26,6 +26,8 @@ KEY_METRICS = {
     "dpo": [("reward accuracy", None, "eval/reward_accuracy"),
             ("chosen-rejected log-prob margin", "eval_initial/logp_margin", "eval/logp_margin")],
     "pairs": [("prompts with a pair", None, PAIR_FRACTION)],
+    "batch_inference": [("rows", None, "batch_inference/rows"), ("kept", None, "batch_inference/kept_rows"),
+                        ("their mean reward", None, "batch_inference/kept_reward_mean")],
 }
 
 
@@ -64,7 +66,7 @@ EVAL_CHART = "eval_comparison.png"
 REPORT_FILE = "report.md"
 REPORT_ARTIFACT_PATH = "report"  # where the report and its images go in the parent run's artifacts
 # Stage kinds whose runs have no training curves (data, generation, evaluation).
-NO_CURVES = {"prep", "eval", "pairs"}
+NO_CURVES = {"prep", "eval", "pairs", "batch_inference"}
 
 
 def publish_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome], eval_outcome: StageOutcome | None,

@@ -296,6 +296,45 @@ def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_
     assert candidate.version == registry["policies"][best]["version"]
 
 
+def test_rejection_sampling_rounds_train_from_the_first_run_s_sft_and_are_evaluated_and_registered(first_run):
+    """Two rounds of OpenRLHF's rejection sampling from the first run's SFT model and reward model:
+    each round samples its own window of prompts from the policy the round before trained, keeps each
+    prompt's best, trains on them; the last round's policy is evaluated and registered."""
+    import json
+
+    from flows.pipeline import rlhf
+
+    result = rlhf(**params(settings={"stages": ["rejection_sampling", "eval"], "from_run": first_run["pipeline_run_id"]},
+                           rejection_sampling={"rounds": 2, "n_prompts": 16, "best_of_n": 2},
+                           sft={"train_batch_size": 4, "micro_train_batch_size": 4}))
+    names = ["rejection_sampling-generate-round1", "rejection_sampling-score-round1", "rejection_sampling-sft-round1",
+             "rejection_sampling-generate-round2", "rejection_sampling-score-round2", "rejection_sampling"]
+    assert set(names) <= set(result["stages"]) and not any(result["stages"][n]["cached"] for n in names)
+    out = result["outputs"]
+
+    def rows(name):
+        return [json.loads(line) for line in Path(out[name], "train.jsonl").read_text().splitlines()]
+    first, second = rows(names[0]), rows(names[3])
+    assert len(first) == len(second) == 16 * 2
+    assert not {r["answer"] + r["input"] for r in first} & {r["answer"] + r["input"] for r in second}  # new prompts
+    kept = rows(names[1])
+    assert 0 < len(kept) <= 16 and len({r["input"] for r in kept}) == len(kept) and all("reward" in r for r in kept)
+
+    runs = child_runs(result["pipeline_run_id"])
+    upstream = {n: {k.split(".")[2]: v for k, v in runs[n].data.tags.items()
+                    if k.startswith("rlhf.upstream.") and k.endswith(".model_uri")} for n in names}
+    assert upstream[names[0]]["policy"] == first_run["outputs"]["sft"]
+    assert upstream[names[1]] == {"data": out[names[0]], "reward": first_run["outputs"]["rm"]}
+    assert upstream[names[2]]["model"] == first_run["outputs"]["sft"] and upstream[names[2]]["data"] == out[names[1]]
+    assert upstream[names[3]]["policy"] == out[names[2]]  # round 2 samples the policy round 1 trained
+    assert upstream[names[5]]["model"] == out[names[2]]
+
+    assert result["evaluation"]["policies"] == ["rejection_sampling"]
+    assert "eval/rejection_sampling/sampled_accuracy" in result["evaluation"]["metrics"]
+    registered = result["registry"]["policies"]["rejection_sampling"]
+    assert registered["model"] == "rlhf-policy" and registered["uri"] == out["rejection_sampling"]
+
+
 def test_a_stage_without_its_upstream_is_a_configuration_error(harness, tmp_path, capsys):
     """PPO alone, with no SFT model in the run or in a from_run: exit 2 with the stage named, no traceback."""
     import yaml

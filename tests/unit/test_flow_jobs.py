@@ -358,3 +358,22 @@ def test_the_distill_job_starts_prep_s_student_and_learns_from_the_teacher_it_is
         job(ppo, prep_outcome=no_student)
     with pytest.raises(PipelineError, match="needs a teacher"):
         job(None)
+
+
+def test_rejection_sampling_jobs_and_what_their_keys_hold():
+    from flows.params import PrepParams, RejectionSamplingParams
+    from flows.rejection import job_names, sampling_key, scoring_key
+    from tests.unit.flow_helpers import perturbed
+
+    assert job_names(2) == ["rejection_sampling-generate-round1", "rejection_sampling-score-round1",
+                            "rejection_sampling-sft-round1", "rejection_sampling-generate-round2",
+                            "rejection_sampling-score-round2", "rejection_sampling"]
+    prep, params = PrepParams(), RejectionSamplingParams()
+    key = sampling_key(prep, params, 7, 1)
+    assert sampling_key(prep, params, 8, 1) != key and sampling_key(prep, params, 7, 2) != key
+    for name in ("n_prompts", "best_of_n", "temperature", "reward"):
+        assert sampling_key(prep, perturbed(params, name), 7, 1) != key, name
+    for name in ("rounds", "start_from", "learning_rate", "max_epochs", "seed"):  # raising rounds keeps round 1
+        assert sampling_key(prep, perturbed(params, name), 7, 1) == key, name
+    assert scoring_key(prep, perturbed(params, "reward")) != scoring_key(prep, params)
+    assert scoring_key(prep, perturbed(params, "best_of_n")) == scoring_key(prep, params)
