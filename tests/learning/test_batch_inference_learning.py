@@ -1,4 +1,4 @@
-"""Rejection sampling through `rlhf batch_inference` teaches the policy it sampled.
+"""Rejection sampling and conditional SFT through `rlhf batch_inference` teach the policy.
 
 OpenRLHF's rejection-sampling round, on the RL setting (`rl_setting`: sort, an SFT policy that errs
 when sampled, a reward model that ranks ~98% of held-out pairs): generate 4 responses for each of
@@ -48,3 +48,57 @@ def test_a_rejection_sampling_round_raises_held_out_sampled_accuracy(rl_setting,
     before, after = metrics["eval/sft/sampled_accuracy"], metrics["eval/rs/sampled_accuracy"]
     assert after >= before + SAMPLED_GAIN, (before, after)
     assert metrics["eval/rs/greedy_accuracy"] >= metrics["eval/sft/greedy_accuracy"] - 0.02  # no loss paid for it
+
+
+def conditioned_prompts(folder: Path, source: str, tokenizer_path: str, score: float) -> str:
+    """The held-out prompts as the policy sees them (chat template), conditioned on `score` as
+    OpenRLHF's `--reward_template` wrote it in training: a prompt set of their own."""
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rollout import prompt_formatter
+
+    fmt = prompt_formatter(load_tokenizer(tokenizer_path), True)
+    rows = [json.loads(line) for line in (Path(source) / "test.jsonl").read_text().splitlines()]
+    folder.mkdir()
+    (folder / "test.jsonl").write_text("".join(json.dumps({"prompt": f"{fmt.prompt_text(r['prompt'])} <rm_score>: "
+                                                           f"{score:.2f} ", "answer": r["answer"]}) + "\n"
+                                               for r in rows))
+    return f"json@{folder}"
+
+
+def test_conditional_sft_conditioned_on_a_high_score_beats_plain_sft_on_the_same_rows(rl_setting, tmp_path):
+    """OpenRLHF's conditional SFT on the RL setting's SFT rows (30% wrong): the reward model scores
+    every row (`--eval_task rm --post_processor csft --normalize_reward`: the z-scored reward written
+    into the prompt, `{input} <rm_score>: {reward} `), the base trains on them with the setting's SFT
+    recipe (same rows, steps and learning rate), and answers held-out prompts conditioned on the
+    rows' 90th-percentile score. Measured on a 2-core AMD EPYC (Zen 4 class): plain SFT 0.91 greedy /
+    0.65 sampled; conditioned high (z 1.08) 0.98 / 0.761; conditioned low (10th percentile, z -1.62)
+    0.95 / 0.591: the model reads the score it is given."""
+    from rlhf_core.cli import main
+
+    root = Path(rl_setting["root"]) / "prep"
+    rows, model = tmp_path / "csft.jsonl", tmp_path / "csft"
+    assert main(["batch_inference", "--eval_task", "rm", "--pretrain", rl_setting["rm"], "--dataset",
+                 f"json@{root / 'data' / 'sft'}", "--input_key", "prompt", "--output_key", "response",
+                 "--apply_chat_template", "--post_processor", "csft", "--normalize_reward", "--output_path", str(rows),
+                 *COMMON]) == 0
+    scores = sorted(json.loads(line)["reward"] for line in rows.read_text().splitlines())
+    assert len(scores) == 4000
+    # the setting's SFT recipe (tests/rl_setting.py), on the conditioned rows
+    assert main(["train", "sft", "--pretrain", str(root / "base"), "--dataset", str(rows), "--input_key", "input",
+                 "--output_key", "output", "--max_len", "80", "--packing_samples", "--param_dtype", "fp32",
+                 "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_steps", "1000", "--max_epochs",
+                 "50", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.05", "--save_path", str(model), *COMMON]) == 0
+
+    def sampled(policy: str, dataset: str, chat: bool, name: str) -> float:
+        assert main(["eval", "--pretrain", policy, "--dataset", dataset, "--apply_chat_template", str(chat).lower(),
+                     "--task", "sort", "--max_samples", "200", "--n_samples_per_prompt", "4", "--rollout_backend",
+                     "transformers", *COMMON[:2], "--save_path", str(tmp_path / name)]) == 0
+        return json.loads((tmp_path / name / "eval.json").read_text())["metrics"]["eval/policy/sampled_accuracy"]
+
+    plain = sampled(rl_setting["sft"], f"json@{rl_setting['prompts']}", True, "eval_sft")
+    high = sampled(str(model), conditioned_prompts(tmp_path / "high", rl_setting["prompts"], str(model),
+                                                   scores[int(0.9 * len(scores))]), False, "eval_high")
+    low = sampled(str(model), conditioned_prompts(tmp_path / "low", rl_setting["prompts"], str(model),
+                                                  scores[int(0.1 * len(scores))]), False, "eval_low")
+    assert high >= plain + 0.05, (plain, high)  # measured +0.111
+    assert high >= low + 0.08, (low, high)  # measured +0.17
