@@ -31,6 +31,9 @@ def prep_job(ctx: PipelineContext, prep: PrepParams, distills: bool = False) -> 
 
     out = ctx.output("prep")
     student = prep.student_size or (smaller_size(prep.model_size) if distills else None)
+    if distills and student is None:
+        raise PipelineError(f"stage 'distill': no size is smaller than prep.model_size {prep.model_size!r} to build "
+                            "its student at; set prep.student_size, or distill.pretrain to a student model")
     args = ["prep", "--out", out, "--task", prep.task, "--seed", str(prep.seed), "--model_size", prep.model_size,
             "--n_train", str(prep.n_train), "--n_test", str(prep.n_test),
             "--demo_error_rate", str(prep.demo_error_rate)]

@@ -16,7 +16,7 @@ order, on whose outputs, and records the pipeline run in MLflow.
 - `rejection_sampling` (`flows/rejection.py`): rounds of best-of-N sampling, the best kept, SFT on
   them; its policy is evaluated and registered like DPO's and PPO's.
 - `distill` trains a smaller student (prep's student base) on the SFT rows with the run's policy
-  (PPO, else DPO, else SFT) as its teacher; the evaluation compares it beside the policies, and it
+  (PPO, else DPO, else rejection sampling, else SFT) as its teacher; the evaluation compares it beside the policies, and it
   registers an `rlhf-student` version tagged with its teacher (never the policy champion).
 - Per stage, the task's wall time and the Ray job's run time are recorded (the difference is the
   orchestration overhead).
@@ -134,7 +134,9 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
             for stage in stages:
                 if stage == Stage.PREP:
-                    outcomes["prep"] = run(prep_job(ctx, prep, distills=Stage.DISTILL in stages))
+                    # a student base only where a distill stage will start from it
+                    distills = Stage.DISTILL in stages and distill.pretrain is None
+                    outcomes["prep"] = run(prep_job(ctx, prep, distills=distills))
                 elif stage in (Stage.SFT, Stage.RM, Stage.DPO):
                     cfg = {"sft": sft, "rm": rm, "dpo": dpo}[stage.value]
                     outcomes[stage.value] = run(train_job(ctx, settings, cfg, need))
@@ -146,7 +148,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                     outcomes["rejection_sampling"] = run_rejection_sampling(ctx, settings, prep, sft,
                                                                             rejection_sampling, need, run, outcomes)
                 elif stage == Stage.DISTILL:
-                    teacher = distill_teacher(outcomes, earlier, need) if distill.teacher_pretrain is None else None
+                    teacher = (distill_teacher(stages, outcomes, earlier, need) if distill.teacher_pretrain is None
+                               else None)
                     outcomes["distill"] = run(train_job(ctx, settings, distill, need, name="distill",
                                                         teacher_from=teacher))
                 elif stage == Stage.EVAL:
@@ -253,11 +256,13 @@ def evaluated_policies(stages: list[Stage], outcomes: dict[str, StageOutcome], e
     return {name: outcomes[name] if name in outcomes else need(name) for name in names}
 
 
-def distill_teacher(outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome], need) -> StageOutcome:
-    """The run's policy a distilled student learns from: the first of PPO, DPO and SFT that this run
-    trained, else that `from_run` has (SFT is needed, and named, when none is found)."""
+def distill_teacher(stages: list[Stage], outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome],
+                    need) -> StageOutcome:
+    """The run's policy a distilled student learns from: the first of PPO, DPO, rejection sampling
+    and SFT that this run trained, else that `from_run` has (SFT is needed, and named, when none is
+    found). An output this run only took from `from_run` ranks with `from_run`'s."""
     for stage in TEACHER_STAGES:
-        if stage.value in outcomes:
+        if stage in stages and stage.value in outcomes:
             return outcomes[stage.value]
     for stage in TEACHER_STAGES:
         if stage.value in earlier:

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import prep_paths, starting_policy, train_job
+from flows.jobs import PipelineError, prep_paths, starting_policy, train_job
 from flows.params import PipelineSettings, PrepParams, RejectionSamplingParams
 from orchestration.stages import PipelineContext, StageJob, StageOutcome
 from rlhf_core.config import SFTConfig, with_updates
 from rlhf_core.infra.manifests import params_hash
 
 STAGE = "rejection_sampling"
-# Fields that do not change what a round samples and keeps: `rounds` (raising it must not resample
-# round 1), `start_from` (the policy is an upstream), the SFT settings (the training job's own key)
-# and `seed` (the round's seed is in the key).
-SAMPLING_NOT_IN_KEY = frozenset({"rounds", "start_from", "learning_rate", "max_epochs", "seed"})
+# Fields that do not change what a round samples: `rounds` (raising it must not resample round 1),
+# `start_from` (the policy is an upstream), the SFT settings (the training job's own key), `seed`
+# (the round's seed is in the key) and `reward` (who scores the samples: the scoring job's key).
+SAMPLING_NOT_IN_KEY = frozenset({"rounds", "start_from", "learning_rate", "max_epochs", "seed", "reward"})
 
 
 def sampling_key(prep: PrepParams, params: RejectionSamplingParams, seed: int, round_: int) -> str:
@@ -38,7 +38,8 @@ def sampling_key(prep: PrepParams, params: RejectionSamplingParams, seed: int, r
 
 def scoring_key(prep: PrepParams, params: RejectionSamplingParams) -> str:
     """What a round's scoring depends on besides its samples and reward model: the reward source."""
-    return params_hash(params, exclude=SAMPLING_NOT_IN_KEY | {"n_prompts", "best_of_n", "temperature"}, task=prep.task)
+    return params_hash(params, exclude=SAMPLING_NOT_IN_KEY - {"reward"} | {"n_prompts", "best_of_n", "temperature"},
+                       task=prep.task)
 
 
 def job_names(rounds: int) -> list[str]:
@@ -58,6 +59,10 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
     seed = params.seed if params.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     if STAGE in ctx.force:  # forcing the stage reruns all of its jobs, sampling included
         ctx.force = [*ctx.force, *job_names(params.rounds)]
+    if params.n_prompts * params.rounds > prep.n_train:
+        raise PipelineError(f"rejection_sampling: {params.rounds} rounds of {params.n_prompts} prompts need "
+                            f"{params.n_prompts * params.rounds} training prompts, prep makes {prep.n_train} "
+                            "(prep.n_train): fewer rounds or prompts per round, or more prompts")
     prompts = prep_paths(prep_outcome)["prompts"]
     track = ["--mlflow_experiment", ctx.experiment]
     for r in range(1, params.rounds + 1):
@@ -83,7 +88,9 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
             out, scoring_key(prep, params), None, None, upstream, num_gpus=ctx.rollout_gpus))
 
         # The kept rows hold the prompt as the policy saw it (chat template applied): trained as it is.
-        cfg = with_updates(sft, **{"data.input_key": "input", "data.output_key": "output",
+        # The round's policy is the start and the run's area the output, whatever the `sft` section names.
+        cfg = with_updates(sft, **{"pretrain": None, "save_path": None, "ckpt_path": None,
+                                   "data.input_key": "input", "data.output_key": "output",
                                    "data.apply_chat_template": False, "data.input_template": None,
                                    "data.truncate": True, "adam.lr": params.learning_rate,
                                    "train.max_epochs": params.max_epochs})

@@ -131,22 +131,25 @@ def build_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome],
         parts.append("No evaluation ran in this pipeline run: add `eval` to `settings.stages` to compare the "
                      "policies with their reference.\n\n")
     else:
-        parts.append(headline(report, promote_metric)["text"] + "\n\n")
         students = {name: o.manifest.get("inputs", {}).get("teacher_model") for name, o in outcomes.items()
                     if o.stage == "kd"}
+        parts.append(headline(report, promote_metric, students=frozenset(students))["text"] + "\n\n")
         parts += [line + "\n\n" for line in student_lines(report, students, promote_metric)]
         images[EVAL_CHART] = eval_comparison_png(report)
         parts.append(("image", "evaluation: policies side by side", EVAL_CHART))
         parts.append("\n\n" + _demote(format_eval_markdown(report)) + "\n")
-    trained = [(name, o) for name, o in outcomes.items() if o.stage not in NO_CURVES]
-    if trained:
+    # Every stage that trained or made data, with its key numbers; curves where it trained.
+    shown = [(name, o) for name, o in outcomes.items() if o.stage not in ("prep", "eval")]
+    if shown:
         parts.append("## Training\n\n")
-    for name, outcome in trained:
+    for name, outcome in shown:
         parts.append(f"### {name}" + (f" (`{outcome.stage}`)" if outcome.stage != name else "") + "\n\n")
         facts = stage_metrics_lines(outcome.stage, outcome.metrics)
         facts.append(f"MLflow run `{outcome.run_id}`" + (" (cached: reused an earlier run's output)"
                                                          if outcome.cached else ""))
         parts.append("".join(f"- {line}\n" for line in facts) + "\n")
+        if outcome.stage in NO_CURVES:
+            continue
         image = training_curves_png(outcome.stage, f"{name}: training curves", curves.get(name, {}))
         if image is None:
             parts.append("No training curves were logged for this stage.\n\n")
@@ -156,8 +159,10 @@ def build_pipeline_report(parent_run_id: str, outcomes: dict[str, StageOutcome],
     return BuiltReport(parts, images)
 
 
-def headline(report: dict, promote_metric: str) -> dict:
+def headline(report: dict, promote_metric: str, students: frozenset[str] = frozenset()) -> dict:
     """Best policy against the reference on the promote metric: the sentence and its numbers.
+    Distilled `students` are no candidates (they are never the champion) unless nothing else was
+    evaluated; `student_lines` reports them.
 
     `promote_metric` names a per-model metric (`sampled_accuracy`) or a key of one model
     (`eval/<name>/sampled_accuracy`); higher wins. A fraction (accuracy, pass@k, win rate)
@@ -168,6 +173,7 @@ def headline(report: dict, promote_metric: str) -> dict:
     metrics = report["metrics"]
     metric = promote_metric.rsplit("/", 1)[-1]
     policies = [p["name"] for p in report["policies"]]
+    policies = [p for p in policies if p not in students] or policies
     values = {name: metrics.get(metric_key(name, metric)) for name in policies}
     values = {name: v for name, v in values.items() if v is not None}
     if not values:

@@ -267,13 +267,20 @@ def load_renamed_head(model, path: str, prefix: str) -> None:
 
 def stored_parameters(path: str) -> int | None:
     """How many parameters a saved model folder holds, from its safetensors headers (no weights
-    read); None when it has no safetensors files (a LoRA adapter's base, a `.bin` checkpoint)."""
+    read): the files its index names where it has one, else every `*.safetensors` but a LoRA
+    adapter's. None when there are none (a `.bin` checkpoint)."""
+    import json
     import math
     from pathlib import Path
 
     from safetensors import safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("adapter_model")]
     if not files:
         return None
     total = 0

@@ -169,6 +169,11 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key, max_samples=cfg.max_samples,
                               seed=cfg.seed, chat=cfg.apply_chat_template, probs=mixing_probs(cfg.dataset_probs))
     window = prompt_window(len(prompts.prompts), cfg.iter, cfg.rollout_batch_size)
+    if not window:
+        from rlhf_core.data.loading import DataError
+
+        raise DataError(f"--dataset {cfg.dataset}: {len(prompts.prompts)} prompts; --iter {cfg.iter} with "
+                        f"--rollout_batch_size {cfg.rollout_batch_size} starts at prompt {window.start + 1}, past them")
     path = local_model_path(cfg.pretrain)
     tokenizer = load_tokenizer(path, use_fast=not cfg.disable_fast_tokenizer)
     fmt = prompt_formatter(tokenizer, cfg.apply_chat_template, cfg.input_template)
@@ -215,6 +220,9 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
     if cfg.task is not None:
         from rlhf_core.rewards import VerifierReward
 
+        if not all(isinstance(p, str) for p in inputs):
+            raise DataError(f"--dataset {cfg.dataset}: --task scores rows whose {cfg.input_key!r} is text; these hold "
+                            "chat messages (score them with a reward model and --apply_chat_template)")
         texts, rewards = inputs, VerifierReward(cfg.task).score(inputs, outputs, answers)
     else:
         rm = reward_model(cfg)

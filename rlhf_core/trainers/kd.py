@@ -21,7 +21,7 @@ from rlhf_core.config import KDConfig
 from rlhf_core.distributed.engine import EngineSettings, initialize_frozen
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.models.forward import loss_logits
-from rlhf_core.models.loading import load_causal_lm, model_options
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, model_options
 from rlhf_core.trainers.common import local_model_path
 from rlhf_core.trainers.sft import SFTRecipe
 from rlhf_core.trainers.sft import load_data as load_data  # the same examples as SFT
@@ -43,6 +43,9 @@ class KDRecipe(SFTRecipe):
         if student_vocab != teacher_vocab:
             raise ConfigError(f"--teacher_model {cfg.teacher_pretrain}: its vocabulary has {teacher_vocab} tokens, the "
                               f"student's (--pretrain {cfg.pretrain}) {student_vocab}: distillation needs one tokenizer")
+        if load_tokenizer(local_model_path(cfg.teacher_pretrain)).get_vocab() != self.data.tokenizer.get_vocab():
+            raise ConfigError(f"--teacher_model {cfg.teacher_pretrain}: its tokenizer maps tokens to other ids than "
+                              f"the student's (--pretrain {cfg.pretrain}): distillation needs one tokenizer")
         self.teacher = initialize_frozen(teacher, EngineSettings.of(cfg), offload=cfg.teacher.offload)
 
     def micro_step(self, model, examples):

@@ -180,3 +180,11 @@ def test_a_prompt_written_out_already_gets_no_second_bos_in_training(tmp_path):
     written = PromptFormatter(tok, DataConfig(input_template=""))
     assert written.prompt_ids(chat.prompt_text("sort: CBA")) == chat.prompt_ids("sort: CBA")
     assert written.prompt_ids("sort: CBA")[0] == tok.bos_token_id  # a plain prompt still gets its BOS
+
+
+def test_a_window_past_the_prompts_is_an_error_not_an_empty_file(prepared, tmp_path, capsys):
+    out = tmp_path / "gen.jsonl"
+    assert main(["batch_inference", "--eval_task", "generate", "--pretrain", prepared["base"], "--dataset",
+                 f"json@{prepared['prompts']}", "--input_key", "prompt", "--iter", "9", "--rollout_batch_size", "1024",
+                 "--max_new_tokens", "4", "--output_path", str(out), "--use_mlflow", "false"]) == 2
+    assert "--iter 9" in capsys.readouterr().err and not out.exists()

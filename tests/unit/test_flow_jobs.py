@@ -309,6 +309,8 @@ def test_the_prep_job_builds_a_student_only_for_a_run_that_distills(tmp_path):
     plain = _prep_job(ctx, PrepParams())
     assert "--student_size" not in plain.args
     assert plain.config_hash == params_hash(PrepParams(), exclude=frozenset({"student_size"}))
+    # the key the default prep had before students existed (computed at 4e81f2c): outputs stay cached
+    assert plain.config_hash == "sha256:9a1a8e28caac23eab73a54d9cc68a5dc0777c56437813f6ed9a5bca464c4b64d"
     distilling = _prep_job(ctx, PrepParams(), distills=True)
     assert _parser().parse_args(distilling.args).student_size == "nano"  # tiny's next size down
     assert distilling.config_hash != plain.config_hash
@@ -316,7 +318,11 @@ def test_the_prep_job_builds_a_student_only_for_a_run_that_distills(tmp_path):
     assert _parser().parse_args(small.args).student_size == "tiny"
     chosen = _prep_job(ctx, PrepParams(student_size="nano", model_size="small"))
     assert _parser().parse_args(chosen.args).student_size == "nano"
-    assert "--student_size" not in _prep_job(ctx, PrepParams(model_size="nano"), distills=True).args  # none smaller
+    from flows.jobs import PipelineError
+
+    with pytest.raises(PipelineError, match="no size is smaller than prep.model_size 'nano'"):
+        _prep_job(ctx, PrepParams(model_size="nano"), distills=True)  # before anything trains
+    assert "--student_size" not in _prep_job(ctx, PrepParams(model_size="nano")).args
 
 
 def test_the_distill_job_starts_prep_s_student_and_learns_from_the_teacher_it_is_given(tmp_path):
@@ -371,9 +377,9 @@ def test_rejection_sampling_jobs_and_what_their_keys_hold():
     prep, params = PrepParams(), RejectionSamplingParams()
     key = sampling_key(prep, params, 7, 1)
     assert sampling_key(prep, params, 8, 1) != key and sampling_key(prep, params, 7, 2) != key
-    for name in ("n_prompts", "best_of_n", "temperature", "reward"):
+    for name in ("n_prompts", "best_of_n", "temperature"):
         assert sampling_key(prep, perturbed(params, name), 7, 1) != key, name
-    for name in ("rounds", "start_from", "learning_rate", "max_epochs", "seed"):  # raising rounds keeps round 1
+    for name in ("rounds", "start_from", "learning_rate", "max_epochs", "seed", "reward"):  # raising rounds keeps round 1
         assert sampling_key(prep, perturbed(params, name), 7, 1) == key, name
     assert scoring_key(prep, perturbed(params, "reward")) != scoring_key(prep, params)
     assert scoring_key(prep, perturbed(params, "best_of_n")) == scoring_key(prep, params)

@@ -60,6 +60,22 @@ def test_a_teacher_with_another_vocabulary_is_refused_and_the_run_closed_as_fail
     assert [r.info.status for r in runs] == ["FAILED"]  # a setup failure does not leave a run RUNNING
 
 
+def test_a_teacher_whose_tokenizer_maps_other_ids_is_refused(prepared, tmp_path, capsys):
+    """The same vocabulary size is not the same tokenizer: a teacher over another task's tokenizer
+    (its ids mean other text), sized to the student's vocabulary, would distil noise."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    from rlhf_core.stages.prep import prepare
+
+    theirs = AutoTokenizer.from_pretrained(prepare(tmp_path / "sort", task="sort", n_train=64, n_test=4)["base"])
+    assert theirs.get_vocab() != AutoTokenizer.from_pretrained(prepared["base"]).get_vocab()
+    other = tmp_path / "other_tokenizer"
+    LlamaForCausalLM(AutoConfig.from_pretrained(prepared["base"])).save_pretrained(other)  # the student's size
+    theirs.save_pretrained(other)
+    assert main(kd(prepared, tmp_path / "out", "--teacher_model", str(other))) == 2
+    assert "its tokenizer maps tokens to other ids than the student's" in capsys.readouterr().err
+
+
 def weights(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

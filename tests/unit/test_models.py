@@ -38,3 +38,21 @@ def test_gpu_only_attention_runs_sdpa_here_and_says_so_in_one_line(capsys, monke
     assert attention_implementation(False) == attention_implementation("sdpa") == "rlhf_sdpa"
     assert attention_implementation("eager") == "eager"
     assert not capsys.readouterr().err
+
+
+def test_stored_parameters_reads_the_headers_of_one_file_or_of_the_shards_an_index_names(tmp_path):
+    """What the evaluation reports as a model's size: sharded or not, the same count, and a LoRA
+    adapter saved beside the weights is not counted."""
+    import shutil
+
+    from rlhf_core.models.loading import stored_parameters
+    from rlhf_core.models.tiny import build_tiny_llama, train_tokenizer
+
+    model = build_tiny_llama(train_tokenizer(["abc def ghi"] * 20, vocab_size=300), size="nano", seed=0)
+    total = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").is_file()
+    shutil.copy(tmp_path / "one" / "model.safetensors", tmp_path / "shards" / "adapter_model.safetensors")
+    assert stored_parameters(str(tmp_path / "one")) == stored_parameters(str(tmp_path / "shards")) == total
+    assert stored_parameters(str(tmp_path)) is None  # no weights here

@@ -66,8 +66,15 @@ def test_a_distilled_student_is_reported_with_its_size_against_its_teacher():
     assert line.endswith("(its teacher `/elsewhere` was not evaluated here).")
     assert reports.student_lines(report, {"distill-round2": "/m/ppo"}, "sampled_accuracy") == []  # not evaluated
     outcome = StageOutcome("kd", "distill", "/m/distill", "run-d", "k", False, {}, {"inputs": {"teacher_model": "/m/ppo"}})
-    built = reports.build_pipeline_report("parent", {"distill": outcome}, report, {}, "sampled_accuracy")
+    kept = StageOutcome("batch_inference", "rejection_sampling-score-round1", "/m/rs", "run-s", "k", False,
+                        {"batch_inference/rows": 64, "batch_inference/kept_rows": 16}, {})
+    report["metrics"]["eval/distill/sampled_accuracy"] = 0.9  # better than its teacher: still no champion
+    built = reports.build_pipeline_report("parent", {"distill": outcome, kept.name: kept}, report, {},
+                                          "sampled_accuracy")
     assert "Distilled student `distill` (148k parameters" in built.markdown
+    assert "The best policy, `ppo`," in built.markdown  # the headline ranks the policies, not the student
+    assert "- rows: 64\n- kept: 16\n" in built.markdown  # a data stage's numbers, and no curves for it
+    assert built.markdown.count("No training curves") == 1  # the student's (no history given here)
 
 
 def log_history(client, run_id, series: dict[str, list[tuple[int, float]]]):
