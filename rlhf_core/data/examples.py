@@ -47,6 +47,15 @@ class UnpairedExample:
     desirable: bool
 
 
+def prompt_token_ids(tokenizer, text: str, templated: bool) -> list[int]:
+    """A prompt's token ids. A chat template writes its own special tokens; plain text gets the
+    tokenizer's (e.g. BOS), unless it is a prompt written out already: text that starts with the
+    BOS text (rows batch inference wrote) is tokenized as it is, so it never gets a second BOS."""
+    bos = tokenizer.bos_token
+    written = bool(bos) and text.startswith(bos)
+    return tokenizer(text, add_special_tokens=not (templated or written))["input_ids"]
+
+
 class PromptFormatter:
     """Formats prompts and completions as token ids for one tokenizer and data config."""
 
@@ -82,12 +91,7 @@ class PromptFormatter:
         return self.cfg.input_template.format(prompt) if self.cfg.input_template else prompt
 
     def prompt_ids(self, prompt, where: str | None = None, row: int | None = None) -> list[int]:
-        text = self.prompt_text(prompt, where, row)
-        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS),
-        # unless it is a prompt written out already (batch inference's rows start with the BOS text).
-        bos = self.tok.bos_token
-        written = bool(bos) and text.startswith(bos)
-        return self.tok(text, add_special_tokens=not (self.cfg.apply_chat_template or written))["input_ids"]
+        return prompt_token_ids(self.tok, self.prompt_text(prompt, where, row), self.cfg.apply_chat_template)
 
     def completion_ids(self, completion: str) -> list[int]:
         ids = self.tok(completion, add_special_tokens=False)["input_ids"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.data.examples import prompt_token_ids
 from rlhf_core.rollout.base import inference_device, inference_dtype
 from rlhf_core.rollout.prompts import prompt_formatter
 
@@ -51,10 +52,8 @@ class RewardModelReward:
         """Token ids of (already formatted prompt text, response): the text is tokenized as it is,
         with the tokenizer's own special tokens (e.g. BOS) only when it does not already start with
         BOS (a chat template writes its own), which is how `sequences` tokenizes a prompt it formats."""
-        tok, fmt = self.tokenizer, self.formatter
-        bos = tok.bos_token
-        ids = [tok(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in prompt_texts]
-        return [p + fmt.completion_ids(r) for p, r in zip(ids, responses, strict=True)]
+        ids = [prompt_token_ids(self.tokenizer, t, templated=False) for t in prompt_texts]
+        return [p + self.formatter.completion_ids(r) for p, r in zip(ids, responses, strict=True)]
 
     def score(self, prompts: list, responses: list[str], answers: list[str | None] | None = None) -> list[float]:
         return self.score_sequences(self.sequences(prompts, responses))

@@ -160,6 +160,7 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
 
 def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     from rlhf_core.config import mixing_probs
+    from rlhf_core.data.examples import prompt_token_ids
     from rlhf_core.infra.hubs import use_modelscope
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
@@ -179,8 +180,7 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     fmt = prompt_formatter(tokenizer, cfg.apply_chat_template, cfg.input_template)
     suffix = cfg.csft_prompt.strip() + " " if cfg.enable_csft else ""
     texts = [fmt.prompt_text(prompts.prompts[i], row=i + 1) + suffix for i in window]
-    ids = [tokenizer(t, add_special_tokens=not cfg.apply_chat_template)["input_ids"][-cfg.prompt_max_len:]
-           for t in texts]
+    ids = [prompt_token_ids(tokenizer, t, cfg.apply_chat_template)[-cfg.prompt_max_len:] for t in texts]
     engine = make_engine(path, "vllm" if cfg.eval_task == EvalTask.GENERATE_VLLM else "transformers",
                          not cfg.apply_chat_template)
     try:

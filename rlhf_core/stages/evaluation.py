@@ -158,6 +158,7 @@ class Generated:
 
 def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
     """The eval report (metrics and sample rows) of every policy and the reference on a prompt set."""
+    from rlhf_core.data.examples import prompt_token_ids
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rewards import RewardModelReward, VerifierReward
     from rlhf_core.rollout import prompt_formatter
@@ -176,8 +177,7 @@ def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
             raise ConfigError(f"{flag} {uri}: its tokenizer differs from the others'; the models are compared "
                               "on the same prompt tokens (and KL over the same response tokens)")
     fmt = prompt_formatter(tokenizer, cfg.apply_chat_template)
-    prompt_ids = [tokenizer(fmt.prompt_text(p), add_special_tokens=not cfg.apply_chat_template)["input_ids"]
-                  for p in prompts.prompts]
+    prompt_ids = [prompt_token_ids(tokenizer, fmt.prompt_text(p), cfg.apply_chat_template) for p in prompts.prompts]
     k = cfg.n_samples_per_prompt
 
     # Generation, one engine at a time: policies, then the reference (which scores their KL samples).
