@@ -22,6 +22,7 @@ from flows.jobs import PipelineError, prep_paths, starting_policy, train_job
 from flows.params import PipelineSettings, PrepParams, RejectionSamplingParams
 from orchestration.stages import PipelineContext, StageJob, StageOutcome
 from rlhf_core.config import SFTConfig, with_updates
+from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra.manifests import params_hash
 
 STAGE = "rejection_sampling"
@@ -73,7 +74,8 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
             ["batch_inference", "--eval_task", "generate", "--pretrain", policy.output_uri, "--dataset", prompts,
              "--input_key", "prompt", "--apply_chat_template", "--best_of_n", str(params.best_of_n),
              "--temperature", str(params.temperature), "--max_samples", str(params.n_prompts * r), "--iter",
-             str(r - 1), "--rollout_batch_size", str(params.n_prompts), "--max_new_tokens", str(max_new_tokens(prep)),
+             str(r - 1), "--rollout_batch_size", str(params.n_prompts), "--max_new_tokens",
+             str(get_task(prep.task).new_tokens),
              "--seed", str(seed + r), "--save_path", out, "--mlflow_run_name", generate_name, *track],
             out, sampling_key(prep, params, seed + r, r), None, prompts, {"policy": policy, "data": prep_outcome},
             num_gpus=ctx.rollout_gpus))
@@ -98,9 +100,3 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
                                                     data_from=(scored, f"json@{scored.output_uri}")))
     return policy
 
-
-def max_new_tokens(prep: PrepParams) -> int:
-    """The task's longest answer and its EOS, as `rlhf eval` and `rlhf pairs` budget it."""
-    from rlhf_core.data.synthetic import get_task
-
-    return get_task(prep.task).max_answer_len + 1

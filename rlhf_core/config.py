@@ -836,7 +836,7 @@ class RolloutStageConfig(StageConfig):
             from rlhf_core.data.synthetic import get_task
 
             try:
-                budget = get_task(self.task).max_answer_len + 1
+                budget = get_task(self.task).new_tokens
             except ValueError as e:
                 raise ValueError(f"--task: {e}") from None
             if self.max_new_tokens is None:

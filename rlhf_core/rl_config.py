@@ -468,7 +468,7 @@ class PPOConfig(TrainingStageConfig):
             from rlhf_core.data.synthetic import get_task
 
             try:
-                task_budget = get_task(reward.task).max_answer_len + 1  # the longest answer and EOS
+                task_budget = get_task(reward.task).new_tokens
             except ValueError as e:
                 problems.append(f"--reward.task: {e}")
         if self.eval.task is None and reward.task is not None:
@@ -477,7 +477,7 @@ class PPOConfig(TrainingStageConfig):
             from rlhf_core.data.synthetic import get_task
 
             try:
-                budget = get_task(self.eval.task).max_answer_len + 1
+                budget = get_task(self.eval.task).new_tokens
                 task_budget = budget if task_budget is None else max(task_budget, budget)
             except ValueError as e:
                 problems.append(f"--eval.task: {e}")

@@ -46,6 +46,11 @@ class SyntheticTask:
     generate: Callable[[random.Random], Example]
     mutate: Callable[[str, random.Random], str]
 
+    @property
+    def new_tokens(self) -> int:
+        """What a generation of an answer needs: the longest answer and its EOS."""
+        return self.max_answer_len + 1
+
     def make_example(self, rng: random.Random) -> Example:
         return self.generate(rng)
 

@@ -496,6 +496,31 @@ def write_manifest(local_dir: str | Path, manifest: dict, flag: str = "--out") -
         _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
 
 
+def jsonl_text(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def write_text_atomic(uri: str | Path, text: str) -> None:
+    """All of `text` at `uri` or nothing: locally a temporary file beside it, synced and renamed into
+    place; on S3 one object put (atomic by itself)."""
+    if is_remote(str(uri)):
+        with _fs(str(uri)).open(str(uri), "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     try:

@@ -20,19 +20,16 @@ class RewardModelReward:
     def __init__(self, path: str, apply_chat_template: bool = True, normalize: bool = False, batch_size: int = 32,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  value_head_prefix: str | None = None):
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoConfig
 
-        from rlhf_core.models.loading import load_renamed_head, load_tokenizer
+        from rlhf_core.models.loading import load_reward_model, load_tokenizer
 
         device = device or inference_device()
         self.tokenizer = load_tokenizer(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                                   dtype=dtype or inference_dtype(device))
         # A head saved under another name (OpenRLHF's `value_head`): the one given, else the config's.
-        prefix = value_head_prefix or getattr(model.config, "value_head_prefix", None) or "score"
-        if prefix != "score":
-            load_renamed_head(model, path, prefix)
-        self.model = model.to(device).eval()
+        prefix = value_head_prefix or getattr(AutoConfig.from_pretrained(path), "value_head_prefix", None) or "score"
+        self.model = load_reward_model(path, self.tokenizer.pad_token_id, prefix,
+                                       dtype=dtype or inference_dtype(device)).to(device).eval()
         self.formatter = prompt_formatter(self.tokenizer, apply_chat_template)
         self.batch_size = batch_size
         self.shift, self.scale = 0.0, 1.0

@@ -21,14 +21,12 @@ together. The file is written whole or not at all (a temporary name, then rename
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
-import tempfile
 
 from rlhf_core.config import BatchInferenceConfig, EvalTask, PostProcessor
 from rlhf_core.infra import storage
+from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.infra.manifests import code_version
 
 DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
@@ -120,6 +118,7 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
     from rlhf_core.infra.tracking import Tracker
 
     cfg.check_complete()
+    use_modelscope(cfg.use_ms)  # a model named by hub id, policy or reward model alike
     if cfg.save_path is not None:
         storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
@@ -144,9 +143,9 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
             from rlhf_core.infra.publishing import publish_output
 
             inputs = {"pretrain": cfg.pretrain, "datasets": sources}
-            publish_output(cfg, tracker, inputs, metrics, files={ROWS_FILE: jsonl_text(rows)})
-        else:
-            write_jsonl(cfg.output_path, rows)
+            publish_output(cfg, tracker, inputs, metrics, files={ROWS_FILE: storage.jsonl_text(rows)})
+        else:  # whole or not at all
+            storage.write_text_atomic(cfg.output_path, storage.jsonl_text(rows))
             tracker.log_metrics(metrics, step=0)
             tracker.set_tags({"rlhf.output_uri": cfg.output_path})
     except BaseException:
@@ -161,12 +160,10 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
 def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     from rlhf_core.config import mixing_probs
     from rlhf_core.data.examples import prompt_token_ids
-    from rlhf_core.infra.hubs import use_modelscope
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
     from rlhf_core.trainers.common import local_model_path
 
-    use_modelscope(cfg.use_ms)
     prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key, max_samples=cfg.max_samples,
                               seed=cfg.seed, chat=cfg.apply_chat_template, probs=mixing_probs(cfg.dataset_probs))
     window = prompt_window(len(prompts.prompts), cfg.iter, cfg.rollout_batch_size)
@@ -247,31 +244,3 @@ def reward_model(cfg: BatchInferenceConfig):
     if mean is not None and std:
         rm.shift, rm.scale = float(mean), float(std)
     return rm
-
-
-def jsonl_text(rows: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
-
-def write_jsonl(uri: str, rows: list[dict]) -> None:
-    """All rows or nothing: a temporary file renamed into place (one object put on S3)."""
-    text = jsonl_text(rows)
-    if storage.is_remote(uri):
-        import fsspec
-
-        with fsspec.open(uri, "w", encoding="utf-8") as f:
-            f.write(text)
-        return
-    folder = os.path.dirname(os.path.abspath(uri))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(uri)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, uri)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

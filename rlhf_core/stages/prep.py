@@ -23,13 +23,13 @@ the family's own transformers config, at the same dimensions.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from rlhf_core.data.synthetic import build_splits, get_task
+from rlhf_core.infra import storage
 from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
 from rlhf_core.models.sizes import MODEL_SIZES
 from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, build_tiny_llama, train_tokenizer
@@ -40,21 +40,6 @@ DATA_KINDS = ("sft", "preference", "prompts")
 # What a local prep rewrites under its folder; anything else there (e.g. models saved under
 # `work/models`) is left alone, so rerunning prep over its own output is allowed with it present.
 REWRITTEN = ("data", "tokenizer", "base", "student")
-
-
-def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _save_dir_atomic(path: Path, *savables) -> None:
@@ -105,7 +90,7 @@ def prepare(
         paths[kind] = str(kind_dir)
         for split, rows in splits[kind].items():
             file = kind_dir / f"{split}.jsonl"
-            _write_jsonl_atomic(file, rows)
+            storage.write_text_atomic(file, storage.jsonl_text(rows))
             paths[f"{kind}_{split}"] = str(file)
 
     train_texts = [text for row in splits["sft"]["train"] for text in (row["prompt"], row["response"])]
@@ -176,8 +161,6 @@ def run_prep(out_dir: str | os.PathLike, **params) -> dict:
     their hash and each data file's sha256. `out_dir` must be new, empty or an earlier prep output
     (`storage.check_destination`, checked before anything is built).
     """
-    from rlhf_core.infra import storage
-
     params = prep_config(**params)
     out = storage.normalize_uri(str(out_dir))
     remote = storage.is_remote(out)
