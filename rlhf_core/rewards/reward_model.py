@@ -19,13 +19,13 @@ from rlhf_core.rollout.prompts import prompt_formatter
 class RewardModelReward:
     def __init__(self, path: str, apply_chat_template: bool = True, normalize: bool = False, batch_size: int = 32,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 value_head_prefix: str | None = None):
+                 value_head_prefix: str | None = None, use_fast: bool = True):
         from transformers import AutoConfig
 
         from rlhf_core.models.loading import load_reward_model, load_tokenizer
 
         device = device or inference_device()
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, use_fast=use_fast)
         # A head saved under another name (OpenRLHF's `value_head`): the one given, else the config's.
         prefix = value_head_prefix or getattr(AutoConfig.from_pretrained(path), "value_head_prefix", None) or "score"
         self.model = load_reward_model(path, self.tokenizer.pad_token_id, prefix,

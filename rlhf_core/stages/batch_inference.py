@@ -30,6 +30,11 @@ from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.infra.manifests import code_version
 
 DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
+# What only one kind of task reads: given to the other, each is said to be not applied (once).
+GENERATION_ONLY = ("best_of_n", "iter", "rollout_batch_size", "enable_csft", "csft_prompt", "greedy_sampling", "top_p",
+                   "temperature", "prompt_max_len", "max_new_tokens")
+SCORING_ONLY = ("post_processor", "reward_template", "normalize_reward", "value_head_prefix", "micro_batch_size",
+                "max_len", "task")
 ROWS_FILE = "train.jsonl"  # in a --save_path stage folder: `json@<folder>` reads it
 
 
@@ -69,6 +74,19 @@ def preference_pairs(rows: list[dict]) -> tuple[list[dict], int]:
         pairs.append({"prompt": prompt, "chosen": best["output"], "chosen_reward": best["reward"],
                       "rejected": worst["output"], "rejected_reward": worst["reward"]})
     return pairs, ties
+
+
+def unread_flags(cfg: BatchInferenceConfig) -> list[str]:
+    """The flags given that the task does not read (OpenRLHF ignores them unsaid)."""
+    unread = SCORING_ONLY if cfg.eval_task != EvalTask.RM else GENERATION_ONLY
+    return [name for name in unread if name in cfg.model_fields_set]
+
+
+def say_what_is_not_read(cfg: BatchInferenceConfig) -> None:
+    from rlhf_core.infra.not_applied import PREFIX, say_once
+
+    for name in unread_flags(cfg):
+        say_once(f"{PREFIX} --{name} is not read by --eval_task {cfg.eval_task.value}")
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -118,6 +136,7 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
     from rlhf_core.infra.tracking import Tracker
 
     cfg.check_complete()
+    say_what_is_not_read(cfg)
     use_modelscope(cfg.use_ms)  # a model named by hub id, policy or reward model alike
     if cfg.save_path is not None:
         storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
@@ -239,7 +258,8 @@ def reward_model(cfg: BatchInferenceConfig):
     from rlhf_core.trainers.common import local_model_path
 
     rm = RewardModelReward(local_model_path(cfg.pretrain), cfg.apply_chat_template, normalize=False,
-                           batch_size=cfg.micro_batch_size, value_head_prefix=cfg.value_head_prefix)
+                           batch_size=cfg.micro_batch_size, value_head_prefix=cfg.value_head_prefix,
+                           use_fast=not cfg.disable_fast_tokenizer)
     mean, std = (getattr(rm.model.config, k, None) for k in ("reward_mean", "reward_std"))
     if mean is not None and std:
         rm.shift, rm.scale = float(mean), float(std)

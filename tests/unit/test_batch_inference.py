@@ -188,3 +188,16 @@ def test_a_window_past_the_prompts_is_an_error_not_an_empty_file(prepared, tmp_p
                  f"json@{prepared['prompts']}", "--input_key", "prompt", "--iter", "9", "--rollout_batch_size", "1024",
                  "--max_new_tokens", "4", "--output_path", str(out), "--use_mlflow", "false"]) == 2
     assert "--iter 9" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_flag_the_task_does_not_read_is_said_to_be_not_applied(tmp_path, capsys):
+    from rlhf_core.config import BatchInferenceConfig
+    from rlhf_core.stages.batch_inference import say_what_is_not_read, unread_flags
+
+    generate = BatchInferenceConfig.model_validate({"eval_task": "generate", "normalize_reward": True, "top_p": 0.9})
+    assert unread_flags(generate) == ["normalize_reward"]
+    score = BatchInferenceConfig.model_validate({"eval_task": "rm", "best_of_n": 4, "iter": 0, "post_processor": "rs"})
+    assert unread_flags(score) == ["best_of_n", "iter"]
+    say_what_is_not_read(score)
+    err = capsys.readouterr().err
+    assert "not applied here: --best_of_n is not read by --eval_task rm" in err and "--post_processor" not in err
