@@ -11,6 +11,7 @@ at servers instead. `--config FILE.yaml` has one section per flow parameter:
     dpo: {beta: 0.2}
     ppo: {train.max_steps: 40, algo.advantage.estimator: group_norm}   # any `rlhf train ppo` spelling
     rejection_sampling: {rounds: 2, best_of_n: 4}                     # with stage rejection_sampling
+    conditional_sft: {condition_percentile: 90}                       # with stage conditional_sft
     distill: {kd_coef: 0.5}                                           # `rlhf train kd`'s flags
     evaluation: {max_samples: 100, promote_metric: sampled_accuracy}
     iterative: {rounds: 2}
@@ -29,8 +30,8 @@ from rlhf_core.infra.redaction import refuse_inline_secrets
 from rlhf_core.infra.settings import ConfigError
 
 HELP = "Run the whole lifecycle as the Prefect flow `rlhf`"  # `rlhf pipeline` (registered in pyproject.toml)
-SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "rejection_sampling", "distill", "evaluation", "iterative",
-            "online")
+SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "rejection_sampling", "conditional_sft", "distill",
+            "evaluation", "iterative", "online")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", default=None, help="Comma-separated stages (default: prep,sft,rm,ppo,eval; "
                         "DPO: prep,sft,rm,dpo,eval; both side by side: prep,sft,rm,dpo,ppo,eval; a smaller student "
                         "distilled from the policy: prep,sft,rm,ppo,distill,eval; rejection sampling: "
-                        "prep,sft,rm,rejection_sampling,eval)")
+                        "prep,sft,rm,rejection_sampling,eval; conditional SFT: prep,sft,rm,conditional_sft,eval)")
     parser.add_argument("--from_run", default=None, help="Earlier pipeline run to take upstream outputs from")
     parser.add_argument("--output_root", default=None, help="Local directory or s3:// URI for stage outputs")
     parser.add_argument("--force", action="store_true", help="Rerun every stage, ignoring cached outputs")
@@ -51,6 +52,7 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
 
     from flows.params import (
         STAGE_PARAMS,
+        ConditionalSFTParams,
         EvalParams,
         IterativeDPOParams,
         OnlineRLParams,
@@ -74,7 +76,7 @@ def flow_parameters(config: dict, args: argparse.Namespace | None = None) -> dic
     params = {}
     for name, cls in (("settings", PipelineSettings), ("prep", PrepParams), ("evaluation", EvalParams),
                       ("iterative", IterativeDPOParams), ("online", OnlineRLParams),
-                      ("rejection_sampling", RejectionSamplingParams)):
+                      ("rejection_sampling", RejectionSamplingParams), ("conditional_sft", ConditionalSFTParams)):
         values = settings if name == "settings" else (config.get(name) or {})
         try:
             params[name] = cls.model_validate(values)

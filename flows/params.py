@@ -150,6 +150,7 @@ class Stage(str, Enum):
     DPO = "dpo"
     PPO = "ppo"
     REJECTION_SAMPLING = "rejection_sampling"
+    CONDITIONAL_SFT = "conditional_sft"
     DISTILL = "distill"
     EVAL = "eval"
     ITERATIVE_DPO = "iterative_dpo"
@@ -160,10 +161,11 @@ class Stage(str, Enum):
 # away (`[prep, sft, rm, dpo, eval]`, or both policy stages side by side: `[..., dpo, ppo, eval]`).
 FULL_PIPELINE = [Stage.PREP, Stage.SFT, Stage.RM, Stage.PPO, Stage.EVAL]
 # They register `rlhf-policy` versions; the champion is one of them.
-POLICY_STAGES = (Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING)
+POLICY_STAGES = (Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT)
 EVALUATED_STAGES = (*POLICY_STAGES, Stage.DISTILL)  # the eval stage compares these with the reference
-# The run's policy a `distill` stage learns from, first found first: RL, then DPO, rejection sampling, SFT.
-TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.REJECTION_SAMPLING, Stage.SFT)
+# The run's policy a `distill` stage learns from, first found first: RL, then DPO, rejection sampling,
+# conditional SFT, SFT.
+TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT, Stage.SFT)
 
 
 class PrepParams(StrictModel):
@@ -271,6 +273,32 @@ class RejectionSamplingParams(StrictModel):
     learning_rate: float = Field(2e-4, gt=0, description="SFT on the kept rows (the `sft` section's other settings)")
     max_epochs: int = Field(3, gt=0)
     seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run)")
+
+
+class ConditionalSFTParams(StrictModel):
+    """Conditional SFT (stage `conditional_sft`, OpenRLHF's script, arXiv:2308.12050): the run's reward
+    model scores prep's SFT rows, each row's score is written into its prompt, the base model learns
+    on them (the `sft` section's recipe), and the model saved asks, at generation, for a high score."""
+
+    normalize_reward: bool = Field(True, description="Write z-scores (over all rows) rather than raw rewards")
+    reward_template: str = Field("{input} <rm_score>: {reward} ", description="Where the prompt and its score go; "
+                                 "starts with {input}, so the condition follows the prompt")
+    condition_percentile: int = Field(90, description="Generation asks for this percentile of the training rows' "
+                                      "written scores (10, 25, 50, 75, 90, 95 or 99)")
+    learning_rate: float | None = Field(None, gt=0, description="Default: the `sft` section's")
+    max_epochs: int | None = Field(None, gt=0, description="Default: the `sft` section's")
+
+    @model_validator(mode="after")
+    def _usable(self) -> ConditionalSFTParams:
+        from rlhf_core.stages.batch_inference import CONDITION_PERCENTILES, condition_suffix
+
+        if self.condition_percentile not in CONDITION_PERCENTILES:
+            raise ValueError(f"condition_percentile {self.condition_percentile}: one of "
+                             f"{', '.join(map(str, CONDITION_PERCENTILES))}")
+        if "{reward}" not in self.reward_template:
+            raise ValueError(f"reward_template {self.reward_template!r} must contain {{reward}}")
+        condition_suffix(self.reward_template, 0.0)  # text before {input}: refused, with why
+        return self
 
 
 class OnlineRLParams(StrictModel):

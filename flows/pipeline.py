@@ -15,9 +15,12 @@ order, on whose outputs, and records the pipeline run in MLflow.
   the current champion by `evaluation.promote_metric`.
 - `rejection_sampling` (`flows/rejection.py`): rounds of best-of-N sampling, the best kept, SFT on
   them; its policy is evaluated and registered like DPO's and PPO's.
+- `conditional_sft` (`flows/conditional.py`): the SFT rows scored by the reward model, the score
+  written into each prompt, the base trained on them; generation asks for a high score through the
+  saved chat template. A policy like the others.
 - `distill` trains a smaller student (prep's student base) on the SFT rows with the run's policy
-  (PPO, else DPO, else rejection sampling, else SFT) as its teacher; the evaluation compares it beside the policies, and it
-  registers an `rlhf-student` version tagged with its teacher (never the policy champion).
+  (PPO, else DPO, else rejection sampling, else conditional SFT, else SFT) as its teacher; the
+  evaluation compares it beside the policies, and it registers an `rlhf-student` version tagged with its teacher (never the policy champion).
 - Per stage, the task's wall time and the Ray job's run time are recorded (the difference is the
   orchestration overhead).
 """
@@ -36,6 +39,7 @@ from flows.params import (
     EVALUATED_STAGES,
     POLICY_STAGES,
     TEACHER_STAGES,
+    ConditionalSFTParams,
     EvalParams,
     IterativeDPOParams,
     OnlineRLParams,
@@ -61,8 +65,8 @@ from rlhf_core.infra.settings import state_dir
 embedded.make_prefect_home()  # the embedded default's Prefect home, before any flow starts a server
 user_errors.install()
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.DISTILL, Stage.EVAL,
-         Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT,
+         Stage.DISTILL, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
 
 def _close_orphans(experiment: str, logger) -> None:
@@ -90,6 +94,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          evaluation: EvalParams = EvalParams(), iterative: IterativeDPOParams = IterativeDPOParams(),  # noqa: B008
          online: OnlineRLParams = OnlineRLParams(), distill: PipelineKDConfig = PipelineKDConfig(),  # noqa: B008
          rejection_sampling: RejectionSamplingParams = RejectionSamplingParams(),  # noqa: B008
+         conditional_sft: ConditionalSFTParams = ConditionalSFTParams(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     refuse_inline_secrets({"settings": settings.model_dump(mode="json"), "prep": prep.model_dump(mode="json"),
@@ -98,7 +103,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                            "evaluation": evaluation.model_dump(mode="json"),
                            "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json"),
                            "distill": distill.model_dump(mode="json"),
-                           "rejection_sampling": rejection_sampling.model_dump(mode="json")},
+                           "rejection_sampling": rejection_sampling.model_dump(mode="json"),
+                           "conditional_sft": conditional_sft.model_dump(mode="json")},
                           "flow parameters")
     logger = get_run_logger()
     started = time.perf_counter()
@@ -147,6 +153,11 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
                     outcomes["rejection_sampling"] = run_rejection_sampling(ctx, settings, prep, sft,
                                                                             rejection_sampling, need, run, outcomes)
+                elif stage == Stage.CONDITIONAL_SFT:
+                    from flows.conditional import run_conditional_sft
+
+                    outcomes["conditional_sft"] = run_conditional_sft(ctx, settings, prep, sft, conditional_sft, need,
+                                                                      run, outcomes)
                 elif stage == Stage.DISTILL:
                     teacher = (distill_teacher(stages, outcomes, earlier, need) if distill.teacher_pretrain is None
                                else None)

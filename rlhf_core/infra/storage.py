@@ -521,6 +521,18 @@ def write_text_atomic(uri: str | Path, text: str) -> None:
         raise
 
 
+def read_text(uri: str) -> str | None:
+    """The text of the file at `uri` (a local path or s3://), or None when there is none."""
+    if not is_remote(uri):
+        path = Path(normalize_uri(uri))
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    fs = _fs(uri)
+    if not fs.exists(uri):
+        return None
+    with fs.open(uri, "r", encoding="utf-8") as f:
+        return f.read()
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     try:

@@ -21,6 +21,7 @@ together. The file is written whole or not at all (a temporary name, then rename
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -109,9 +110,43 @@ def conditioned(rows: list[dict], template: str | None, normalize: bool) -> list
     rewards = z_scores([r["reward"] for r in rows]) if normalize else [r["reward"] for r in rows]
     out = []
     for row, reward in zip(rows, rewards, strict=True):
-        text = template.replace("{reward}", f"{reward:.2f}").replace("{input}", row["input"])
+        text = template.replace("{reward}", written_reward(reward)).replace("{input}", row["input"])
         out.append({**row, "input": text, "reward": reward})
     return out
+
+
+# Percentiles of the rewards csft writes, reported so a run can ask for a score the rows hold:
+# the pipeline's conditional SFT conditions generation on one of them (flows/conditional.py).
+CONDITION_PERCENTILES = (10, 25, 50, 75, 90, 95, 99)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (0 < q <= 100): the smallest value with at least q% of the
+    values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def written_reward(reward: float) -> str:
+    """A reward as csft writes it into a prompt."""
+    return f"{reward:.2f}"
+
+
+def condition_suffix(template: str | None, reward: float) -> str:
+    """What csft appends to a prompt for `reward`, for a template that starts with `{input}`: the
+    text a conditioned model is asked with at generation."""
+    template = template or DEFAULT_REWARD_TEMPLATE
+    if not template.startswith("{input}"):
+        raise ValueError(f"reward_template {template!r} puts text before {{input}}: the condition cannot follow the "
+                         "prompt's generation prompt (start the template with {input})")
+    return template.removeprefix("{input}").replace("{reward}", written_reward(reward))
+
+
+def conditioned_chat_template(chat_template: str, suffix: str) -> str:
+    """A chat template that appends `suffix` after its generation prompt, so anyone who renders
+    the prompt (evaluation, vLLM, plain transformers) asks the model what csft trained it to
+    answer at that score."""
+    return chat_template + "{% if add_generation_prompt %}{{ " + json.dumps(suffix) + " }}{% endif %}"
 
 
 def post_process(rows: list[dict], cfg: BatchInferenceConfig) -> tuple[list[dict], dict]:
@@ -125,7 +160,9 @@ def post_process(rows: list[dict], cfg: BatchInferenceConfig) -> tuple[list[dict
     if cfg.post_processor == PostProcessor.ITER_DPO:
         pairs, ties = preference_pairs(rows)
         return pairs, {"batch_inference/pairs": len(pairs), "batch_inference/tied_prompts": ties}
-    return conditioned(rows, cfg.reward_template, cfg.normalize_reward), {}
+    rows = conditioned(rows, cfg.reward_template, cfg.normalize_reward)
+    written = [float(written_reward(r["reward"])) for r in rows]
+    return rows, {f"batch_inference/written_reward_p{q}": percentile(written, q) for q in CONDITION_PERCENTILES}
 
 
 # -- engines and files --------------------------------------------------------------------------

@@ -169,22 +169,28 @@ def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
              if uri}
     ref_path = paths[cfg.ref_pretrain] if cfg.ref_pretrain else None
     policy_paths = {name: paths[uri] for name, uri in policies}
-    tokenizer = load_tokenizer(ref_path or policy_paths[policies[0][0]])
+    first = ref_path or policy_paths[policies[0][0]]
+    tokenizer = load_tokenizer(first)
     vocab = tokenizer.get_vocab()
+    # Each model is asked as its own chat template asks (a conditional SFT model's appends the score
+    # it asks for); the vocabularies must agree, so KL compares the same response tokens.
+    prompt_ids: dict[str, list[list[int]]] = {}
     for uri, path in paths.items():
-        if path != (ref_path or policy_paths[policies[0][0]]) and load_tokenizer(path).get_vocab() != vocab:
+        own = tokenizer if path == first else load_tokenizer(path)
+        if own.get_vocab() != vocab:
             flag = "--ref_pretrain" if uri == cfg.ref_pretrain else "--pretrain"
             raise ConfigError(f"{flag} {uri}: its tokenizer differs from the others'; the models are compared "
-                              "on the same prompt tokens (and KL over the same response tokens)")
-    fmt = prompt_formatter(tokenizer, cfg.apply_chat_template)
-    prompt_ids = [prompt_token_ids(tokenizer, fmt.prompt_text(p), cfg.apply_chat_template) for p in prompts.prompts]
+                              "on the same response tokens (and KL over them)")
+        fmt = prompt_formatter(own, cfg.apply_chat_template)
+        prompt_ids[path] = [prompt_token_ids(own, fmt.prompt_text(p), cfg.apply_chat_template)
+                            for p in prompts.prompts]
     k = cfg.n_samples_per_prompt
 
     # Generation, one engine at a time: policies, then the reference (which scores their KL samples).
     order = [p for p in dict.fromkeys(policy_paths.values()) if p != ref_path] + ([ref_path] if ref_path else [])
     generated: dict[str, Generated] = {}
     for path in order:
-        generated[path] = _generate(cfg, path, prompt_ids, tokenizer.pad_token_id,
+        generated[path] = _generate(cfg, path, prompt_ids[path], tokenizer.pad_token_id,
                                     is_policy=path in policy_paths.values(), ref_path=ref_path, generated=generated)
     for g in generated.values():
         g.texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g.greedy]
@@ -204,7 +210,7 @@ def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
                                   [tokenizer.decode(s.token_ids, skip_special_tokens=True)
                                    for group in g.sampled for s in group],
                                   [a for a, group in zip(prompts.answers, g.sampled, strict=True) for _ in group])
-            sampled_correct[path] = [flat[i * k : (i + 1) * k] for i in range(len(prompt_ids))]
+            sampled_correct[path] = [flat[i * k : (i + 1) * k] for i in range(len(prompts))]
 
     models = [*((name, policy_paths[name]) for name, _ in policies), *([(REFERENCE_NAME, ref_path)] if ref_path else [])]
     metrics: dict[str, float] = {}
@@ -225,13 +231,15 @@ def evaluate(cfg: EvalConfig, prompts: PromptSet) -> dict:
     from rlhf_core.models.loading import stored_parameters
 
     return {
-        "policies": [{"name": name, "uri": uri, "parameters": stored_parameters(policy_paths[name])}
+        "policies": [{"name": name, "uri": uri, "parameters": stored_parameters(policy_paths[name]),
+                      **({"asked_as": tokenizer.decode(prompt_ids[policy_paths[name]][0])}
+                         if prompt_ids[policy_paths[name]] != prompt_ids[first] else {})}
                      for name, uri in policies],
         "reference": cfg.ref_pretrain, "reward_model": cfg.reward_pretrain,
         "reference_parameters": stored_parameters(ref_path) if ref_path else None,
         "task": cfg.task, "dataset": cfg.dataset, "num_prompts": len(prompts),
         "n_samples_per_prompt": k, "temperature": cfg.temperature,
-        "num_kl_samples": len(prompt_ids) * k if ref_path else 0,
+        "num_kl_samples": len(prompts) * k if ref_path else 0,
         "metrics": metrics,
         "samples": _sample_rows(prompts, models, generated, scores, correct, sampled_correct),
     }
@@ -370,7 +378,8 @@ def format_eval_markdown(report: dict) -> str:
             continue
         lines.append(f"| {label} | " + " | ".join("—" if v is None else fmt.format(v) for v in values) + " |")
     lines += ["", "Models:"]
-    lines += [f"- `{p['name']}`: `{p['uri']}`" for p in report["policies"]]
+    lines += [f"- `{p['name']}`: `{p['uri']}`" + (f", asked as its chat template asks: `{_cell(p['asked_as'])}`"
+                                                  if p.get("asked_as") else "") for p in report["policies"]]
     if report.get("reference"):
         lines.append(f"- `{REFERENCE_NAME}`: `{report['reference']}`")
     if report.get("reward_model"):

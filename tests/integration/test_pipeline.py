@@ -296,15 +296,18 @@ def test_dpo_and_a_forced_ppo_rerun_from_the_same_sft_and_rm_are_evaluated_side_
     assert candidate.version == registry["policies"][best]["version"]
 
 
-def test_rejection_sampling_rounds_train_from_the_first_run_s_sft_and_are_evaluated_and_registered(first_run):
+def test_rejection_sampling_and_conditional_sft_train_from_the_first_run_and_are_evaluated_and_registered(first_run):
     """Two rounds of OpenRLHF's rejection sampling from the first run's SFT model and reward model:
     each round samples its own window of prompts from the policy the round before trained, keeps each
-    prompt's best, trains on them; the last round's policy is evaluated and registered."""
+    prompt's best, trains on them; the last round's policy is evaluated and registered. Beside it,
+    conditional SFT: the first run's reward model scores prep's SFT rows into the prompts, the base
+    learns on them, and is evaluated asking for the 90th percentile's score."""
     import json
 
     from flows.pipeline import rlhf
 
-    result = rlhf(**params(settings={"stages": ["rejection_sampling", "eval"], "from_run": first_run["pipeline_run_id"]},
+    result = rlhf(**params(settings={"stages": ["rejection_sampling", "conditional_sft", "eval"],
+                                     "from_run": first_run["pipeline_run_id"]},
                            rejection_sampling={"rounds": 2, "n_prompts": 16, "best_of_n": 2},
                            sft={"train_batch_size": 4, "micro_train_batch_size": 4}))
     names = ["rejection_sampling-generate-round1", "rejection_sampling-score-round1", "rejection_sampling-sft-round1",
@@ -321,18 +324,39 @@ def test_rejection_sampling_rounds_train_from_the_first_run_s_sft_and_are_evalua
     assert 0 < len(kept) <= 16 and len({r["input"] for r in kept}) == len(kept) and all("reward" in r for r in kept)
 
     runs = child_runs(result["pipeline_run_id"])
-    upstream = {n: {k.split(".")[2]: v for k, v in runs[n].data.tags.items()
-                    if k.startswith("rlhf.upstream.") and k.endswith(".model_uri")} for n in names}
+    upstream = {n: upstream_of(runs, n) for n in names}
     assert upstream[names[0]]["policy"] == first_run["outputs"]["sft"]
     assert upstream[names[1]] == {"data": out[names[0]], "reward": first_run["outputs"]["rm"]}
     assert upstream[names[2]]["model"] == first_run["outputs"]["sft"] and upstream[names[2]]["data"] == out[names[1]]
     assert upstream[names[3]]["policy"] == out[names[2]]  # round 2 samples the policy round 1 trained
     assert upstream[names[5]]["model"] == out[names[2]]
 
-    assert result["evaluation"]["policies"] == ["rejection_sampling"]
-    assert "eval/rejection_sampling/sampled_accuracy" in result["evaluation"]["metrics"]
-    registered = result["registry"]["policies"]["rejection_sampling"]
-    assert registered["model"] == "rlhf-policy" and registered["uri"] == out["rejection_sampling"]
+    scored = rows("conditional_sft-score")
+    assert len(scored) == 256 and all(" <rm_score>: " in r["input"] for r in scored)
+    p90 = result["stages"]["conditional_sft-score"]["metrics"]["batch_inference/written_reward_p90"]
+    assert upstream_of(runs, "conditional_sft-score") == {"data": first_run["outputs"]["prep"],
+                                                          "reward": first_run["outputs"]["rm"]}
+    assert upstream_of(runs, "conditional_sft") == {"model": first_run["outputs"]["prep"],
+                                                    "data": out["conditional_sft-score"]}
+    from transformers import AutoTokenizer
+
+    asked = AutoTokenizer.from_pretrained(out["conditional_sft"]).apply_chat_template(
+        [{"role": "user", "content": "sort: CBA"}], tokenize=False, add_generation_prompt=True)
+    assert asked.endswith(f"<|assistant|> <rm_score>: {p90:.2f} ")  # the model asks for a high score itself
+
+    assert result["evaluation"]["policies"] == ["rejection_sampling", "conditional_sft"]
+    for name in ("rejection_sampling", "conditional_sft"):
+        assert f"eval/{name}/sampled_accuracy" in result["evaluation"]["metrics"]
+        registered = result["registry"]["policies"][name]
+        assert registered["model"] == "rlhf-policy" and registered["uri"] == out[name]
+    report = json.loads(Path(out["eval"], "eval.json").read_text())
+    assert report["policies"][1]["asked_as"].endswith(f" <rm_score>: {p90:.2f} ")
+
+
+def upstream_of(runs: dict, name: str) -> dict[str, str]:
+    """A stage run's upstream outputs by role, from its lineage tags."""
+    return {k.split(".")[2]: v for k, v in runs[name].data.tags.items()
+            if k.startswith("rlhf.upstream.") and k.endswith(".model_uri")}
 
 
 def test_a_stage_without_its_upstream_is_a_configuration_error(harness, tmp_path, capsys):

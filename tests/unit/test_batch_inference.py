@@ -11,7 +11,11 @@ from rlhf_core.cli import main
 from rlhf_core.stages.batch_inference import (
     DEFAULT_REWARD_TEMPLATE,
     best_of,
+    condition_suffix,
     conditioned,
+    conditioned_chat_template,
+    percentile,
+    post_process,
     preference_pairs,
     prompt_window,
     z_scores,
@@ -65,6 +69,44 @@ def test_conditional_sft_writes_the_reward_into_the_prompt():
     # The reward is put in first: a prompt that itself reads "{reward}" is left as it is.
     assert conditioned([{"input": "x {reward}", "output": "y", "reward": 1.0}], None, False)[0]["input"] == \
         "x {reward} <rm_score>: 1.00 "
+
+
+def test_csft_reports_percentiles_of_the_scores_it_wrote():
+    from rlhf_core.config import BatchInferenceConfig
+
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 90) == 4.0
+    assert percentile([5.0], 10) == 5.0 and percentile(list(range(100)), 90) == 89
+    cfg = BatchInferenceConfig.model_validate({"eval_task": "rm", "post_processor": "csft", "normalize_reward": True})
+    rows = [{"input": str(i), "output": "y", "reward": float(i)} for i in range(10)]
+    written, metrics = post_process(rows, cfg)
+    scores = [float(r["input"].split(": ")[1]) for r in written]  # as the prompts read them
+    assert metrics["batch_inference/written_reward_p90"] == percentile(scores, 90) == 1.16
+    assert metrics["batch_inference/written_reward_p10"] == -1.49  # nearest rank: the lowest of ten
+
+
+def test_a_conditioned_chat_template_asks_as_csft_wrote_the_rows(tmp_path):
+    """The chat template conditional SFT saves appends the condition after the generation prompt:
+    a prompt rendered with it is, character for character, a training row's input at that score."""
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.examples import PromptFormatter
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.stages.prep import prepare
+
+    tok = load_tokenizer(prepare(tmp_path, task="sort", n_train=8, n_test=2)["base"])
+    chat = PromptFormatter(tok, DataConfig(apply_chat_template=True))
+    row = conditioned([{"input": chat.prompt_text("sort: CBA"), "output": "ABC", "reward": 1.0}], None, False)[0]
+    suffix = condition_suffix(None, 1.0)
+    assert suffix == " <rm_score>: 1.00 "
+    tok.chat_template = conditioned_chat_template(tok.chat_template, suffix)
+    assert chat.prompt_text("sort: CBA") == row["input"]
+    # In training (no generation prompt) the template is as it was.
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                   tokenize=False) .endswith("y" + tok.eos_token)
+    quoted = condition_suffix('{input} "score" \\ {reward}', -0.5)  # quotes and backslashes survive the template
+    tok.chat_template = conditioned_chat_template(tok.chat_template, quoted)
+    assert chat.prompt_text("x").endswith(suffix + quoted)
+    with pytest.raises(ValueError, match="before {input}"):
+        condition_suffix("<{reward}> {input}", 1.0)
 
 
 def test_openrlhf_s_batch_inference_commands_are_accepted(tmp_path, capsys, monkeypatch):

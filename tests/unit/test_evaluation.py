@@ -335,3 +335,26 @@ def test_markdown_escapes_cells():
               "samples": [{"prompt": "a|b\nc", "answer": None, "responses": {"p": {"text": "x", "score": 0.5}}}]}
     md = format_eval_markdown(report)
     assert "| reward-model score (greedy) | 0.5000 |" in md and "a\\|b\\nc" in md and "x (0.500)" in md
+
+
+def test_each_model_is_asked_as_its_own_chat_template_asks(prepared, tmp_path, capsys):
+    """A conditional SFT model's chat template appends the score it asks for: the evaluation
+    renders each model's prompts with its own template. The same weights asked otherwise are
+    another distribution (KL > 0; asked alike, KL is exactly 0), and the report says how it was asked."""
+    from rlhf_core.stages.batch_inference import conditioned_chat_template
+
+    conditioned = tmp_path / "conditioned"
+    shutil.copytree(prepared["base"], conditioned)
+    template = conditioned / "chat_template.jinja"
+    template.write_text(conditioned_chat_template(template.read_text(), " <rm_score>: 1.50 "))
+    out = tmp_path / "eval"
+    code, _, err = run_cli(["--pretrain", f"{prepared['base']},{conditioned}", "--policy_names", "plain,csft",
+                            "--ref_pretrain", prepared["base"], "--dataset", f"json@{prepared['prompts']}",
+                            "--task", "addition", "--max_samples", "4", "--n_samples_per_prompt", "2",
+                            "--save_path", str(out), "--use_mlflow", "false"], capsys)
+    assert code == 0, err
+    report = read_eval_report(str(out))
+    assert report["metrics"]["eval/plain/kl"] == 0.0 and report["metrics"]["eval/csft/kl"] != 0.0
+    plain, csft = report["policies"]
+    assert "asked_as" not in plain and csft["asked_as"].endswith("<|assistant|> <rm_score>: 1.50 ")
+    assert "asked as its chat template asks" in format_eval_markdown(report)

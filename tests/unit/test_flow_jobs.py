@@ -383,3 +383,74 @@ def test_rejection_sampling_jobs_and_what_their_keys_hold():
         assert sampling_key(prep, perturbed(params, name), 7, 1) == key, name
     assert scoring_key(prep, perturbed(params, "reward")) != scoring_key(prep, params)
     assert scoring_key(prep, perturbed(params, "best_of_n")) == scoring_key(prep, params)
+
+
+def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the_chosen_percentile(tmp_path):
+    """Two jobs: the reward model scores prep's SFT rows into csft rows; SFT of prep's base on them,
+    whose saved chat template appends the score the scoring job reported at `condition_percentile`."""
+    import yaml
+
+    from flows.conditional import SCORE, STAGE, run_conditional_sft
+    from flows.jobs import PipelineError
+    from flows.params import ConditionalSFTParams, PipelineSettings, PipelineSFTConfig, PrepParams
+    from orchestration.stages import stage_cache_key
+    from rlhf_core.stages.batch_inference import conditioned_chat_template
+
+    base = tmp_path / "prep" / "base"
+    base.mkdir(parents=True)
+    (base / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    for folder in (tmp_path / "prep" / "data" / "sft", tmp_path / SCORE):
+        folder.mkdir(parents=True)
+        (folder / "train.jsonl").write_text('{"prompt": "cba", "response": "abc"}\n')
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
+    metrics = {f"batch_inference/written_reward_p{q}": q / 100 for q in (10, 25, 50, 75, 90, 95, 99)}
+
+    def flow(params=ConditionalSFTParams(), sft=PipelineSFTConfig(), force=()):
+        jobs, outcomes = [], {}
+        ctx = flow_ctx(tmp_path)
+        ctx.force = list(force)
+
+        def run(job):
+            jobs.append(job)
+            return outcome(job.name, tmp_path, metrics if job.name == SCORE else None)
+
+        run_conditional_sft(ctx, PipelineSettings(), PrepParams(), sft, params, upstream.__getitem__, run, outcomes)
+        return jobs, ctx
+
+    (score, train), ctx = flow()
+    assert (score.name, train.name) == (SCORE, STAGE)
+    args = score.args
+    assert args[:3] == ["batch_inference", "--eval_task", "rm"]
+    assert args[args.index("--pretrain") + 1] == upstream["rm"].output_uri
+    assert args[args.index("--dataset") + 1] == f"json@{upstream['prep'].output_uri}/data/sft"
+    assert args[args.index("--post_processor") + 1] == "csft" and "--normalize_reward" in args
+    assert set(score.upstream) == {"data", "reward"}
+    config = yaml.safe_load(train.config_yaml)
+    assert config["model"]["model_name_or_path"] == f"{upstream['prep'].output_uri}/base"  # the base, as OpenRLHF
+    assert config["data"]["dataset"] == f"json@{tmp_path / SCORE}"
+    assert (config["data"]["input_key"], config["data"]["output_key"], config["data"]["apply_chat_template"]) == \
+        ("input", "output", False)
+    assert config["data"]["tokenizer_chat_template"] == conditioned_chat_template(
+        "{{ bos_token }}{{ messages[0]['content'] }}", " <rm_score>: 0.90 ")
+    assert config["data"]["max_len"] == PipelineSFTConfig().data.max_len + len(" <rm_score>: 0.90 ")
+    assert config["adam"]["lr"] == PipelineSFTConfig().adam.lr  # the sft section's recipe
+
+    # Another percentile asks for another score: another model, the same scoring.
+    (score2, train2), _ = flow(ConditionalSFTParams(condition_percentile=50, learning_rate=1e-4))
+    assert stage_cache_key(score2) == stage_cache_key(score) and stage_cache_key(train2) != stage_cache_key(train)
+    assert " <rm_score>: 0.50 " in yaml.safe_load(train2.config_yaml)["data"]["tokenizer_chat_template"]
+    assert yaml.safe_load(train2.config_yaml)["adam"]["lr"] == 1e-4
+    (score3, _), _ = flow(ConditionalSFTParams(normalize_reward=False))
+    assert stage_cache_key(score3) != stage_cache_key(score) and "--normalize_reward" not in score3.args
+    _, forced = flow(force=[STAGE])
+    assert SCORE in forced.force  # forcing the stage rescores too
+
+    with pytest.raises(PipelineError, match="applies no chat template"):
+        flow(sft=PipelineSFTConfig.model_validate({"apply_chat_template": False}))
+    (base / "chat_template.jinja").unlink()
+    with pytest.raises(PipelineError, match="stores no chat template"):
+        flow()
+    with pytest.raises(ValueError, match="before {input}"):
+        ConditionalSFTParams(reward_template="{reward}: {input}")
+    with pytest.raises(ValueError, match="one of 10, 25"):
+        ConditionalSFTParams(condition_percentile=80)
