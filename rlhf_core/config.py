@@ -655,6 +655,48 @@ class KDConfig(SFTConfig):
         return {**super().required(), "teacher.model_name_or_path": self.teacher_pretrain}
 
 
+class PRMDataConfig(DataConfig):
+    """Process-reward rows (OpenRLHF's `train_prm`): a text whose steps each end with the placeholder
+    token, and a label per placeholder."""
+
+    input_key: str = "input"
+    label_key: str = Field("label", description="A list per row, one label per placeholder: reward tokens "
+                           "('+'/'-') or probabilities of the first reward token (soft labels)")
+    placeholder_token: str | None = Field(None, description="The token that ends each step; the model's output "
+                                          "there is the step's score (required; one token, e.g. ки)",
+                                          json_schema_extra=flat("placeholder_token"))
+    reward_tokens: list[str] | None = Field(None, description="The tokens a step's score is read over, the first "
+                                            "meaning a right step (e.g. + -); none: the whole vocabulary "
+                                            "(hard labels only)", json_schema_extra=flat("reward_tokens"))
+
+    @field_validator("reward_tokens", mode="before")
+    @classmethod
+    def _tokens(cls, value):
+        """Several after the flag (OpenRLHF's `--reward_tokens + -`), or a list."""
+        if value is None or value == []:
+            return None
+        tokens = [value] if isinstance(value, str) else list(value)
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"reward_tokens {tokens}: each token once")
+        return tokens
+
+
+class PRMAdam(AdamConfig):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (after warmup)")
+
+
+class PRMConfig(TrainConfig):
+    """A process reward model (OpenRLHF's `train_prm`): a causal LM whose output at each step's
+    placeholder token, over the reward tokens, is trained toward the step's label."""
+
+    stage: Literal["prm"] = "prm"
+    data: PRMDataConfig = Field(default_factory=PRMDataConfig)
+    adam: PRMAdam = Field(default_factory=PRMAdam)
+
+    def required(self) -> dict[str, str | None]:
+        return {**super().required(), "data.placeholder_token": self.data.placeholder_token}
+
+
 class RMModelConfig(ModelConfig):
     loss_type: RewardLossType = Field(RewardLossType.SIGMOID, json_schema_extra=flat("loss"))
     margin_loss_enable: bool = Field(False, description="Subtract each pair's margin inside the loss (the column "
@@ -743,6 +785,7 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {
     "dpo": DPOConfig,
     "kto": KTOConfig,
     "kd": KDConfig,
+    "prm": PRMConfig,
 }
 
 
@@ -1013,6 +1056,14 @@ class BatchInferenceConfig(StageConfig):
     value_head_prefix: str | None = Field(None, description="rm: the reward head's weight prefix (default: the model "
                                           "config's value_head_prefix, else score)")
     micro_batch_size: int = Field(16, gt=0, description="rm: rows scored at once")
+    placeholder_token: str | None = Field(None, description="rm with a process reward model (`rlhf train prm`): "
+                                          "the token it reads after each step (e.g. ки); each line of a response is "
+                                          "a step, the prompt is --input_key's text")
+    reward_tokens: list[str] | None = Field(None, description="rm with a process reward model: its reward tokens, "
+                                            "the first meaning a right step (e.g. + -)")
+    step_aggregate: str = Field("min", pattern="^(min|prod|last|mean)$", description="rm with a process reward "
+                                "model: a response's score from its steps' P(right): the weakest (min), their "
+                                "product, the last, the mean")
     seed: int = 1234
     disable_fast_tokenizer: bool = False
     zero_stage: int = Field(0, json_schema_extra={"noop": NOOP_ENGINE, **NOT_SEMANTIC})
@@ -1041,6 +1092,10 @@ class BatchInferenceConfig(StageConfig):
         if self.reward_template is not None and not ("{input}" in self.reward_template
                                                      and "{reward}" in self.reward_template):
             raise ValueError(f"reward_template {self.reward_template!r} must contain {{input}} and {{reward}}")
+        if (self.placeholder_token is None) != (not self.reward_tokens):
+            raise ValueError("placeholder_token and reward_tokens: a process reward model needs both")
+        if self.placeholder_token is not None and self.task is not None:
+            raise ValueError("placeholder_token (a process reward model scores) and task (a verifier scores): one")
         if self.task is not None:
             from rlhf_core.data.synthetic import get_task
 

@@ -162,6 +162,33 @@ def distillation_losses(student_logits: Tensor, teacher_logits: Tensor, labels: 
 # --- reward model -----------------------------------------------------------------------------
 
 
+def process_reward_losses(logits: Tensor, targets: Tensor, reward_ids: list[int] | None = None,
+                          soft: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A process reward model's loss and its right answers, summed over steps: `(Σ CE, Σ [argmax = label])`,
+    float32 scalars (OpenRLHF's PRMLoss, docs/algorithms.md, "Process reward models").
+
+    logits: `(n, vocab)`, the model's output at each of n steps' placeholder tokens (not shifted:
+        the output there predicts the token after the placeholder).
+    targets: `(n,)` long, hard labels: an index into `reward_ids` (with them) or a token id (without:
+        the cross-entropy over the whole vocabulary).
+    soft: `(n,)` probabilities that each step is right (soft labels, two reward tokens, the first
+        meaning right): the cross-entropy to `[p, 1 - p]` over the two tokens' logits; `targets` is
+        then ignored and a step counts as right-labelled when p >= 0.5, as OpenRLHF counts it.
+    """
+    z = logits.float() if reward_ids is None else logits[:, reward_ids].float()
+    logp = torch.log_softmax(z, dim=-1)
+    if soft is not None:
+        if z.shape[-1] != 2:
+            raise ValueError(f"soft labels need two reward tokens, got {z.shape[-1]}")
+        p = _f32(soft)
+        loss = -(p * logp[:, 0] + (1 - p) * logp[:, 1]).sum()
+        labels = (p < 0.5).long()
+    else:
+        labels = targets.long()
+        loss = -logp.gather(-1, labels.unsqueeze(-1)).sum()
+    return loss, (z.argmax(-1) == labels).sum().float()
+
+
 def load_balancing_loss(router_logits: list[Tensor], top_k: int) -> Tensor:
     """The Mixture-of-Experts load-balancing loss of Switch Transformer, over every routed row of
     every MoE layer: `E * sum_e f_e * P_e`, where `f_e` is the share of rows that pick expert `e`

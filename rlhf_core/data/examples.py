@@ -47,6 +47,17 @@ class UnpairedExample:
     desirable: bool
 
 
+@dataclass
+class StepExample:
+    """A process-reward row: its tokens with the loss mask on each step's placeholder token, and a
+    label per placeholder (an index into the reward tokens, or a token id without them; or the
+    probability that the step is right, for soft labels)."""
+
+    seq: Sequence
+    targets: list[int]
+    soft: list[float] | None = None
+
+
 def prompt_token_ids(tokenizer, text: str, templated: bool) -> list[int]:
     """A prompt's token ids. A chat template writes its own special tokens; plain text gets the
     tokenizer's (e.g. BOS), unless it is a prompt written out already: text that starts with the
@@ -168,6 +179,88 @@ def load_sft(cfg: DataConfig, tokenizer, split: str, seed: int, pretrain_mode: b
             p = fmt.prompt_ids(row[cfg.input_key], where, i)
             examples.append(SFTExample(fmt.join(p, fmt.completion_ids(row[cfg.output_key]), where, i)))
     return examples, described
+
+
+def single_token_id(tokenizer, token: str, flag: str) -> int:
+    """The one id `token` encodes to (ConfigError naming the flag otherwise)."""
+    from rlhf_core.infra.settings import ConfigError
+
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ConfigError(f"{flag} {token!r}: the tokenizer writes it as {len(ids)} tokens {ids}; it must be one "
+                          "(add it to the tokenizer as a special token, or choose a token it has)")
+    return ids[0]
+
+
+def load_steps(cfg, tokenizer, split: str, seed: int, eval_dataset: str | None = None):
+    """Process-reward rows (OpenRLHF's `train_prm`): `input_key` text whose steps each end with
+    `placeholder_token`, `label_key` a list with a label per placeholder. The text is tokenized as
+    it is (no template, no BOS); rows longer than `max_len` fail, or with `--truncate` keep the
+    steps whose placeholder fits (and their labels)."""
+    placeholder = single_token_id(tokenizer, cfg.placeholder_token, "--placeholder_token")
+    reward_ids = [single_token_id(tokenizer, t, "--reward_tokens") for t in cfg.reward_tokens or []]
+    ds, described = _load(cfg, split, seed, [cfg.input_key, cfg.label_key],
+                          lambda d, w: check_rows(d, w, [cfg.input_key], {cfg.label_key: (list,)}), eval_dataset)
+    if ds is None:
+        return None, []
+    examples, kinds = [], set()
+    for row, where, i in _rows_with_origin(ds, described):
+        labels = row[cfg.label_key]
+        ids = tokenizer(row[cfg.input_key], add_special_tokens=False)["input_ids"]
+        steps = [t for t, token in enumerate(ids) if token == placeholder]
+        if len(steps) != len(labels):
+            raise DataError(f"{where}: row {i}: {len(steps)} placeholder tokens {cfg.placeholder_token!r} in "
+                            f"{cfg.input_key!r} but {len(labels)} labels in {cfg.label_key!r}: one label per step")
+        if not steps:
+            raise DataError(f"{where}: row {i}: no placeholder token {cfg.placeholder_token!r} in {cfg.input_key!r}: "
+                            "no step to learn")
+        targets, soft = _step_targets(labels, tokenizer, reward_ids, cfg, where, i)
+        kinds.add(soft is None)
+        if len(kinds) > 1:
+            raise DataError(f"{where}: row {i}: {cfg.label_key!r} mixes probabilities and label tokens with the rows "
+                            "before it: one kind of label per dataset")
+        if len(ids) > cfg.max_len:
+            if not cfg.truncate:
+                raise DataError(f"{where}: row {i}: {len(ids)} tokens, longer than --max_len {cfg.max_len} (raise "
+                                "--max_len or pass --truncate)")
+            ids = ids[: cfg.max_len]
+            kept = sum(t < cfg.max_len for t in steps)
+            if not kept:
+                raise DataError(f"{where}: row {i}: no step's placeholder within --max_len {cfg.max_len}")
+            steps, targets, soft = steps[:kept], targets[:kept], None if soft is None else soft[:kept]
+        mask = [0] * len(ids)
+        for t in steps:
+            mask[t] = 1
+        examples.append(StepExample(Sequence(ids, mask), targets, soft))
+    return examples, described
+
+
+def _step_targets(labels: list, tokenizer, reward_ids: list[int], cfg, where: str, i: int):
+    """(targets, soft) of one row's labels: label tokens as indices into the reward tokens (or token
+    ids without them), or probabilities (soft labels, which need two reward tokens)."""
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in labels):
+        if len(reward_ids) != 2:
+            raise DataError(f"{where}: row {i}: {cfg.label_key!r} holds probabilities (soft labels), which need two "
+                            "--reward_tokens: the first for a right step, the second for a wrong one")
+        if not all(0.0 <= x <= 1.0 for x in labels):
+            raise DataError(f"{where}: row {i}: {cfg.label_key!r}: a soft label is a probability in [0, 1]")
+        return [0] * len(labels), [float(x) for x in labels]
+    if not all(isinstance(x, str) for x in labels):
+        raise DataError(f"{where}: row {i}: {cfg.label_key!r} must list label tokens (e.g. '+', '-') or "
+                        "probabilities, one per step")
+    targets = []
+    for label in labels:
+        ids = tokenizer.encode(label, add_special_tokens=False)
+        if reward_ids:
+            if len(ids) != 1 or ids[0] not in reward_ids:
+                raise DataError(f"{where}: row {i}: label {label!r} is not one of --reward_tokens "
+                                f"{' '.join(cfg.reward_tokens)}")
+            targets.append(reward_ids.index(ids[0]))
+        else:
+            if len(ids) != 1:
+                raise DataError(f"{where}: row {i}: label {label!r} is {len(ids)} tokens; a label is one token")
+            targets.append(ids[0])
+    return targets, None
 
 
 def _whole_conversation(row: dict, cfg: DataConfig, where: str, i: int) -> list[dict]:

@@ -22,6 +22,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlhf_core.data import steps
+
 Example = tuple[str, str]  # (prompt, answer)
 
 
@@ -45,6 +47,8 @@ class SyntheticTask:
     max_answer_len: int
     generate: Callable[[random.Random], Example]
     mutate: Callable[[str, random.Random], str]
+    # Tasks whose answers are steps: (prompt, response) -> a "+"/"-" label per step (process reward models)
+    step_labels: Callable[[str, str], list[str]] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -157,6 +161,16 @@ TASKS: dict[str, SyntheticTask] = {
             max_answer_len=REVERSE_MAX_LEN,
             generate=_reverse_generate,
             mutate=_edit_letters,
+        ),
+        SyntheticTask(
+            name="addition_steps",
+            description=f"sum of two numbers of 1-{steps.MAX_DIGITS} digits written column by column, a line per "
+            "column and the sum (steps labelled for process reward models)",
+            # a line per column ("9+9+1=19") and its newline, then the sum ("=1998")
+            max_answer_len=steps.MAX_DIGITS * 9 + steps.MAX_DIGITS + 2,
+            generate=steps.generate,
+            mutate=steps.wrong_carry,
+            step_labels=steps.step_labels,
         ),
         SyntheticTask(
             name="sort",

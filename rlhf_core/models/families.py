@@ -129,12 +129,13 @@ def template_texts(family: Family) -> list[str]:
     return [text] * 50
 
 
-def train_family_tokenizer(family: Family, texts: Iterable[str], vocab_size: int):
+def train_family_tokenizer(family: Family, texts: Iterable[str], vocab_size: int, extra_specials: Iterable[str] = ()):
     """A byte-level BPE tokenizer (tiny.train_tokenizer's rules) with the family's special tokens
-    and chat template."""
+    (and `extra_specials` after them) and chat template."""
     from rlhf_core.models.tiny import train_tokenizer
 
-    return train_tokenizer([*texts, *template_texts(family)], vocab_size=vocab_size, specials=family.specials,
+    return train_tokenizer([*texts, *template_texts(family)], vocab_size=vocab_size,
+                           specials=[*family.specials, *extra_specials],
                            pad=family.pad, bos=family.bos, eos=family.eos, chat_template=family.chat_template)
 
 

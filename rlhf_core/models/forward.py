@@ -142,19 +142,24 @@ def response_logits(model, batch: Batch, index: torch.Tensor, temperature: float
     Only the positions that predict response tokens (`predicting_index`) go through the LM head; no
     `(rows, T, vocab)` log-softmax is formed. Llama models run the lean forward (`models/lean.py`).
     """
+    return _tempered(position_logits(model, batch, predicting_index(batch, index)), temperature)
+
+
+def position_logits(model, batch: Batch, index: torch.Tensor) -> torch.Tensor:
+    """The model's logits at the flat positions `index` (into `rows * T`), any shape: `(*index.shape,
+    vocab)`; only those positions go through the LM head (a process reward model's read at each
+    step's placeholder token). Llama models run the lean forward (`models/lean.py`)."""
     lean = lean_model(model)
     if lean is not None:
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
-        return _tempered(lean.logits(hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]),
-                         temperature)
+        return lean.logits(hidden.reshape(-1, hidden.shape[-1])[index])
     hidden = backbone_hidden(model, batch)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
-    logits = base.get_output_embeddings()(hidden)
+    logits = base.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[index])
     cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma's, applied in its forward
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    return _tempered(logits, temperature)
+    return logits
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

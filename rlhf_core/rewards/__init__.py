@@ -26,6 +26,7 @@ _WHERE = {
     "RankToken": "remote", "RemoteReward": "remote", "read_token": "remote", "token_for_ranks": "remote",
     "RewardFile": "reward_file", "load_reward_file": "reward_file",
     "RewardModelReward": "reward_model",
+    "ProcessRewardModel": "process",
     "RewardServer": "server", "serve_reward": "server", "write_token_file": "server",
     "add_serve_rm_arguments": "cli", "serve_rm_main": "cli",
     "VerifierReward": "verifier",

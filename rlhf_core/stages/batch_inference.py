@@ -7,8 +7,11 @@
   `--enable_csft` appends `--csft_prompt` to every prompt (generation conditioned on a high score).
 - `--eval_task rm`: scores rows `{input, output}` with a reward model (the raw head value, less the
   reward mean and over the std the model stores, as OpenRLHF's reward models are read; our
-  extension `--task` scores with a built-in verifier instead; rows whose response is blank are
-  left out and counted, as OpenRLHF drops them unsaid), then `--post_processor`:
+  extensions: `--task` scores with a built-in verifier instead, and `--placeholder_token` with
+  `--reward_tokens` with a process reward model (`rlhf train prm`), each line of a response a
+  step, the response's score its steps' P(right) by `--step_aggregate` (the weakest: min) and the
+  steps' own in `step_rewards`; rows whose response is blank are left out and counted, as
+  OpenRLHF drops them unsaid), then `--post_processor`:
   `rs` keeps the best response per prompt (SFT data), `iter_dpo` the best and the worst (DPO pairs),
   `csft` writes each row's reward into its prompt through `--reward_template` (conditional SFT).
 
@@ -35,7 +38,7 @@ DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
 GENERATION_ONLY = ("best_of_n", "iter", "rollout_batch_size", "enable_csft", "csft_prompt", "greedy_sampling", "top_p",
                    "temperature", "prompt_max_len", "max_new_tokens")
 SCORING_ONLY = ("post_processor", "reward_template", "normalize_reward", "value_head_prefix", "micro_batch_size",
-                "max_len", "task")
+                "max_len", "task", "placeholder_token", "reward_tokens", "step_aggregate")
 ROWS_FILE = "train.jsonl"  # in a --save_path stage folder: `json@<folder>` reads it
 
 
@@ -242,10 +245,14 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     finally:
         engine.close()
     rows = []
+    # The prompt as the dataset has it travels too (a process reward model reads the plain prompt).
+    raw = cfg.input_key not in ("input", "output", cfg.label_key)
     for i, text, group in zip(window, texts, groups, strict=True):
         answer = prompts.answers[i]
         for sample in group:
             row = {"input": text, "output": tokenizer.decode(sample.token_ids, skip_special_tokens=True)}
+            if raw:
+                row[cfg.input_key] = prompts.prompts[i]
             rows.append(row if answer is None else {**row, cfg.label_key: answer})
     return rows, prompts.sources
 
@@ -259,7 +266,8 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
     required = [cfg.input_key] + ([cfg.label_key] if cfg.task else [])
     # A response may be blank (a sample that stopped at once): present as a string, left out below.
     ds, sources = load_mixture(cfg.dataset, "train", mixing_probs(cfg.dataset_probs), cfg.max_samples, cfg.seed,
-                               list(dict.fromkeys([*required, cfg.output_key, cfg.label_key])),  # answers travel too
+                               # answers travel too, and the prompt as generation wrote it ("input")
+                               list(dict.fromkeys([*required, cfg.output_key, cfg.label_key, "input"])),
                                lambda d, where: check_rows(d, where, required, {cfg.output_key: (str,)},
                                                            chat_keys={cfg.input_key} if cfg.apply_chat_template
                                                            else set()))
@@ -270,7 +278,21 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
     ds = ds.select(kept)
     inputs, outputs = list(ds[cfg.input_key]), list(ds[cfg.output_key])
     answers = [str(a) for a in ds[cfg.label_key]] if cfg.label_key in ds.column_names else None
-    if cfg.task is not None:
+    steps = None
+    if cfg.placeholder_token is not None:
+        from rlhf_core.rewards.process import ProcessRewardModel, aggregate
+        from rlhf_core.trainers.common import local_model_path
+
+        if not all(isinstance(p, str) for p in inputs):
+            raise DataError(f"--dataset {cfg.dataset}: a process reward model reads {cfg.input_key!r} as text; these "
+                            "rows hold chat messages")
+        prm = ProcessRewardModel(local_model_path(cfg.pretrain), cfg.placeholder_token, cfg.reward_tokens,
+                                 batch_size=cfg.micro_batch_size, use_fast=not cfg.disable_fast_tokenizer)
+        steps = prm.step_scores(inputs, outputs)
+        rewards = [aggregate(s, cfg.step_aggregate) for s in steps]
+        # Rows keep the prompt they were generated for, so a prompt's samples group together.
+        texts = list(ds["input"]) if "input" in ds.column_names and cfg.input_key != "input" else inputs
+    elif cfg.task is not None:
         from rlhf_core.rewards import VerifierReward
 
         if not all(isinstance(p, str) for p in inputs):
@@ -283,6 +305,8 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
                  else cfg.input_template.format(p) if cfg.input_template else p for p in inputs]
         rewards = rm.score_sequences([s[: cfg.max_len] for s in rm.sequences_from_text(texts, outputs)])
     rows = [{"input": t, "output": o, "reward": float(r)} for t, o, r in zip(texts, outputs, rewards, strict=True)]
+    if steps is not None:
+        rows = [{**row, "step_rewards": s} for row, s in zip(rows, steps, strict=True)]
     if answers is not None:
         rows = [{**row, cfg.label_key: a} for row, a in zip(rows, answers, strict=True)]
     return rows, sources, blank

@@ -143,6 +143,8 @@ STAGE_CURVES: dict[str, list[tuple[str, dict[str, str]]]] = {
     "kto": [("loss", {"train": "train/loss", "held-out": "eval/loss"})],
     "kd": [("loss (NLL and distillation mixed)", {"train": "train/loss", "held-out": "eval/loss"}),
            ("the terms", {"NLL": "train/nll", "distillation": "train/distill_loss", "held-out NLL": "eval/nll"})],
+    "prm": [("loss (per step)", {"train": "train/loss", "held-out": "eval/loss"}),
+            ("step accuracy", {"train": "train/acc", "held-out": "eval/acc"})],
     "ppo": [("reward (rollouts)", {"mean": "rollout/reward_mean"}),
             ("KL to reference (rollouts)", {"kl": "rollout/kl"}),
             ("entropy", {"entropy": "train/entropy"}),

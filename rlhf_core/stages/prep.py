@@ -5,6 +5,8 @@ Writes under ``out_dir``::
     data/sft/{train,test}.jsonl         {"prompt", "response"}
     data/preference/{train,test}.jsonl  {"prompt", "chosen", "rejected"}
     data/prompts/{train,test}.jsonl     {"prompt", "answer"}
+    data/prm/{train,test}.jsonl         a task of steps only: {"input", "label"} for `rlhf train prm`
+                                        (steps marked by `ки`, labels "+"/"-"; half the rows err)
     tokenizer/                          byte-level BPE trained on the train split's text
     base/                               random tiny Llama (or a `--model_family` model) + its tokenizer
     student/                            with `student_size`: the same at that (smaller) size, from
@@ -24,15 +26,18 @@ the family's own transformers config, at the same dimensions.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
 
+from rlhf_core.data import steps
+from rlhf_core.data.steps import PLACEHOLDER
 from rlhf_core.data.synthetic import build_splits, get_task
 from rlhf_core.infra import storage
 from rlhf_core.models.families import build_family_model, get_family, train_family_tokenizer
 from rlhf_core.models.sizes import MODEL_SIZES
-from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, build_tiny_llama, train_tokenizer
+from rlhf_core.models.tiny import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS, build_tiny_llama, train_tokenizer
 
 DEFAULT_N_TRAIN = 4000
 DEFAULT_N_TEST = 200
@@ -93,15 +98,25 @@ def prepare(
             storage.write_text_atomic(file, storage.jsonl_text(rows))
             paths[f"{kind}_{split}"] = str(file)
 
+    if synthetic_task.step_labels is not None:  # a task of steps: PRM rows too
+        kind_dir = out / "data" / "prm"
+        paths["prm"] = str(kind_dir)
+        for split, rows in prm_rows(synthetic_task, splits["prompts"], seed).items():
+            file = kind_dir / f"{split}.jsonl"
+            storage.write_text_atomic(file, storage.jsonl_text(rows))
+            paths[f"prm_{split}"] = str(file)
+
     train_texts = [text for row in splits["sft"]["train"] for text in (row["prompt"], row["response"])]
+    # A task of steps marks them with the PRM's placeholder: one token wherever it stands.
+    extra = [PLACEHOLDER] if synthetic_task.step_labels is not None else []
     if model_family is None:
-        tokenizer = train_tokenizer(train_texts, vocab_size=vocab_size)
+        tokenizer = train_tokenizer(train_texts, vocab_size=vocab_size, specials=[*SPECIAL_TOKENS, *extra])
 
         def build(size: str, seed: int):
             return build_tiny_llama(tokenizer, size=size, seed=seed)
     else:
         family = get_family(model_family)
-        tokenizer = train_family_tokenizer(family, train_texts, vocab_size)
+        tokenizer = train_family_tokenizer(family, train_texts, vocab_size, extra)
 
         def build(size: str, seed: int):
             return build_family_model(family, tokenizer, size=size, seed=seed)
@@ -114,6 +129,22 @@ def prepare(
         _save_dir_atomic(out / "student", build(student_size, seed + 1), tokenizer)
         paths["student"] = str(out / "student")
     return paths
+
+
+def prm_rows(task, prompts: dict[str, list[dict]], seed: int) -> dict[str, list[dict]]:
+    """Per split, a process-reward row per prompt: the right solution or (half the time, its own
+    random stream) one with a wrong carry, its steps marked by the placeholder and labelled as
+    OpenRLHF's `train_prm` reads them (`input`, `label`); the prompt and response alongside."""
+    rng = random.Random(f"{seed}-prm")
+    out = {}
+    for split, rows in prompts.items():
+        out[split] = []
+        for row in rows:
+            response = row["answer"] if rng.random() < 0.5 else task.near_miss(row["answer"], rng)
+            out[split].append({"input": steps.prm_text(row["prompt"], response),
+                               "label": task.step_labels(row["prompt"], response),
+                               "prompt": row["prompt"], "response": response})
+    return out
 
 
 def prep_config(**params) -> dict:

@@ -12,6 +12,7 @@ RECIPES = {
     "dpo": "rlhf_core.trainers.dpo:DPORecipe",
     "kto": "rlhf_core.trainers.kto:KTORecipe",
     "kd": "rlhf_core.trainers.kd:KDRecipe",
+    "prm": "rlhf_core.trainers.prm:PRMRecipe",
 }
 
 

@@ -21,9 +21,7 @@ from rlhf_core.cli import _parser, main
 DATA = Path(__file__).resolve().parents[1] / "data" / "openrlhf"
 TAGS = ("v0.9.10", "v0.11.0", "v0.9.0")
 STAGES = {"train_sft": "sft", "train_rm": "rm", "train_dpo": "dpo", "train_kto": "kto", "train_ppo_ray": "ppo",
-          "train_kd": "kd"}
-# OpenRLHF CLIs with no stage here yet: the seed-stages work brings them.
-NOT_STAGES = {"train_prm"}
+          "train_kd": "kd", "train_prm": "prm"}
 
 
 def commands(tag: str) -> list[dict]:
@@ -60,12 +58,9 @@ def here(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("tag", TAGS)
 def test_every_example_training_command_is_accepted_or_refused_by_name(tag, here, capsys):
-    outcomes: dict[str, list[str]] = {"accepted": [], "deferred": [], "rejected by OpenRLHF too": [], "no stage": []}
+    outcomes: dict[str, list[str]] = {"accepted": [], "deferred": [], "rejected by OpenRLHF too": []}
     for command in commands(tag):
         name = f"{command['script'].rsplit('/', 1)[-1]}#{command['index']}"
-        if command["cli"] in NOT_STAGES:
-            outcomes["no stage"].append(name)
-            continue
         stage = STAGES[command["cli"]]
         code, text = run_dry(stage, command["argv"], capsys)
         given = {a for a in command["argv"] if a.startswith("--")}
@@ -92,8 +87,6 @@ def test_every_flag_of_every_cli_is_known_here(tag, here):
     inventory = json.loads((DATA / f"flags-{tag}.json").read_text())["clis"]
     missing = {}
     for cli, flags in inventory.items():
-        if cli in NOT_STAGES:
-            continue
         parser = stage_parser(STAGES[cli])
         known = {o for a in parser._actions for o in a.option_strings}
         missing[cli] = [f["option_strings"][0] for f in flags if not set(f["option_strings"]) & known]

@@ -1,6 +1,6 @@
 """A killed supervised/preference run, resumed, ends bit-identical to an uninterrupted one (fp32, CPU).
 
-For SFT, RM, DPO and KTO, on a tiny Llama with attention dropout on (so every rank's RNG state
+For SFT, RM, DPO, KTO, KD and PRM, on a tiny Llama with attention dropout on (so every rank's RNG state
 must come back), 3 optimizer steps per epoch and 8 in all:
 
 - the uninterrupted run asks for `--load_checkpoint` with an empty checkpoint folder: it starts at
@@ -58,11 +58,27 @@ def dropout_base(prepared, tmp_path_factory):
     return str(out)
 
 
-def values(stage, prepared, base, out: Path, ckpt: Path) -> dict:
+@pytest.fixture(scope="module")
+def step_rows(prepared, tmp_path_factory) -> str:
+    """Process-reward rows on the addition task: a prompt and an answer, one step each (its `=`,
+    a single token of this tokenizer, the placeholder), labelled `+` when the answer is right."""
+    rows = []
+    for line in Path(prepared["preference_train"]).read_text().splitlines()[:64]:
+        row = json.loads(line)
+        rows += [{"input": row["prompt"] + row["chosen"], "label": ["+"]},
+                 {"input": row["prompt"] + row["rejected"], "label": ["-"]}]
+    out = tmp_path_factory.mktemp("prm") / "train.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+def values(stage, prepared, base, out: Path, ckpt: Path, step_rows: str | None = None) -> dict:
     data = "sft" if stage in ("sft", "kd") else "preference"
     teacher = {"teacher_model": prepared["base"]} if stage == "kd" else {}  # distillation's frozen teacher
-    return {**teacher, "pretrain": base, "dataset": f"json@{prepared[data]}", "save_path": str(out),
-            "apply_chat_template": True, "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 8,
+    source = {"dataset": f"json@{prepared[data]}", "apply_chat_template": True}
+    if stage == "prm":  # rows as OpenRLHF's train_prm reads them, as they are
+        source = {"dataset": step_rows, "placeholder_token": "=", "reward_tokens": ["+", "-"]}
+    return {**teacher, "pretrain": base, **source, "save_path": str(out), "max_len": 48, "train_batch_size": 16, "micro_train_batch_size": 8,
             "max_samples": 48, "max_eval_samples": 16, "max_epochs": 3, "max_steps": STEPS,
             "learning_rate": 1e-3, "lr_warmup_ratio": 0.25, "param_dtype": "fp32", "zero_stage": 2, "seed": 7,
             "use_mlflow": False, "save_steps": SAVE_STEPS, "ckpt_path": str(ckpt), "max_ckpt_num": 10,
@@ -72,7 +88,8 @@ def values(stage, prepared, base, out: Path, ckpt: Path) -> dict:
 def cli_args(stage, v: dict) -> list[str]:
     args = [sys.executable, "-m", "rlhf_core.cli", "train", stage]
     for key, value in v.items():
-        args += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+        args += [f"--{key}", *(value if isinstance(value, list) else
+                               [str(value).lower() if isinstance(value, bool) else str(value)])]
     return args
 
 
@@ -121,17 +138,17 @@ def optimizer_state(tag: Path) -> dict:
     return optim
 
 
-@pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}), ("kd", {}),
+@pytest.mark.parametrize("stage, optim", [("sft", {}), ("rm", {}), ("dpo", {}), ("kto", {}), ("kd", {}), ("prm", {}),
                                           ("sft", {"optim": "muon", "muon.lr": 0.01}),
                                           ("sft", {"load_in_4bit": True, "lora_rank": 8})],
-                         ids=["sft", "rm", "dpo", "kto", "kd", "sft-muon", "sft-qlora"])
-def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropout_base, tmp_path, capfd,
+                         ids=["sft", "rm", "dpo", "kto", "kd", "prm", "sft-muon", "sft-qlora"])
+def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropout_base, step_rows, tmp_path, capfd,
                                                    one_torch_thread):
     """(With `--optim muon` too: Muon's momentum buffers are in the checkpoint and come back; and
     QLoRA's adapters on 4-bit weights.)"""
     prepare_environment()
     # Uninterrupted, through --load_checkpoint on an empty folder: step 0, said and recorded.
-    full_v = {**values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt"), **optim}
+    full_v = {**values(stage, prepared, dropout_base, tmp_path / "full", tmp_path / "full_ckpt", step_rows), **optim}
     full = run_recipe(build_config(STAGE_CONFIGS[stage], None, {**full_v, "save_hf_ckpt": True}))
     assert "--load_checkpoint: no checkpoint in" in capfd.readouterr().err
     assert full["resume"] == {"requested": True, "checkpoint": None, "start_step": 0}
@@ -140,7 +157,7 @@ def test_killed_mid_step_run_resumes_bit_identical(stage, optim, prepared, dropo
 
     # Killed by SIGKILL in the middle of step 6, a real process; the step-4 checkpoint is the latest.
     ckpt = tmp_path / "ckpt"
-    split_v = {**values(stage, prepared, dropout_base, tmp_path / "split", ckpt), **optim}
+    split_v = {**values(stage, prepared, dropout_base, tmp_path / "split", ckpt, step_rows), **optim}
     env = {**os.environ, "RLHF_TEST_KILL_AT_STEP": str(KILL_AT), "OMP_NUM_THREADS": "1", "RLHF_NO_PROGRESS": "1"}
     killed = subprocess.run(cli_args(stage, {**split_v, "load_checkpoint": False}), env=env, capture_output=True,
                             text=True, timeout=600)

@@ -1,0 +1,77 @@
+"""A trained process reward model (`rlhf train prm`) as a scorer of responses written in steps.
+
+Each (prompt, response) becomes the text the PRM learnt on (`data/steps.prm_text`: the prompt, then
+each line of the response followed by the placeholder token), tokenized as it is. A step's score is
+the probability of the first reward token (a right step) against the others at its placeholder,
+as OpenRLHF's PRMLoss trains it; a response's score is its weakest step's (`aggregate`), since one
+wrong step spoils what follows. A response with no step scores 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.data.steps import prm_text
+from rlhf_core.rollout.base import inference_device, inference_dtype
+
+AGGREGATES = ("min", "prod", "last", "mean")
+
+
+def aggregate(step_scores: list[float], how: str = "min") -> float:
+    """One score for a response from its steps' (0 without steps)."""
+    if not step_scores:
+        return 0.0
+    if how == "min":
+        return min(step_scores)
+    if how == "prod":
+        out = 1.0
+        for s in step_scores:
+            out *= s
+        return out
+    if how == "last":
+        return step_scores[-1]
+    if how == "mean":
+        return sum(step_scores) / len(step_scores)
+    raise ValueError(f"step aggregate {how!r}: one of {', '.join(AGGREGATES)}")
+
+
+class ProcessRewardModel:
+    def __init__(self, path: str, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None, use_fast: bool = True):
+        from rlhf_core.data.examples import single_token_id
+        from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+
+        if len(reward_tokens) < 2:
+            raise ValueError("a process reward model is read over at least two reward tokens (e.g. + -)")
+        device = device or inference_device()
+        self.tokenizer = load_tokenizer(path, use_fast=use_fast)
+        self.placeholder_token = placeholder_token
+        self.placeholder = single_token_id(self.tokenizer, placeholder_token, "--placeholder_token")
+        self.reward_ids = [single_token_id(self.tokenizer, t, "--reward_tokens") for t in reward_tokens]
+        self.model = load_causal_lm(path, dtype=dtype or inference_dtype(device)).to(device).eval()
+        self.batch_size = batch_size
+
+    def texts(self, prompts: list[str], responses: list[str]) -> list[str]:
+        return [prm_text(p, r, self.placeholder_token) for p, r in zip(prompts, responses, strict=True)]
+
+    @torch.no_grad()
+    def step_scores(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
+        """P(right) at each step's placeholder, per response."""
+        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.texts(prompts, responses)]
+        device = next(self.model.parameters()).device
+        pad_id = self.tokenizer.pad_token_id
+        out: list[list[float]] = []
+        for i in range(0, len(seqs), self.batch_size):
+            chunk = seqs[i : i + self.batch_size]
+            width = max(len(s) for s in chunk)
+            input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in chunk], device=device)
+            attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=device)
+            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+            right = torch.softmax(logits[..., self.reward_ids].float(), dim=-1)[..., 0]  # (B, T)
+            marks = (input_ids == self.placeholder) & attention.bool()
+            out += [right[b][marks[b]].tolist() for b in range(len(chunk))]
+        return out
+
+    def score(self, prompts: list, responses: list[str], answers: list[str | None] | None = None,
+              how: str = "min") -> list[float]:
+        return [aggregate(s, how) for s in self.step_scores(prompts, responses)]
