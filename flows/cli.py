@@ -8,6 +8,7 @@ at servers instead. `--config FILE.yaml` has one section per flow parameter:
     prep: {task: addition, n_train: 4000}
     sft: {max_epochs: 1, learning_rate: 5e-4}
     rm: {...}
+    prm: {max_epochs: 3}                                              # with stage prm: `rlhf train prm`'s flags
     dpo: {beta: 0.2}
     ppo: {train.max_steps: 40, algo.advantage.estimator: group_norm}   # any `rlhf train ppo` spelling
     rejection_sampling: {rounds: 2, best_of_n: 4}                     # with stage rejection_sampling
@@ -30,7 +31,7 @@ from rlhf_core.infra.redaction import refuse_inline_secrets
 from rlhf_core.infra.settings import ConfigError
 
 HELP = "Run the whole lifecycle as the Prefect flow `rlhf`"  # `rlhf pipeline` (registered in pyproject.toml)
-SECTIONS = ("settings", "prep", "sft", "rm", "dpo", "ppo", "rejection_sampling", "conditional_sft", "distill",
+SECTIONS = ("settings", "prep", "sft", "rm", "prm", "dpo", "ppo", "rejection_sampling", "conditional_sft", "distill",
             "evaluation", "iterative", "online")
 
 

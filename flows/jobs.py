@@ -49,12 +49,14 @@ def prep_job(ctx: PipelineContext, prep: PrepParams, distills: bool = False) -> 
 def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
     root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
     return {"base": f"{root}/base", "student": f"{root}/student", "sft": f"json@{root}/data/sft",
-            "preference": f"json@{root}/data/preference", "prompts": f"json@{root}/data/prompts"}
+            "preference": f"json@{root}/data/preference", "prompts": f"json@{root}/data/prompts",
+            "prm": f"json@{root}/data/prm"}
 
 
 # Per supervised stage: the upstream stage its model starts from (`prep`: prep's base, or its
 # student base for a distilled student) and prep's data kind it trains on.
-UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference"), "kd": ("prep", "sft")}
+UPSTREAM = {"sft": ("prep", "sft"), "rm": ("sft", "preference"), "dpo": ("sft", "preference"), "kd": ("prep", "sft"),
+            "prm": ("sft", "prm")}
 
 
 def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig, need,
@@ -100,6 +102,9 @@ def train_job(ctx: PipelineContext, settings: PipelineSettings, cfg: TrainConfig
         upstream["data"], updates["dataset"] = data_from
     elif cfg.data.dataset is None:
         prep_outcome = need("prep")
+        if data_kind == "prm" and "prm" not in prep_outcome.manifest.get("outputs", {}):
+            raise PipelineError(f"stage {name!r}: the prep output {prep_outcome.output_uri} has no step-labelled rows "
+                                "(a task of steps writes them: prep.task addition_steps); or give prm.dataset")
         upstream.setdefault("data", prep_outcome)
         updates["dataset"] = prep_paths(prep_outcome)[data_kind]
     if eval_dataset is not None:

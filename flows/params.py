@@ -15,7 +15,7 @@ from enum import Enum
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config import DPOConfig, KDConfig, RMConfig, SFTConfig, StrictModel, spellings_of
+from rlhf_core.config import DPOConfig, KDConfig, PRMConfig, RMConfig, SFTConfig, StrictModel, spellings_of
 from rlhf_core.models.families import FAMILIES
 from rlhf_core.models.sizes import MODEL_SIZES
 from rlhf_core.rl_config import PPOConfig
@@ -37,6 +37,12 @@ TUNED = {
     # half NLL, half the teacher's distribution: tests/learning/test_kd_learning.py's nano recipe.
     "kd": {**COMMON, "train.batch_size": 32, "train.micro_batch_size": 32, "adam.lr": 2e-3, "train.max_epochs": 2,
            "model.kd_coef": 0.5},
+    # A process reward model from the SFT model on prep's step-labelled rows (a task of steps:
+    # addition_steps), read at `ки` over `+`/`-`: tests/learning/test_prm_learning.py's recipe.
+    # The rows are text as they are (no chat template).
+    "prm": {"ds.zero_stage": 2, "train.seed": 0, "data.max_len": 64, "ds.packing_samples": True,
+            "lr_warmup_ratio": 0.05, "train.batch_size": 32, "train.micro_batch_size": 32, "adam.lr": 1e-3,
+            "train.max_epochs": 3, "data.placeholder_token": "ки", "data.reward_tokens": ["+", "-"]},
     # PPO, critic initialised from the reward model (OpenRLHF's default), rewards from the reward
     # model normalised by its stored mean/std (the flow turns that on when it fills in the run's
     # reward model): the recipe tests/learning/test_rl_stage.py guards.
@@ -85,6 +91,16 @@ class PipelineRMConfig(RMConfig):
 
 class PipelineDPOConfig(DPOConfig):
     """`rlhf train dpo`'s config with the pipeline's tuned defaults under what a run gives."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tuned(cls, values):
+        return with_tuned_defaults(cls, values)
+
+
+class PipelinePRMConfig(PRMConfig):
+    """`rlhf train prm`'s config (section `prm`) with the pipeline's tuned defaults under what a run
+    gives. Left empty, the flow starts it from the run's SFT model on prep's step-labelled rows."""
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +163,7 @@ class Stage(str, Enum):
     PREP = "prep"
     SFT = "sft"
     RM = "rm"
+    PRM = "prm"
     DPO = "dpo"
     PPO = "ppo"
     REJECTION_SAMPLING = "rejection_sampling"
@@ -265,8 +282,9 @@ class RejectionSamplingParams(StrictModel):
     n_prompts: int = Field(2048, gt=0, description="Training prompts per round (round r takes the r-th window)")
     best_of_n: int = Field(4, ge=2, description="Samples per prompt")
     temperature: float = Field(1.0, gt=0)
-    reward: str = Field("reward_model", pattern="^(verifier|reward_model)$",
-                        description="Who picks the best: the run's reward model, or the task's verifier")
+    reward: str = Field("reward_model", pattern="^(verifier|reward_model|prm)$",
+                        description="Who picks the best: the run's reward model, its process reward model (stage "
+                        "prm: each line a step, the weakest step's score), or the task's verifier")
     start_from: str = Field("sft", pattern="^(champion|sft)$",
                             description="The policy the first round samples and trains: the run's SFT model, or the "
                             "registered champion (falls back to SFT)")
@@ -336,5 +354,5 @@ class PipelineSettings(StrictModel):
                                              "a local or s3:// output_root)")
 
 
-STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "dpo": PipelineDPOConfig, "ppo": PipelinePPOConfig,
-                "distill": PipelineKDConfig}
+STAGE_PARAMS = {"sft": PipelineSFTConfig, "rm": PipelineRMConfig, "prm": PipelinePRMConfig, "dpo": PipelineDPOConfig,
+                "ppo": PipelinePPOConfig, "distill": PipelineKDConfig}

@@ -46,6 +46,7 @@ from flows.params import (
     PipelineDPOConfig,
     PipelineKDConfig,
     PipelinePPOConfig,
+    PipelinePRMConfig,
     PipelineRMConfig,
     PipelineSettings,
     PipelineSFTConfig,
@@ -65,7 +66,7 @@ from rlhf_core.infra.settings import state_dir
 embedded.make_prefect_home()  # the embedded default's Prefect home, before any flow starts a server
 user_errors.install()
 
-ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT,
+ORDER = [Stage.PREP, Stage.SFT, Stage.RM, Stage.PRM, Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT,
          Stage.DISTILL, Stage.EVAL, Stage.ITERATIVE_DPO, Stage.ONLINE_RL]
 
 
@@ -95,6 +96,7 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
          online: OnlineRLParams = OnlineRLParams(), distill: PipelineKDConfig = PipelineKDConfig(),  # noqa: B008
          rejection_sampling: RejectionSamplingParams = RejectionSamplingParams(),  # noqa: B008
          conditional_sft: ConditionalSFTParams = ConditionalSFTParams(),  # noqa: B008
+         prm: PipelinePRMConfig = PipelinePRMConfig(),  # noqa: B008
          ) -> dict:
     """Run the RLHF lifecycle; returns per-stage outcomes, timings and the evaluation summary."""
     refuse_inline_secrets({"settings": settings.model_dump(mode="json"), "prep": prep.model_dump(mode="json"),
@@ -104,7 +106,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                            "iterative": iterative.model_dump(mode="json"), "online": online.model_dump(mode="json"),
                            "distill": distill.model_dump(mode="json"),
                            "rejection_sampling": rejection_sampling.model_dump(mode="json"),
-                           "conditional_sft": conditional_sft.model_dump(mode="json")},
+                           "conditional_sft": conditional_sft.model_dump(mode="json"),
+                           "prm": prm.model_dump(mode="json")},
                           "flow parameters")
     logger = get_run_logger()
     started = time.perf_counter()
@@ -143,8 +146,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                     # a student base only where a distill stage will start from it
                     distills = Stage.DISTILL in stages and distill.pretrain is None
                     outcomes["prep"] = run(prep_job(ctx, prep, distills=distills))
-                elif stage in (Stage.SFT, Stage.RM, Stage.DPO):
-                    cfg = {"sft": sft, "rm": rm, "dpo": dpo}[stage.value]
+                elif stage in (Stage.SFT, Stage.RM, Stage.PRM, Stage.DPO):
+                    cfg = {"sft": sft, "rm": rm, "prm": prm, "dpo": dpo}[stage.value]
                     outcomes[stage.value] = run(train_job(ctx, settings, cfg, need))
                 elif stage == Stage.PPO:
                     outcomes["ppo"] = run(ppo_job(ctx, settings, prep, ppo, need))
@@ -165,8 +168,10 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                                                         teacher_from=teacher))
                 elif stage == Stage.EVAL:
                     policies = evaluated_policies(stages, outcomes, earlier, need, settings)
+                    # Without a reward model in the run or from_run: the verifier's metrics only.
+                    reward = need("rm") if Stage.RM in stages or "rm" in earlier else None
                     outcomes["eval"] = run(eval_job(ctx, prep, evaluation, need("prep"), policies, need("sft"),
-                                                    need("rm"), name="eval"))
+                                                    reward, name="eval"))
                     summary["evaluation"] = publish_eval_report(outcomes["eval"], evaluation.promote_metric)
                     summary["evaluation"]["policies"] = list(policies)
                 elif stage == Stage.ITERATIVE_DPO:
@@ -288,7 +293,7 @@ def _register(outcomes: dict[str, StageOutcome], evaluation: EvalParams, policie
     run's best, and `champion` moves to it when it beats the current champion on the metric.
     """
     registered: dict = {}
-    for stage in ("sft", "rm"):
+    for stage in ("sft", "rm", "prm"):
         if stage in outcomes:
             o = outcomes[stage]
             version = lineage.register_once(stage, o.output_uri, o.manifest.get("mlflow_run_id") or o.run_id)

@@ -4,7 +4,7 @@ rejection-sampling script as rounds of three jobs.
 One round: `rlhf batch_inference --eval_task generate` samples `best_of_n` responses for each of
 `n_prompts` training prompts from the current policy (round r takes the r-th window of prompts,
 OpenRLHF's `--iter`) -> `rlhf batch_inference --eval_task rm --post_processor rs` scores them with the
-run's reward model (or the task's verifier) and keeps each prompt's best -> `rlhf train sft` of the
+run's reward model (or its process reward model, or the task's verifier) and keeps each prompt's best -> `rlhf train sft` of the
 current policy on the kept rows (the `sft` section's recipe, at this stage's learning rate and
 epochs). The next round starts from the policy the round trained. The last round's model is the
 stage's policy (`rejection_sampling`): the evaluation compares it with the others, and it registers
@@ -43,6 +43,21 @@ def scoring_key(prep: PrepParams, params: RejectionSamplingParams) -> str:
                        task=prep.task)
 
 
+def scorer_args(params: RejectionSamplingParams, reward: StageOutcome | None, prep: PrepParams) -> list[str]:
+    """Who scores a round's samples: the reward model, the process reward model (each line of a sample
+    a step, read at the placeholder it was trained with, on the plain prompt), or the verifier."""
+    if params.reward == "verifier":
+        return ["--task", prep.task]
+    if params.reward == "prm":
+        data = reward.manifest.get("config", {}).get("data", {})
+        if not data.get("placeholder_token") or not data.get("reward_tokens"):
+            raise PipelineError(f"{STAGE}: the process reward model {reward.output_uri} records no placeholder and "
+                                "reward tokens in its stage.json; train it again (settings.force_stages: [prm])")
+        return ["--pretrain", reward.output_uri, "--input_key", "prompt", "--placeholder_token",
+                data["placeholder_token"], "--reward_tokens", *data["reward_tokens"]]
+    return ["--pretrain", reward.output_uri]
+
+
 def job_names(rounds: int) -> list[str]:
     """Every job's name, the last round's training job being the stage's own."""
     names = []
@@ -55,7 +70,7 @@ def job_names(rounds: int) -> list[str]:
 def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, sft: SFTConfig,
                            params: RejectionSamplingParams, need, run, outcomes: dict) -> StageOutcome:
     prep_outcome = need("prep")
-    reward = need("rm") if params.reward == "reward_model" else None
+    reward = need({"reward_model": "rm", "prm": "prm"}[params.reward]) if params.reward != "verifier" else None
     policy = starting_policy(params.start_from, need("sft"))
     seed = params.seed if params.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     if STAGE in ctx.force:  # forcing the stage reruns all of its jobs, sampling included
@@ -81,7 +96,7 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
             num_gpus=ctx.rollout_gpus))
 
         out = ctx.output(score_name)
-        scorer = (["--pretrain", reward.output_uri] if reward is not None else ["--task", prep.task])
+        scorer = scorer_args(params, reward, prep)
         upstream = {"data": generated, **({"reward": reward} if reward is not None else {})}
         scored = outcomes[score_name] = run(StageJob(
             "batch_inference", score_name,

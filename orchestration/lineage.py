@@ -32,7 +32,7 @@ from rlhf_core.infra.tracking import ensure_experiment, redact_params
 
 POLICY_MODEL = "rlhf-policy"  # every policy stage (DPO, PPO, iterative rounds) registers here
 STUDENT_MODEL = "rlhf-student"  # a smaller policy distilled from the run's policy (stage distill)
-REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL,
+REGISTERED_NAMES = {"sft": "rlhf-sft", "rm": "rlhf-reward", "prm": "rlhf-prm", "dpo": POLICY_MODEL, "ppo": POLICY_MODEL,
                     "rejection_sampling": POLICY_MODEL, "conditional_sft": POLICY_MODEL, "distill": STUDENT_MODEL}
 CANDIDATE, CHAMPION = "candidate", "champion"
 

@@ -37,10 +37,17 @@ def _words(name: str) -> list[str]:
     return [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
 
 
+# A "token" of the vocabulary, not a credential: `placeholder_token` (a PRM's step mark), `pad_token`.
+VOCABULARY_TOKENS = {"placeholder", "pad", "bos", "eos", "unk", "sep", "cls", "mask"}
+
+
 def is_secret_key(name: str) -> bool:
-    """True for a field or variable name that holds a credential: its last word or its suffix says so."""
+    """True for a field or variable name that holds a credential: its last word or its suffix says so
+    (a vocabulary token's name, `placeholder_token`, does not)."""
     words = _words(name)
     if not words:
+        return False
+    if words[-1] == "token" and len(words) > 1 and words[-2] in VOCABULARY_TOKENS:
         return False
     return words[-1] in SECRET_WORDS or "_".join(words).endswith(SECRET_SUFFIXES)
 

@@ -495,16 +495,26 @@ def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypa
     assert metrics["train/start_step"] >= 1 and metrics["train/steps_run"] == 4 - metrics["train/start_step"]
 
 
-def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
+def test_prep_data_and_models_on_s3_and_a_process_reward_model_picks_rejection_samples(first_run, s3_endpoint):
+    """Every output on S3, for the task of steps (`addition_steps`): prep writes step-labelled rows,
+    the process reward model trains from SFT on them (stage `prm`), and rejection sampling keeps the
+    samples it scores best (`reward: prm`); with no reward model in the run, the evaluation reports
+    the verifier's metrics."""
+    import json
+
     import fsspec
 
     from flows.pipeline import rlhf
     from rlhf_core.infra import storage
 
     fsspec.config.conf.clear()
-    result = rlhf(**params(settings={"stages": ["prep", "sft"], "output_root": "s3://models/pipelines",
-                                     "force_stages": ["prep", "sft"], "register_models": False}))
-    prep, sft = result["outputs"]["prep"], result["outputs"]["sft"]
+    result = rlhf(**params(settings={"stages": ["prep", "sft", "prm", "rejection_sampling", "eval"],
+                                     "output_root": "s3://models/pipelines", "force_stages": ["prep", "sft"],
+                                     "register_models": False},
+                           prep={"task": "addition_steps", "n_train": 128, "n_test": 16}, prm=STEPS,
+                           rejection_sampling={"rounds": 1, "n_prompts": 16, "best_of_n": 2, "reward": "prm"}))
+    out = result["outputs"]
+    prep, sft = out["prep"], out["sft"]
     assert prep.startswith("s3://models/pipelines/") and storage.read_manifest(prep)["stage"] == "prep"
     manifest = storage.read_manifest(sft)
     assert manifest["inputs"]["pretrain"] == prep + "/base"
@@ -512,6 +522,17 @@ def test_prep_data_and_models_on_s3(first_run, s3_endpoint):
     fs = fsspec.filesystem("s3")
     assert fs.exists(sft + "/model.safetensors") and fs.exists(sft.rsplit("/", 1)[0] + "/configs/sft.yaml")
     assert manifest["metrics"]["eval/loss"] < manifest["metrics"]["eval_initial/loss"]
+
+    prm = storage.read_manifest(out["prm"])
+    assert prm["inputs"]["pretrain"] == sft and prm["inputs"]["datasets"][0]["spec"] == f"json@{prep}/data/prm"
+    assert prm["config"]["data"]["placeholder_token"] == "ки" and "eval/acc" in prm["metrics"]
+    with fs.open(out["rejection_sampling-score-round1"] + "/train.jsonl") as f:
+        kept = [json.loads(line) for line in f.read().decode().splitlines()]
+    assert len(kept) == 16 and all(r["input"].startswith("<|bos|>") and "step_rewards" in r for r in kept)
+    runs = child_runs(result["pipeline_run_id"])
+    assert runs["rejection_sampling-score-round1"].data.tags["rlhf.upstream.reward.model_uri"] == out["prm"]
+    metrics = result["evaluation"]["metrics"]
+    assert "eval/rejection_sampling/sampled_accuracy" in metrics and "eval/rejection_sampling/reward" not in metrics
 
 
 def test_two_iterative_dpo_rounds_are_linked(first_run):

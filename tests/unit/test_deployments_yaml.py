@@ -12,7 +12,7 @@ def test_every_deployment_validates_and_the_schedules_are_there():
 
     spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert {"full-pipeline", "sft", "reward-model", "dpo", "ppo", "rejection-sampling", "conditional-sft", "distill", "eval", "iterative-dpo", "online-rl"} <= \
+    assert {"full-pipeline", "sft", "reward-model", "prm", "dpo", "ppo", "rejection-sampling", "conditional-sft", "distill", "eval", "iterative-dpo", "online-rl"} <= \
         set(deployments)
     for name, d in deployments.items():
         params = flow_parameters(d.get("parameters") or {})

@@ -454,3 +454,37 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
         ConditionalSFTParams(reward_template="{reward}: {input}")
     with pytest.raises(ValueError, match="one of 10, 25"):
         ConditionalSFTParams(condition_percentile=80)
+
+
+def test_a_prm_stage_trains_the_sft_model_on_prep_s_step_rows_and_rejection_sampling_can_pick_with_it(tmp_path):
+    import yaml
+
+    from flows.jobs import PipelineError, train_job
+    from flows.params import PipelinePRMConfig, PipelineSettings, PrepParams, RejectionSamplingParams
+    from flows.rejection import scorer_args
+    from orchestration.stages import StageOutcome
+
+    rows = tmp_path / "prep" / "data" / "prm"
+    rows.mkdir(parents=True)
+    (rows / "train.jsonl").write_text('{"input": "add 1+2=\\n1+2+0=3 ки\\n=3 ки", "label": ["+", "+"]}\n')
+    prep = StageOutcome("prep", "prep", str(tmp_path / "prep"), "run-prep", "key-prep", False, {},
+                        {"outputs": {"prm": str(rows)}})
+    upstream = {"prep": prep, "sft": outcome("sft", tmp_path)}
+    job = train_job(flow_ctx(tmp_path), PipelineSettings(), PipelinePRMConfig(), upstream.__getitem__)
+    config = yaml.safe_load(job.config_yaml)
+    assert (job.stage, job.name, job.args[:2]) == ("prm", "prm", ["train", "prm"])
+    assert config["model"]["model_name_or_path"] == upstream["sft"].output_uri  # from the SFT model
+    assert config["data"]["dataset"] == f"json@{prep.output_uri}/data/prm"
+    assert (config["data"]["placeholder_token"], config["data"]["reward_tokens"]) == ("ки", ["+", "-"])
+    without = StageOutcome("prep", "prep", prep.output_uri, "run-prep", "key-prep", False, {}, {"outputs": {}})
+    with pytest.raises(PipelineError, match="no step-labelled rows"):
+        train_job(flow_ctx(tmp_path), PipelineSettings(), PipelinePRMConfig(), {**upstream, "prep": without}.__getitem__)
+
+    trained = StageOutcome("prm", "prm", "/m/prm", "run-prm", "key-prm", False, {},
+                           {"config": {"data": {"placeholder_token": "ки", "reward_tokens": ["+", "-"]}}})
+    args = scorer_args(RejectionSamplingParams(reward="prm"), trained, PrepParams())
+    assert args == ["--pretrain", "/m/prm", "--input_key", "prompt", "--placeholder_token", "ки", "--reward_tokens",
+                    "+", "-"]
+    assert scorer_args(RejectionSamplingParams(reward="verifier"), None, PrepParams()) == ["--task", "sort"]
+    with pytest.raises(PipelineError, match="records no placeholder"):
+        scorer_args(RejectionSamplingParams(reward="prm"), outcome("prm", tmp_path), PrepParams())

@@ -21,7 +21,8 @@ def test_secret_names(name):
 
 @pytest.mark.parametrize("name", ["input_key", "chosen_key", "label_key", "max_new_tokens", "pad_token_id",
                                   "tokenizer_chat_template", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "token_file",
-                                  "SSH_AUTH_SOCK", "author", "keyword", "PWD", "OLDPWD", "RAY_AUTH"])
+                                  "SSH_AUTH_SOCK", "author", "keyword", "PWD", "OLDPWD", "RAY_AUTH",
+                                  "placeholder_token", "prm.data.placeholder_token", "reward_tokens", "pad_token"])
 def test_names_that_are_not_secrets(name):
     assert not is_secret_key(name)
 
