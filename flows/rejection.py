@@ -46,8 +46,8 @@ def scoring_key(prep: PrepParams, params: RejectionSamplingParams) -> str:
 def scorer_args(params: RejectionSamplingParams, reward: StageOutcome | None, prep: PrepParams) -> list[str]:
     """Who scores a round's samples: the reward model, the process reward model (each line of a sample
     a step, read at the placeholder it was trained with, on the plain prompt), or the verifier."""
-    if params.reward == "verifier":
-        return ["--task", prep.task]
+    if params.reward == "verifier":  # right or wrong: a prompt with no right sample teaches nothing
+        return ["--task", prep.task, "--min_reward", "1"]
     if params.reward == "prm":
         data = reward.manifest.get("config", {}).get("data", {})
         if not data.get("placeholder_token") or not data.get("reward_tokens"):

@@ -1061,6 +1061,8 @@ class BatchInferenceConfig(StageConfig):
                                           "a step, the prompt is --input_key's text")
     reward_tokens: list[str] | None = Field(None, description="rm with a process reward model: its reward tokens, "
                                             "the first meaning a right step (e.g. + -)")
+    min_reward: float | None = Field(None, description="rs: a prompt whose best row scores below this keeps none "
+                                     "(counted as below_min_reward); e.g. 1 with --task: only right answers are kept")
     step_aggregate: str = Field("min", pattern="^(min|prod|last|mean)$", description="rm with a process reward "
                                 "model: a response's score from its steps' P(right): the weakest (min), their "
                                 "product, the last, the mean")
@@ -1113,6 +1115,8 @@ class BatchInferenceConfig(StageConfig):
         missing = [f"--{name}: required" for name in needs if getattr(self, name) is None]
         if (self.output_path is None) == (self.save_path is None):
             missing.append("--output_path (a file) or --save_path (a stage folder): give one")
+        if self.min_reward is not None and self.post_processor != PostProcessor.RS:
+            missing.append("--min_reward: a floor for the rows --post_processor rs keeps")
         if self.post_processor is not None and self.eval_task not in (None, EvalTask.RM):
             missing.append(f"--post_processor {self.post_processor.value}: post-processes scored rows (--eval_task rm)")
         if missing:

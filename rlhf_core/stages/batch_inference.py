@@ -12,7 +12,9 @@
   step, the response's score its steps' P(right) by `--step_aggregate` (the weakest: min) and the
   steps' own in `step_rewards`; rows whose response is blank are left out and counted, as
   OpenRLHF drops them unsaid), then `--post_processor`:
-  `rs` keeps the best response per prompt (SFT data), `iter_dpo` the best and the worst (DPO pairs),
+  `rs` keeps the best response per prompt (SFT data; our `--min_reward`: a prompt whose best scores
+  below it keeps none, e.g. 1 with a verifier: no wrong answer is learnt), `iter_dpo` the best and the
+  worst (DPO pairs),
   `csft` writes each row's reward into its prompt through `--reward_template` (conditional SFT).
 
 Where OpenRLHF 0.9 differs: its rm task no longer runs at any 0.9 tag (its SFT dataset changed
@@ -38,7 +40,7 @@ DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
 GENERATION_ONLY = ("best_of_n", "iter", "rollout_batch_size", "enable_csft", "csft_prompt", "greedy_sampling", "top_p",
                    "temperature", "prompt_max_len", "max_new_tokens")
 SCORING_ONLY = ("post_processor", "reward_template", "normalize_reward", "value_head_prefix", "micro_batch_size",
-                "max_len", "task", "placeholder_token", "reward_tokens", "step_aggregate")
+                "max_len", "task", "placeholder_token", "reward_tokens", "step_aggregate", "min_reward")
 ROWS_FILE = "train.jsonl"  # in a --save_path stage folder: `json@<folder>` reads it
 
 
@@ -157,9 +159,12 @@ def post_process(rows: list[dict], cfg: BatchInferenceConfig) -> tuple[list[dict
     if cfg.post_processor is None:
         return rows, {}
     if cfg.post_processor == PostProcessor.RS:
-        kept = best_of(rows)
-        return kept, {"batch_inference/kept_rows": len(kept),
-                      "batch_inference/kept_reward_mean": sum(r["reward"] for r in kept) / len(kept)}
+        best = best_of(rows)
+        kept = [r for r in best if cfg.min_reward is None or r["reward"] >= cfg.min_reward]
+        metrics = {"batch_inference/kept_rows": len(kept), "batch_inference/below_min_reward": len(best) - len(kept)}
+        if kept:
+            metrics["batch_inference/kept_reward_mean"] = sum(r["reward"] for r in kept) / len(kept)
+        return kept, metrics
     if cfg.post_processor == PostProcessor.ITER_DPO:
         pairs, ties = preference_pairs(rows)
         return pairs, {"batch_inference/pairs": len(pairs), "batch_inference/tied_prompts": ties}
@@ -192,8 +197,9 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
             rows, more = post_process(rows, cfg)
             metrics.update(more)
             if not rows:
-                raise DataError(f"--dataset {cfg.dataset}: every prompt's responses scored the same: no "
-                                f"{cfg.post_processor.value} rows to write")
+                why = (f"no prompt's best reached --min_reward {cfg.min_reward}" if cfg.min_reward is not None
+                       else "every prompt's responses scored the same")
+                raise DataError(f"--dataset {cfg.dataset}: {why}: no {cfg.post_processor.value} rows to write")
         else:
             rows, sources = generate(cfg)
             metrics = {"batch_inference/rows": len(rows)}

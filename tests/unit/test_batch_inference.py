@@ -49,7 +49,12 @@ def test_the_prompt_window_of_each_iteration():
 
 
 def test_rejection_sampling_keeps_each_prompt_s_best_the_first_of_equals():
+    from rlhf_core.config import BatchInferenceConfig
+
     assert best_of(ROWS) == [ROWS[2], ROWS[1]]
+    floor = BatchInferenceConfig.model_validate({"eval_task": "rm", "post_processor": "rs", "min_reward": 2.0})
+    kept, metrics = post_process(ROWS, floor)  # a's best (1.5) is below the floor: a keeps nothing
+    assert kept == [ROWS[1]] and metrics["batch_inference/below_min_reward"] == 1
 
 
 def test_iterative_dpo_pairs_best_with_worst_and_leaves_out_prompts_that_all_tie():

@@ -485,6 +485,7 @@ def test_a_prm_stage_trains_the_sft_model_on_prep_s_step_rows_and_rejection_samp
     args = scorer_args(RejectionSamplingParams(reward="prm"), trained, PrepParams())
     assert args == ["--pretrain", "/m/prm", "--input_key", "prompt", "--placeholder_token", "ки", "--reward_tokens",
                     "+", "-"]
-    assert scorer_args(RejectionSamplingParams(reward="verifier"), None, PrepParams()) == ["--task", "sort"]
+    assert scorer_args(RejectionSamplingParams(reward="verifier"), None, PrepParams()) == ["--task", "sort",
+                                                                                          "--min_reward", "1"]
     with pytest.raises(PipelineError, match="records no placeholder"):
         scorer_args(RejectionSamplingParams(reward="prm"), outcome("prm", tmp_path), PrepParams())
