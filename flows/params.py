@@ -111,8 +111,8 @@ class PipelinePRMConfig(PRMConfig):
 class PipelineKDConfig(KDConfig):
     """`rlhf train kd`'s config (section `distill`) with the pipeline's tuned defaults under what a
     run gives. Left empty, the flow fills the student from prep's student base (a size below the
-    policy's), the teacher from the run's policy (PPO, else DPO, else rejection sampling, else SFT) and the rows from prep's
-    SFT data."""
+    policy's), the teacher from the run's policy (PPO, else DPO, else rejection sampling, else
+    conditional SFT, else SFT) and the rows from prep's SFT data."""
 
     @model_validator(mode="before")
     @classmethod

@@ -274,8 +274,8 @@ def evaluated_policies(stages: list[Stage], outcomes: dict[str, StageOutcome], e
 
 def distill_teacher(stages: list[Stage], outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome],
                     need) -> StageOutcome:
-    """The run's policy a distilled student learns from: the first of PPO, DPO, rejection sampling
-    and SFT that this run trained, else that `from_run` has (SFT is needed, and named, when none is
+    """The run's policy a distilled student learns from: the first of PPO, DPO, rejection sampling,
+    conditional SFT and SFT that this run trained, else that `from_run` has (SFT is needed, and named, when none is
     found). An output this run only took from `from_run` ranks with `from_run`'s."""
     for stage in TEACHER_STAGES:
         if stage in stages and stage.value in outcomes:
