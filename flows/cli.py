@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", default=None, help="Comma-separated stages (default: prep,sft,rm,ppo,eval; "
                         "DPO: prep,sft,rm,dpo,eval; both side by side: prep,sft,rm,dpo,ppo,eval; a smaller student "
                         "distilled from the policy: prep,sft,rm,ppo,distill,eval; rejection sampling: "
-                        "prep,sft,rm,rejection_sampling,eval; conditional SFT: prep,sft,rm,conditional_sft,eval)")
+                        "prep,sft,rm,rejection_sampling,eval; conditional SFT: prep,sft,rm,conditional_sft,eval; a process "
+                        "reward model for a task of steps: prep,sft,prm)")
     parser.add_argument("--from_run", default=None, help="Earlier pipeline run to take upstream outputs from")
     parser.add_argument("--output_root", default=None, help="Local directory or s3:// URI for stage outputs")
     parser.add_argument("--force", action="store_true", help="Rerun every stage, ignoring cached outputs")

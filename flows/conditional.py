@@ -34,20 +34,33 @@ SCORING_NOT_IN_KEY = frozenset({"condition_percentile", "learning_rate", "max_ep
 
 
 def stored_chat_template(uri: str) -> str | None:
-    """The chat template a model folder (local or s3://) stores, read from its tokenizer files alone
-    (`chat_template.jinja`, else `tokenizer_config.json`), so the flow loads no model: None if none."""
-    root = uri.rstrip("/")
-    template = storage.read_text(f"{root}/chat_template.jinja")
-    if template is not None:
-        return template
-    config = storage.read_text(f"{root}/tokenizer_config.json")
-    template = json.loads(config).get("chat_template") if config is not None else None
+    """The chat template of a model: a folder's (local or s3://) read from its tokenizer files alone
+    (`chat_template.jinja`, else `tokenizer_config.json`), so the flow loads no weights; a hub
+    name's from its tokenizer. The default one of named templates. None when there is none."""
+    from pathlib import Path
+
+    if not storage.is_remote(uri) and not Path(storage.normalize_uri(uri)).exists():  # a hub name
+        from rlhf_core.models.loading import load_tokenizer
+
+        template = load_tokenizer(uri).chat_template
+    else:
+        root = uri.rstrip("/")
+        template = storage.read_text(f"{root}/chat_template.jinja")
+        if template is None:
+            config = storage.read_text(f"{root}/tokenizer_config.json")
+            try:
+                template = json.loads(config).get("chat_template") if config is not None else None
+            except ValueError as e:
+                raise PipelineError(f"{STAGE}: {root}/tokenizer_config.json is not JSON ({e})") from None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
     return template if isinstance(template, str) else None
 
 
-def condition_score(scored: StageOutcome, percentile: int) -> float:
-    """The written score generation asks for: the scoring job's reported percentile."""
-    key = f"batch_inference/written_reward_p{percentile}"
+def written(scored: StageOutcome, name: str) -> float:
+    """A figure the scoring job reported of the scores it wrote (`p90`, `min`, `max`)."""
+    key = f"batch_inference/written_reward_{name}"
     if key not in scored.metrics:
         raise PipelineError(f"{STAGE}: the scoring output {scored.output_uri} reports no {key} (written by an older "
                             f"`rlhf batch_inference`): force it again (settings.force_stages: [{STAGE}])")
@@ -68,28 +81,35 @@ def run_conditional_sft(ctx: PipelineContext, settings: PipelineSettings, prep: 
         upstream["data"] = need("prep")
         dataset = prep_paths(upstream["data"])["sft"]
     out = ctx.output(SCORE)
+    data = sft.data
+    probs = ["--dataset_probs", data.dataset_probs] if data.dataset_probs else []
+    # The rows scored: the `sft` section's columns and sample count are in the key with the settings.
+    key = params_hash(params, exclude=SCORING_NOT_IN_KEY, task=prep.task, input_key=data.input_key,
+                      output_key=data.output_key, max_samples=data.max_samples, dataset_probs=data.dataset_probs)
     scored = outcomes[SCORE] = run(StageJob(
         "batch_inference", SCORE,
-        ["batch_inference", "--eval_task", "rm", "--pretrain", reward.output_uri, "--dataset", dataset,
-         "--input_key", sft.data.input_key, "--output_key", sft.data.output_key, "--apply_chat_template",
+        ["batch_inference", "--eval_task", "rm", "--pretrain", reward.output_uri, "--dataset", dataset, *probs,
+         "--input_key", data.input_key, "--output_key", data.output_key, "--apply_chat_template",
          "--post_processor", "csft", *(["--normalize_reward"] if params.normalize_reward else []),
-         "--reward_template", params.reward_template, "--max_samples", str(sft.data.max_samples),
+         "--reward_template", params.reward_template, "--max_samples", str(data.max_samples),
          "--save_path", out, "--mlflow_run_name", SCORE, "--mlflow_experiment", ctx.experiment],
-        out, params_hash(params, exclude=SCORING_NOT_IN_KEY, task=prep.task), None, dataset, upstream,
-        num_gpus=ctx.rollout_gpus))
+        out, key, None, dataset, upstream, num_gpus=ctx.rollout_gpus))
 
     base = sft.pretrain or prep_paths(need("prep"))["base"]
     template = sft.data.tokenizer_chat_template or stored_chat_template(base)
     if template is None:
         raise PipelineError(f"{STAGE}: the base model {base} stores no chat template; give one in the `sft` "
                             "section (data.tokenizer_chat_template)")
-    suffix = condition_suffix(params.reward_template, condition_score(scored, params.condition_percentile))
-    # The rows hold the prompt as the reward model's template wrote it, with its score: trained as they
-    # are; the condition lengthens each row by at most its UTF-8 bytes in tokens.
+    suffix = condition_suffix(params.reward_template, written(scored, f"p{params.condition_percentile}"))
+    # The rows hold the prompt as the reward model's template wrote it, with its own score: trained as
+    # they are. A score lengthens its row by at most its suffix's UTF-8 bytes in tokens, the longest
+    # suffix being the lowest or the highest score's.
+    longest = max(len(condition_suffix(params.reward_template, written(scored, x)).encode("utf-8"))
+                  for x in ("min", "max"))
     updates = {"save_path": None, "ckpt_path": None, "data.input_key": "input", "data.output_key": "output",
-               "data.apply_chat_template": False, "data.input_template": None,
+               "data.apply_chat_template": False, "data.input_template": None, "data.dataset_probs": None,
                "data.tokenizer_chat_template": conditioned_chat_template(template, suffix),
-               "data.max_len": sft.data.max_len + len(suffix.encode("utf-8"))}
+               "data.max_len": data.max_len + longest}
     if params.learning_rate is not None:
         updates["adam.lr"] = params.learning_rate
     if params.max_epochs is not None:

@@ -111,8 +111,8 @@ class PipelinePRMConfig(PRMConfig):
 class PipelineKDConfig(KDConfig):
     """`rlhf train kd`'s config (section `distill`) with the pipeline's tuned defaults under what a
     run gives. Left empty, the flow fills the student from prep's student base (a size below the
-    policy's), the teacher from the run's policy (PPO, else DPO, else rejection sampling, else
-    conditional SFT, else SFT) and the rows from prep's SFT data."""
+    policy's), the teacher from the run's policy (PPO, else DPO, else rejection sampling, else SFT) and
+    the rows from prep's SFT data."""
 
     @model_validator(mode="before")
     @classmethod
@@ -181,8 +181,9 @@ FULL_PIPELINE = [Stage.PREP, Stage.SFT, Stage.RM, Stage.PPO, Stage.EVAL]
 POLICY_STAGES = (Stage.DPO, Stage.PPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT)
 EVALUATED_STAGES = (*POLICY_STAGES, Stage.DISTILL)  # the eval stage compares these with the reference
 # The run's policy a `distill` stage learns from, first found first: RL, then DPO, rejection sampling,
-# conditional SFT, SFT.
-TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.REJECTION_SAMPLING, Stage.CONDITIONAL_SFT, Stage.SFT)
+# SFT. Not conditional SFT: it answers as trained only when asked for a score, which a student's
+# prompts (its own chat template) do not ask.
+TEACHER_STAGES = (Stage.PPO, Stage.DPO, Stage.REJECTION_SAMPLING, Stage.SFT)
 
 
 class PrepParams(StrictModel):

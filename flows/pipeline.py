@@ -19,7 +19,7 @@ order, on whose outputs, and records the pipeline run in MLflow.
   written into each prompt, the base trained on them; generation asks for a high score through the
   saved chat template. A policy like the others.
 - `distill` trains a smaller student (prep's student base) on the SFT rows with the run's policy
-  (PPO, else DPO, else rejection sampling, else conditional SFT, else SFT) as its teacher; the
+  (PPO, else DPO, else rejection sampling, else SFT) as its teacher; the
   evaluation compares it beside the policies, and it registers an `rlhf-student` version tagged with its teacher (never the policy champion).
 - Per stage, the task's wall time and the Ray job's run time are recorded (the difference is the
   orchestration overhead).
@@ -170,6 +170,10 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
                     policies = evaluated_policies(stages, outcomes, earlier, need, settings)
                     # Without a reward model in the run or from_run: the verifier's metrics only.
                     reward = need("rm") if Stage.RM in stages or "rm" in earlier else None
+                    if reward is None and evaluation.promote_metric in ("reward", "win_rate"):
+                        raise PipelineError(f"evaluation.promote_metric {evaluation.promote_metric!r} needs a reward "
+                                            "model, and this run has none (add rm to settings.stages, or promote "
+                                            "by sampled_accuracy)")
                     outcomes["eval"] = run(eval_job(ctx, prep, evaluation, need("prep"), policies, need("sft"),
                                                     reward, name="eval"))
                     summary["evaluation"] = publish_eval_report(outcomes["eval"], evaluation.promote_metric)
@@ -274,8 +278,8 @@ def evaluated_policies(stages: list[Stage], outcomes: dict[str, StageOutcome], e
 
 def distill_teacher(stages: list[Stage], outcomes: dict[str, StageOutcome], earlier: dict[str, StageOutcome],
                     need) -> StageOutcome:
-    """The run's policy a distilled student learns from: the first of PPO, DPO, rejection sampling,
-    conditional SFT and SFT that this run trained, else that `from_run` has (SFT is needed, and named, when none is
+    """The run's policy a distilled student learns from: the first of PPO, DPO, rejection sampling
+    and SFT that this run trained, else that `from_run` has (SFT is needed, and named, when none is
     found). An output this run only took from `from_run` ranks with `from_run`'s."""
     for stage in TEACHER_STAGES:
         if stage in stages and stage.value in outcomes:

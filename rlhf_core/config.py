@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from rlhf_core.algos.names import DPOLossType, RewardLossType
+from rlhf_core.algos.names import STEP_AGGREGATES, DPOLossType, RewardLossType
 from rlhf_core.flags import Spellings, flat, leaves
 from rlhf_core.infra.manifests import NOT_SEMANTIC
 from rlhf_core.infra.precision import Precision
@@ -655,6 +655,19 @@ class KDConfig(SFTConfig):
         return {**super().required(), "teacher.model_name_or_path": self.teacher_pretrain}
 
 
+def reward_token_list(value, at_least: int = 1) -> list[str] | None:
+    """`--reward_tokens`: several after the flag (OpenRLHF's `--reward_tokens + -`) or a list, each once."""
+    if value is None or value == []:
+        return None
+    tokens = [value] if isinstance(value, str) else list(value)
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"reward_tokens {tokens}: each token once")
+    if len(tokens) < at_least:
+        raise ValueError(f"reward_tokens {tokens}: a process reward model is read over at least {at_least} (e.g. + -), "
+                         "the first meaning a right step")
+    return tokens
+
+
 class PRMDataConfig(DataConfig):
     """Process-reward rows (OpenRLHF's `train_prm`): a text whose steps each end with the placeholder
     token, and a label per placeholder."""
@@ -672,13 +685,18 @@ class PRMDataConfig(DataConfig):
     @field_validator("reward_tokens", mode="before")
     @classmethod
     def _tokens(cls, value):
-        """Several after the flag (OpenRLHF's `--reward_tokens + -`), or a list."""
-        if value is None or value == []:
-            return None
-        tokens = [value] if isinstance(value, str) else list(value)
-        if len(set(tokens)) != len(tokens):
-            raise ValueError(f"reward_tokens {tokens}: each token once")
-        return tokens
+        return reward_token_list(value)
+
+    @model_validator(mode="after")
+    def _raw_text(self) -> PRMDataConfig:
+        """Its rows are read as they are (OpenRLHF's `train_prm` has no template flags): a template asked
+        for would be silently unread."""
+        given = [f"--{name}" for name in ("apply_chat_template", "input_template", "tokenizer_chat_template")
+                 if getattr(self, name)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: `rlhf train prm` reads each row's text as it is, placeholders "
+                             "included (no template, no BOS); write the rows as the model should read them")
+        return self
 
 
 class PRMAdam(AdamConfig):
@@ -1063,7 +1081,7 @@ class BatchInferenceConfig(StageConfig):
                                             "the first meaning a right step (e.g. + -)")
     min_reward: float | None = Field(None, description="rs: a prompt whose best row scores below this keeps none "
                                      "(counted as below_min_reward); e.g. 1 with --task: only right answers are kept")
-    step_aggregate: str = Field("min", pattern="^(min|prod|last|mean)$", description="rm with a process reward "
+    step_aggregate: str = Field("min", pattern="^(" + "|".join(STEP_AGGREGATES) + ")$", description="rm with a process reward "
                                 "model: a response's score from its steps' P(right): the weakest (min), their "
                                 "product, the last, the mean")
     seed: int = 1234
@@ -1084,6 +1102,11 @@ class BatchInferenceConfig(StageConfig):
     @classmethod
     def _braceless_template_is_none(cls, template: str | None) -> str | None:
         return template_or_none(template)
+
+    @field_validator("reward_tokens", mode="before")
+    @classmethod
+    def _tokens(cls, value):
+        return reward_token_list(value, at_least=2)
 
     @model_validator(mode="after")
     def _check(self) -> BatchInferenceConfig:

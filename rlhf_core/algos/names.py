@@ -88,3 +88,7 @@ class AdvantageEstimator(Choice):
         """Whether advantages are whitened over the whole rollout batch."""
         return self in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE,
                         AdvantageEstimator.REINFORCE_BASELINE)
+
+
+# How a process reward model's step scores make a response's score (`rewards/process.aggregate`).
+STEP_AGGREGATES = ("min", "prod", "last", "mean")

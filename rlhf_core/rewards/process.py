@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.algos.names import STEP_AGGREGATES
 from rlhf_core.data.steps import prm_text
 from rlhf_core.rollout.base import inference_device, inference_dtype
-
-AGGREGATES = ("min", "prod", "last", "mean")
 
 
 def aggregate(step_scores: list[float], how: str = "min") -> float:
@@ -32,24 +31,25 @@ def aggregate(step_scores: list[float], how: str = "min") -> float:
         return step_scores[-1]
     if how == "mean":
         return sum(step_scores) / len(step_scores)
-    raise ValueError(f"step aggregate {how!r}: one of {', '.join(AGGREGATES)}")
+    raise ValueError(f"step aggregate {how!r}: one of {', '.join(STEP_AGGREGATES)}")
 
 
 class ProcessRewardModel:
     def __init__(self, path: str, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None, use_fast: bool = True):
+                 max_len: int | None = None, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 use_fast: bool = True):
+        """`reward_tokens`: two or more (the config checks it), the first meaning a right step.
+        `max_len`: longer texts keep their first tokens, and the steps whose placeholder is among them."""
         from rlhf_core.data.examples import single_token_id
         from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
-        if len(reward_tokens) < 2:
-            raise ValueError("a process reward model is read over at least two reward tokens (e.g. + -)")
         device = device or inference_device()
         self.tokenizer = load_tokenizer(path, use_fast=use_fast)
         self.placeholder_token = placeholder_token
         self.placeholder = single_token_id(self.tokenizer, placeholder_token, "--placeholder_token")
         self.reward_ids = [single_token_id(self.tokenizer, t, "--reward_tokens") for t in reward_tokens]
         self.model = load_causal_lm(path, dtype=dtype or inference_dtype(device)).to(device).eval()
-        self.batch_size = batch_size
+        self.batch_size, self.max_len = batch_size, max_len
 
     def texts(self, prompts: list[str], responses: list[str]) -> list[str]:
         return [prm_text(p, r, self.placeholder_token) for p, r in zip(prompts, responses, strict=True)]
@@ -57,7 +57,8 @@ class ProcessRewardModel:
     @torch.no_grad()
     def step_scores(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
         """P(right) at each step's placeholder, per response."""
-        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.texts(prompts, responses)]
+        seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_len]
+                for t in self.texts(prompts, responses)]
         device = next(self.model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
         out: list[list[float]] = []
@@ -71,7 +72,3 @@ class ProcessRewardModel:
             marks = (input_ids == self.placeholder) & attention.bool()
             out += [right[b][marks[b]].tolist() for b in range(len(chunk))]
         return out
-
-    def score(self, prompts: list, responses: list[str], answers: list[str | None] | None = None,
-              how: str = "min") -> list[float]:
-        return [aggregate(s, how) for s in self.step_scores(prompts, responses)]

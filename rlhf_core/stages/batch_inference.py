@@ -170,7 +170,9 @@ def post_process(rows: list[dict], cfg: BatchInferenceConfig) -> tuple[list[dict
         return pairs, {"batch_inference/pairs": len(pairs), "batch_inference/tied_prompts": ties}
     rows = conditioned(rows, cfg.reward_template, cfg.normalize_reward)
     written = [float(written_reward(r["reward"])) for r in rows]
-    return rows, {f"batch_inference/written_reward_p{q}": percentile(written, q) for q in CONDITION_PERCENTILES}
+    metrics = {f"batch_inference/written_reward_p{q}": percentile(written, q) for q in CONDITION_PERCENTILES}
+    return rows, {**metrics, "batch_inference/written_reward_min": min(written),
+                  "batch_inference/written_reward_max": max(written)}
 
 
 # -- engines and files --------------------------------------------------------------------------
@@ -293,7 +295,8 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
             raise DataError(f"--dataset {cfg.dataset}: a process reward model reads {cfg.input_key!r} as text; these "
                             "rows hold chat messages")
         prm = ProcessRewardModel(local_model_path(cfg.pretrain), cfg.placeholder_token, cfg.reward_tokens,
-                                 batch_size=cfg.micro_batch_size, use_fast=not cfg.disable_fast_tokenizer)
+                                 batch_size=cfg.micro_batch_size, max_len=cfg.max_len,
+                                 use_fast=not cfg.disable_fast_tokenizer)
         steps = prm.step_scores(inputs, outputs)
         rewards = [aggregate(s, cfg.step_aggregate) for s in steps]
         # Rows keep the prompt they were generated for, so a prompt's samples group together.

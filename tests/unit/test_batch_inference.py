@@ -87,6 +87,8 @@ def test_csft_reports_percentiles_of_the_scores_it_wrote():
     scores = [float(r["input"].split(": ")[1]) for r in written]  # as the prompts read them
     assert metrics["batch_inference/written_reward_p90"] == percentile(scores, 90) == 1.16
     assert metrics["batch_inference/written_reward_p10"] == -1.49  # nearest rank: the lowest of ten
+    assert (metrics["batch_inference/written_reward_min"], metrics["batch_inference/written_reward_max"]) == \
+        (-1.49, 1.49)
 
 
 def test_a_conditioned_chat_template_asks_as_csft_wrote_the_rows(tmp_path):

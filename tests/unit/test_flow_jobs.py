@@ -404,6 +404,7 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
         (folder / "train.jsonl").write_text('{"prompt": "cba", "response": "abc"}\n')
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
     metrics = {f"batch_inference/written_reward_p{q}": q / 100 for q in (10, 25, 50, 75, 90, 95, 99)}
+    metrics.update({"batch_inference/written_reward_min": -12.5, "batch_inference/written_reward_max": 1.5})
 
     def flow(params=ConditionalSFTParams(), sft=PipelineSFTConfig(), force=()):
         jobs, outcomes = [], {}
@@ -432,7 +433,8 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
         ("input", "output", False)
     assert config["data"]["tokenizer_chat_template"] == conditioned_chat_template(
         "{{ bos_token }}{{ messages[0]['content'] }}", " <rm_score>: 0.90 ")
-    assert config["data"]["max_len"] == PipelineSFTConfig().data.max_len + len(" <rm_score>: 0.90 ")
+    # every row fits: the longest score written (-12.50) bounds what a row grows by
+    assert config["data"]["max_len"] == PipelineSFTConfig().data.max_len + len(" <rm_score>: -12.50 ")
     assert config["adam"]["lr"] == PipelineSFTConfig().adam.lr  # the sft section's recipe
 
     # Another percentile asks for another score: another model, the same scoring.
@@ -444,6 +446,8 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
     assert stage_cache_key(score3) != stage_cache_key(score) and "--normalize_reward" not in score3.args
     _, forced = flow(force=[STAGE])
     assert SCORE in forced.force  # forcing the stage rescores too
+    (score4, _), _ = flow(sft=PipelineSFTConfig.model_validate({"max_samples": 1000}))
+    assert stage_cache_key(score4) != stage_cache_key(score)  # other rows scored: scored again
 
     with pytest.raises(PipelineError, match="applies no chat template"):
         flow(sft=PipelineSFTConfig.model_validate({"apply_chat_template": False}))
