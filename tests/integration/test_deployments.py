@@ -276,6 +276,8 @@ def test_a_single_stage_rerun_submitted_from_the_prefect_ui(stack, first_run, ch
     with browser.page(chromium) as page:
         page.goto(_prefect_ui(stack))
         page.get_by_role("link", name="Deployments", exact=True).first.click()
+        # More deployments than a page shows: found as a user finds one, by its name
+        page.get_by_placeholder(re.compile("^Search deployments")).first.fill("sft")
         page.get_by_role("link", name="sft", exact=True).click()
         page.get_by_role("button", name="Run").first.click()
         page.get_by_role("menuitem", name="Custom run").click()
