@@ -95,15 +95,9 @@ def _edit_string(text: str, rng: random.Random, alphabet: str) -> str:
 ADDITION_MAX_DIGITS = 3
 
 
-def _random_number(rng: random.Random, max_digits: int) -> int:
-    # Draw the digit count first, so short numbers are as common as long ones.
-    digits = rng.randint(1, max_digits)
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
-
-
 def _addition_generate(rng: random.Random) -> Example:
-    a = _random_number(rng, ADDITION_MAX_DIGITS)
-    b = _random_number(rng, ADDITION_MAX_DIGITS)
+    a = steps.random_number(rng, ADDITION_MAX_DIGITS)
+    b = steps.random_number(rng, ADDITION_MAX_DIGITS)
     return f"add {a}+{b}=", str(a + b)
 
 

@@ -9,29 +9,19 @@ wrong step spoils what follows. A response with no step scores 0.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from rlhf_core.algos.names import STEP_AGGREGATES
 from rlhf_core.data.steps import prm_text
 from rlhf_core.rollout.base import inference_device, inference_dtype
 
+AGGREGATE = {"min": min, "prod": math.prod, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}
+
 
 def aggregate(step_scores: list[float], how: str = "min") -> float:
-    """One score for a response from its steps' (0 without steps)."""
-    if not step_scores:
-        return 0.0
-    if how == "min":
-        return min(step_scores)
-    if how == "prod":
-        out = 1.0
-        for s in step_scores:
-            out *= s
-        return out
-    if how == "last":
-        return step_scores[-1]
-    if how == "mean":
-        return sum(step_scores) / len(step_scores)
-    raise ValueError(f"step aggregate {how!r}: one of {', '.join(STEP_AGGREGATES)}")
+    """One score for a response from its steps' (0 without steps); `how` one of STEP_AGGREGATES."""
+    return float(AGGREGATE[how](step_scores)) if step_scores else 0.0
 
 
 class ProcessRewardModel:
@@ -56,19 +46,23 @@ class ProcessRewardModel:
 
     @torch.no_grad()
     def step_scores(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
-        """P(right) at each step's placeholder, per response."""
+        """P(right) at each step's placeholder, per response: the read `rlhf train prm` trains
+        (`forward.position_logits` at the placeholders only, the LM head nowhere else)."""
+        from rlhf_core.data.batching import pad_batch
+        from rlhf_core.models.forward import position_logits, response_index
+
         seqs = [self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_len]
                 for t in self.texts(prompts, responses)]
         device = next(self.model.parameters()).device
-        pad_id = self.tokenizer.pad_token_id
         out: list[list[float]] = []
         for i in range(0, len(seqs), self.batch_size):
             chunk = seqs[i : i + self.batch_size]
-            width = max(len(s) for s in chunk)
-            input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in chunk], device=device)
-            attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=device)
-            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-            right = torch.softmax(logits[..., self.reward_ids].float(), dim=-1)[..., 0]  # (B, T)
-            marks = (input_ids == self.placeholder) & attention.bool()
-            out += [right[b][marks[b]].tolist() for b in range(len(chunk))]
+            marks = [[int(t == self.placeholder) for t in s] for s in chunk]
+            batch = pad_batch(chunk, marks, self.tokenizer.pad_token_id).to(device)
+            index, mask = response_index(batch)  # each response's placeholders, in order
+            logits = position_logits(self.model, batch, index[mask.bool()])
+            right = torch.softmax(logits[:, self.reward_ids].float(), dim=-1)[:, 0].tolist()
+            for n in (sum(m) for m in marks):
+                out.append(right[:n])
+                right = right[n:]
         return out

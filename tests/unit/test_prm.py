@@ -136,3 +136,32 @@ def test_truncation_keeps_the_steps_that_fit(steps_prep, tmp_path):
     soft.write_text(json.dumps({"input": "add 1+2=\n1+2+0=3 ки\n=3 ки", "label": [0.75, 0.25]}))
     (example,), _ = load_steps(cfg.model_copy(update={"dataset": str(soft)}), tok, "train", 0)
     assert example.soft == [0.75, 0.25]
+
+
+def test_the_scorer_reads_each_placeholder_as_a_whole_forward_does(steps_prep):
+    """`ProcessRewardModel` (the LM head at the placeholders only, as the trainer reads them) gives
+    each step the softmax over the reward tokens of a plain transformers forward at that placeholder;
+    padding, batching and a response with no step change nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.algos.names import STEP_AGGREGATES
+    from rlhf_core.rewards.process import AGGREGATE, ProcessRewardModel, aggregate
+
+    prm = ProcessRewardModel(steps_prep["base"], steps.PLACEHOLDER, ["+", "-"], batch_size=2,
+                             device=torch.device("cpu"), dtype=torch.float32)
+    prompts = ["add 482+397=", "add 5+7=", "add 1+1=", "add 95+7="]
+    responses = ["2+7+0=9\n8+9+0=17\n4+3+1=8\n=879", "5+7+0=12\n=12", "", "5+7+0=12\n9+0+1=10\n=102"]
+    got = prm.step_scores(prompts, responses)
+    tok, model = AutoTokenizer.from_pretrained(steps_prep["base"]), AutoModelForCausalLM.from_pretrained(steps_prep["base"])
+    reward_ids = [tok.encode(t, add_special_tokens=False)[0] for t in ("+", "-")]
+    for prompt, response, scores in zip(prompts, responses, got, strict=True):
+        ids = tok(steps.prm_text(prompt, response), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+        where = [i for i, t in enumerate(ids) if t == prm.placeholder]
+        expected = torch.softmax(logits[where][:, reward_ids], -1)[:, 0].tolist()
+        assert scores == pytest.approx(expected, abs=1e-5) and len(scores) == len(steps.split_steps(response))
+    assert got[2] == [] and aggregate(got[2]) == 0.0
+    assert set(AGGREGATE) == set(STEP_AGGREGATES)
+    assert [aggregate([0.5, 0.2, 0.9], how) for how in ("min", "prod", "last", "mean")] == \
+        pytest.approx([0.2, 0.09, 0.9, 1.6 / 3])
