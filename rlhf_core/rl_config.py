@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.algos.names import AdvantageEstimator, KLEstimator, LossAggMode
+from rlhf_core.algos.names import STEP_AGGREGATES, AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
     NOT_BUILT_FLAGS,
     SEED_STAGE_FLAGS,
@@ -43,6 +43,7 @@ from rlhf_core.config import (
     check_aux_loss,
     check_input_template,
     check_probs,
+    reward_token_list,
     spellings_of,
     template_or_none,
 )
@@ -152,6 +153,23 @@ class RewardConfig(Placement):
     stop_properly_penalty_coef: float | None = Field(None, description="A response cut off without EOS: its reward "
                                                      "times this when >= 0, this value when < 0 (off by default)",
                                                      json_schema_extra=flat("stop_properly_penalty_coef"))
+    placeholder_token: str | None = Field(None, description="The reward model is a process reward model (`rlhf "
+                                          "train prm`) read at this token after each step (each line of a response; "
+                                          "e.g. ки)", json_schema_extra=flat("placeholder_token"))
+    reward_tokens: list[str] | None = Field(None, description="A process reward model's reward tokens, the first "
+                                            "meaning a right step (e.g. + -)", json_schema_extra=flat("reward_tokens"))
+    step_aggregate: str = Field("min", pattern="^(" + "|".join(STEP_AGGREGATES) + ")$", description="A process "
+                                "reward model's score of a response from its steps' P(right): the weakest (min), "
+                                "their product, the last, the mean", json_schema_extra=flat("step_aggregate"))
+    process_enable: bool = Field(False, description="A process reward model's step scores as rewards, each at its "
+                                 "step's last token (estimators gae, reinforce, group_norm, dr_grpo); off: the "
+                                 "response's score (--reward.step_aggregate) at its last token",
+                                 json_schema_extra=flat("process_reward"))
+
+    @field_validator("reward_tokens", mode="before")
+    @classmethod
+    def _tokens(cls, value):
+        return reward_token_list(value, at_least=2)
 
     @property
     def sources(self) -> list[str]:
@@ -372,6 +390,35 @@ class RLCkptConfig(CkptConfig):
         return f"eval/{name}"
 
 
+# The estimators that take a reward at each step: those whose returns sum the rewards after a token
+# (gae, reinforce), and the group ones that normalise every step reward of a prompt's samples
+# together (DeepSeekMath's process supervision). RLOO's and REINFORCE-baseline's leave-one-out or
+# mean baselines are of one scalar per sample.
+PROCESS_ESTIMATORS = ("gae", "reinforce", "group_norm", "dr_grpo")
+
+
+def process_reward_problems(reward: RewardConfig, estimator: AdvantageEstimator) -> list[str]:
+    """What is wrong with a process reward model's flags (none given: nothing)."""
+    problems = []
+    if (reward.placeholder_token is None) != (not reward.reward_tokens):
+        problems.append("--reward.placeholder_token and --reward.reward_tokens: a process reward model needs both")
+    if reward.process_enable and reward.placeholder_token is None:
+        problems.append("--reward.process_enable: step rewards come from a process reward model "
+                        "(--reward.placeholder_token, --reward.reward_tokens)")
+    if reward.placeholder_token is None:
+        return problems
+    models = [m for m in (reward.model_name_or_path or "").split(",") if m.strip()]
+    if reward.remote_url is not None or reward.task is not None or len(models) > 1:
+        problems.append("--reward.placeholder_token: the process reward model is the one reward model "
+                        "(--reward.model_name_or_path), with no other reward source")
+    if reward.normalize_enable:
+        problems.append("--reward.normalize_enable: a process reward model's scores are probabilities, used as given")
+    if reward.process_enable and estimator.value not in PROCESS_ESTIMATORS:
+        problems.append(f"--reward.process_enable: --algo.advantage.estimator {estimator.value} takes one reward per "
+                        f"sample; step rewards go to {', '.join(PROCESS_ESTIMATORS)}")
+    return problems
+
+
 class PPOConfig(TrainingStageConfig):
     """`rlhf train ppo`: every section of the RL stage."""
 
@@ -453,6 +500,7 @@ class PPOConfig(TrainingStageConfig):
                 url = url.strip()
                 if not (url.startswith(("http://", "https://")) or url.endswith(".py")):
                     problems.append(f"--reward.remote_url: {url!r} is neither an http(s) URL nor a .py file")
+        problems += process_reward_problems(reward, adv.estimator)
         if reward.clip_range[0] >= reward.clip_range[1]:
             problems.append(f"--reward.clip_range: low must be below high (got {reward.clip_range})")
         if algo.dynamic_filtering_enable:

@@ -60,6 +60,7 @@ __all__ = [
     "gae",
     "kl_controller",
     "shape_group_rewards",
+    "shape_group_step_rewards",
     "token_level_rewards",
     "whiten",
 ]
@@ -144,6 +145,44 @@ def shape_group_rewards(
     if n < 2:
         raise ValueError(f"{estimator.value!r} compares samples of one prompt and needs n ≥ 2, got {n}")
     return shaper(rewards.view(-1, n), std_norm).reshape(-1)
+
+
+def shape_group_step_rewards(
+    step_rewards: Tensor, step_mask: Tensor, n: int, estimator: AdvantageEstimator | str, std_norm: bool = True
+) -> Tensor:
+    """Process rewards (one per step, at the token that completes it) shaped within each prompt's group.
+
+    step_rewards: `(B, T)`, a step's reward at its position, 0 elsewhere; step_mask: `(B, T)`, set
+    where a step reward sits (a reward may be 0). Prompt-major groups of n.
+    Returns `(B, T)` float32, 0 outside `step_mask`:
+      group_norm:           (r − mean) / (std + 1e-9) over every step reward of the group's n
+                            samples (std unbiased; 0 with fewer than two), DeepSeekMath's process
+                            supervision; r − mean without std_norm
+      dr_grpo:              r − mean over the group's step rewards
+      gae, reinforce:       r unchanged (the returns sum the rewards after each token)
+      rloo, reinforce_baseline: ValueError (their baselines are of one scalar per sample)
+    """
+    estimator = AdvantageEstimator(estimator)
+    rewards, present = _f32(step_rewards), torch.as_tensor(step_mask) != 0
+    if rewards.dim() != 2 or present.shape != rewards.shape:
+        raise ValueError(f"step rewards and their mask must both be (B, T), got {tuple(rewards.shape)} and "
+                         f"{tuple(present.shape)}")
+    _check_groups(rewards.size(0), n)
+    if estimator in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE):
+        return _zero_outside(rewards, present)
+    if estimator not in (AdvantageEstimator.GROUP_NORM, AdvantageEstimator.DR_GRPO):
+        raise ValueError(f"{estimator.value!r} takes one reward per sample, not a reward per step")
+    if n < 2:
+        raise ValueError(f"{estimator.value!r} compares samples of one prompt and needs n ≥ 2, got {n}")
+    groups, where = rewards.view(-1, n * rewards.size(1)), present.view(-1, n * rewards.size(1)).float()
+    count = where.sum(-1, keepdim=True)
+    mean = (groups * where).sum(-1, keepdim=True) / count.clamp(min=1)
+    shaped = groups - mean
+    if estimator == AdvantageEstimator.GROUP_NORM and std_norm:
+        var = ((shaped * where) ** 2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
+        shaped = shaped / (std + GROUP_STD_EPS)
+    return _zero_outside(shaped.view_as(rewards), present)
 
 
 def dynamic_filter_mask(scores: Tensor, n: int, low: float = 0.0, high: float = 1.0) -> Tensor:
@@ -291,6 +330,7 @@ def compute_advantages(
     values: Tensor | None = None,
     std_norm: bool = True,
     reward_clip: float | tuple[float, float] | None = None,
+    step_rewards: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns for one rollout batch, OpenRLHF's order of operations.
 
@@ -303,6 +343,9 @@ def compute_advantages(
     std_norm: False keeps mean-centring but skips dividing by a standard deviation (in the batch
         whitening and in group_norm).
     reward_clip: clip the shaped scalar reward to ±reward_clip (OpenRLHF's default is 10).
+    step_rewards: `(rewards, mask)`, each `(B, T)`: a process reward per step at the token that
+        completes it, used instead of `rewards` (`shape_group_step_rewards`, then clipped, then the
+        KL charged as for a scalar reward).
 
     1. r ← shape_group_rewards(r)  2. token rewards ← token_level_rewards(r, kl)
     3. gae → (A, R = A + V); otherwise R = cumulative_returns, A = R
@@ -313,8 +356,11 @@ def compute_advantages(
     estimator = AdvantageEstimator(estimator)
     if estimator.needs_critic and values is None:
         raise ValueError(f"{estimator.value!r} needs critic values")
-    shaped = shape_group_rewards(rewards, n, estimator, std_norm=std_norm)
-    token_rewards = token_level_rewards(shaped, kl, mask, kl_coef, reward_clip=reward_clip)
+    if step_rewards is None:
+        shaped = shape_group_rewards(rewards, n, estimator, std_norm=std_norm)
+        token_rewards = token_level_rewards(shaped, kl, mask, kl_coef, reward_clip=reward_clip)
+    else:
+        token_rewards = _step_token_rewards(*step_rewards, kl, mask, kl_coef, n, estimator, std_norm, reward_clip)
     if estimator.needs_critic:
         advantages, returns = gae(token_rewards, values, mask, gamma, lambd)
     else:
@@ -323,6 +369,20 @@ def compute_advantages(
     if estimator.whitens:
         advantages = whiten(advantages, mask, std_norm=std_norm)
     return advantages, returns
+
+
+def _step_token_rewards(step_rewards: Tensor, step_mask: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, n: int,
+                        estimator: AdvantageEstimator, std_norm: bool,
+                        reward_clip: float | tuple[float, float] | None) -> Tensor:
+    """`token_level_rewards` for process rewards: each shaped step reward at its token, minus β·KL."""
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be ≥ 0, got {kl_coef}")
+    kl = _f32(kl)
+    shaped = shape_group_step_rewards(step_rewards, step_mask, n, estimator, std_norm).to(kl.device)
+    if reward_clip is not None:
+        low, high = reward_clip if isinstance(reward_clip, (tuple, list)) else (-reward_clip, reward_clip)
+        shaped = shaped.clamp(low, high)
+    return _zero_outside(shaped - kl_coef * kl if kl_coef else shaped, mask)
 
 
 # --- KL coefficient controllers ---------------------------------------------------------------

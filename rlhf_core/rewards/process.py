@@ -9,6 +9,7 @@ wrong step spoils what follows. A response with no step scores 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,21 +26,29 @@ def aggregate(step_scores: list[float], how: str = "min") -> float:
 
 
 class ProcessRewardModel:
-    def __init__(self, path: str, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
-                 max_len: int | None = None, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 use_fast: bool = True):
-        """`reward_tokens`: two or more (the config checks it), the first meaning a right step.
-        `max_len`: longer texts keep their first tokens, and the steps whose placeholder is among them."""
+    def __init__(self, tokenizer, model, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
+                 max_len: int | None = None, forward_context=contextlib.nullcontext):
+        """A loaded PRM (`load` loads one). `reward_tokens`: two or more (the config checks it), the
+        first meaning a right step. `max_len`: longer texts keep their first tokens, and the steps
+        whose placeholder is among them. `forward_context`: entered around each forward (autocast)."""
         from rlhf_core.data.examples import single_token_id
+
+        self.tokenizer, self.model = tokenizer, model
+        self.placeholder_token = placeholder_token
+        self.placeholder = single_token_id(tokenizer, placeholder_token, "--placeholder_token")
+        self.reward_ids = [single_token_id(tokenizer, t, "--reward_tokens") for t in reward_tokens]
+        self.batch_size, self.max_len, self.forward_context = batch_size, max_len, forward_context
+
+    @classmethod
+    def load(cls, path: str, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
+             max_len: int | None = None, device: torch.device | None = None, dtype: torch.dtype | None = None,
+             use_fast: bool = True) -> ProcessRewardModel:
         from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
         device = device or inference_device()
-        self.tokenizer = load_tokenizer(path, use_fast=use_fast)
-        self.placeholder_token = placeholder_token
-        self.placeholder = single_token_id(self.tokenizer, placeholder_token, "--placeholder_token")
-        self.reward_ids = [single_token_id(self.tokenizer, t, "--reward_tokens") for t in reward_tokens]
-        self.model = load_causal_lm(path, dtype=dtype or inference_dtype(device)).to(device).eval()
-        self.batch_size, self.max_len = batch_size, max_len
+        model = load_causal_lm(path, dtype=dtype or inference_dtype(device)).to(device).eval()
+        return cls(load_tokenizer(path, use_fast=use_fast), model, placeholder_token, reward_tokens, batch_size,
+                   max_len)
 
     def texts(self, prompts: list[str], responses: list[str]) -> list[str]:
         return [prm_text(p, r, self.placeholder_token) for p, r in zip(prompts, responses, strict=True)]
@@ -60,9 +69,32 @@ class ProcessRewardModel:
             marks = [[int(t == self.placeholder) for t in s] for s in chunk]
             batch = pad_batch(chunk, marks, self.tokenizer.pad_token_id).to(device)
             index, mask = response_index(batch)  # each response's placeholders, in order
-            logits = position_logits(self.model, batch, index[mask.bool()])
+            with self.forward_context():
+                logits = position_logits(self.model, batch, index[mask.bool()])
             right = torch.softmax(logits[:, self.reward_ids].float(), dim=-1)[:, 0].tolist()
             for n in (sum(m) for m in marks):
                 out.append(right[:n])
                 right = right[n:]
         return out
+
+
+def step_end_tokens(decode, response_ids: list[int]) -> list[int]:
+    """Where each step of a sampled response ends, as indices into `response_ids`: the token that
+    writes the newline closing a step (a non-empty line, as `data.steps.split_steps` reads them),
+    and the response's last token for the last step, so a step reward lands where its step is
+    complete and the last one where an outcome reward would. `decode(ids)`: the tokenizer's text
+    of `ids`, without special tokens.
+
+    Only tokens whose own text holds a newline can close a line; the prefix ending at each of them
+    is decoded to count the lines before it exactly (a token's own text need not be its text in
+    context)."""
+    if not response_ids:
+        return []
+    lines = decode(response_ids).split("\n")
+    steps = [i for i, line in enumerate(lines) if line.strip()]
+    closing = []  # closing[j]: the token that writes newline j
+    for k, token in enumerate(response_ids):
+        if "\n" in decode([token]):
+            closing += [k] * (decode(response_ids[: k + 1]).count("\n") - len(closing))
+    last = len(response_ids) - 1
+    return [closing[i] if i < len(closing) and i != steps[-1] else last for i in steps]

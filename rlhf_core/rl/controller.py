@@ -38,7 +38,7 @@ from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.rl import checkpoint
-from rlhf_core.rl.experience import RolloutSample, stack, unstack
+from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -251,8 +251,10 @@ class RLController:
                                    cfg.reward.overlong_penalty_factor)
         rewards = truncation_penalty(rewards, torch.tensor([s.finished for s in samples]),
                                      cfg.reward.stop_properly_penalty_coef)
-        for s, r, sc in zip(samples, rewards.tolist(), scores.tolist(), strict=True):
+        for s, r, sc, before in zip(samples, rewards.tolist(), scores.tolist(), raw.tolist(), strict=True):
             s.reward, s.score = r, sc
+            if cfg.reward.process_enable:  # step rewards: the penalties go on the last token (`step_reward_matrix`)
+                s.extra["penalty"] = r - before
 
     # -- experience -------------------------------------------------------------------------
     def plan_step(self, count: int) -> StepPlan:
@@ -310,7 +312,8 @@ class RLController:
             self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
             n=cfg.rollout.n_samples_per_prompt, gamma=cfg.algo.advantage.gamma, lambd=cfg.algo.advantage.lambd,
             values=stack([s.values for s in samples]) if self.critic is not None else None,
-            std_norm=not cfg.algo.advantage.no_std_norm, reward_clip=tuple(cfg.reward.clip_range))
+            std_norm=not cfg.algo.advantage.no_std_norm, reward_clip=tuple(cfg.reward.clip_range),
+            step_rewards=step_reward_matrix(samples, width) if cfg.reward.process_enable else None)
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
         rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)

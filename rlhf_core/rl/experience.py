@@ -112,3 +112,19 @@ def unstack(matrix: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """The inverse of `stack`: row i cut to `lengths[i]` (along the last dimension), on CPU."""
     matrix = matrix.detach().float().cpu()
     return [matrix[i, ..., :n].clone() for i, n in enumerate(lengths)]
+
+
+def step_reward_matrix(samples: list[RolloutSample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rewards, mask)`, each `(N, width)`: each sample's process rewards (`extra["step_rewards"]`:
+    `(token index, reward)` pairs) at their tokens, plus its penalty (`extra["penalty"]`, the
+    overlong and truncation penalties' change to its reward) on its last token."""
+    rewards, mask = torch.zeros((len(samples), width)), torch.zeros((len(samples), width))
+    for i, s in enumerate(samples):
+        for position, value in s.extra.get("step_rewards", []):
+            rewards[i, position] += value
+            mask[i, position] = 1
+        penalty = s.extra.get("penalty", 0.0)
+        if penalty and s.response_len:
+            rewards[i, s.response_len - 1] += penalty
+            mask[i, s.response_len - 1] = 1
+    return rewards, mask

@@ -553,6 +553,9 @@ class RewardModelRole(_Role):
 
         cfg = self.cfg
         self.models, self.stats = [], []
+        if cfg.reward.placeholder_token is not None:
+            self._build_process_reward_model()
+            return
         for path in self.model_paths:
             model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
@@ -565,8 +568,30 @@ class RewardModelRole(_Role):
                 raise ValueError(f"--reward.normalize_enable: no reward_mean/reward_std in the config of {missing[0]} "
                                  "(saved by `rlhf train rm`)")
 
+    def _build_process_reward_model(self) -> None:
+        """A process reward model (`--reward.placeholder_token`): a causal LM read at each step's
+        placeholder (`rewards.process`), frozen as a reward model is."""
+        from rlhf_core.distributed.engine import initialize_frozen
+        from rlhf_core.models.loading import load_causal_lm, load_tokenizer, model_options
+        from rlhf_core.rewards.process import ProcessRewardModel
+
+        cfg, (path,) = self.cfg, self.model_paths
+        model = initialize_frozen(load_causal_lm(path, **model_options(cfg.ds)),
+                                  engine_settings(cfg, cfg.actor, self.world_size), offload=cfg.reward.offload,
+                                  flag="reward.offload")
+        self.models = [model]
+        self.prm = ProcessRewardModel(load_tokenizer(path, use_fast=not cfg.data.disable_fast_tokenizer),
+                                      getattr(model, "module", model), cfg.reward.placeholder_token,
+                                      cfg.reward.reward_tokens, batch_size=self.cfg.rollout.micro_batch_size or 32,
+                                      forward_context=lambda: autocast(self.precision))
+
     def _forward_model(self) -> tuple:
         return self.models[0], True
+
+    @torch.no_grad()
+    def step_scores(self, texts: list[tuple[str, str]]) -> list[list[float]]:
+        """A process reward model's P(right) at each step of each (prompt, response) text."""
+        return self.prm.step_scores([p for p, _ in texts], [r for _, r in texts])
 
     @torch.no_grad()
     def scores(self, samples: list[RolloutSample]) -> list[float]:

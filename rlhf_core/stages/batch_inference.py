@@ -294,7 +294,7 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
         if not all(isinstance(p, str) for p in inputs):
             raise DataError(f"--dataset {cfg.dataset}: a process reward model reads {cfg.input_key!r} as text; these "
                             "rows hold chat messages")
-        prm = ProcessRewardModel(local_model_path(cfg.pretrain), cfg.placeholder_token, cfg.reward_tokens,
+        prm = ProcessRewardModel.load(local_model_path(cfg.pretrain), cfg.placeholder_token, cfg.reward_tokens,
                                  batch_size=cfg.micro_batch_size, max_len=cfg.max_len,
                                  use_fast=not cfg.disable_fast_tokenizer)
         steps = prm.step_scores(inputs, outputs)

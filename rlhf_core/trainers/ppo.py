@@ -31,7 +31,7 @@ from rlhf_core.infra.manifests import code_version
 from rlhf_core.infra.tracking import Tracker
 from rlhf_core.rl.controller import RLController
 from rlhf_core.rl.roles import ROLE_CLASSES, total_optimizer_steps
-from rlhf_core.rl.scoring import RewardModelSource, TextRewardSource
+from rlhf_core.rl.scoring import ProcessRewardSource, RewardModelSource, TextRewardSource
 from rlhf_core.trainers.common import attach_dashboards, local_model_path, seed_everything
 
 # Sequences the transformers engine samples at once (a rollout step's prompts x samples, in chunks):
@@ -40,7 +40,9 @@ GENERATION_BATCH = 256
 
 
 def load_prompts(cfg, tokenizer, split: str, dataset: str | None = None):
-    """`(prompt_ids, labels, sources, left_out)` of a prompt dataset, formatted like training data."""
+    """`(prompt_ids, labels, sources, left_out, texts)` of a prompt dataset, formatted like training
+    data; `texts`: each kept prompt's own text (a conversation's last user turn), for a process
+    reward model."""
     from rlhf_core.data.loading import DataError
     from rlhf_core.rollout.prompts import load_prompt_set, prompt_formatter
 
@@ -50,7 +52,7 @@ def load_prompts(cfg, tokenizer, split: str, dataset: str | None = None):
                                  seed=cfg.train.seed, chat=data.apply_chat_template,
                                  probs=None if dataset else mixing_probs(data.prompt_probs))
     fmt = prompt_formatter(tokenizer, data.apply_chat_template, data.input_template, data.tokenizer_chat_template)
-    ids, labels, left_out = [], [], 0
+    ids, labels, texts, left_out = [], [], [], 0
     for prompt, label in zip(prompt_set.prompts, prompt_set.answers, strict=True):
         tokens = fmt.prompt_ids(prompt)
         if len(tokens) > data.prompt_max_len:
@@ -58,10 +60,12 @@ def load_prompts(cfg, tokenizer, split: str, dataset: str | None = None):
             continue
         ids.append(tokens)
         labels.append(label)
+        texts.append(prompt if isinstance(prompt, str)
+                     else next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), ""))
     if not ids:
         raise DataError(f"{dataset or data.prompt_dataset}: every prompt of the {split!r} split is longer than "
                         f"--data.prompt_max_len {data.prompt_max_len} tokens")
-    return ids, labels, prompt_set.sources, left_out
+    return ids, labels, prompt_set.sources, left_out, texts
 
 
 def rollout_steps(cfg, num_prompts: int) -> int:
@@ -230,14 +234,16 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     use_modelscope(cfg.use_ms)
     actor_path = local_model_path(cfg.actor.model_name_or_path)
     tokenizer = load_tokenizer(actor_path, use_fast=not cfg.data.disable_fast_tokenizer)
-    prompt_ids, labels, sources, left_out = load_prompts(cfg, tokenizer, cfg.data.prompt_split)
+    prompt_ids, labels, sources, left_out, texts = load_prompts(cfg, tokenizer, cfg.data.prompt_split)
+    raw_prompts = dict(zip(map(tuple, prompt_ids), texts, strict=True))
     eval_ids = eval_labels = None
     eval_sources: list[dict] = []
     if cfg.eval.dataset:
         from rlhf_core.rollout.prompts import held_out_split
 
         split = cfg.eval.split or held_out_split(cfg.eval.dataset)
-        eval_ids, eval_labels, eval_sources, _ = load_prompts(cfg, tokenizer, split, cfg.eval.dataset)
+        eval_ids, eval_labels, eval_sources, _, eval_texts = load_prompts(cfg, tokenizer, split, cfg.eval.dataset)
+        raw_prompts.update(zip(map(tuple, eval_ids), eval_texts, strict=True))
     if len(prompt_ids) < cfg.rollout.batch_size:
         raise DataError(f"--data.prompt_dataset: {len(prompt_ids)} usable prompts, fewer than one rollout batch "
                          f"(--rollout.batch_size {cfg.rollout.batch_size})")
@@ -268,8 +274,13 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
             roles = local_roles(cfg, specs, actor_path)
-        rewards = (RewardModelSource(roles.reward_model) if reward_paths
-                   else TextRewardSource(build_reward_fn(cfg), tokenizer))
+        if cfg.reward.placeholder_token is not None:
+            rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,
+                                          cfg.reward.process_enable)
+        elif reward_paths:
+            rewards = RewardModelSource(roles.reward_model)
+        else:
+            rewards = TextRewardSource(build_reward_fn(cfg), tokenizer)
         roles.engines.sync(roles.actor)
         controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, roles.engines,
                                   roles.actor, roles.critic, roles.ref, rewards, tracker,

@@ -21,6 +21,9 @@ import pytest
 
 STEP_ACCURACY_OVER_MAJORITY = 0.2  # measured +0.36: held-out step accuracy 1.0, the majority label's share 0.64
 PICK_GAIN = 0.1  # measured +0.225: the PRM's picks 0.93 right, a random pick 0.705 (all samples 0.725, pass@4 0.995)
+RL_STEPS, RL_LR = 12, 2e-5
+RL_REWARD_GAIN = 0.02  # measured +0.04: the PRM's held-out reward 0.9225 -> 0.9625
+RL_ACCURACY_DROP = 0.02  # measured +0.0125: held-out sampled accuracy 0.9225 -> 0.935
 TRAIN = ["--max_len", "64", "--packing_samples", "--param_dtype", "fp32", "--train_batch_size", "32",
          "--micro_train_batch_size", "32", "--max_epochs", "3", "--learning_rate", "1e-3", "--lr_warmup_ratio",
          "0.05", "--seed", "0", "--use_mlflow", "false"]
@@ -77,3 +80,39 @@ def test_best_of_n_with_the_prm_beats_a_random_pick(steps_task, tmp_path):
         return sum(r["output"] == r["answer"] for r in rows) / len(rows)
     chance = right(samples[::4])  # each prompt's first sample: a random pick
     assert right(best) >= chance + PICK_GAIN, (right(best), chance, right(samples))
+
+
+def grpo_with_the_prm(steps_task, out: Path, *flags: str) -> dict:
+    """`rlhf train ppo` from the SFT policy, rewarded by the PRM (GRPO, no reference), evaluated on
+    the held-out prompts with the task's verifier."""
+    from rlhf_core.cli import main
+
+    prompts = str(Path(steps_task["prompts_train"]).parent)
+    assert main(["train", "ppo", "--actor.model_name_or_path", steps_task["policy"],
+                 "--data.prompt_dataset", f"json@{prompts}", "--data.input_key", "prompt",
+                 "--data.apply_chat_template", "--eval.dataset", f"json@{prompts}", "--eval.split", "test",
+                 "--eval.task", "addition_steps", "--eval.n_samples_per_prompt", "2",
+                 "--reward.model_name_or_path", steps_task["prm_model"], "--reward.placeholder_token", "ки",
+                 "--reward.reward_tokens", "+", "-", "--algo.advantage.estimator", "group_norm",
+                 "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32",
+                 "--rollout.max_new_tokens", "33", "--train.batch_size", "128", "--train.micro_batch_size", "64",
+                 "--actor.adam.lr", str(RL_LR), "--train.max_steps", str(RL_STEPS), "--ds.param_dtype", "fp32",
+                 "--train.seed", "0", "--use_mlflow", "false", "--ckpt.output_dir", str(out), *flags]) == 0
+    return json.loads((out / "stage.json").read_text())["metrics"]
+
+
+def test_rl_with_the_prms_step_rewards_raises_its_held_out_reward(steps_task, tmp_path):
+    """The PRM as the RL stage's reward, a reward per step (`--reward.process_enable`: each step's
+    P(right) at the token that completes it, normalised over the prompt's samples' steps): the PRM's
+    held-out score of the policy's samples rises, and their accuracy does not fall. With the PRM's
+    scores constant the advantages are 0 and nothing moves.
+
+    Measured (2-core AMD EPYC, Zen 4 class), 12 steps: the PRM's held-out reward 0.9225 -> 0.9625,
+    sampled accuracy 0.9225 -> 0.935 (greedy 1.0 -> 0.98); the response's min over steps as one
+    reward instead: 0.9225 -> 0.9425 accuracy; the task's verifier as the reward: -> 0.9625. The PRM
+    learnt from carry flips only and never saw a column summed wrong: pushed harder (lr 1e-4), RL
+    finds those slips, the PRM's reward reaches 1.0 while accuracy falls to 0.69 (greedy 0.72), a
+    reward hack the accuracy bound here would catch."""
+    metrics = grpo_with_the_prm(steps_task, tmp_path / "grpo", "--reward.process_enable")
+    assert metrics["eval/sampled_reward"] >= metrics["eval_initial/sampled_reward"] + RL_REWARD_GAIN, metrics
+    assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] - RL_ACCURACY_DROP, metrics

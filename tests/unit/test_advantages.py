@@ -15,6 +15,7 @@ from rlhf_core.algos.advantages import (
     gae,
     kl_controller,
     shape_group_rewards,
+    shape_group_step_rewards,
     token_level_rewards,
     whiten,
 )
@@ -30,6 +31,15 @@ def assert_close(actual, expected, atol=1e-6, rtol=1e-6):
 
 def right_padded_mask(lengths, T):
     return (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+
+
+def step_rewards_of(steps, B, T):
+    """`(rewards, mask)` from {sample: [(position, reward), ...]}."""
+    rewards, mask = torch.zeros(B, T), torch.zeros(B, T)
+    for i, pairs in steps.items():
+        for t, r in pairs:
+            rewards[i, t], mask[i, t] = r, 1
+    return rewards, mask
 
 
 # --- the enum ---------------------------------------------------------------------------------
@@ -392,3 +402,60 @@ def test_adaptive_kl_controller_state_round_trip_and_factory():
     assert isinstance(kl_controller(0.01, kl_target=0.1), AdaptiveKLController)
     with pytest.raises(ValueError):
         AdaptiveKLController(0.1, target=0.0, horizon=100)
+
+
+# --- process rewards (a reward per step) ------------------------------------------------------
+
+
+def test_group_step_rewards_are_normalised_over_every_step_of_the_group():
+    """DeepSeekMath's process supervision: each step reward of a prompt's samples, less the mean of
+    all of them, over their (unbiased) standard deviation; a reward of 0 is a step too."""
+    rewards, mask = step_rewards_of({0: [(1, 0.9), (4, 0.2)], 1: [(2, 0.8)], 2: [(0, 0.0)], 3: [(3, 1.0)]}, 4, 5)
+    shaped = shape_group_step_rewards(rewards, mask, 2, E.GROUP_NORM)
+    first = torch.tensor([0.9, 0.2, 0.8])
+    expected = (first - first.mean()) / (first.std() + 1e-9)
+    assert_close(shaped[0, [1, 4]], expected[:2])
+    assert_close(shaped[1, 2], expected[2])
+    assert_close(shaped[2, 0], -0.5 / math.sqrt(0.5))
+    assert_close(shaped[3, 3], 0.5 / math.sqrt(0.5))
+    assert shaped[mask == 0].abs().sum() == 0
+    assert_close(shape_group_step_rewards(rewards, mask, 2, E.DR_GRPO)[0, [1, 4]], first[:2] - first.mean())
+    assert_close(shape_group_step_rewards(rewards, mask, 2, E.GROUP_NORM, std_norm=False)[1, 2], 0.8 - first.mean())
+    for estimator in (E.GAE, E.REINFORCE):  # their returns sum the rewards as they are
+        assert torch.equal(shape_group_step_rewards(rewards, mask, 2, estimator), rewards)
+    for estimator in (E.RLOO, E.REINFORCE_BASELINE):
+        with pytest.raises(ValueError, match="one reward per sample"):
+            shape_group_step_rewards(rewards, mask, 2, estimator)
+    one, one_mask = step_rewards_of({0: [(0, 0.3)]}, 2, 3)  # a group with one step: nothing to compare it with
+    assert torch.equal(shape_group_step_rewards(one, one_mask, 2, E.GROUP_NORM), torch.zeros(2, 3))
+
+
+def test_a_token_is_advantaged_by_the_steps_it_leads_to():
+    """Group estimators (γ = 1): a token's advantage is the sum of the shaped rewards of the steps
+    completed at or after it; with KL in the reward every token pays β·KL as with a scalar reward."""
+    mask = right_padded_mask([5, 3, 4, 5], 5)
+    rewards, where = step_rewards_of({0: [(1, 0.9), (4, 0.2)], 1: [(2, 0.8)], 2: [(3, 0.5)], 3: [(4, 0.1)]}, 4, 5)
+    kl = torch.rand(4, 5)
+    advantages, returns = compute_advantages(E.GROUP_NORM, torch.zeros(4), kl, mask, kl_coef=0.1, n=2,
+                                             step_rewards=(rewards, where))
+    shaped = shape_group_step_rewards(rewards, where, 2, E.GROUP_NORM)
+    token = (shaped - 0.1 * kl) * mask
+    expected = torch.flip(torch.cumsum(torch.flip(token, [1]), 1), [1]) * mask
+    assert_close(advantages, expected, atol=1e-5)
+    assert torch.equal(advantages, returns)
+
+
+def test_one_step_at_the_last_token_is_the_scalar_reward():
+    """Process rewards generalise the scalar one: every sample's single step at its last token gives
+    the scalar path's advantages and returns, for every estimator that takes steps."""
+    lengths, scalar = [5, 3, 4, 2], torch.tensor([0.9, 0.1, 0.4, 0.7])
+    mask = right_padded_mask(lengths, 5)
+    rewards, where = step_rewards_of({i: [(n - 1, float(scalar[i]))] for i, n in enumerate(lengths)}, 4, 5)
+    kl, values = torch.rand(4, 5) * 0.1, torch.rand(4, 5)
+    for estimator in (E.GAE, E.REINFORCE, E.GROUP_NORM, E.DR_GRPO):
+        common = dict(kl_coef=0.05, n=2, gamma=0.9 if estimator in (E.GAE, E.REINFORCE) else 1.0, lambd=0.95,
+                      values=values if estimator == E.GAE else None, reward_clip=0.5)
+        by_scalar = compute_advantages(estimator, scalar, kl, mask, **common)
+        by_steps = compute_advantages(estimator, torch.zeros(4), kl, mask, step_rewards=(rewards, where), **common)
+        for a, b in zip(by_scalar, by_steps, strict=True):
+            assert_close(b, a, atol=1e-5)

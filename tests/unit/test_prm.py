@@ -147,8 +147,8 @@ def test_the_scorer_reads_each_placeholder_as_a_whole_forward_does(steps_prep):
     from rlhf_core.algos.names import STEP_AGGREGATES
     from rlhf_core.rewards.process import AGGREGATE, ProcessRewardModel, aggregate
 
-    prm = ProcessRewardModel(steps_prep["base"], steps.PLACEHOLDER, ["+", "-"], batch_size=2,
-                             device=torch.device("cpu"), dtype=torch.float32)
+    prm = ProcessRewardModel.load(steps_prep["base"], steps.PLACEHOLDER, ["+", "-"], batch_size=2,
+                                  device=torch.device("cpu"), dtype=torch.float32)
     prompts = ["add 482+397=", "add 5+7=", "add 1+1=", "add 95+7="]
     responses = ["2+7+0=9\n8+9+0=17\n4+3+1=8\n=879", "5+7+0=12\n=12", "", "5+7+0=12\n9+0+1=10\n=102"]
     got = prm.step_scores(prompts, responses)
@@ -165,3 +165,29 @@ def test_the_scorer_reads_each_placeholder_as_a_whole_forward_does(steps_prep):
     assert set(AGGREGATE) == set(STEP_AGGREGATES)
     assert [aggregate([0.5, 0.2, 0.9], how) for how in ("min", "prod", "last", "mean")] == \
         pytest.approx([0.2, 0.09, 0.9, 1.6 / 3])
+
+
+def test_each_step_ends_at_the_token_that_completes_it(steps_prep):
+    """Step rewards in RL sit where a step is written out: the token that writes its closing newline,
+    and the response's last token (EOS included) for the last step; blank lines are no steps."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rewards.process import step_end_tokens
+
+    tok = AutoTokenizer.from_pretrained(steps_prep["base"])
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    for response in ["5+6+0=11\n0+7+1=8\n=81", "5+6+0=11\n\n0+7+1=8\n=81\n", "=12", ""]:
+        ids = tok.encode(response, add_special_tokens=False) + ([tok.eos_token_id] if response else [])
+        ends = step_end_tokens(decode, ids)
+        assert len(ends) == len(steps.split_steps(response))
+        if not ends:
+            continue
+        assert ends[-1] == len(ids) - 1 and ends == sorted(set(ends))
+        def complete(text):  # the steps whose closing newline is written
+            return len(steps.split_steps(text.rpartition("\n")[0]))
+
+        for j, end in enumerate(ends[:-1]):  # step j is complete at its token, not a token earlier
+            assert complete(decode(ids[:end])) == j and complete(decode(ids[: end + 1])) == j + 1

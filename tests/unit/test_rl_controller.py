@@ -128,7 +128,7 @@ def _controller_parts(**cfg):
 
     rollout = SimpleNamespace(max_new_tokens=6, vllm_generate_batch_size=cfg.get("batch"))
     reward = SimpleNamespace(overlong_buffer_len=None, overlong_penalty_factor=1.0,
-                             stop_properly_penalty_coef=cfg.get("coef"))
+                             stop_properly_penalty_coef=cfg.get("coef"), process_enable=cfg.get("process", False))
     return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout, reward=reward), labels=[None] * 8)
 
 
@@ -157,3 +157,22 @@ def test_scoring_applies_the_truncation_penalty_to_responses_without_eos():
     samples = [SimpleNamespace(response_len=3, finished=f) for f in (True, False)]
     RLController.score(parts, samples)
     assert [s.reward for s in samples] == [1.0, -0.5] and [s.score for s in samples] == [1.0, 1.0]
+
+
+def test_with_step_rewards_the_penalty_goes_on_the_last_token():
+    """`--reward.process_enable`: a response cut off keeps its step rewards and pays the truncation
+    penalty (its change to the reward) on its last token."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.controller import RLController
+    from rlhf_core.rl.experience import RolloutSample, step_reward_matrix
+
+    parts = _controller_parts(coef=-0.5, process=True)
+    parts.reward_source = SimpleNamespace(score=lambda samples, labels: (torch.full((len(samples),), 0.25),) * 2)
+    samples = [RolloutSample([1], [5, 6, 7], 0, torch.zeros(3), finished=f) for f in (True, False)]
+    for s in samples:
+        s.extra["step_rewards"] = [(0, 0.5), (2, 0.25)]
+    RLController.score(parts, samples)
+    rewards, mask = step_reward_matrix(samples, 4)
+    assert torch.equal(rewards, torch.tensor([[0.5, 0, 0.25, 0], [0.5, 0, 0.25 - 0.75, 0]]))
+    assert torch.equal(mask, torch.tensor([[1.0, 0, 1, 0], [1, 0, 1, 0]]))
