@@ -143,6 +143,27 @@ def check_destination(uri: str, stage: str, inputs: Iterable[tuple[str, str]] = 
     return Destination(target, state, found)
 
 
+def check_output_file(uri: str, inputs: Iterable[tuple[str, str]] = (), *, flag: str = "--output_path") -> None:
+    """Whether a command may write one file at `uri` (written whole or not at all,
+    `write_text_atomic`); ConfigError (exit 2) naming `flag` when not: it is or lies inside one of
+    `inputs`, or holds one of them (a dataset folder), it is a folder, or (local) the folder it
+    would go in is a file."""
+    target = normalize_uri(uri)
+    for name, location in inputs:
+        location = normalize_uri(location)
+        if _contains(location, target) or _contains(target, location):
+            raise ConfigError(f"{flag} {uri}: is, holds or lies inside the input {name} {location}; a command never "
+                              "writes over what it reads")
+    if is_remote(target):
+        return
+    path = Path(target)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {uri}: is a folder; name the file to write")
+    parent = next(p for p in path.parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {uri}: {parent} is a file, not a folder")
+
+
 def check_stage_output(cfg) -> Destination:
     """`check_destination` for a stage config: its `save_path`, its stage, its inputs."""
     return check_destination(cfg.save_path, cfg.stage, stage_inputs(cfg))

@@ -187,6 +187,8 @@ def run_batch_inference(cfg: BatchInferenceConfig) -> dict:
     use_modelscope(cfg.use_ms)  # a model named by hub id, policy or reward model alike
     if cfg.save_path is not None:
         storage.check_stage_output(cfg)  # refuse to write over what is not ours before anything runs
+    else:
+        storage.check_output_file(cfg.output_path, storage.stage_inputs(cfg))
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version()})
     try:

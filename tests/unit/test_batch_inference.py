@@ -142,6 +142,21 @@ def test_what_cannot_run_exits_2_naming_the_flag(argv, says, tmp_path, capsys, m
     assert says in capsys.readouterr().err
 
 
+def test_an_output_file_over_its_input_in_a_folder_or_under_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    """`--output_path` is checked as `--save_path` is: never the dataset it reads (the rows would be
+    lost), nor a folder, nor a path under a file; nothing is loaded or written first."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "a", "output": "b", "answer": "b"}\n')
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    score = ["batch_inference", "--eval_task", "rm", "--task", "sort", "--dataset", str(rows), "--use_mlflow", "false"]
+    for output, says in [(rows, "is, holds or lies inside the input --dataset"), (tmp_path / "folder", "is a folder"),
+                         (tmp_path / "notes.txt" / "x.jsonl", f"{tmp_path / 'notes.txt'} is a file, not a folder")]:
+        assert main([*score, "--output_path", str(output)]) == 2
+        assert f"--output_path {output}: {says}" in capsys.readouterr().err
+    assert rows.read_text() == '{"input": "a", "output": "b", "answer": "b"}\n'
+
+
 def test_generate_then_score_and_post_process_on_the_cli(prepared, tmp_path, capsys):
     """Generation reads prompts with the chat template, takes its `--iter` window, writes
     `best_of_n` rows per prompt; scoring a file of them with a verifier and `rs` keeps one per prompt."""
