@@ -216,6 +216,8 @@ class DSConfig(StrictModel):
     def problems(self) -> list[str]:
         """Why `load_in_4bit` or `use_universal_ckpt` cannot run with these settings (none: they can)."""
         found = []
+        if getattr(self, "tensor_parallel_size", 1) > 1:  # the supervised trainers' (TrainerDSConfig)
+            found += self.tensor_parallel_problems()
         if self.use_universal_ckpt and self.zero_stage == 0:
             found.append("--ds.use_universal_ckpt (--use_ds_universal_ckpt) converts ZeRO's per-rank slices: give "
                          "--zero_stage 1, 2 or 3")
@@ -227,6 +229,19 @@ class DSConfig(StrictModel):
         if self.zero_stage == 3:
             found.append("--ds.load_in_4bit (--load_in_4bit) cannot shard 4-bit weights with ZeRO-3: use "
                          "--zero_stage 0, 1 or 2")
+        return found
+
+    def tensor_parallel_problems(self) -> list[str]:
+        """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
+        flag = "--ds.tensor_parallel_size (--ds_tensor_parallel_size)"
+        found = []
+        if self.zero_stage == 3:
+            found.append(f"{flag}: DeepSpeed's AutoTP does not shard its layers under ZeRO-3; use --zero_stage 0, 1 or 2")
+        if getattr(self, "lora", None) is not None and self.lora.rank > 0:
+            found.append(f"{flag}: AutoTP replaces the linear layers LoRA adapts; train without --lora_rank")
+        if self.use_universal_ckpt:
+            found.append(f"{flag}: universal checkpoints of tensor-parallel slices are not converted here; leave out "
+                         "--ds.use_universal_ckpt")
         return found
 
     @property
@@ -470,6 +485,10 @@ class LoraConfig(StrictModel):
 class TrainerDSConfig(DSConfig):
     packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
                                   json_schema_extra=flat("packing_samples"))
+    tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP: each linear layer's weights split "
+                                      "over this many ranks, which see the same batches (the data-parallel ranks "
+                                      "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
+                                          "ds_tensor_parallel_size"))
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -517,8 +536,6 @@ def _deferred(reason: str, *names: str) -> dict[str, str]:
 SEED_STAGE_FLAGS = {
     **_deferred("ring attention (sequence parallelism) comes with the seed stages", "ring_attn_size",
                 "ds.ring_attn_size", "ring_head_stride", "ds.ring_attn_head_stride"),
-    **_deferred("DeepSpeed tensor-parallel training comes with the seed stages", "ds_tensor_parallel_size",
-                "ds.tensor_parallel_size"),
 }
 # OpenRLHF flags of this stage's own features still to build (refused by name, not as unknown).
 NOT_BUILT_FLAGS = {
@@ -549,12 +566,20 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
-        per_step = self.train.micro_batch_size * self.world_size
+        tp = self.ds.tensor_parallel_size
+        if tp > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
+            # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
+            # a tensor-parallel size alone asks for one group of that many per node
+            object.__setattr__(self.train, "num_gpus_per_node", tp)
+        if self.world_size % tp:
+            raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp} must divide the ranks "
+                             f"(--train.num_nodes x --train.num_gpus_per_node = {self.world_size})")
+        per_step = self.train.micro_batch_size * self.data_parallel_size
         if self.train.batch_size % per_step:
             raise ValueError(
                 f"--train.batch_size (--train_batch_size) ({self.train.batch_size}) must be a multiple of "
-                f"--train.micro_batch_size (--micro_train_batch_size) x ranks ({self.train.micro_batch_size} x "
-                f"{self.world_size})"
+                f"--train.micro_batch_size (--micro_train_batch_size) x data-parallel ranks "
+                f"({self.train.micro_batch_size} x {self.data_parallel_size})"
             )
         problems = self.ckpt.problems() + self.ds.problems()
         if problems:
@@ -581,8 +606,13 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
         return self.train.num_nodes * self.train.num_gpus_per_node
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: the tensor-parallel ranks of a group see the same ones."""
+        return self.world_size // self.ds.tensor_parallel_size
+
+    @property
     def accumulation_steps(self) -> int:
-        return self.train.batch_size // (self.train.micro_batch_size * self.world_size)
+        return self.train.batch_size // (self.train.micro_batch_size * self.data_parallel_size)
 
 
 class SFTModelConfig(ModelConfig):

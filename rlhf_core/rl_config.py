@@ -650,6 +650,8 @@ PPOConfig.DEFERRED = {
     **_deferred("asynchronous RL comes with the frontier-RL work", "async_train", "train.async_enable",
                 "async_queue_size", "train.async_queue_size", "partial_rollout", "train.partial_rollout_enable"),
     **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),
+    **_deferred("tensor parallelism of the RL roles (the supervised stages have it; --vllm.tensor_parallel_size "
+                "splits the rollout engines)", "ds_tensor_parallel_size", "ds.tensor_parallel_size"),
     **_deferred("vision-language RL is not planned yet", "data.image_key", "data.max_images_per_prompt",
                 "actor.freeze_visual_encoder"),
 }

@@ -39,15 +39,20 @@ class EngineSettings:
     world_size: int
     muon: MuonConfig | None = None  # None: AdamW; else Muon for the matrices, AdamW (`adam`) for the rest
     aux_loss_coef: float = 0.0  # > 0: an MoE model's load-balancing loss, weighted so (models/moe.py)
+    tensor_parallel: int = 1  # AutoTP: ranks per group that split each linear layer and see the same batches
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel
 
     @property
     def accumulation_steps(self) -> int:
-        return self.batch_size // (self.micro_batch_size * self.world_size)
+        return self.batch_size // (self.micro_batch_size * self.data_parallel_size)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> EngineSettings:
         return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size,
-                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef)
+                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef, cfg.ds.tensor_parallel_size)
 
 
 def device() -> torch.device:
@@ -168,10 +173,16 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
         extra["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if train and ds.deepcompile and on_gpu:
         extra["compile"] = {"deepcompile": True}
+    if train and settings.tensor_parallel > 1:
+        # The LM head's logits gathered whole on every rank: the losses here read full-vocabulary
+        # log-probs (a vocabulary-sharded head, DeepSpeed's choice for tied embeddings, leaves each
+        # rank half the vocabulary and its own loss function to use)
+        extra["tensor_parallel"] = {"autotp_size": settings.tensor_parallel, "vocab_parallel_lm_head": False}
     return {**extra,
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": settings.accumulation_steps,
-        "train_batch_size": settings.batch_size,
+        # DeepSpeed counts every rank, a tensor-parallel group's too (they see the same batches)
+        "train_batch_size": settings.batch_size * settings.tensor_parallel,
         "gradient_clipping": settings.schedule.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": on_gpu and precision == Precision.BF16},

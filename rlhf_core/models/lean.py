@@ -56,9 +56,17 @@ def supported(model) -> str | None:
         "rotary attention scaling": getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0,
         "Liger kernels (--ds.use_liger_kernel)": getattr(model, "_rlhf_liger", False),
         "4-bit weights (--ds.load_in_4bit)": bool(getattr(model, "is_loaded_in_4bit", False)),
+        "tensor-parallel layers (--ds.tensor_parallel_size)": tensor_parallel(model),
     }
     reasons = [k for k, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None
+
+
+def tensor_parallel(model) -> bool:
+    """Whether DeepSpeed's AutoTP sharded `model`'s linear layers (`--ds.tensor_parallel_size`: each
+    rank holds a slice; their forward gathers or all-reduces, which only the modules' own calls do).
+    DeepSpeed marks the model when it replaces them."""
+    return bool(getattr(model, "ds_autotp_parsed", False))
 
 
 def lean_model(model) -> LeanLlama | None:
@@ -75,7 +83,7 @@ def lean_model(model) -> LeanLlama | None:
             _LEAN[model] = lean
         except TypeError:
             pass
-    if lean is None or _checkpointing(model):
+    if lean is None or _checkpointing(model) or tensor_parallel(model):  # sharded after it was cached
         return None
     return lean
 

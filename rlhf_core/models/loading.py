@@ -384,6 +384,30 @@ def _gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
     return state
 
 
+def _tensor_parallel_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
+    """Full fp32 CPU state dict of a model whose layers DeepSpeed's AutoTP sharded, on rank 0 (None
+    elsewhere): each module's slices gathered over its tensor-parallel group in turn. Every rank
+    must call this."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+
+    def visit(owner, prefix: str) -> None:
+        params = list(owner.named_parameters(recurse=False))
+        with GatherReplacedLayerParams([p for _, p in params], owner, enabled=True):
+            if rank == 0:
+                for name, param in params:
+                    state[prefix + name] = param.detach().to("cpu", torch.float32).clone()
+        for name, child in owner.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(module, "")
+    if rank == 0:  # buffers, and tied weights under every name state_dict() gives them
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            state.setdefault(name, tensor.detach().to("cpu").clone())
+    return state
+
+
 def checkpoint_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (the in-memory state dict of `model`, or of the model inside a DeepSpeed engine) in the
     names and layout `save_pretrained` writes, which vLLM's loaders read. transformers 5 converts
@@ -407,8 +431,11 @@ def export_model(module, rank: int):
             return None
         return plain_copy(module, merged_lora_state(module) if hasattr(module, "peft_config")
                           else dequantized_state(module))
-    if _is_partitioned(module):
-        state = _gathered_state_dict(module, rank)
+    from rlhf_core.models.lean import tensor_parallel
+
+    if _is_partitioned(module) or tensor_parallel(module):
+        state = _gathered_state_dict(module, rank) if _is_partitioned(module) else _tensor_parallel_state_dict(
+            module, rank)
         if rank != 0:
             return None
         base = module.get_base_model() if hasattr(module, "get_base_model") else module

@@ -57,8 +57,12 @@ class TrainLoop:
         self.cfg, self.engine, self.recipe, self.tokenizer = cfg, engine, recipe, tokenizer
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
         self.tracker, self.rank, self.world_size = tracker, rank, world_size
+        # The ranks of a tensor-parallel group (consecutive, as DeepSpeed's AutoTP groups them) see the
+        # same batches: batches go by data-parallel rank, and sums over all ranks count each group once.
+        self.tp = cfg.ds.tensor_parallel_size
+        self.dp_rank, self.dp_size = rank // self.tp, world_size // self.tp
         self.plan = BatchPlan(len(train_examples), cfg.train.batch_size, cfg.train.micro_batch_size,
-                              rank, world_size, cfg.train.seed)
+                              self.dp_rank, self.dp_size, cfg.train.seed)
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"{len(train_examples)} training examples are fewer than one global batch "
                              f"(--train.batch_size {cfg.train.batch_size})")
@@ -119,14 +123,14 @@ class TrainLoop:
         if kill_requested(self.step + 1, self.rank):
             micro_step = killing_on_last(micro_step, len(micro))
         sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, micro_step,
-                                             self.world_size, precision_of(self.cfg.ds))
+                                             self.dp_size, precision_of(self.cfg.ds), duplicates=self.tp)
         return {f"train/{k}": (v / units).item() for k, v in sums.items()}, tokens
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
         """Held-out metrics, averaged over the recipe's units across all ranks."""
-        mine = share(self.eval_examples, self.rank, self.world_size)  # distributed/sharding.py
+        mine = share(self.eval_examples, self.dp_rank, self.dp_size)  # distributed/sharding.py
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()
@@ -145,7 +149,7 @@ class TrainLoop:
         if not sums:
             return {}
         keys = sorted(sums)
-        totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(units))]))
+        totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(units))])) / self.tp
         return {f"{prefix}{k}": (v / totals[-1]).item() for k, v in zip(keys, totals[:-1], strict=True)}
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -282,7 +286,7 @@ class TrainLoop:
                     mininterval=float(os.environ.get("RLHF_PROGRESS_SECONDS", "2")), dynamic_ncols=True)
 
 
-def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: int, precision
+def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: int, precision, duplicates: int = 1
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
     """One optimizer step of `engine` over this rank's micro-batches, the loss normalised by the
     global count of loss units; every trainer (supervised, preference, RL) uses it.
@@ -295,9 +299,11 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     number of micro-batches: `--use_dynamic_batch`; every rank must have the same number, as ZeRO
     reduces at the boundary on all). An MoE model's load-balancing loss (`--aux_loss_coef`,
     `models/moe.py`) joins each micro-batch's loss weighted by its units, and is reported as
-    `aux_loss`. Returns `(metric sums over all ranks, global units, global tokens)`.
+    `aux_loss`. `world_size`: the data-parallel ranks DeepSpeed averages gradients over;
+    `duplicates`: how many ranks see each batch (a tensor-parallel group's), so sums over all
+    ranks are divided by it. Returns `(metric sums over all ranks, global units, global tokens)`.
     """
-    units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches))))
+    units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches)))) / duplicates
     scale = world_size * engine.gradient_accumulation_steps() / units.clamp(min=1.0)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
     tokens = 0
@@ -316,7 +322,7 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
             sums[k] = sums[k] + v.detach().float().cpu()
         tokens += n_tok
     keys = sorted(sums)
-    totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))]))
+    totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))])) / duplicates
     return dict(zip(keys, totals[:-1], strict=True)), units, int(totals[-1].item())
 
 

@@ -23,6 +23,29 @@ def test_batch_arithmetic_and_accumulation():
         build_config(SFTConfig, BASE, {"train_batch_size": 60, "micro_train_batch_size": 8})
 
 
+def test_tensor_parallel_ranks_share_batches_and_what_autotp_cannot_combine_with_is_refused():
+    """`--ds_tensor_parallel_size`: a group's ranks see the same batches, so the accumulation counts
+    data-parallel ranks; DeepSpeed is told every rank's batch and AutoTP's size; alone, it asks for
+    one group of ranks (OpenRLHF's launcher starts a rank per GPU)."""
+    from rlhf_core.distributed.engine import EngineSettings, deepspeed_config
+
+    cfg = build_config(SFTConfig, BASE, {"train_batch_size": 64, "micro_train_batch_size": 8, "num_gpus_per_node": 4,
+                                         "ds_tensor_parallel_size": 2})
+    assert (cfg.world_size, cfg.data_parallel_size, cfg.accumulation_steps) == (4, 2, 4)
+    ds = deepspeed_config(EngineSettings.of(cfg))
+    assert ds["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+    assert "tensor_parallel" not in deepspeed_config(EngineSettings.of(build_config(SFTConfig, BASE, {})))
+    assert build_config(SFTConfig, BASE, {"ds.tensor_parallel_size": 2}).world_size == 2
+    for flags, says in [({"num_gpus_per_node": 3, "ds_tensor_parallel_size": 2}, "2 must divide the ranks"),
+                        ({"ds_tensor_parallel_size": 2, "zero_stage": 3}, "does not shard its layers under ZeRO-3"),
+                        ({"ds_tensor_parallel_size": 2, "lora_rank": 8}, "train without --lora_rank"),
+                        ({"ds_tensor_parallel_size": 2, "micro_train_batch_size": 8, "train_batch_size": 12},
+                         r"x data-parallel ranks \(8 x 1\)")]:
+        with pytest.raises(ConfigError, match=says):
+            build_config(SFTConfig, BASE, flags)
+
+
 def test_invalid_value_names_the_field():
     with pytest.raises(ConfigError, match="--zero_stage"):
         build_config(SFTConfig, BASE, {"zero_stage": 4})

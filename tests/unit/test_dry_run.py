@@ -63,10 +63,11 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 @pytest.mark.parametrize("stage, argv", [
     ("sft", ["--ring_attn_size", "2"]),
-    ("dpo", ["--ds.tensor_parallel_size", "2"]),
+    ("dpo", ["--ds.ring_attn_size", "2"]),
     ("ppo", ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5.0"]),
     ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),
+    ("ppo", ["--ds_tensor_parallel_size", "2"]),
 ])
 def test_an_openrlhf_flag_of_a_feature_not_built_yet_is_refused_by_name(stage, argv, untouched, capsys):
     """Recognised (not `unrecognized arguments`) and refused with exit 2, saying what is not built."""
