@@ -271,6 +271,9 @@ class IterativeDPOParams(StrictModel):
     reward: str = Field("verifier", pattern="^(verifier|reward_model)$")
     start_from: str = Field("champion", pattern="^(champion|sft)$",
                             description="Start from the registered champion policy (falls back to SFT) or SFT")
+    learning_rate: float = Field(2e-5, gt=0, description="DPO on the round's pairs (the `dpo` section's other "
+                                 "settings): lower than that section's, which starts from SFT; a round starts "
+                                 "from a policy RL already moved")
     seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run, so every "
                              "scheduled run samples fresh pairs)")
 

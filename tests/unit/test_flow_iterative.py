@@ -9,6 +9,11 @@ from tests.unit.flow_helpers import flow_ctx, outcome, perturbed
 
 def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run") -> list[str]:
     """The config hash of each round's pairs job, from `run_rounds` with every job faked."""
+    return [job.config_hash for job in round_jobs(tmp_path, monkeypatch, iterative, prep, parent) if job.stage == "pairs"]
+
+
+def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run") -> list:
+    """Every job `run_rounds` submits, each faked."""
     from flows import iterative as iterative_flow
     from flows.params import EvalParams, PipelineDPOConfig, PipelineSettings, PrepParams
     from orchestration import lineage
@@ -28,21 +33,21 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
     ctx.parent_run_id = parent
     iterative_flow.run_rounds(ctx, PipelineSettings(), prep or PrepParams(), PipelineDPOConfig(), EvalParams(),
                               iterative, upstream.__getitem__, run, {})
-    return [job.config_hash for job in jobs if job.stage == "pairs"]
+    return jobs
 
 
 def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, monkeypatch):
     from flows.iterative import PAIRS_NOT_IN_KEY
     from flows.params import IterativeDPOParams, PrepParams
 
-    assert PAIRS_NOT_IN_KEY == {"rounds", "start_from", "seed"}  # widening this needs a reason next to it
+    assert PAIRS_NOT_IN_KEY == {"rounds", "start_from", "seed", "learning_rate"}  # widening this needs a reason
     for base_params in (IterativeDPOParams(), IterativeDPOParams(seed=5)):
         (base,) = pairs_keys(tmp_path, monkeypatch, base_params)
         assert pairs_keys(tmp_path, monkeypatch, base_params.model_copy()) == [base]
         for name in IterativeDPOParams.model_fields:
             first_round = pairs_keys(tmp_path, monkeypatch, perturbed(base_params, name))[0]
             # `seed` is excluded as a field but enters as the round's sampling seed, which it changes
-            assert (first_round != base) == (name not in {"rounds", "start_from"}), (name, base_params)
+            assert (first_round != base) == (name not in {"rounds", "start_from", "learning_rate"}), (name, base_params)
         assert pairs_keys(tmp_path, monkeypatch, base_params, prep=perturbed(PrepParams(), "task")) != [base]
 
     class Later(IterativeDPOParams):  # a field added after this test was written counts without anyone listing it
@@ -56,3 +61,17 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams())
     assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5), parent="other-run") == \
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))
+
+
+def test_a_round_trains_dpo_at_its_own_learning_rate(tmp_path, monkeypatch):
+    """The round's DPO takes `iterative.learning_rate` (from a policy RL moved; the `dpo` section's is
+    tuned from SFT), the rest of the `dpo` section as it is."""
+    import yaml
+
+    from flows.params import IterativeDPOParams, PipelineDPOConfig
+
+    for lr in (2e-5, 7e-6):
+        (dpo,) = [j for j in round_jobs(tmp_path, monkeypatch, IterativeDPOParams(learning_rate=lr)) if j.stage == "dpo"]
+        written = yaml.safe_load(dpo.config_yaml)
+        assert written["adam"]["lr"] == lr and written["model"]["beta"] == PipelineDPOConfig().model.beta
+    assert PipelineDPOConfig().adam.lr == 1e-4 and IterativeDPOParams().learning_rate == 2e-5
