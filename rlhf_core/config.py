@@ -1092,6 +1092,8 @@ class BatchInferenceConfig(StageConfig):
     temperature: float = Field(1.0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0, description="Only 1.0 (no penalty): neither engine here applies one")
     best_of_n: int = Field(1, ge=1, description="Responses per prompt")
+    num_engines: int = Field(1, ge=1, description="generate: rollout engines on Ray (a local one when no cluster is "
+                             "given), each generating a contiguous share of the prompts; 1: one engine in this process")
     post_processor: PostProcessor | None = None
     iter: int | None = Field(None, ge=0, description="Generate for prompts [iter x rollout_batch_size, (iter + 1) x "
                              "rollout_batch_size) only")

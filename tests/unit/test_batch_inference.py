@@ -265,3 +265,33 @@ def test_a_flag_the_task_does_not_read_is_said_to_be_not_applied(tmp_path, capsy
     say_what_is_not_read(score)
     err = capsys.readouterr().err
     assert "not applied here: --best_of_n is not read by --eval_task rm" in err and "--post_processor" not in err
+
+
+@pytest.mark.slow
+def test_generation_sharded_over_two_engines_on_ray_is_each_shard_generated_by_its_engine(prepared, tmp_path,
+                                                                                          monkeypatch):
+    """`--num_engines 2`: two engines as Ray actors (a local Ray), engine e generating the e-th half
+    of the prompts with seed + e x ENGINE_SEED_STRIDE; the rows are what one in-process engine
+    gives for each half with that seed, in prompt order."""
+    from rlhf_core.data.examples import prompt_token_ids
+    from rlhf_core.rl.engines import ENGINE_SEED_STRIDE
+    from rlhf_core.rollout import make_engine, prompt_formatter
+    from rlhf_core.rollout.prompts import load_prompt_set
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "gen.jsonl"
+    assert main(["batch_inference", "--eval_task", "generate", "--pretrain", prepared["base"], "--dataset",
+                 f"json@{prepared['prompts']}", "--input_key", "prompt", "--apply_chat_template", "--best_of_n", "2",
+                 "--max_new_tokens", "6", "--max_samples", "10", "--num_engines", "2", "--seed", "3",
+                 "--use_mlflow", "false", "--output_path", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+
+    engine = make_engine(prepared["base"], "transformers")
+    prompts = load_prompt_set(f"json@{prepared['prompts']}", "train", "prompt", "answer", max_samples=10, seed=3,
+                              chat=True).prompts
+    fmt = prompt_formatter(engine.tokenizer, True)
+    ids = [prompt_token_ids(engine.tokenizer, fmt.prompt_text(p, row=i + 1), True) for i, p in enumerate(prompts)]
+    groups = (engine.generate_ids(ids[:5], 2, 1.0, 6, seed=3)
+              + engine.generate_ids(ids[5:], 2, 1.0, 6, seed=3 + ENGINE_SEED_STRIDE))
+    expected = [engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+    assert len(rows) == 20 and [r["output"] for r in rows] == expected
