@@ -67,16 +67,23 @@ def best_of(rows: list[dict]) -> list[dict]:
     return [max(group, key=lambda r: r["reward"]) for group in _groups(rows).values()]
 
 
+def best_and_worst(group: list, score) -> tuple | None:
+    """Iterative DPO's pair of one prompt: its highest- and lowest-scoring candidates (the first of
+    equals), or None when every score ties (nothing to prefer). `rlhf pairs` pairs the same way."""
+    best, worst = max(group, key=score), min(group, key=score)
+    return None if score(best) == score(worst) else (best, worst)
+
+
 def preference_pairs(rows: list[dict]) -> tuple[list[dict], int]:
     """Iterative DPO: per prompt the highest-reward response as `chosen` and the lowest as
     `rejected` (the first of equals); prompts whose rewards all tie are skipped and counted."""
     pairs, ties = [], 0
     for prompt, group in _groups(rows).items():
-        best = max(group, key=lambda r: r["reward"])
-        worst = min(group, key=lambda r: r["reward"])
-        if best["reward"] == worst["reward"]:
+        pair = best_and_worst(group, lambda r: r["reward"])
+        if pair is None:
             ties += 1
             continue
+        best, worst = pair
         pairs.append({"prompt": prompt, "chosen": best["output"], "chosen_reward": best["reward"],
                       "rejected": worst["output"], "rejected_reward": worst["reward"]})
     return pairs, ties

@@ -15,6 +15,7 @@ import json
 import sys
 
 from rlhf_core.config import PairsConfig, RewardSourceName
+from rlhf_core.stages.batch_inference import best_and_worst
 
 # The share of prompts that gave a pair; the pipeline's report shows it (orchestration/reports.py).
 PAIR_FRACTION = "pairs/pair_fraction"
@@ -38,14 +39,11 @@ def build_pairs(prompts: list, responses_per_prompt: list[list[str]],
         if len(responses) != len(scores):
             raise ValueError(f"{len(responses)} responses but {len(scores)} scores for prompt {prompt!r}")
         candidates = [(s, r) for r, s in zip(responses, scores, strict=True) if r.strip()]
-        if not candidates:
+        pair = best_and_worst(candidates, lambda c: c[0]) if candidates else None
+        if pair is None:
             skipped += 1
             continue
-        best = max(candidates, key=lambda c: c[0])
-        worst = min(candidates, key=lambda c: c[0])
-        if best[0] == worst[0]:
-            skipped += 1
-            continue
+        best, worst = pair
         rows.append({"prompt": prompt, "chosen": best[1], "rejected": worst[1], "chosen_score": best[0],
                      "rejected_score": worst[0]})
     return rows, skipped
