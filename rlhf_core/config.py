@@ -1027,6 +1027,8 @@ class PairsConfig(RolloutStageConfig):
     normalize_reward: bool = Field(False, description="Normalise scores with the RM's stored reward_mean/std")
     n_samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
+    num_engines: int = Field(1, ge=1, description="Rollout engines on Ray (a local one when no cluster is given), "
+                             "each sampling a contiguous share of the prompts; 1: one engine in this process")
 
     @model_validator(mode="after")
     def _check_reward(self) -> PairsConfig:

@@ -257,7 +257,10 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
     backend = "vllm" if cfg.eval_task == EvalTask.GENERATE_VLLM else "transformers"
     temperature = 0.0 if cfg.greedy_sampling else cfg.temperature
     if cfg.num_engines > 1:
-        groups = generate_on_ray(cfg, backend, path, ids, temperature)
+        from rlhf_core.rl.engines import generate_on_engines
+
+        groups = generate_on_engines(backend, path, ids, cfg.best_of_n, temperature, cfg.max_new_tokens, cfg.seed,
+                                     cfg.num_engines, top_p=cfg.top_p)
     else:
         engine = make_engine(path, backend, not cfg.apply_chat_template)
         try:
@@ -275,31 +278,6 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
                 row[cfg.input_key] = prompts.prompts[i]
             rows.append(row if answer is None else {**row, cfg.label_key: answer})
     return rows, prompts.sources
-
-
-def generate_on_ray(cfg: BatchInferenceConfig, backend: str, path: str, ids: list[list[int]], temperature: float):
-    """`--num_engines` rollout engines as Ray actors (the RL stage's `EngineWorker`s; a local Ray when
-    no cluster is given), engine e generating the e-th contiguous share of the prompts with seed
-    `seed + e x ENGINE_SEED_STRIDE` (`rl.engines.RayEngines`); the groups come back in prompt order."""
-    from rlhf_core.distributed.cluster import ensure_ray
-    from rlhf_core.distributed.role_group import RoleGroup
-    from rlhf_core.rl.engines import EngineWorker, RayEngines
-
-    options = {"add_special_tokens": not cfg.apply_chat_template} if backend == "transformers" else {}
-    started = ensure_ray()
-    group = None
-    try:
-        group = RoleGroup(EngineWorker, cfg.num_engines, name="rollout", args=(backend, path, options))
-        group.call_all("setup")
-        return RayEngines(group).generate_ids(ids, cfg.best_of_n, temperature, cfg.max_new_tokens, cfg.seed,
-                                              top_p=cfg.top_p)
-    finally:
-        if group is not None:
-            group.shutdown()
-        if started:
-            import ray
-
-            ray.shutdown()
 
 
 def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:

@@ -72,12 +72,24 @@ def run_pairs(cfg: PairsConfig) -> dict:
                               seed=cfg.seed, chat=cfg.apply_chat_template)
     with stage_run(cfg, prompts.sources) as tracker:
         policy_path = local_model_path(cfg.pretrain)
-        fmt = prompt_formatter(load_tokenizer(policy_path), cfg.apply_chat_template)
-        engine = make_engine(policy_path, cfg.rollout_backend.value, not cfg.apply_chat_template)
-        groups = engine.generate([fmt.prompt_text(p) for p in prompts.prompts], cfg.n_samples_per_prompt,
-                                 cfg.temperature, cfg.max_new_tokens, cfg.seed)
-        engine.close()
-        responses = [[c.text for c in group] for group in groups]
+        tokenizer = load_tokenizer(policy_path)
+        fmt = prompt_formatter(tokenizer, cfg.apply_chat_template)
+        texts = [fmt.prompt_text(p) for p in prompts.prompts]
+        if cfg.num_engines > 1:
+            from rlhf_core.data.examples import prompt_token_ids
+            from rlhf_core.rl.engines import generate_on_engines
+            from rlhf_core.rollout import auto_backend
+
+            backend = auto_backend().value if cfg.rollout_backend.value == "auto" else cfg.rollout_backend.value
+            ids = [prompt_token_ids(tokenizer, t, cfg.apply_chat_template) for t in texts]
+            groups = generate_on_engines(backend, policy_path, ids, cfg.n_samples_per_prompt, cfg.temperature,
+                                         cfg.max_new_tokens, cfg.seed, cfg.num_engines)
+            responses = [[tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g] for g in groups]
+        else:
+            engine = make_engine(policy_path, cfg.rollout_backend.value, not cfg.apply_chat_template)
+            groups = engine.generate(texts, cfg.n_samples_per_prompt, cfg.temperature, cfg.max_new_tokens, cfg.seed)
+            engine.close()
+            responses = [[c.text for c in group] for group in groups]
         n = cfg.n_samples_per_prompt
         flat = reward_source(cfg).score([p for p in prompts.prompts for _ in range(n)],
                                         [r for group in responses for r in group],

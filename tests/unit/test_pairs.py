@@ -110,3 +110,31 @@ def test_verifier_needs_a_task(prepared, tmp_path, capsys):
     code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"],
                  "--max_new_tokens", "4", "--save_path", str(tmp_path / "p")])
     assert code == 2 and "--reward verifier needs --task" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pairs_sampled_on_two_engines_on_ray_come_from_each_engines_share(prepared, reward_model, tmp_path,
+                                                                         monkeypatch):
+    """`--num_engines 2`: engine e samples the e-th half of the prompts with seed + e x
+    ENGINE_SEED_STRIDE (batch_inference's sharding); each pair's texts are that engine's samples."""
+    from rlhf_core.data.examples import prompt_token_ids
+    from rlhf_core.rl.engines import ENGINE_SEED_STRIDE
+    from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["pairs", "--pretrain", prepared["base"], "--dataset", f"json@{prepared['prompts']}", "--reward",
+                 "reward_model", "--reward_pretrain", reward_model, "--n_samples_per_prompt", "3", "--max_samples",
+                 "6", "--max_new_tokens", "6", "--seed", "2", "--num_engines", "2", "--save_path", str(tmp_path / "p"),
+                 "--use_mlflow", "false"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
+
+    engine = make_engine(prepared["base"], "transformers")
+    prompts = load_prompt_set(f"json@{prepared['prompts']}", "train", "prompt", "answer", max_samples=6, seed=2,
+                              chat=True).prompts
+    fmt = prompt_formatter(engine.tokenizer, True)
+    ids = [prompt_token_ids(engine.tokenizer, fmt.prompt_text(p), True) for p in prompts]
+    groups = (engine.generate_ids(ids[:3], 3, 1.0, 6, seed=2) + engine.generate_ids(ids[3:], 3, 1.0, 6,
+                                                                                       seed=2 + ENGINE_SEED_STRIDE))
+    samples = {json.dumps(p): {engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g}
+               for p, g in zip(prompts, groups, strict=True)}
+    assert rows and all({r["chosen"], r["rejected"]} <= samples[json.dumps(r["prompt"])] for r in rows)
