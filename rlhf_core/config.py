@@ -542,6 +542,10 @@ NOT_BUILT_FLAGS = {
 }
 
 
+# The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_tensor_parallel.py).
+TENSOR_PARALLEL_STAGES = ("sft", "dpo")
+
+
 class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
     """What every supervised trainer shares. Flags: each field's dotted path (`--adam.lr`), and
     OpenRLHF's flat names (`--learning_rate`)."""
@@ -567,6 +571,11 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
         tp = self.ds.tensor_parallel_size
+        if tp > 1 and self.stage not in TENSOR_PARALLEL_STAGES:
+            raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}: not built yet for `rlhf "
+                             f"train {self.stage}` (tensor parallelism is tested for "
+                             f"{' and '.join(TENSOR_PARALLEL_STAGES)}; a new head, as a reward model's, would start "
+                             "different on each rank of a group)")
         if tp > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
             # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
             # a tensor-parallel size alone asks for one group of that many per node
