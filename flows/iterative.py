@@ -8,8 +8,9 @@ of the new policy against the SFT model -> registered as a new `rlhf-policy` ver
 champion.
 
 The round's learning rate is its own: measured from the default pipeline's PPO champion (held-out
-sampled accuracy 79.1%; benchmarks/README.md), the `dpo` section's 1e-4 (tuned from SFT) took the
-round to 72.5% at a KL of 0.31 to SFT; 2e-5 held it at 78.5% (KL 0.17).
+sampled accuracy 79.1%; benchmarks/README.md; a 2-core AMD EPYC, Zen 4 class, native bf16, `auto`
+in bf16), the `dpo` section's 1e-4 (tuned from SFT) took the round to 72.5% at a KL of 0.31 to
+SFT; 2e-5 held it at 78.5% (KL 0.17). Not measured in fp32 (a CPU without native bf16).
 
 A run starts from the `champion` (else SFT, or SFT with `start_from: sft`). Sampling is seeded per
 pipeline run unless `iterative.seed` pins it, so scheduled runs draw fresh pairs. Each round's

@@ -216,8 +216,6 @@ class DSConfig(StrictModel):
     def problems(self) -> list[str]:
         """Why `load_in_4bit` or `use_universal_ckpt` cannot run with these settings (none: they can)."""
         found = []
-        if getattr(self, "tensor_parallel_size", 1) > 1:  # the supervised trainers' (TrainerDSConfig)
-            found += self.tensor_parallel_problems()
         if self.use_universal_ckpt and self.zero_stage == 0:
             found.append("--ds.use_universal_ckpt (--use_ds_universal_ckpt) converts ZeRO's per-rank slices: give "
                          "--zero_stage 1, 2 or 3")
@@ -229,19 +227,6 @@ class DSConfig(StrictModel):
         if self.zero_stage == 3:
             found.append("--ds.load_in_4bit (--load_in_4bit) cannot shard 4-bit weights with ZeRO-3: use "
                          "--zero_stage 0, 1 or 2")
-        return found
-
-    def tensor_parallel_problems(self) -> list[str]:
-        """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
-        flag = "--ds.tensor_parallel_size (--ds_tensor_parallel_size)"
-        found = []
-        if self.zero_stage == 3:
-            found.append(f"{flag}: DeepSpeed's AutoTP does not shard its layers under ZeRO-3; use --zero_stage 0, 1 or 2")
-        if getattr(self, "lora", None) is not None and self.lora.rank > 0:
-            found.append(f"{flag}: AutoTP replaces the linear layers LoRA adapts; train without --lora_rank")
-        if self.use_universal_ckpt:
-            found.append(f"{flag}: universal checkpoints of tensor-parallel slices are not converted here; leave out "
-                         "--ds.use_universal_ckpt")
         return found
 
     @property
@@ -490,6 +475,21 @@ class TrainerDSConfig(DSConfig):
                                       "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
                                           "ds_tensor_parallel_size"))
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    def problems(self) -> list[str]:
+        """DSConfig's, and what DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
+        found = super().problems()
+        if self.tensor_parallel_size == 1:
+            return found
+        flag = "--ds.tensor_parallel_size (--ds_tensor_parallel_size)"
+        if self.zero_stage == 3:
+            found.append(f"{flag}: DeepSpeed's AutoTP does not shard its layers under ZeRO-3; use --zero_stage 0, 1 or 2")
+        if self.lora.rank > 0:
+            found.append(f"{flag}: AutoTP replaces the linear layers LoRA adapts; train without --lora_rank")
+        if self.use_universal_ckpt:
+            found.append(f"{flag}: universal checkpoints of tensor-parallel slices are not converted here; leave out "
+                         "--ds.use_universal_ckpt")
+        return found
 
 
 class RMDSConfig(TrainerDSConfig, ValueHead):

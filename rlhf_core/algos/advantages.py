@@ -236,14 +236,20 @@ def token_level_rewards(
         raise ValueError(f"kl_coef must be ≥ 0, got {kl_coef}")
     kl = _f32(kl)
     rewards = _f32(rewards).to(kl.device)
-    if reward_clip is not None:
-        low, high = reward_clip if isinstance(reward_clip, (tuple, list)) else (-reward_clip, reward_clip)
-        rewards = rewards.clamp(low, high)
+    rewards = _clipped(rewards, reward_clip)
     last = _last_token_onehot(mask).to(kl.device)
     token_rewards = torch.where(last, rewards.unsqueeze(-1).to(kl.dtype), torch.zeros_like(kl))
     if kl_coef:
         token_rewards = token_rewards - kl_coef * kl
     return _zero_outside(token_rewards, mask)
+
+
+def _clipped(rewards: Tensor, reward_clip: float | tuple[float, float] | None) -> Tensor:
+    """`rewards` clipped to [−reward_clip, reward_clip], or to [low, high] for a pair; None: as they are."""
+    if reward_clip is None:
+        return rewards
+    low, high = reward_clip if isinstance(reward_clip, (tuple, list)) else (-reward_clip, reward_clip)
+    return rewards.clamp(low, high)
 
 
 def cumulative_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -378,10 +384,8 @@ def _step_token_rewards(step_rewards: Tensor, step_mask: Tensor, kl: Tensor, mas
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be ≥ 0, got {kl_coef}")
     kl = _f32(kl)
-    shaped = shape_group_step_rewards(step_rewards, step_mask, n, estimator, std_norm).to(kl.device)
-    if reward_clip is not None:
-        low, high = reward_clip if isinstance(reward_clip, (tuple, list)) else (-reward_clip, reward_clip)
-        shaped = shaped.clamp(low, high)
+    shaped = _clipped(shape_group_step_rewards(step_rewards, step_mask, n, estimator, std_norm).to(kl.device),
+                      reward_clip)
     return _zero_outside(shaped - kl_coef * kl if kl_coef else shaped, mask)
 
 

@@ -132,9 +132,7 @@ def check_destination(uri: str, stage: str, inputs: Iterable[tuple[str, str]] = 
         raise ConfigError(f"{flag} {uri}: {e}; nothing was written or removed (choose another location, or move "
                           "it away yourself)") from None
     if state == NEW and not is_remote(target):
-        parent = next(p for p in Path(target).parents if p.exists())
-        if not parent.is_dir():
-            raise ConfigError(f"{flag} {uri}: {parent} is a file, not a folder")
+        _check_parent_is_a_folder(target, flag, uri)
     if state in (EARLIER, UNFINISHED):
         versions = registered_versions(target)
         if versions:
@@ -156,10 +154,14 @@ def check_output_file(uri: str, inputs: Iterable[tuple[str, str]] = (), *, flag:
                               "writes over what it reads")
     if is_remote(target):
         return
-    path = Path(target)
-    if path.is_dir():
+    if Path(target).is_dir():
         raise ConfigError(f"{flag} {uri}: is a folder; name the file to write")
-    parent = next(p for p in path.parents if p.exists())
+    _check_parent_is_a_folder(target, flag, uri)
+
+
+def _check_parent_is_a_folder(target: str, flag: str, uri: str) -> None:
+    """A local path's nearest existing ancestor must be a folder (else nothing can be written there)."""
+    parent = next(p for p in Path(target).parents if p.exists())
     if not parent.is_dir():
         raise ConfigError(f"{flag} {uri}: {parent} is a file, not a folder")
 

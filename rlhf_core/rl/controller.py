@@ -308,18 +308,22 @@ class RLController:
             kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
                                       "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
+        steps = step_reward_matrix(samples, width) if cfg.reward.process_enable else None
         advantages, returns = compute_advantages(
             self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
             n=cfg.rollout.n_samples_per_prompt, gamma=cfg.algo.advantage.gamma, lambd=cfg.algo.advantage.lambd,
             values=stack([s.values for s in samples]) if self.critic is not None else None,
             std_norm=not cfg.algo.advantage.no_std_norm, reward_clip=tuple(cfg.reward.clip_range),
-            step_rewards=step_reward_matrix(samples, width) if cfg.reward.process_enable else None)
+            step_rewards=steps)
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
         rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
         trainer_lp = stack([engine_view[i] for i in measured], width) if sampled else old
-        return {"rollout/kl": kl[measured].sum(-1).mean().item(),
-                "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item() / seen.sum().item()}
+        stats = {"rollout/kl": kl[measured].sum(-1).mean().item(),
+                 "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item() / seen.sum().item()}
+        if steps is not None:  # the rewards per sample the advantages were computed from
+            stats["rollout/step_rewards_per_sample"] = steps[1].sum().item() / len(samples)
+        return stats
 
     # -- training ---------------------------------------------------------------------------
     def train(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:

@@ -291,14 +291,16 @@ class RayEngines(_Sleeping):
 
 def generate_on_engines(backend: str, model_path: str, prompt_ids: list[list[int]], n: int, temperature: float,
                         max_new_tokens: int, seed: int, num_engines: int, top_p: float = 1.0) -> list[list]:
-    """Generation outside RL on `num_engines` engines as Ray actors (`EngineWorker`s of `backend`,
-    vllm or transformers; a local Ray when no cluster is given): engine e generates the e-th
-    contiguous share of the prompts with seed `seed + e x ENGINE_SEED_STRIDE` (`RayEngines`); the
-    groups come back in prompt order. `rlhf batch_inference --num_engines` and `rlhf pairs
-    --num_engines`."""
+    """Generation outside RL on `num_engines` engines as Ray actors (`EngineWorker`s of `backend`:
+    vllm, transformers, or auto as `make_engine` resolves it; a local Ray when no cluster is given):
+    engine e generates the e-th contiguous share of the prompts with seed `seed + e x
+    ENGINE_SEED_STRIDE` (`RayEngines`); the groups come back in prompt order. `rlhf batch_inference
+    --num_engines` and `rlhf pairs --num_engines`."""
     from rlhf_core.distributed.cluster import ensure_ray
     from rlhf_core.distributed.role_group import RoleGroup
+    from rlhf_core.rollout import auto_backend
 
+    backend = auto_backend().value if backend == "auto" else backend
     started = ensure_ray()
     group = None
     try:

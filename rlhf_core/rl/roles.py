@@ -552,7 +552,7 @@ class RewardModelRole(_Role):
         from rlhf_core.models.loading import load_reward_model, model_options
 
         cfg = self.cfg
-        self.models, self.stats = [], []
+        self.models, self.stats, self.prm = [], [], None
         if cfg.reward.placeholder_token is not None:
             self._build_process_reward_model()
             return
@@ -586,7 +586,7 @@ class RewardModelRole(_Role):
                                       forward_context=lambda: autocast(self.precision))
 
     def _forward_model(self) -> tuple:
-        return self.models[0], True
+        return self.models[0], self.prm is None  # a PRM is a causal LM read at its placeholders
 
     @torch.no_grad()
     def step_scores(self, texts: list[tuple[str, str]]) -> list[list[float]]:

@@ -38,7 +38,7 @@ from rlhf_core.infra.manifests import code_version
 DEFAULT_REWARD_TEMPLATE = "{input} <rm_score>: {reward} "
 # What only one kind of task reads: given to the other, each is said to be not applied (once).
 GENERATION_ONLY = ("best_of_n", "iter", "rollout_batch_size", "enable_csft", "csft_prompt", "greedy_sampling", "top_p",
-                   "temperature", "prompt_max_len", "max_new_tokens")
+                   "temperature", "prompt_max_len", "max_new_tokens", "num_engines")
 SCORING_ONLY = ("post_processor", "reward_template", "normalize_reward", "value_head_prefix", "micro_batch_size",
                 "max_len", "task", "placeholder_token", "reward_tokens", "step_aggregate", "min_reward")
 ROWS_FILE = "train.jsonl"  # in a --save_path stage folder: `json@<folder>` reads it

@@ -78,11 +78,9 @@ def run_pairs(cfg: PairsConfig) -> dict:
         if cfg.num_engines > 1:
             from rlhf_core.data.examples import prompt_token_ids
             from rlhf_core.rl.engines import generate_on_engines
-            from rlhf_core.rollout import auto_backend
 
-            backend = auto_backend().value if cfg.rollout_backend.value == "auto" else cfg.rollout_backend.value
             ids = [prompt_token_ids(tokenizer, t, cfg.apply_chat_template) for t in texts]
-            groups = generate_on_engines(backend, policy_path, ids, cfg.n_samples_per_prompt, cfg.temperature,
+            groups = generate_on_engines(cfg.rollout_backend.value, policy_path, ids, cfg.n_samples_per_prompt, cfg.temperature,
                                          cfg.max_new_tokens, cfg.seed, cfg.num_engines)
             responses = [[tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in g] for g in groups]
         else:

@@ -21,7 +21,8 @@ COMMON = ["--apply_chat_template", "--max_len", "48", "--max_samples", "64", "--
           "--zero_stage", "1", "--max_ckpt_num", "5"]
 TP2 = ["--num_gpus_per_node", "2", "--ds_tensor_parallel_size", "2"]
 # One rank and a tensor-parallel pair sum in different orders (the row-parallel layers all-reduce
-# partial products): measured 8.8e-6 apart after 4 SFT steps that moved the weights 3.1e-3.
+# partial products): measured 8.8e-6 apart after 4 SFT steps that moved the weights 3.1e-3 (a 2-core
+# AMD EPYC, Zen 4 class, fp32).
 TP_GAP = 5e-5
 
 

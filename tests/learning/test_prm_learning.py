@@ -114,5 +114,7 @@ def test_rl_with_the_prms_step_rewards_raises_its_held_out_reward(steps_task, tm
     finds those slips, the PRM's reward reaches 1.0 while accuracy falls to 0.69 (greedy 0.72), a
     reward hack the accuracy bound here would catch."""
     metrics = grpo_with_the_prm(steps_task, tmp_path / "grpo", "--reward.process_enable")
+    # the advantages came from rewards per step (a column line or more, then the sum), not one per sample
+    assert metrics["rollout/step_rewards_per_sample"] >= 2, metrics
     assert metrics["eval/sampled_reward"] >= metrics["eval_initial/sampled_reward"] + RL_REWARD_GAIN, metrics
     assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] - RL_ACCURACY_DROP, metrics

@@ -260,8 +260,9 @@ def test_a_flag_the_task_does_not_read_is_said_to_be_not_applied(tmp_path, capsy
 
     generate = BatchInferenceConfig.model_validate({"eval_task": "generate", "normalize_reward": True, "top_p": 0.9})
     assert unread_flags(generate) == ["normalize_reward"]
-    score = BatchInferenceConfig.model_validate({"eval_task": "rm", "best_of_n": 4, "iter": 0, "post_processor": "rs"})
-    assert unread_flags(score) == ["best_of_n", "iter"]
+    score = BatchInferenceConfig.model_validate({"eval_task": "rm", "best_of_n": 4, "iter": 0, "post_processor": "rs",
+                                                 "num_engines": 2})
+    assert unread_flags(score) == ["best_of_n", "iter", "num_engines"]  # scoring runs in this process
     say_what_is_not_read(score)
     err = capsys.readouterr().err
     assert "not applied here: --best_of_n is not read by --eval_task rm" in err and "--post_processor" not in err
