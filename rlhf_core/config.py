@@ -474,11 +474,27 @@ class TrainerDSConfig(DSConfig):
                                       "over this many ranks, which see the same batches (the data-parallel ranks "
                                       "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
                                           "ds_tensor_parallel_size"))
+    ring_attn_size: int = Field(1, ge=1, description="Ring attention (sequence parallelism): this many ranks "
+                                "split each row's tokens, gathering keys and values in every layer, and see the "
+                                "same batches (the data-parallel ranks are the ranks / this)",
+                                json_schema_extra=flat("ring_attn_size"))
+    ring_attn_head_stride: int = Field(1, ge=1, description="Ring attention: key/value heads gathered at a time "
+                                       "(fewer gathers, more memory; more than the model has: all at once)",
+                                       json_schema_extra=flat("ring_head_stride"))
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @property
+    def duplicates(self) -> int:
+        """How many ranks see each batch: a tensor-parallel group's times a ring's."""
+        return self.tensor_parallel_size * self.ring_attn_size
+
     def problems(self) -> list[str]:
-        """DSConfig's, and what DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
+        """DSConfig's, what DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1), and
+        ring attention's."""
         found = super().problems()
+        if self.ring_attn_size > 1 and self.tensor_parallel_size > 1:
+            found.append("--ds.ring_attn_size (--ring_attn_size) with --ds.tensor_parallel_size "
+                         "(--ds_tensor_parallel_size): not built together; use one")
         if self.tensor_parallel_size == 1:
             return found
         flag = "--ds.tensor_parallel_size (--ds_tensor_parallel_size)"
@@ -532,18 +548,16 @@ def _deferred(reason: str, *names: str) -> dict[str, str]:
     return dict.fromkeys(names, reason)
 
 
-# OpenRLHF flags (v0.9 flat, v0.11 dotted) whose features come with later work: refused, exit 2.
-SEED_STAGE_FLAGS = {
-    **_deferred("ring attention (sequence parallelism) comes with the seed stages", "ring_attn_size",
-                "ds.ring_attn_size", "ring_head_stride", "ds.ring_attn_head_stride"),
-}
 # OpenRLHF flags of this stage's own features still to build (refused by name, not as unknown).
 NOT_BUILT_FLAGS = {
 }
 
 
-# The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_tensor_parallel.py).
+# The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_parallel_training.py).
 TENSOR_PARALLEL_STAGES = ("sft", "dpo")
+# The supervised stages ring attention trains here (tests/integration/test_ring_attention.py); of
+# OpenRLHF's, the RL stage is still to come (kto, kd and prm never had it there).
+RING_ATTENTION_STAGES = ("sft", "rm", "dpo")
 
 
 class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
@@ -559,7 +573,7 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
         "data.eval_split": ("eval.split",),
         "train_split": ("data.dataset_split",),  # OpenRLHF's name for the training split
     }
-    DEFERRED: ClassVar[dict[str, str]] = {**SEED_STAGE_FLAGS, **NOT_BUILT_FLAGS}
+    DEFERRED: ClassVar[dict[str, str]] = dict(NOT_BUILT_FLAGS)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     ds: TrainerDSConfig = Field(default_factory=TrainerDSConfig)
@@ -570,19 +584,27 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainConfig:
-        tp = self.ds.tensor_parallel_size
+        tp, ring = self.ds.tensor_parallel_size, self.ds.ring_attn_size
+        if ring > 1 and self.stage not in RING_ATTENTION_STAGES:
+            raise ValueError(f"--ds.ring_attn_size (--ring_attn_size) {ring}: not built for `rlhf train {self.stage}` "
+                             f"(ring attention trains {', '.join(RING_ATTENTION_STAGES)})")
+        if ring > 1 and self.model.aux_loss_coef > 0:
+            raise ValueError("--ds.ring_attn_size (--ring_attn_size) with --aux_loss_coef: each rank of a ring "
+                             "sees part of every row, so its router statistics are not the batch's; not built")
         if tp > 1 and self.stage not in TENSOR_PARALLEL_STAGES:
             raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}: not built yet for `rlhf "
                              f"train {self.stage}` (tensor parallelism is tested for "
                              f"{' and '.join(TENSOR_PARALLEL_STAGES)}; a new head, as a reward model's, would start "
                              "different on each rank of a group)")
-        if tp > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
+        if tp * ring > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
             # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
-            # a tensor-parallel size alone asks for one group of that many per node
-            object.__setattr__(self.train, "num_gpus_per_node", tp)
-        if self.world_size % tp:
-            raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp} must divide the ranks "
-                             f"(--train.num_nodes x --train.num_gpus_per_node = {self.world_size})")
+            # a tensor-parallel (or ring) size alone asks for one group of that many per node
+            object.__setattr__(self.train, "num_gpus_per_node", tp * ring)
+        if self.world_size % (tp * ring):
+            sizes = [f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}"] * (tp > 1) + \
+                [f"--ds.ring_attn_size (--ring_attn_size) {ring}"] * (ring > 1)
+            raise ValueError(f"{' x '.join(sizes)} must divide the ranks (--train.num_nodes x "
+                             f"--train.num_gpus_per_node = {self.world_size})")
         per_step = self.train.micro_batch_size * self.data_parallel_size
         if self.train.batch_size % per_step:
             raise ValueError(
@@ -616,8 +638,8 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: the tensor-parallel ranks of a group see the same ones."""
-        return self.world_size // self.ds.tensor_parallel_size
+        """Ranks that see different batches: the ranks of a tensor-parallel group, or of a ring, see the same ones."""
+        return self.world_size // self.ds.duplicates
 
     @property
     def accumulation_steps(self) -> int:

@@ -24,7 +24,6 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.algos.names import STEP_AGGREGATES, AdvantageEstimator, KLEstimator, LossAggMode
 from rlhf_core.config import (
     NOT_BUILT_FLAGS,
-    SEED_STAGE_FLAGS,
     AdamConfig,
     CkptConfig,
     ConfigError,
@@ -640,8 +639,9 @@ PPOConfig.ALIASES = {
     "ref_reward_offload": ("ref.offload", "reward.offload"),  # OpenRLHF 0.9's one flag for both
 }
 PPOConfig.DEFERRED = {
-    **SEED_STAGE_FLAGS,
     **NOT_BUILT_FLAGS,
+    **_deferred("ring attention of the RL roles (the supervised stages sft, rm and dpo have it)", "ring_attn_size",
+                "ds.ring_attn_size", "ring_head_stride", "ds.ring_attn_head_stride"),
     **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
     **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
                 "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",

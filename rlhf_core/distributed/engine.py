@@ -40,10 +40,11 @@ class EngineSettings:
     muon: MuonConfig | None = None  # None: AdamW; else Muon for the matrices, AdamW (`adam`) for the rest
     aux_loss_coef: float = 0.0  # > 0: an MoE model's load-balancing loss, weighted so (models/moe.py)
     tensor_parallel: int = 1  # AutoTP: ranks per group that split each linear layer and see the same batches
+    ring: int = 1  # ring attention: ranks per ring that split each row's tokens and see the same batches
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.ring)
 
     @property
     def accumulation_steps(self) -> int:
@@ -52,7 +53,7 @@ class EngineSettings:
     @classmethod
     def of(cls, cfg: TrainConfig) -> EngineSettings:
         return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size,
-                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef, cfg.ds.tensor_parallel_size)
+                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef, cfg.ds.tensor_parallel_size, cfg.ds.ring_attn_size)
 
 
 def device() -> torch.device:
@@ -181,8 +182,8 @@ def deepspeed_config(settings: EngineSettings, train: bool = True) -> dict:
     return {**extra,
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": settings.accumulation_steps,
-        # DeepSpeed counts every rank, a tensor-parallel group's too (they see the same batches)
-        "train_batch_size": settings.batch_size * settings.tensor_parallel,
+        # DeepSpeed counts every rank, a tensor-parallel group's and a ring's too (they see the same batches)
+        "train_batch_size": settings.batch_size * settings.tensor_parallel * settings.ring,
         "gradient_clipping": settings.schedule.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": on_gpu and precision == Precision.BF16},

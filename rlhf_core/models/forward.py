@@ -18,6 +18,8 @@ from rlhf_core.models.lean import lean_model
 from rlhf_core.models.lean_train import selected_hidden
 from rlhf_core.models.loading import backbone
 from rlhf_core.models.moe import note_tokens
+from rlhf_core.models.ring import at_positions
+from rlhf_core.models.ring import current as current_ring
 
 
 def token_logprobs(model, batch: Batch) -> torch.Tensor:
@@ -40,8 +42,9 @@ def token_logprobs(model, batch: Batch) -> torch.Tensor:
 def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
     """`token_logprobs` where `batch.loss_mask` is nonzero (on real tokens), 0 elsewhere: `(rows, T)`
     float32, for the supervised losses. Llama models run the lean forward (`models/lean_train.py`:
-    head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`."""
-    if lean_model(model) is None:
+    head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`, or
+    in a ring (`models/ring.py`) `loss_logits`."""
+    if lean_model(model) is None and current_ring() is None:
         return token_logprobs(model, batch).masked_fill(~loss_positions(batch), 0.0)
     rows, width = batch.input_ids.shape
     targets, logits = loss_logits(model, batch)
@@ -91,8 +94,12 @@ def sequence_logprobs(model, batch: Batch) -> torch.Tensor:
 
 def reward_scores(model, batch: Batch) -> torch.Tensor:
     """Scalar reward per sample from a sequence classifier, read at its last token: `(num_samples,)`."""
-    hidden = backbone_hidden(model, batch)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ring = current_ring()
+    if ring is not None:
+        return at_positions(ring, batch, batch.last_token_index, lambda shard: backbone_hidden(model, shard),
+                            base.score).squeeze(-1).float()
+    hidden = backbone_hidden(model, batch)
     values = base.score(hidden).squeeze(-1).float()
     return values.reshape(-1)[batch.last_token_index]
 
@@ -153,13 +160,18 @@ def position_logits(model, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     if lean is not None:
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
         return lean.logits(hidden.reshape(-1, hidden.shape[-1])[index])
-    hidden = backbone_hidden(model, batch)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    logits = base.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[index])
     cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma's, applied in its forward
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = base.get_output_embeddings()(hidden)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    ring = current_ring()
+    if ring is not None:
+        return at_positions(ring, batch, index, lambda shard: backbone_hidden(model, shard), head)
+    hidden = backbone_hidden(model, batch)
+    return head(hidden.reshape(-1, hidden.shape[-1])[index])
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -175,7 +187,11 @@ def response_logprobs(model, batch: Batch, index: torch.Tensor, temperature: flo
 def response_values(critic, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     """A value model's estimate before each response token (read at the position that predicts
     it, as the log-probs are): `(num_samples, T)` float32."""
-    hidden = backbone_hidden(critic, batch)
     base = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
+    ring = current_ring()
+    if ring is not None:
+        return at_positions(ring, batch, predicting_index(batch, index), lambda shard: backbone_hidden(critic, shard),
+                            base.score).squeeze(-1).float()
+    hidden = backbone_hidden(critic, batch)
     hidden = hidden.reshape(-1, hidden.shape[-1])[predicting_index(batch, index)]
     return base.score(hidden).squeeze(-1).float()

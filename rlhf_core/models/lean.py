@@ -97,8 +97,16 @@ def forward_report(role: str, model, sequence_classifier: bool = False) -> tuple
     """Which forward `model`'s passes run and why, for the stage's log: `(choice, line)`, the choice
     `lean (...)` or `transformers (<why not lean>)` (the rules of `lean_model`), the line
     `forward (<role>, <class>): <choice>`. A sequence classifier (reward model, critic) always runs
-    transformers' body: its score head reads the last token."""
+    transformers' body: its score head reads the last token. In a ring (`models/ring.py`), the
+    choice names it."""
+    from rlhf_core.models import ring
+
     inner = unwrap(model)
+    mine = ring.current()
+    if mine is not None:
+        choice = (f"transformers with ring attention ({mine.size} ranks split each row; keys and values gathered "
+                  f"{mine.head_stride} head(s) at a time)")
+        return choice, f"forward ({role}, {type(inner).__name__}): {choice}"
     if sequence_classifier:
         why = "a sequence classifier"
     elif os.environ.get(ENV, "1") == "0":

@@ -29,7 +29,12 @@ GPU_EXPERTS = ("grouped_mm", "deepgemm")
 
 def attention_implementation(requested: str | bool = "sdpa") -> str:
     """What to give transformers' `attn_implementation` for `requested` (`DSConfig.attention`; True
-    and False: `--flash_attn`'s) on this machine."""
+    and False: `--flash_attn`'s) on this machine. In a ring (`--ds.ring_attn_size`), ring attention
+    (`models/ring.py`), whatever was requested."""
+    from rlhf_core.models import ring
+
+    if ring.current() is not None:
+        return ring.register()
     requested = {True: "flash_attention_2", False: "sdpa", None: "sdpa"}.get(requested, requested)
     package = FLASH_PACKAGES.get(requested)
     if package is not None:

@@ -57,10 +57,13 @@ class TrainLoop:
         self.cfg, self.engine, self.recipe, self.tokenizer = cfg, engine, recipe, tokenizer
         self.train_examples, self.eval_examples = train_examples, eval_examples or []
         self.tracker, self.rank, self.world_size = tracker, rank, world_size
-        # The ranks of a tensor-parallel group (consecutive, as DeepSpeed's AutoTP groups them) see the
-        # same batches: batches go by data-parallel rank, and sums over all ranks count each group once.
-        self.tp = cfg.ds.tensor_parallel_size
-        self.dp_rank, self.dp_size = rank // self.tp, world_size // self.tp
+        # The ranks of a tensor-parallel group (consecutive, as DeepSpeed's AutoTP groups them) or of a
+        # ring (models/ring.py) see the same batches: batches go by data-parallel rank, and sums over
+        # all ranks count each group once. DeepSpeed averages gradients over the ranks outside a
+        # tensor-parallel group (a ring's ranks each hold a share of the group's gradient).
+        self.duplicates = cfg.ds.duplicates
+        self.dp_rank, self.dp_size = rank // self.duplicates, world_size // self.duplicates
+        self.averaged_over = world_size // cfg.ds.tensor_parallel_size
         self.plan = BatchPlan(len(train_examples), cfg.train.batch_size, cfg.train.micro_batch_size,
                               self.dp_rank, self.dp_size, cfg.train.seed)
         if self.plan.steps_per_epoch == 0:
@@ -123,7 +126,8 @@ class TrainLoop:
         if kill_requested(self.step + 1, self.rank):
             micro_step = killing_on_last(micro_step, len(micro))
         sums, units, tokens = optimizer_step(self.engine, micro, self.recipe.count, micro_step,
-                                             self.dp_size, precision_of(self.cfg.ds), duplicates=self.tp)
+                                             self.averaged_over, precision_of(self.cfg.ds),
+                                             duplicates=self.duplicates)
         return {f"train/{k}": (v / units).item() for k, v in sums.items()}, tokens
 
     # -- evaluation ------------------------------------------------------------------------
@@ -149,7 +153,7 @@ class TrainLoop:
         if not sums:
             return {}
         keys = sorted(sums)
-        totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(units))])) / self.tp
+        totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(units))])) / self.duplicates
         return {f"{prefix}{k}": (v / totals[-1]).item() for k, v in zip(keys, totals[:-1], strict=True)}
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -299,9 +303,9 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     number of micro-batches: `--use_dynamic_batch`; every rank must have the same number, as ZeRO
     reduces at the boundary on all). An MoE model's load-balancing loss (`--aux_loss_coef`,
     `models/moe.py`) joins each micro-batch's loss weighted by its units, and is reported as
-    `aux_loss`. `world_size`: the data-parallel ranks DeepSpeed averages gradients over;
-    `duplicates`: how many ranks see each batch (a tensor-parallel group's), so sums over all
-    ranks are divided by it. Returns `(metric sums over all ranks, global units, global tokens)`.
+    `aux_loss`. `world_size`: the ranks DeepSpeed averages gradients over (each rank of a ring
+    holds a share of its group's gradient: they sum to it); `duplicates`: how many ranks see each
+    batch (a tensor-parallel group's, a ring's), so sums over all ranks are divided by it. Returns `(metric sums over all ranks, global units, global tokens)`.
     """
     units = all_reduce_sum(torch.tensor(float(sum(count(m) for m in micro_batches)))) / duplicates
     scale = world_size * engine.gradient_accumulation_steps() / units.clamp(min=1.0)

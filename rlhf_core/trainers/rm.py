@@ -82,15 +82,16 @@ class RewardModelRecipe:
     def reward_statistics(self) -> tuple[float, float]:
         """Mean and std of the rewards of all training sequences (chosen and rejected)."""
         self.engine.eval()
-        world, rank, micro = self.ctx.world_size, self.ctx.rank, self.cfg.train.micro_batch_size
-        mine = share(self.data.train, rank, world)  # as the loop's evaluation shards (distributed/sharding.py)
+        micro, duplicates = self.cfg.train.micro_batch_size, self.cfg.ds.duplicates  # a ring's ranks share batches
+        # as the loop's evaluation shards (distributed/sharding.py)
+        mine = share(self.data.train, self.ctx.rank // duplicates, self.ctx.world_size // duplicates)
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(mine), micro):
             chunk = mine[i : i + micro]
             with autocast(precision_of(self.cfg.ds)):
                 r = self.scores(self.engine, [e.chosen for e in chunk] + [e.rejected for e in chunk]).double().cpu()
             total += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
-        s, s2, n = all_reduce_sum(total).tolist()
+        s, s2, n = (all_reduce_sum(total) / duplicates).tolist()
         mean = s / n
         return mean, max(s2 / n - mean * mean, 0.0) ** 0.5
 

@@ -50,6 +50,35 @@ def test_tensor_parallel_ranks_share_batches_and_what_autotp_cannot_combine_with
             build_config(SFTConfig, BASE, flags)
 
 
+def test_ring_ranks_share_batches_and_what_ring_attention_is_not_built_for_is_refused():
+    """`--ring_attn_size` (v0.9) / `--ds.ring_attn_size` (v0.11): a ring's ranks see the same batches
+    (the accumulation counts data-parallel ranks), DeepSpeed is told every rank's batch; alone, it
+    asks for one ring of ranks. Where it is not built, it is refused by name."""
+    from rlhf_core.config import KDConfig, KTOConfig, PRMConfig, RMConfig
+    from rlhf_core.distributed.engine import EngineSettings, deepspeed_config
+    from rlhf_core.rl_config import build_ppo_config
+
+    cfg = build_config(SFTConfig, BASE, {"train_batch_size": 64, "micro_train_batch_size": 8, "num_gpus_per_node": 4,
+                                         "ring_attn_size": 2, "ring_head_stride": 2})
+    assert (cfg.world_size, cfg.data_parallel_size, cfg.accumulation_steps) == (4, 2, 4)
+    assert (cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride, cfg.ds.duplicates) == (2, 2, 2)
+    ds = deepspeed_config(EngineSettings.of(cfg))
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+    dotted = build_config(DPOConfig, BASE, {"ds.ring_attn_size": 2, "ds.ring_attn_head_stride": 4})
+    assert (dotted.world_size, dotted.ds.ring_attn_head_stride) == (2, 4)
+    assert build_config(RMConfig, BASE, {"ring_attn_size": 2}).data_parallel_size == 1
+    for config in (KTOConfig, KDConfig, PRMConfig):
+        with pytest.raises(ConfigError, match=r"--ring_attn_size\) 2: not built for `rlhf train"):
+            build_config(config, {**BASE, "teacher_model": "t"} if config is KDConfig else BASE, {"ring_attn_size": 2})
+    for flags, says in [({"num_gpus_per_node": 3, "ring_attn_size": 2}, r"--ring_attn_size\) 2 must divide the ranks"),
+                        ({"ring_attn_size": 2, "ds_tensor_parallel_size": 2}, "not built together"),
+                        ({"ring_attn_size": 2, "aux_loss_coef": 0.01}, "router statistics")]:
+        with pytest.raises(ConfigError, match=says):
+            build_config(SFTConfig, BASE, flags)
+    with pytest.raises(ConfigError, match="ring attention of the RL roles"):
+        build_ppo_config(None, {"ring_attn_size": 2})
+
+
 def test_invalid_value_names_the_field():
     with pytest.raises(ConfigError, match="--zero_stage"):
         build_config(SFTConfig, BASE, {"zero_stage": 4})
