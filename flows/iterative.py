@@ -14,7 +14,8 @@ SFT; 2e-5 held it at 78.5% (KL 0.17). Not measured in fp32 (a CPU without native
 
 A run starts from the `champion` (else SFT, or SFT with `start_from: sft`). Sampling is seeded per
 pipeline run unless `iterative.seed` pins it, so scheduled runs draw fresh pairs. Each round's
-stages name the previous policy as their upstream.
+stages name the previous policy as their upstream. A round that does not beat the champion ends
+the run (`iterative.stop_early`), and the summary says why (`stopped_early`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from rlhf_core.infra.manifests import params_hash
 
 # Fields that do not change a round's pairs: `rounds` (raising it must not resample round 1),
 # `start_from` (the policy is in the key as an upstream), `seed` (the round's seed is),
-# `learning_rate` (the DPO's). Every other field, present or future, is in the pairs cache key.
-PAIRS_NOT_IN_KEY = frozenset({"rounds", "start_from", "seed", "learning_rate"})
+# `learning_rate` (the DPO's), `stop_early` (whether later rounds run). Every other field, present
+# or future, is in the pairs cache key.
+PAIRS_NOT_IN_KEY = frozenset({"rounds", "start_from", "seed", "learning_rate", "stop_early"})
 
 
 def pairs_settings_hash(prep: PrepParams, iterative: IterativeDPOParams, round_seed: int) -> str:
@@ -47,7 +49,7 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
     policy = starting_policy(iterative.start_from, sft)
     seed = iterative.seed if iterative.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     paths = prep_paths(prep_outcome)
-    rounds = []
+    rounds, stopped = [], None
     for r in range(1, iterative.rounds + 1):
         name = f"pairs-round{r}"
         out = ctx.output(name)
@@ -82,4 +84,9 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
                        "markdown": report["markdown"]})
         if promoted:
             policy = trained
-    return {"rounds": rounds, "final_policy": policy.output_uri}
+        elif iterative.stop_early and previous is not None and r < iterative.rounds:
+            stopped = (f"round {r}'s policy ({evaluation.promote_metric} {value:.4f}) did not beat the champion "
+                       f"({previous:.4f}), which stays; round {r + 1} would start from that champion again: "
+                       f"stopped after round {r} of {iterative.rounds} (iterative.stop_early)")
+            break
+    return {"rounds": rounds, "final_policy": policy.output_uri, "stopped_early": stopped}

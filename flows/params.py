@@ -276,6 +276,8 @@ class IterativeDPOParams(StrictModel):
                                  "from a policy RL already moved")
     seed: int | None = Field(None, description="Sampling seed (default: drawn per pipeline run, so every "
                              "scheduled run samples fresh pairs)")
+    stop_early: bool = Field(True, description="Stop after a round that does not beat the registered champion, "
+                             "saying why (the next round would start from the same champion); false: every round")
 
 
 class RejectionSamplingParams(StrictModel):

@@ -183,6 +183,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
 
                     summary["iterative"] = run_rounds(ctx, settings, prep, dpo, evaluation, iterative, need, run,
                                                       outcomes)
+                    if summary["iterative"]["stopped_early"]:
+                        logger.warning(f"iterative_dpo: {summary['iterative']['stopped_early']}")
                 elif stage == Stage.ONLINE_RL:
                     from flows.online import run_online
 

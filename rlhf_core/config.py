@@ -467,13 +467,9 @@ class LoraConfig(StrictModel):
         return names
 
 
-class TrainerDSConfig(DSConfig):
-    packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
-                                  json_schema_extra=flat("packing_samples"))
-    tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP: each linear layer's weights split "
-                                      "over this many ranks, which see the same batches (the data-parallel ranks "
-                                      "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
-                                          "ds_tensor_parallel_size"))
+class RingAttention(StrictModel):
+    """Ring attention (`models/ring.py`): OpenRLHF's `--ring_attn_size` / `--ds.ring_attn_size`."""
+
     ring_attn_size: int = Field(1, ge=1, description="Ring attention (sequence parallelism): this many ranks "
                                 "split each row's tokens, gathering keys and values in every layer, and see the "
                                 "same batches (the data-parallel ranks are the ranks / this)",
@@ -481,6 +477,15 @@ class TrainerDSConfig(DSConfig):
     ring_attn_head_stride: int = Field(1, ge=1, description="Ring attention: key/value heads gathered at a time "
                                        "(fewer gathers, more memory; more than the model has: all at once)",
                                        json_schema_extra=flat("ring_head_stride"))
+
+
+class TrainerDSConfig(DSConfig, RingAttention):
+    packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
+                                  json_schema_extra=flat("packing_samples"))
+    tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP: each linear layer's weights split "
+                                      "over this many ranks, which see the same batches (the data-parallel ranks "
+                                      "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
+                                          "ds_tensor_parallel_size"))
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property
@@ -555,8 +560,8 @@ NOT_BUILT_FLAGS = {
 
 # The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_parallel_training.py).
 TENSOR_PARALLEL_STAGES = ("sft", "dpo")
-# The supervised stages ring attention trains here (tests/integration/test_ring_attention.py); of
-# OpenRLHF's, the RL stage is still to come (kto, kd and prm never had it there).
+# The supervised stages ring attention trains here (tests/integration/test_parallel_training.py), as
+# OpenRLHF's (its kto, kd and prm never had it); the RL stage's model roles have it too (rl_config.py).
 RING_ATTENTION_STAGES = ("sft", "rm", "dpo")
 
 

@@ -31,6 +31,7 @@ from rlhf_core.config import (
     LoraConfig,
     Optimiser,
     RefModelConfig,
+    RingAttention,
     RolloutBackend,
     Schedule,
     StrictModel,
@@ -318,7 +319,7 @@ class EvalSection(StrictModel):
                              "(default: --reward.task); the training reward may come from a reward model")
 
 
-class RLDSConfig(DSConfig, ValueHead):
+class RLDSConfig(DSConfig, ValueHead, RingAttention):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the actor and the critic "
                              "(the critic's value head trained whole); merged into the weights the engines get and "
                              "the output")
@@ -545,6 +546,23 @@ class PPOConfig(TrainingStageConfig):
         if self.data.max_len is None and rollout.max_new_tokens is not None:
             set_(self.data, "max_len", self.data.prompt_max_len + rollout.max_new_tokens)
 
+        # Ring attention: every model role's ranks in rings (given alone, a ring of ranks per role).
+        ring = self.ds.ring_attn_size
+        models = {"actor": actor, "critic": critic if self.uses_critic else None,
+                  "ref": self.ref if self.uses_ref else None, "reward": reward if reward.model_name_or_path else None}
+        for role, placement in models.items():
+            if ring == 1 or placement is None:
+                continue
+            if placement.world_size == 1 and "num_gpus_per_node" not in placement.model_fields_set:
+                set_(placement, "num_gpus_per_node", ring)
+            if placement.world_size % ring:
+                problems.append(f"--ds.ring_attn_size (--ring_attn_size) {ring} must divide the {role} ranks "
+                                f"({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+        if ring > 1 and actor.aux_loss_coef > 0:
+            problems.append("--ds.ring_attn_size (--ring_attn_size) with --actor.aux_loss_coef (--aux_loss_coef): "
+                            "each rank of a ring sees part of every row, so its router statistics are not the "
+                            "batch's; not built")
+
         # Batches: a rollout step is whole optimizer steps; an optimizer step is whole micro-batches.
         samples = rollout.batch_size * rollout.n_samples_per_prompt
         if samples % train.batch_size:
@@ -553,14 +571,16 @@ class PPOConfig(TrainingStageConfig):
                             f"({train.batch_size})")
         trained = [("actor", actor)] + ([("critic", critic)] if self.uses_critic else [])
         for role, placement in trained:
-            per_step = (train.micro_batch_size or 1) * placement.world_size
+            data_parallel = max(1, placement.world_size // ring)  # a ring's ranks take the same samples
+            per_step = (train.micro_batch_size or 1) * data_parallel
+            ranks = f"{role} ranks" + (f" / --ds.ring_attn_size {ring}" if ring > 1 else "")
             if train.batch_size % per_step and train.micro_batch_size is None:
-                problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of the {role} ranks "
-                                f"({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+                problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of the {ranks} "
+                                f"({data_parallel}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
             elif train.batch_size % per_step:
                 problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of "
-                                f"--train.micro_batch_size x {role} ranks ({train.micro_batch_size} x "
-                                f"{placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+                                f"--train.micro_batch_size x {ranks} ({train.micro_batch_size} x "
+                                f"{data_parallel}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
 
         if self.ds.lora.rank > 0 and self.ds.zero_stage == 3:
             problems.append("--ds.lora.rank (--lora_rank) with --ds.zero_stage 3 is not built yet in train ppo (the "
@@ -640,8 +660,6 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("ring attention of the RL roles (the supervised stages sft, rm and dpo have it)", "ring_attn_size",
-                "ds.ring_attn_size", "ring_head_stride", "ds.ring_attn_head_stride"),
     **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
     **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
                 "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",

@@ -16,7 +16,7 @@ FOLDER_CALLS = ("_role_save_to", "_role_load_from")
 class LocalRoleGroup:
     """`worker` as a role group of one rank."""
 
-    world_size = 1
+    world_size = data_parallel_size = 1
 
     def __init__(self, worker, name: str = "local"):
         self.worker, self.name = worker, name

@@ -18,15 +18,17 @@ class PendingCall(list):
         super().__init__(refs)
         self.role, self.method, self.ranks, self.mode, self.timeout_s = role, method, list(ranks), mode, timeout_s
         self._wait, self._values, self.keep = wait, values, keep
+        self.every = 1
 
     @classmethod
     def resolved(cls, values: list, role: str = "local", method: str = "") -> PendingCall:
         """A call already made in this process: `values` in rank order."""
         return cls(role=role, method=method, ranks=range(len(values)), values=list(values))
 
-    def sharded(self, keep: int) -> PendingCall:
-        """This call as the parts of one padded batch: `gather` keeps its first `keep` items."""
-        self.keep = keep
+    def sharded(self, keep: int, every: int = 1) -> PendingCall:
+        """This call as the parts of one padded batch: `gather` keeps its first `keep` items, from
+        every `every`-th rank (the ranks of a ring compute the same part)."""
+        self.keep, self.every = keep, every
         return self
 
     def finish(self, values: list):
@@ -47,5 +49,5 @@ class PendingCall(list):
 
     def gather(self) -> list:
         """The ranks' lists joined in rank order (a sharded batch's padding dropped)."""
-        items = [item for part in self.per_rank() for item in part]
+        items = [item for part in self.per_rank()[:: self.every] for item in part]
         return items if self.keep is None else items[: self.keep]

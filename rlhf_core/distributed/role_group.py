@@ -274,11 +274,13 @@ class RoleGroup:
                  kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
                  devices: ClusterDevices | None = None, bundles_per_rank: int = 1, prepare_args=None,
-                 wait: bool = True):
+                 wait: bool = True, duplicates: int = 1):
         if timeout_s is None or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if duplicates < 1 or world_size % duplicates:
+            raise ValueError(f"rings of {duplicates} ranks do not divide {world_size} ranks")
         self.name = name or worker_cls.__name__
-        self.world_size, self.timeout_s = world_size, timeout_s
+        self.world_size, self.timeout_s, self.duplicates = world_size, timeout_s, duplicates
         self.actors: list = []
         self._owns_pool = pool is None
         if pool is None:
@@ -376,12 +378,18 @@ class RoleGroup:
         ranks = list(range(len(calls))) if ranks is None else list(ranks)
         return self._pending(method, "all", ranks, [(tuple(a), dict(kw)) for a, kw in calls])
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that take different data: the ranks of a ring (`duplicates`) take the same."""
+        return self.world_size // self.duplicates
+
     def call_sharded_async(self, method: str, items: list, **kwargs) -> PendingCall:
         """`method(shard, **kwargs)` on each rank's shard of `items` (`sharding.shards(..., pad=True)`:
-        equal contiguous parts, the last padded with the last item); `gather()` gives the results in
-        `items`' order, the padding's dropped."""
-        parts = shards(items, self.world_size, pad=True)
-        return self.call_each_async(method, [((part,), kwargs) for part in parts]).sharded(len(items))
+        equal contiguous parts, the last padded with the last item; the ranks of a ring take the same
+        part); `gather()` gives the results in `items`' order, the padding's dropped."""
+        parts = shards(items, self.data_parallel_size, pad=True)
+        calls = [((part,), kwargs) for part in parts for _ in range(self.duplicates)]
+        return self.call_each_async(method, calls).sharded(len(items), every=self.duplicates)
 
     def call_sharded(self, method: str, items: list, **kwargs) -> list:
         return self.call_sharded_async(method, items, **kwargs).gather()

@@ -102,3 +102,22 @@ def register() -> str:
         AttentionInterface.register(NAME, rlhf_sdpa_forward)
         AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+    """The boolean attention mask (True = attend) transformers builds for a batch, `(rows or 1, 1,
+    T, T)`: a 4-D mask is used as it is; a 2-D padding mask becomes causal & key padding; no mask
+    means samples packed one after another, told apart by their restarted position ids
+    (`find_packed_sequence_indices`' rule: a new sample wherever a position is not its
+    predecessor's + 1), or one causal sequence per row."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if attention_mask is not None:
+        return (causal & attention_mask.bool()[:, None, :]).unsqueeze(1)
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return causal[None, None]
+    segment = starts.cumsum(-1)
+    return (causal & (segment.unsqueeze(-1) == segment.unsqueeze(-2))).unsqueeze(1)

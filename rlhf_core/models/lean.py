@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.models.attention import NAME as RLHF_SDPA
+from rlhf_core.models.attention import batch_mask
 
 ENV = "RLHF_LEAN_FORWARD"
 _LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -424,25 +425,6 @@ class _RMSNorm(torch.autograd.Function):
         dx = (scaled - x_hat * (scaled * x_hat).mean(-1, keepdim=True)) * r if ctx.needs_input_grad[0] else None
         dweight = (grad * x_hat).reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
         return dx, dweight, None
-
-
-def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
-    """The boolean attention mask (True = attend) transformers builds for a batch, `(rows or 1, 1,
-    T, T)`: a 4-D mask is used as it is; a 2-D padding mask becomes causal & key padding; no mask
-    means samples packed one after another, told apart by their restarted position ids
-    (`find_packed_sequence_indices`' rule: a new sample wherever a position is not its
-    predecessor's + 1), or one causal sequence per row."""
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    if attention_mask is not None:
-        return (causal & attention_mask.bool()[:, None, :]).unsqueeze(1)
-    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
-    if not bool(starts[:, 1:].any()):
-        return causal[None, None]
-    segment = starts.cumsum(-1)
-    return (causal & (segment.unsqueeze(-1) == segment.unsqueeze(-2))).unsqueeze(1)
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.models.lean import LeanLlama, _no_autocast, additive, batch_mask
+from rlhf_core.models.attention import batch_mask
+from rlhf_core.models.lean import LeanLlama, _no_autocast, additive
 
 
 def selected_hidden(lean: LeanLlama, input_ids: torch.Tensor, position_ids: torch.Tensor,

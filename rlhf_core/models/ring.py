@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.data.batching import Batch
-from rlhf_core.models.attention import compute_dtype, matmul_attention
+from rlhf_core.models.attention import batch_mask, compute_dtype, matmul_attention
 
 NAME = "rlhf_ring"
 
@@ -103,8 +103,6 @@ class Shard:
 
     @classmethod
     def of(cls, batch: Batch, ring: Ring) -> Shard:
-        from rlhf_core.models.lean import batch_mask
-
         rows, t = batch.input_ids.shape
         width = -(-t // ring.size)
         pad = width * ring.size - t

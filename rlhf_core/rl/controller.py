@@ -273,8 +273,8 @@ class RLController:
         the samples; returns the step's KL and log-prob mismatch."""
         cfg = self.cfg
         # In the first epoch's training order, so each chunk is packed once for every pass (`collate`).
-        order = plan.experience_order(self.actor.world_size)
-        left = plan.on_policy(self.actor.world_size)
+        order = plan.experience_order(self.actor.data_parallel_size)
+        left = plan.on_policy(self.actor.data_parallel_size)
         arranged = [samples[i] for i in order]
         recomputed = [i for i in order if i not in left]
         # With top-k/top-p the engines report log-probs of the filtered distribution: the policy's
@@ -338,9 +338,9 @@ class RLController:
 
     @staticmethod
     def _train_role(group, samples: list[RolloutSample], plan: StepPlan, **kwargs):
-        work = plan.work(group.world_size)
+        work = plan.work(group.data_parallel_size)  # the ranks of a ring (models/ring.py) take the same
         return group.call_each_async("train_step", [(([samples[i] for i in w.samples], w.epochs), kwargs)
-                                                    for w in work])
+                                                    for w in work for _ in range(group.world_size // len(work))])
 
     def sync_weights(self, force: bool = False) -> None:
         """Every rollout engine gets the actor's new weights (none while the actor is frozen;

@@ -46,6 +46,7 @@ from rlhf_core.distributed.engine import (
     precision_of,
 )
 from rlhf_core.infra.hubs import use_modelscope
+from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
@@ -59,9 +60,10 @@ from rlhf_core.trainers.loop import optimizer_step
 def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0) -> EngineSettings:
     """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
-    micro = cfg.train.micro_batch_size or cfg.train.batch_size // world_size
+    ring = cfg.ds.ring_attn_size
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size // (world_size // ring)
     return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
-                          section.muon if section.optim == "muon" else None, aux_loss_coef)
+                          section.muon if section.optim == "muon" else None, aux_loss_coef, ring=ring)
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -134,20 +136,26 @@ class _Role:
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.packing = True
 
-    def setup(self, join: bool = False) -> None:
+    def setup(self, join: bool = False) -> str:
         """Build the model (and engine): the second phase, once every rank of the role exists.
         `join`: a rank of a Ray group (`RoleGroup`) first joins the role's process group from the
-        variables the group set, and seeds itself with `--train.seed` as the in-process run does."""
+        variables the group set, and seeds itself with `--train.seed` as the in-process run does.
+        Returns the forward's report line (`lean.forward_report`; rank 0 prints it too)."""
         if join:
             env = os.environ
             init_distributed(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                              local_rank=int(env["LOCAL_RANK"]))
             seed_everything(self.cfg.train.seed, self.cfg.train.full_determinism_enable)
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        # A ring's ranks split each row (models/ring.py); its groups form before any model loads.
+        ring.setup(self.cfg.ds.ring_attn_size if self.world_size > 1 else 1, self.cfg.ds.ring_attn_head_stride)
+        self.ring_size = self.cfg.ds.ring_attn_size if self.world_size > 1 else 1
         self.device = device()
         self._build()
+        line = forward_report(self.name, *self._forward_model())[1]
         if self.rank == 0:
-            print(forward_report(self.name, *self._forward_model())[1], file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+        return line
 
     def _build(self) -> None:
         raise NotImplementedError
@@ -181,7 +189,7 @@ class _Role:
         `--train.max_tokens_per_gpu` tokens, every rank of the role in as many micro-batches as the one
         that needs most."""
         train = self.cfg.train
-        per_rank = train.batch_size // self.world_size
+        per_rank = train.batch_size // (self.world_size // self.ring_size)
         if not train.dynamic_batch_enable and train.micro_batch_size is not None:
             return optimizer_steps(samples, per_rank, train.micro_batch_size)
         steps = optimizer_steps(samples, per_rank, per_rank)
@@ -377,7 +385,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         totals: dict[str, float] = {}
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
-                                            self.world_size, self.precision)
+                                            self.world_size, self.precision, duplicates=self.ring_size)
             if self.cfg.train.enable_ema:  # every rank: a ZeRO-3 gather
                 self._update_ema()
             tokens = max(1.0, float(sums["tokens"]))
@@ -502,7 +510,7 @@ class CriticRole(_Checkpointed, _Role):
         losses, means, aux = [], [], []
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
-                                            self.world_size, self.precision)
+                                            self.world_size, self.precision, duplicates=self.ring_size)
             losses.append(float(sums["value_loss"] / units))
             means.append(float(sums["value_tokens"]) / max(1.0, float(sums["tokens"])))
             if "aux_loss" in sums:  # an MoE critic's load balancing (--aux_loss_coef)

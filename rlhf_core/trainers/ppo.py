@@ -205,11 +205,11 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
                                    args=worker_args, timeout_s=stage_timeout_s(),
                                    bundles_per_rank=place.bundles_per_rank, prepare_args=models_on_this_node,
-                                   wait=False)
+                                   wait=False, duplicates=cfg.ds.ring_attn_size if args is not None else 1)
         start_together(list(made.values()))  # the roles' processes start (import torch, ...) side by side
         # Models load in parallel; a model role's ranks first join its process group.
-        gather_all([group.call_all_async("setup", join=True) if kind in specs else group.call_all_async("setup")
-                    for kind, group in made.items()])
+        reports = gather_all([group.call_all_async("setup", join=True) if kind in specs
+                              else group.call_all_async("setup") for kind, group in made.items()])
     except BaseException:
         for group in made.values():
             group.shutdown()
@@ -220,6 +220,9 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list
                        + (f" on each of {p.bundles_per_rank} GPUs" if p.bundles_per_rank > 1 else "") + f") in {p.pool}"
                        for k, p in layout.roles.items())
     print(f"rlhf: RL roles on Ray: {placed}", file=sys.stderr, flush=True)
+    for kind, per_rank in zip(made, reports, strict=True):
+        if kind in specs:  # each model role's forward, as its rank 0 reported it (its log is the worker's)
+            print(f"rlhf: {per_rank[0]}", file=sys.stderr, flush=True)
     return RoleGroups(made["actor"], made.get("critic"), made.get("ref"), made.get("reward"),
                       RayEngines(made["rollout"], cfg.vllm.enable_sleep, sync_backend=cfg.vllm.sync_backend,
                                  bucket_mb=cfg.vllm.sync_bucket_mb, checkpoint_format=backend == "vllm"),

@@ -56,7 +56,6 @@ def test_ring_ranks_share_batches_and_what_ring_attention_is_not_built_for_is_re
     asks for one ring of ranks. Where it is not built, it is refused by name."""
     from rlhf_core.config import KDConfig, KTOConfig, PRMConfig, RMConfig
     from rlhf_core.distributed.engine import EngineSettings, deepspeed_config
-    from rlhf_core.rl_config import build_ppo_config
 
     cfg = build_config(SFTConfig, BASE, {"train_batch_size": 64, "micro_train_batch_size": 8, "num_gpus_per_node": 4,
                                          "ring_attn_size": 2, "ring_head_stride": 2})
@@ -75,8 +74,6 @@ def test_ring_ranks_share_batches_and_what_ring_attention_is_not_built_for_is_re
                         ({"ring_attn_size": 2, "aux_loss_coef": 0.01}, "router statistics")]:
         with pytest.raises(ConfigError, match=says):
             build_config(SFTConfig, BASE, flags)
-    with pytest.raises(ConfigError, match="ring attention of the RL roles"):
-        build_ppo_config(None, {"ring_attn_size": 2})
 
 
 def test_invalid_value_names_the_field():

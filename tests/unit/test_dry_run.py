@@ -62,8 +62,6 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 
 @pytest.mark.parametrize("stage, argv", [
-    ("ppo", ["--ring_attn_size", "2"]),
-    ("ppo", ["--ds.ring_attn_head_stride", "2"]),
     ("ppo", ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5.0"]),
     ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),

@@ -12,15 +12,17 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
     return [job.config_hash for job in round_jobs(tmp_path, monkeypatch, iterative, prep, parent) if job.stage == "pairs"]
 
 
-def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run") -> list:
-    """Every job `run_rounds` submits, each faked."""
+def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run", promote=lambda *a: (False, None),
+               result=None) -> list:
+    """Every job `run_rounds` submits, each faked (`promote`: the registry's answer; `result`: a dict
+    that gets `run_rounds`' return value)."""
     from flows import iterative as iterative_flow
     from flows.params import EvalParams, PipelineDPOConfig, PipelineSettings, PrepParams
     from orchestration import lineage
 
     monkeypatch.setattr(lineage, "alias_version", lambda *a: None)  # no champion yet: start from SFT
     monkeypatch.setattr(lineage, "register_once", lambda *a: SimpleNamespace(name="rlhf-policy", version="1"))
-    monkeypatch.setattr(lineage, "promote", lambda *a: (False, None))
+    monkeypatch.setattr(lineage, "promote", promote)
     monkeypatch.setattr(iterative_flow, "publish_eval_report", lambda *a: {"markdown": ""})
     jobs = []
 
@@ -31,8 +33,10 @@ def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
     ctx = flow_ctx(tmp_path)
     ctx.parent_run_id = parent
-    iterative_flow.run_rounds(ctx, PipelineSettings(), prep or PrepParams(), PipelineDPOConfig(), EvalParams(),
-                              iterative, upstream.__getitem__, run, {})
+    out = iterative_flow.run_rounds(ctx, PipelineSettings(), prep or PrepParams(), PipelineDPOConfig(), EvalParams(),
+                                    iterative, upstream.__getitem__, run, {})
+    if result is not None:
+        result.update(out)
     return jobs
 
 
@@ -40,14 +44,16 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
     from flows.iterative import PAIRS_NOT_IN_KEY
     from flows.params import IterativeDPOParams, PrepParams
 
-    assert PAIRS_NOT_IN_KEY == {"rounds", "start_from", "seed", "learning_rate"}  # widening this needs a reason
+    # widening this needs a reason
+    assert PAIRS_NOT_IN_KEY == {"rounds", "start_from", "seed", "learning_rate", "stop_early"}
     for base_params in (IterativeDPOParams(), IterativeDPOParams(seed=5)):
         (base,) = pairs_keys(tmp_path, monkeypatch, base_params)
         assert pairs_keys(tmp_path, monkeypatch, base_params.model_copy()) == [base]
         for name in IterativeDPOParams.model_fields:
             first_round = pairs_keys(tmp_path, monkeypatch, perturbed(base_params, name))[0]
             # `seed` is excluded as a field but enters as the round's sampling seed, which it changes
-            assert (first_round != base) == (name not in {"rounds", "start_from", "learning_rate"}), (name, base_params)
+            assert (first_round != base) == (name not in {"rounds", "start_from", "learning_rate", "stop_early"}), \
+                (name, base_params)
         assert pairs_keys(tmp_path, monkeypatch, base_params, prep=perturbed(PrepParams(), "task")) != [base]
 
     class Later(IterativeDPOParams):  # a field added after this test was written counts without anyone listing it
@@ -75,3 +81,24 @@ def test_a_round_trains_dpo_at_its_own_learning_rate(tmp_path, monkeypatch):
         written = yaml.safe_load(dpo.config_yaml)
         assert written["adam"]["lr"] == lr and written["model"]["beta"] == PipelineDPOConfig().model.beta
     assert PipelineDPOConfig().adam.lr == 1e-4 and IterativeDPOParams().learning_rate == 2e-5
+
+
+def test_a_round_that_does_not_beat_the_champion_ends_the_run_and_says_why(tmp_path, monkeypatch):
+    """With a champion that a round does not beat, the next round would start from that champion again:
+    the run stops there, saying so; without a champion, or with `stop_early: false`, every round runs."""
+    from flows.params import IterativeDPOParams
+
+    def trained(**kw) -> tuple[list, dict]:
+        result: dict = {}
+        jobs = round_jobs(tmp_path, monkeypatch, IterativeDPOParams(rounds=3, **kw.pop("params", {})), result=result,
+                          **kw)
+        return [j.name for j in jobs if j.stage == "dpo"], result
+
+    names, result = trained(promote=lambda *a: (False, 1.5))  # the champion's 1.5 beats the round's 1.0
+    assert names == ["dpo-round1"] and len(result["rounds"]) == 1
+    assert result["stopped_early"].startswith("round 1's policy (sampled_accuracy 1.0000) did not beat the champion "
+                                              "(1.5000), which stays") and "stopped after round 1 of 3" in result["stopped_early"]
+    names, result = trained(promote=lambda *a: (False, 1.5), params={"stop_early": False})
+    assert names == ["dpo-round1", "dpo-round2", "dpo-round3"] and result["stopped_early"] is None
+    names, result = trained(promote=lambda *a: (True, 0.5))
+    assert len(names) == 3 and result["stopped_early"] is None

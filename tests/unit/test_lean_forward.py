@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rlhf_core.models import lean as lean_module
-from rlhf_core.models.attention import register
+from rlhf_core.models.attention import batch_mask, register
 from rlhf_core.models.forward import response_index, response_logits
-from rlhf_core.models.lean import batch_mask, lean_model, supported
+from rlhf_core.models.lean import lean_model, supported
 from rlhf_core.rl.experience import RolloutSample, collate
 from rlhf_core.rollout.hf import left_pad
 from rlhf_core.rollout.sampling import sample

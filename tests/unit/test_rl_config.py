@@ -194,6 +194,38 @@ def test_grpo_command_lines_of_both_eras_give_one_config():
     assert dotted.uses_ref and not dotted.uses_critic
 
 
+def test_ring_attention_puts_every_model_role_in_rings_of_ranks_that_share_samples():
+    """`--ring_attn_size 2` (`--ds.ring_attn_size`): each model role the run starts (actor, critic,
+    reference, reward model) gets a ring of ranks where its ranks are not given, must have a multiple
+    of it where they are, and the batches count data-parallel ranks (ranks / ring)."""
+    from rlhf_core.distributed.engine import deepspeed_config
+    from rlhf_core.rl.roles import engine_settings
+
+    base = "--pretrain m --prompt_data p --save_path o --reward_pretrain r --advantage_estimator gae"
+    cfg = _ppo(f"{base} --ring_attn_size 2 --ring_head_stride 2 --train_batch_size 8 --micro_train_batch_size 4")
+    assert (cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride) == (2, 2)
+    assert [getattr(cfg, r).world_size for r in ("actor", "critic", "ref", "reward")] == [2, 2, 2, 2]
+    assert _ppo(f"{base} --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2").ds.model_dump() == \
+        _ppo(f"{base} --ring_attn_size 2 --ring_head_stride 2").ds.model_dump()
+    settings = engine_settings(cfg, cfg.actor, 2)
+    assert settings.data_parallel_size == 1 and settings.accumulation_steps == 2
+    assert deepspeed_config(settings)["train_batch_size"] == 16  # DeepSpeed counts both ranks of the ring
+    four = _ppo(f"{base} --ring_attn_size 2 --actor_num_gpus_per_node 4 --train_batch_size 8 "
+                "--micro_train_batch_size 4")
+    assert four.actor.world_size == 4 and engine_settings(four, four.actor, 4).accumulation_steps == 1
+    grpo = _ppo("--pretrain m --prompt_data p --save_path o --advantage_estimator group_norm --remote_rm_url r.py "
+                "--init_kl_coef 0 --n_samples_per_prompt 2 --ring_attn_size 2")
+    assert (grpo.actor.world_size, grpo.ref.world_size, grpo.critic.world_size) == (2, 1, 1)  # no ref, no critic
+    for flags, says in [("--ring_attn_size 2 --critic_num_gpus_per_node 3",
+                         r"--ring_attn_size\) 2 must divide the critic ranks \(3"),
+                        ("--ring_attn_size 2 --aux_loss_coef 0.01", "router statistics"),
+                        ("--ring_attn_size 2 --actor_num_gpus_per_node 4 --train_batch_size 8 "
+                         "--micro_train_batch_size 8", "--train.micro_batch_size x actor ranks / --ds.ring_attn_size 2 "
+                         r"\(8 x 2")]:
+        with pytest.raises(ConfigError, match=says):
+            _ppo(f"{base} {flags}")
+
+
 def test_yaml_nested_dotted_and_flat_give_one_config():
     nested = yaml.safe_load("""
 actor: {model_name_or_path: m, adam: {lr: 5.0e-7, betas: [0.9, 0.98]}}
