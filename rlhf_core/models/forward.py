@@ -72,11 +72,32 @@ def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backbone_hidden(model, batch: Batch) -> torch.Tensor:
-    """The last hidden states of `model`'s backbone (no head): `(rows, T, hidden)`."""
-    hidden = backbone(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    """The last hidden states of `model`'s backbone (no head): `(rows, T, hidden)`.
+
+    Under ZeRO-3 the whole model runs (its head's output unused) and the backbone's output is taken
+    on the way: DeepSpeed's hooks on the top module start each forward step of its parameter
+    coordinator, and a backbone called alone skips them (a reward model trained so took other steps
+    than under ZeRO-2, measured)."""
+    body = backbone(model)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+              "position_ids": batch.position_ids, "use_cache": False}
+    if not _partitioned(model):
+        hidden = body(**inputs).last_hidden_state
+    else:
+        taken = []
+        handle = body.register_forward_hook(lambda module, args, out: taken.append(out.last_hidden_state))
+        try:
+            model(**inputs)
+        finally:
+            handle.remove()
+        (hidden,) = taken
     note_tokens(model, batch.seq_ids >= 0)
     return hidden
+
+
+def _partitioned(model) -> bool:
+    """Whether ZeRO-3 partitions `model`'s weights (it marks each with a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -131,12 +131,16 @@ def test_a_ring_of_two_trains_sft_as_one_rank_and_resumes_to_the_same_weights(pr
     resume_from_step2(prepared, tmp_path, "sft", RING2, tmp_path / "ckpt", tmp_path / "ring2")
 
 
-@pytest.mark.parametrize("stage", ["dpo", "rm"])
-def test_a_ring_of_two_takes_one_ranks_preference_steps(stage, prepared, one_rank, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage, zero", [("dpo", "1"), ("rm", "3")])
+def test_a_ring_of_two_takes_one_ranks_preference_steps(stage, zero, prepared, one_rank, tmp_path, monkeypatch):
     """DPO (policy and reference in the ring, shared-prompt pairs) and the reward model (a score read
-    at each sample's last token, wherever in the ring it lies): one rank's steps."""
+    at each sample's last token, wherever in the ring it lies), the latter under ZeRO-3 (its weights
+    partitioned over the ring's ranks; the one rank trains at ZeRO-1): one rank's steps. Before the
+    body's forward went through the whole model under ZeRO-3 (`forward.backbone_hidden`), a reward
+    model there took other steps, ring or not."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert main(["train", stage, *args(prepared, stage), *RING2, "--save_path", str(tmp_path / "ring2")]) == 0
+    assert main(["train", stage, *args(prepared, stage), *RING2, "--zero_stage", zero,
+                 "--save_path", str(tmp_path / "ring2")]) == 0
     keys = {"dpo": ("eval/loss", "eval/reward_accuracy", "eval/reward_margin", "train/final_loss"),
             "rm": ("eval/loss", "eval/accuracy", "train/final_loss", "reward_mean", "reward_std")}[stage]
     assert_same_run(one_rank(stage), tmp_path / "ring2", keys, rel=1e-4, tolerance=RM_GAP if stage == "rm" else
