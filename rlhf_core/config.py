@@ -559,7 +559,7 @@ NOT_BUILT_FLAGS = {
 
 
 # The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_parallel_training.py).
-TENSOR_PARALLEL_STAGES = ("sft", "dpo")
+TENSOR_PARALLEL_STAGES = ("sft", "rm", "dpo")
 # The supervised stages ring attention trains here (tests/integration/test_parallel_training.py), as
 # OpenRLHF's (its kto, kd and prm never had it); the RL stage's model roles have it too (rl_config.py).
 RING_ATTENTION_STAGES = ("sft", "rm", "dpo")
@@ -599,8 +599,7 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
         if tp > 1 and self.stage not in TENSOR_PARALLEL_STAGES:
             raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}: not built yet for `rlhf "
                              f"train {self.stage}` (tensor parallelism is tested for "
-                             f"{' and '.join(TENSOR_PARALLEL_STAGES)}; a new head, as a reward model's, would start "
-                             "different on each rank of a group)")
+                             f"{', '.join(TENSOR_PARALLEL_STAGES)})")
         if tp * ring > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
             # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
             # a tensor-parallel (or ring) size alone asks for one group of that many per node

@@ -45,8 +45,12 @@ class RewardModelRecipe:
         cfg = self.cfg
         self.data = data if data is not None else load_data(cfg)
         self.ctx = start_stage(cfg, self.data)
-        model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
-                                  cfg.ds.value_head_prefix, **model_options(cfg.ds))
+        # A new score head starts the same on every rank (ranks are seeded apart, and a tensor-parallel
+        # group's ranks get no broadcast from one another)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)
+            model = load_reward_model(local_model_path(cfg.pretrain), self.data.tokenizer.pad_token_id,
+                                      cfg.ds.value_head_prefix, **model_options(cfg.ds))
         if give_reward_model_its_own_pad(model, self.data.tokenizer) and self.ctx.is_main:
             print(f"the tokenizer pads with EOS: the reward model gets its own pad token "
                   f"{self.data.tokenizer.pad_token!r}, so transformers reads its score at EOS as we do",

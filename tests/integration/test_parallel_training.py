@@ -40,6 +40,8 @@ PARALLEL_GAP = 5e-5
 # Intel Xeon with AMX, fp32).
 RM_GAP = 5e-4
 STEPS = {"sft": 4, "dpo": 2, "rm": 2}
+PREFERENCE_METRICS = {"dpo": ("eval/loss", "eval/reward_accuracy", "eval/reward_margin", "train/final_loss"),
+                      "rm": ("eval/loss", "eval/accuracy", "train/final_loss", "reward_mean", "reward_std")}
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -111,12 +113,14 @@ def test_two_tensor_parallel_ranks_train_as_one_and_resume_to_the_same_weights(p
     resume_from_step2(prepared, tmp_path, "sft", TP2, tmp_path / "ckpt", tmp_path / "tp2")
 
 
-def test_dpo_with_two_tensor_parallel_ranks_takes_one_ranks_steps(prepared, one_rank, tmp_path, monkeypatch):
-    """The policy split over two ranks, its reference whole on each: the same DPO steps."""
+@pytest.mark.parametrize("stage", ["dpo", "rm"])
+def test_two_tensor_parallel_ranks_take_one_ranks_preference_steps(stage, prepared, one_rank, tmp_path, monkeypatch):
+    """DPO (the policy split over two ranks, its reference whole on each) and the reward model (its
+    new score head started the same on both): one rank's steps."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert main(["train", "dpo", *args(prepared, "dpo"), *TP2, "--save_path", str(tmp_path / "tp2")]) == 0
-    assert_same_run(one_rank("dpo"), tmp_path / "tp2",
-                    ("eval/loss", "eval/reward_accuracy", "eval/reward_margin", "train/final_loss"), rel=1e-4)
+    assert main(["train", stage, *args(prepared, stage), *TP2, "--save_path", str(tmp_path / "tp2")]) == 0
+    assert_same_run(one_rank(stage), tmp_path / "tp2", PREFERENCE_METRICS[stage], rel=1e-4,
+                    tolerance=RM_GAP if stage == "rm" else PARALLEL_GAP)
 
 
 def test_a_ring_of_two_trains_sft_as_one_rank_and_resumes_to_the_same_weights(prepared, one_rank, tmp_path,
@@ -141,7 +145,5 @@ def test_a_ring_of_two_takes_one_ranks_preference_steps(stage, zero, prepared, o
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert main(["train", stage, *args(prepared, stage), *RING2, "--zero_stage", zero,
                  "--save_path", str(tmp_path / "ring2")]) == 0
-    keys = {"dpo": ("eval/loss", "eval/reward_accuracy", "eval/reward_margin", "train/final_loss"),
-            "rm": ("eval/loss", "eval/accuracy", "train/final_loss", "reward_mean", "reward_std")}[stage]
-    assert_same_run(one_rank(stage), tmp_path / "ring2", keys, rel=1e-4, tolerance=RM_GAP if stage == "rm" else
-                    PARALLEL_GAP)
+    assert_same_run(one_rank(stage), tmp_path / "ring2", PREFERENCE_METRICS[stage], rel=1e-4,
+                    tolerance=RM_GAP if stage == "rm" else PARALLEL_GAP)
