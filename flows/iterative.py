@@ -86,7 +86,8 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
             policy = trained
         elif iterative.stop_early and previous is not None and r < iterative.rounds:
             stopped = (f"round {r}'s policy ({evaluation.promote_metric} {value:.4f}) did not beat the champion "
-                       f"({previous:.4f}), which stays; round {r + 1} would start from that champion again: "
-                       f"stopped after round {r} of {iterative.rounds} (iterative.stop_early)")
+                       f"({previous:.4f}), which stays; round {r + 1} would start again from the policy round {r} "
+                       f"started from ({policy.output_uri}): stopped after round {r} of {iterative.rounds} "
+                       "(iterative.stop_early: false runs every round)")
             break
     return {"rounds": rounds, "final_policy": policy.output_uri, "stopped_early": stopped}

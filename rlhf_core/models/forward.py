@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rlhf_core.algos.losses import gather_token_logprobs
 from rlhf_core.data.batching import Batch
-from rlhf_core.models.lean import lean_model
+from rlhf_core.models.lean import lean_model, partitioned, unwrap
 from rlhf_core.models.lean_train import selected_hidden
 from rlhf_core.models.loading import backbone
 from rlhf_core.models.moe import note_tokens
@@ -81,13 +81,13 @@ def backbone_hidden(model, batch: Batch) -> torch.Tensor:
     body = backbone(model)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
               "position_ids": batch.position_ids, "use_cache": False}
-    if not _partitioned(model):
+    if not partitioned(model):
         hidden = body(**inputs).last_hidden_state
     else:
         taken = []
         handle = body.register_forward_hook(lambda module, args, out: taken.append(out.last_hidden_state))
         try:
-            model(**inputs)
+            model(**inputs, **_last_logit_only(model))
         finally:
             handle.remove()
         (hidden,) = taken
@@ -95,9 +95,14 @@ def backbone_hidden(model, batch: Batch) -> torch.Tensor:
     return hidden
 
 
-def _partitioned(model) -> bool:
-    """Whether ZeRO-3 partitions `model`'s weights (it marks each with a `ds_id`)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+def _last_logit_only(model) -> dict:
+    """`logits_to_keep=1` where the model's forward takes it (a causal LM's head then runs on one
+    position, not on every position's whole vocabulary)."""
+    import inspect
+
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -53,7 +53,7 @@ def supported(model) -> str | None:
         "pretraining_tp > 1": getattr(cfg, "pretraining_tp", 1) != 1,
         "attention dropout": bool(getattr(cfg, "attention_dropout", 0.0)),
         "attention implementation": getattr(cfg, "_attn_implementation", None) not in ("sdpa", RLHF_SDPA),
-        "partitioned (ZeRO-3) weights": any(hasattr(p, "ds_id") for p in model.parameters()),
+        "partitioned (ZeRO-3) weights": partitioned(model),
         "rotary attention scaling": getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0,
         "Liger kernels (--ds.use_liger_kernel)": getattr(model, "_rlhf_liger", False),
         "4-bit weights (--ds.load_in_4bit)": bool(getattr(model, "is_loaded_in_4bit", False)),
@@ -61,6 +61,11 @@ def supported(model) -> str | None:
     }
     reasons = [k for k, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None
+
+
+def partitioned(model) -> bool:
+    """Whether ZeRO-3 partitions `model`'s weights (it marks each with a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def tensor_parallel(model) -> bool:

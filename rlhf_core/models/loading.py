@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.infra.not_applied import not_applied
-from rlhf_core.models.lean import unwrap
+from rlhf_core.models.lean import partitioned, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -360,10 +360,6 @@ def dequantized_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _is_partitioned(module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
 def _gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
     """Full fp32 CPU state dict of a ZeRO-3 module on rank 0 (None elsewhere).
 
@@ -438,8 +434,8 @@ def export_model(module, rank: int):
                           else dequantized_state(module))
     from rlhf_core.models.lean import tensor_parallel
 
-    if _is_partitioned(module) or tensor_parallel(module):
-        state = _gathered_state_dict(module, rank) if _is_partitioned(module) else _tensor_parallel_state_dict(
+    if partitioned(module) or tensor_parallel(module):
+        state = _gathered_state_dict(module, rank) if partitioned(module) else _tensor_parallel_state_dict(
             module, rank)
         if rank != 0:
             return None

@@ -138,9 +138,10 @@ def at_positions(ring: Ring, batch: Batch, index: torch.Tensor, hidden_of, head)
     shard = ring.shard(batch)
     hidden = hidden_of(shard.local)
     mine, local = shard.owned(index)
-    out = head(hidden.reshape(-1, hidden.shape[-1])[local])
-    out = torch.where(mine.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return _SumOverRing.apply(out, ring)
+    owned = mine.reshape(-1).nonzero().squeeze(-1)
+    part = head(hidden.reshape(-1, hidden.shape[-1])[local.reshape(-1)[owned]])  # the head on this rank's rows only
+    out = part.new_zeros((mine.numel(), part.shape[-1])).index_put((owned,), part)
+    return _SumOverRing.apply(out.reshape(*index.shape, part.shape[-1]), ring)
 
 
 class _SumOverRing(torch.autograd.Function):
@@ -195,6 +196,14 @@ def ring_attention_forward(module, query, key, value, attention_mask, dropout: f
             attention_mask.shape[-1] != key.shape[-2] * ring.size:
         raise RuntimeError(f"{NAME}: a forward over a batch not split by the ring (models/ring.Shard): keys "
                            f"{key.shape[-2]} x {ring.size} ranks, mask {tuple(attention_mask.shape) if attention_mask is not None else None}")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError(f"{NAME}: attention sinks (gpt-oss's) are not built into ring attention")
+    window = kwargs.get("sliding_window")
+    if window is not None:  # transformers' rule, by column: a query sees the keys less than `window` before it
+        width = query.shape[-2]
+        rows = torch.arange(ring.rank * width, (ring.rank + 1) * width, device=query.device)
+        cols = torch.arange(attention_mask.shape[-1], device=query.device)
+        attention_mask = attention_mask & (rows[:, None] - cols[None, :] < window)
     dtype = compute_dtype(query)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling

@@ -48,7 +48,7 @@ from rlhf_core.distributed.engine import (
 from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
-from rlhf_core.models.lean import forward_report, lean_model
+from rlhf_core.models.lean import forward_report, lean_model, partitioned
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
@@ -60,10 +60,15 @@ from rlhf_core.trainers.loop import optimizer_step
 def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0) -> EngineSettings:
     """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
-    ring = cfg.ds.ring_attn_size
+    ring = ring_size(cfg, world_size)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // (world_size // ring)
     return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
                           section.muon if section.optim == "muon" else None, aux_loss_coef, ring=ring)
+
+
+def ring_size(cfg, world_size: int) -> int:
+    """The ranks of a role's ring (`--ds.ring_attn_size`; a role of one rank has none)."""
+    return cfg.ds.ring_attn_size if world_size > 1 else 1
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -148,8 +153,8 @@ class _Role:
             seed_everything(self.cfg.train.seed, self.cfg.train.full_determinism_enable)
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         # A ring's ranks split each row (models/ring.py); its groups form before any model loads.
-        ring.setup(self.cfg.ds.ring_attn_size if self.world_size > 1 else 1, self.cfg.ds.ring_attn_head_stride)
-        self.ring_size = self.cfg.ds.ring_attn_size if self.world_size > 1 else 1
+        self.ring_size = ring_size(self.cfg, self.world_size)
+        ring.setup(self.ring_size, self.cfg.ds.ring_attn_head_stride)
         self.device = device()
         self._build()
         line = forward_report(self.name, *self._forward_model())[1]
@@ -405,10 +410,10 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     def weights(self, checkpoint_format: bool = False) -> dict[str, torch.Tensor]:
         """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU; with
         `checkpoint_format`, named and laid out as a saved checkpoint holds them (vLLM's form)."""
-        from rlhf_core.models.loading import _gathered_state_dict, _is_partitioned
+        from rlhf_core.models.loading import _gathered_state_dict
 
         module = self.engine.module
-        if _is_partitioned(module):
+        if partitioned(module):
             state = _gathered_state_dict(module, self.rank) or {}
         else:
             state = plain_state(module) if self.rank == 0 else {}
@@ -426,10 +431,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
 
     def _sync_state_local(self) -> dict[str, torch.Tensor]:
         """The full weights on this rank's own device (each rank feeds the engine on its GPU)."""
-        from rlhf_core.models.loading import _is_partitioned
-
         module = self.engine.module
-        if not _is_partitioned(module):
+        if not partitioned(module):
             return plain_state(module)
         import deepspeed
 

@@ -97,7 +97,9 @@ def test_a_round_that_does_not_beat_the_champion_ends_the_run_and_says_why(tmp_p
     names, result = trained(promote=lambda *a: (False, 1.5))  # the champion's 1.5 beats the round's 1.0
     assert names == ["dpo-round1"] and len(result["rounds"]) == 1
     assert result["stopped_early"].startswith("round 1's policy (sampled_accuracy 1.0000) did not beat the champion "
-                                              "(1.5000), which stays") and "stopped after round 1 of 3" in result["stopped_early"]
+                                              "(1.5000), which stays; round 2 would start again from the policy "
+                                              "round 1 started from (")
+    assert "stopped after round 1 of 3" in result["stopped_early"]
     names, result = trained(promote=lambda *a: (False, 1.5), params={"stop_early": False})
     assert names == ["dpo-round1", "dpo-round2", "dpo-round3"] and result["stopped_early"] is None
     names, result = trained(promote=lambda *a: (True, 0.5))

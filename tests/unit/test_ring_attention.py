@@ -2,7 +2,8 @@
 columns, give the loss one process gives on the whole batch, and their parameter gradients sum
 to its gradients: for packed samples, shared-prompt DPO pairs (a 4-D mask and predecessors) and
 padded rows, with rows whose width the ring does not divide, grouped-query attention gathered one
-key/value head at a time, a reward model's last-token score and a critic's values."""
+key/value head at a time, a reward model's last-token score and a critic's values, and a model
+with sliding-window attention (Mistral's) whose window is shorter than the rows."""
 
 from __future__ import annotations
 
@@ -42,7 +43,12 @@ def _config():
 
 
 def _models(attention: str):
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import (
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM._from_config(_config(), attn_implementation=attention)
@@ -50,10 +56,13 @@ def _models(attention: str):
     config = _config()
     config.num_labels = 1
     rm = LlamaForSequenceClassification._from_config(config, attn_implementation=attention)
-    return lm, rm
+    torch.manual_seed(2)
+    windowed = MistralConfig(**{k: v for k, v in _config().to_dict().items() if k in MistralConfig().to_dict()})
+    windowed.sliding_window = 4  # shorter than every row: tokens see only their last 4 positions
+    return lm, rm, MistralForCausalLM._from_config(windowed, attn_implementation=attention)
 
 
-def _objectives(lm, rm, batches) -> dict[str, torch.Tensor]:
+def _objectives(lm, rm, windowed, batches) -> dict[str, torch.Tensor]:
     """Non-linear losses of whole-sample quantities, as DPO's, a reward model's and a critic's are."""
     from rlhf_core.models.forward import (
         loss_token_logprobs,
@@ -71,16 +80,20 @@ def _objectives(lm, rm, batches) -> dict[str, torch.Tensor]:
     scores = reward_scores(rm, batch)
     values = response_values(rm, batch, response_index(batch)[0])
     out["scores"] = -torch.nn.functional.logsigmoid(scores[0] - scores[2]) + values.tanh().sum()
+    for name in ("packed", "padded"):
+        batch = batches[name]
+        out[f"window/{name}"] = per_sample_sum(loss_token_logprobs(windowed, batch), batch).square().mean()
     return out
 
 
-def _run(lm, rm, batches):
+def _run(lm, rm, windowed, batches):
     """Each objective's value and the gradients it gives every parameter."""
     results = {}
-    for name, loss in _objectives(lm, rm, batches).items():
-        params = [p for p in (*lm.parameters(), *rm.parameters())]
+    models = {"lm": lm, "rm": rm, "window": windowed}
+    for name, loss in _objectives(lm, rm, windowed, batches).items():
+        params = [p for model in models.values() for p in model.parameters()]
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        named = [*(f"lm.{k}" for k, _ in lm.named_parameters()), *(f"rm.{k}" for k, _ in rm.named_parameters())]
+        named = [f"{m}.{k}" for m, model in models.items() for k, _ in model.named_parameters()]
         results[name] = (loss.item(), {k: g.numpy().copy() for k, g in zip(named, grads, strict=True)
                                        if g is not None})
     return results
@@ -93,8 +106,7 @@ def _ring_rank(rank: int, port: int, out):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         assert ring.setup(2, head_stride=1).rank == rank
-        lm, rm = _models(ring.NAME)
-        out.put((rank, _run(lm, rm, _batches())))
+        out.put((rank, _run(*_models(ring.NAME), _batches())))
     except Exception as e:  # noqa: BLE001 (reported to the test)
         out.put((rank, repr(e)))
     finally:
@@ -122,8 +134,11 @@ def ring_results():
 def test_two_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(ring_results):
     from rlhf_core.models.attention import register
 
-    lm, rm = _models(register())
-    whole = _run(lm, rm, _batches())
+    lm, rm, windowed = _models(register())
+    whole = _run(lm, rm, windowed, _batches())
+    # the window matters here: without it the same weights give another loss
+    windowed.config.sliding_window = None
+    assert abs(_run(lm, rm, windowed, _batches())["window/packed"][0] - whole["window/packed"][0]) > 1e-3
     assert sorted(ring_results[0]) == sorted(whole)
     for name, (loss, grads) in whole.items():
         for rank in (0, 1):
@@ -134,5 +149,5 @@ def test_two_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(rin
             summed = torch.from_numpy(shares[0][key] + shares[1][key])
             assert torch.allclose(summed, torch.from_numpy(grad), rtol=1e-4, atol=1e-6), (name, key)
         # Both ranks did part of the work: neither holds the whole gradient alone
-        embed = "lm.model.embed_tokens.weight" if name != "scores" else "rm.model.embed_tokens.weight"
+        embed = {"scores": "rm", "window": "window"}.get(name.split("/")[0], "lm") + ".model.embed_tokens.weight"
         assert all(abs(shares[r][embed]).sum() > 0 for r in (0, 1)), name
