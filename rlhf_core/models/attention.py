@@ -104,20 +104,25 @@ def register() -> str:
     return NAME
 
 
-def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+def batch_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+               queries: slice | None = None) -> torch.Tensor:
     """The boolean attention mask (True = attend) transformers builds for a batch, `(rows or 1, 1,
     T, T)`: a 4-D mask is used as it is; a 2-D padding mask becomes causal & key padding; no mask
     means samples packed one after another, told apart by their restarted position ids
     (`find_packed_sequence_indices`' rule: a new sample wherever a position is not its
-    predecessor's + 1), or one causal sequence per row."""
+    predecessor's + 1), or one causal sequence per row. `queries`: only those query positions'
+    rows, `(rows or 1, 1, len(queries), T)` (a ring rank's, `models/ring.py`)."""
     if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+        mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+        return mask if queries is None else mask[:, :, queries]
     t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    keys = torch.arange(t, device=position_ids.device)
+    rows = keys if queries is None else keys[queries]
+    causal = rows[:, None] >= keys[None, :]
     if attention_mask is not None:
         return (causal & attention_mask.bool()[:, None, :]).unsqueeze(1)
     starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
     if not bool(starts[:, 1:].any()):
         return causal[None, None]
     segment = starts.cumsum(-1)
-    return (causal & (segment.unsqueeze(-1) == segment.unsqueeze(-2))).unsqueeze(1)
+    return (causal & (segment[:, rows, None] == segment[:, None, :])).unsqueeze(1)

@@ -106,20 +106,25 @@ class Shard:
         rows, t = batch.input_ids.shape
         width = -(-t // ring.size)
         pad = width * ring.size - t
-        mask = batch_mask(batch.attention_mask, batch.position_ids).expand(rows, 1, t, t)
-        ids, pos, loss, seq = batch.input_ids, batch.position_ids, batch.loss_mask, batch.seq_ids
+        mask, ids, pos = batch.attention_mask, batch.input_ids, batch.position_ids
+        loss, seq = batch.loss_mask, batch.seq_ids
         if pad:
-            # Padding columns: positions continue the row's last, no loss, no sample; they attend
-            # to themselves only and nothing attends to them.
-            mask = torch.nn.functional.pad(mask, (0, pad, 0, pad))
-            tail = torch.arange(t, t + pad, device=mask.device)
-            mask[:, :, tail, tail] = True
+            # Padding columns: positions continue the row's last, no loss, no sample, and no real
+            # token attends to them (after every real token; a padding mask's zeros; a 4-D mask's
+            # own rows and columns, where they see themselves only).
             ids = torch.nn.functional.pad(ids, (0, pad))
             pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
             loss = torch.nn.functional.pad(loss, (0, pad))
             seq = torch.nn.functional.pad(seq, (0, pad), value=-1)
+            if mask is not None and mask.dim() == 2:
+                mask = torch.nn.functional.pad(mask, (0, pad))
+            elif mask is not None:
+                mask = torch.nn.functional.pad(mask.bool(), (0, pad, 0, pad))
+                tail = torch.arange(t, t + pad, device=mask.device)
+                mask[:, :, tail, tail] = True
         cols = slice(ring.rank * width, (ring.rank + 1) * width)
-        local = Batch(ids[:, cols], mask[:, :, cols], pos[:, cols], loss[:, cols], seq[:, cols], batch.num_samples)
+        own = batch_mask(mask, pos, queries=cols).expand(rows, 1, width, width * ring.size)  # this rank's rows only
+        local = Batch(ids[:, cols], own, pos[:, cols], loss[:, cols], seq[:, cols], batch.num_samples)
         return cls(local, ring.rank * width, width, t)
 
     def owned(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
