@@ -42,13 +42,25 @@ def token_logprobs(model, batch: Batch) -> torch.Tensor:
 def loss_token_logprobs(model, batch: Batch) -> torch.Tensor:
     """`token_logprobs` where `batch.loss_mask` is nonzero (on real tokens), 0 elsewhere: `(rows, T)`
     float32, for the supervised losses. Llama models run the lean forward (`models/lean_train.py`:
-    head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`, or
-    in a ring (`models/ring.py`) `loss_logits`."""
-    if lean_model(model) is None and current_ring() is None:
-        return token_logprobs(model, batch).masked_fill(~loss_positions(batch), 0.0)
+    head and log-softmax only at loss positions); others (see `lean.lean_model`) `token_logprobs`; in
+    a ring (`models/ring.py`) each rank the log-probs of the tokens it predicts, summed over the ring."""
     rows, width = batch.input_ids.shape
-    targets, logits = loss_logits(model, batch)
-    logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[targets])
+    ring = current_ring()
+    if ring is not None:
+        targets = loss_positions(batch).reshape(-1).nonzero().squeeze(-1)
+        labels = batch.input_ids.reshape(-1)[targets]
+        head = _logits_head(model)
+
+        def label_logprobs(hidden: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+            return gather_token_logprobs(head(hidden), labels[which]).unsqueeze(-1)
+
+        logprobs = at_positions(ring, batch, predicting_index(batch, targets),
+                                lambda shard: backbone_hidden(model, shard), label_logprobs, which=True).squeeze(-1)
+    elif lean_model(model) is None:
+        return token_logprobs(model, batch).masked_fill(~loss_positions(batch), 0.0)
+    else:
+        targets, logits = loss_logits(model, batch)
+        logprobs = gather_token_logprobs(logits, batch.input_ids.reshape(-1)[targets])
     return logprobs.new_zeros(rows * width).index_put((targets,), logprobs).reshape(rows, width)
 
 
@@ -186,18 +198,25 @@ def position_logits(model, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     if lean is not None:
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
         return lean.logits(hidden.reshape(-1, hidden.shape[-1])[index])
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma's, applied in its forward
-
-    def head(hidden: torch.Tensor) -> torch.Tensor:
-        logits = base.get_output_embeddings()(hidden)
-        return torch.tanh(logits / cap) * cap if cap else logits
-
+    head = _logits_head(model)
     ring = current_ring()
     if ring is not None:
         return at_positions(ring, batch, index, lambda shard: backbone_hidden(model, shard), head)
     hidden = backbone_hidden(model, batch)
     return head(hidden.reshape(-1, hidden.shape[-1])[index])
+
+
+def _logits_head(model):
+    """`hidden -> logits`: the model's output embedding, with Gemma's final soft-capping (which its
+    forward applies)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cap = getattr(base.config, "final_logit_softcapping", None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = base.get_output_embeddings()(hidden)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    return head
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -136,15 +136,19 @@ class Shard:
         return mine, local
 
 
-def at_positions(ring: Ring, batch: Batch, index: torch.Tensor, hidden_of, head) -> torch.Tensor:
+def at_positions(ring: Ring, batch: Batch, index: torch.Tensor, hidden_of, head, which: bool = False) -> torch.Tensor:
     """`head(hidden states at the flat positions index)` of the whole `batch`, computed across the
     ring: `hidden_of(local_batch) -> (rows, width, hidden)` runs on this rank's shard, `head` on the
-    positions it holds, and the ring sums the results (`index` of any shape: `(*index.shape, out)`)."""
+    positions it holds, and the ring sums the results (`index` of any shape: `(*index.shape, out)`).
+    `which`: `head(hidden, positions)` is also told which entries of `index.reshape(-1)` its rows are
+    (a head that reads each position's own label: log-probs, which the ring then sums instead of
+    whole-vocabulary logits)."""
     shard = ring.shard(batch)
     hidden = hidden_of(shard.local)
     mine, local = shard.owned(index)
     owned = mine.reshape(-1).nonzero().squeeze(-1)
-    part = head(hidden.reshape(-1, hidden.shape[-1])[local.reshape(-1)[owned]])  # the head on this rank's rows only
+    rows = hidden.reshape(-1, hidden.shape[-1])[local.reshape(-1)[owned]]  # the head on this rank's rows only
+    part = head(rows, owned) if which else head(rows)
     out = part.new_zeros((mine.numel(), part.shape[-1])).index_put((owned,), part)
     return _SumOverRing.apply(out.reshape(*index.shape, part.shape[-1]), ring)
 
