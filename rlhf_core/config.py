@@ -559,7 +559,7 @@ NOT_BUILT_FLAGS = {
 
 
 # The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_parallel_training.py).
-TENSOR_PARALLEL_STAGES = ("sft", "rm", "dpo")
+TENSOR_PARALLEL_STAGES = ("sft", "rm", "dpo", "kto", "kd")
 # The supervised stages ring attention trains here (tests/integration/test_parallel_training.py), as
 # OpenRLHF's (its kto, kd and prm never had it); the RL stage's model roles have it too (rl_config.py).
 RING_ATTENTION_STAGES = ("sft", "rm", "dpo")

@@ -1,5 +1,6 @@
 """Stages as Ray worker groups of 2 ranks: one rank killed mid-step, the run resumes bit-identical;
-and 2 ranks train like 1 for the reward model, DPO and KTO (SFT: test_ray_stages.py).
+and 2 ranks train like 1 for the reward model, DPO, KTO and KD, and a tensor-parallel pair (AutoTP)
+like 1 for KTO and KD (SFT: test_ray_stages.py; SFT, RM and DPO with AutoTP: test_parallel_training.py).
 
 Run under `flock /tmp/rlhf-ray.lock`: each `run_stage` of 2 ranks starts (and stops) a local Ray.
 """
@@ -87,7 +88,8 @@ def pair_values(stage, prepared, out, **overrides):
 def test_two_ranks_train_like_one(stage, prepared, tmp_path):
     """The loss is normalised by the global count of units (pairs, examples, response tokens) and
     KTO's KL reference point is averaged over ranks: 2 ranks of 2 micro-batches make the updates of
-    1 rank of 4 (distillation's teacher runs on each rank)."""
+    1 rank of 4 (distillation's teacher runs on each rank). KTO and KD also with DeepSpeed AutoTP:
+    the policy (student) split over a tensor-parallel pair, the reference (teacher) whole on each."""
     one = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "one")))
     two = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(stage, prepared, tmp_path / "two",
                                                                          num_gpus_per_node=2)))
@@ -99,3 +101,14 @@ def test_two_ranks_train_like_one(stage, prepared, tmp_path):
     moved = max((w1[k] - w0[k]).abs().max().item() for k in w0 if k in w1)
     assert moved > 1e-3  # it trained: the agreement below is not two copies of the base
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+    if stage in ("kto", "kd"):  # DeepSpeed AutoTP: the policy (student) split over 2 ranks, its reference (teacher) whole
+        tp = run_stage(build_config(STAGE_CONFIGS[stage], None, pair_values(
+            stage, prepared, tmp_path / "tp", num_gpus_per_node=2, ds_tensor_parallel_size=2, save_steps=3,
+            ckpt_path=str(tmp_path / "tp_ckpt"))))
+        assert sorted(p.name for p in (tmp_path / "tp_ckpt" / "global_step3").glob("mp_rank_*_model_states.pt")) == [
+            "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # each rank holds its slices
+        assert tp["metrics"]["train/final_loss"] == pytest.approx(one["metrics"]["train/final_loss"], rel=1e-4)
+        for key in [k for k in one["metrics"] if k.startswith("eval/")]:
+            assert tp["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-5), key
+        wt = weights(tp["output_uri"])
+        assert max((w1[k] - wt[k]).abs().max().item() for k in w1) < 5e-5
