@@ -9,6 +9,9 @@ for an MoE model's load-balancing loss.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -110,11 +113,15 @@ def backbone_hidden(model, batch: Batch) -> torch.Tensor:
 def _last_logit_only(model) -> dict:
     """`logits_to_keep=1` where the model's forward takes it (a causal LM's head then runs on one
     position, not on every position's whole vocabulary)."""
-    import inspect
-
     inner = unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
+    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(inner)) else {}
+
+
+@functools.cache
+def _takes_logits_to_keep(cls) -> bool:
+    """Read once per model class: this runs at every forward under ZeRO-3."""
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def per_sample_sum(values: torch.Tensor, batch: Batch) -> torch.Tensor:
