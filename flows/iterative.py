@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import eval_job, policy_metric, prep_paths, starting_policy, train_job
+from flows.jobs import driver_gpus, eval_job, policy_metric, prep_paths, starting_policy, train_job
 from flows.params import EvalParams, IterativeDPOParams, PipelineSettings, PrepParams
 from orchestration import lineage
 from orchestration.reports import publish_eval_report
@@ -56,6 +56,7 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
         args = ["pairs", "--pretrain", policy.output_uri, "--dataset", paths["prompts"], "--task", prep.task,
                 "--reward", iterative.reward, "--n_samples_per_prompt", str(iterative.n_samples_per_prompt),
                 "--temperature", str(iterative.temperature), "--max_samples", str(iterative.n_prompts),
+                "--num_engines", str(iterative.num_engines),
                 "--seed", str(seed + r), "--save_path", out, "--mlflow_experiment", ctx.experiment,
                 "--mlflow_run_name", name]
         upstream = {"policy": policy, "data": prep_outcome}
@@ -63,7 +64,8 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
             args += ["--reward_pretrain", reward.output_uri]
             upstream["reward"] = reward
         pairs = outcomes[name] = run(StageJob("pairs", name, args, out, pairs_settings_hash(prep, iterative, seed + r),
-                                              None, paths["prompts"], upstream, num_gpus=ctx.rollout_gpus))
+                                              None, paths["prompts"], upstream,
+                                              num_gpus=driver_gpus(ctx, iterative.num_engines)))
 
         # Sampled responses may stop at max_new_tokens without EOS, a few tokens past the
         # prep data's lengths: truncate rather than fail a scheduled round on one long sample.

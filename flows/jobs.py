@@ -295,6 +295,12 @@ def policy_metric(metrics: dict, policy: str, metric: str) -> float:
     return float(metrics[key])
 
 
+def driver_gpus(ctx: PipelineContext, num_engines: int) -> float:
+    """GPUs a sampling job's driver reserves: `rollout_gpus` when it generates in-process; none when
+    its engines are Ray actors of their own, which take theirs from the cluster."""
+    return ctx.rollout_gpus if num_engines == 1 else 0
+
+
 def starting_policy(start_from: str, sft: StageOutcome) -> StageOutcome:
     """Where a scheduled policy stage starts: the registered champion's run (`start_from: champion`,
     when there is one whose output still exists), else the SFT model."""

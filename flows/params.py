@@ -268,6 +268,9 @@ class IterativeDPOParams(StrictModel):
     n_prompts: int = Field(512, gt=0, description="Training prompts sampled per round")
     n_samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
+    num_engines: int = Field(1, ge=1, description="Rollout engines the round's sampling spreads over (Ray actors "
+                             "of the job's cluster, each a contiguous share of the prompts at seed + e x 1,000,003: "
+                             "a different number of engines draws different samples)")
     reward: str = Field("verifier", pattern="^(verifier|reward_model)$")
     start_from: str = Field("champion", pattern="^(champion|sft)$",
                             description="Start from the registered champion policy (falls back to SFT) or SFT")
@@ -288,6 +291,9 @@ class RejectionSamplingParams(StrictModel):
     n_prompts: int = Field(2048, gt=0, description="Training prompts per round (round r takes the r-th window)")
     best_of_n: int = Field(4, ge=2, description="Samples per prompt")
     temperature: float = Field(1.0, gt=0)
+    num_engines: int = Field(1, ge=1, description="Rollout engines the round's sampling spreads over (Ray actors "
+                             "of the job's cluster, each a contiguous share of the prompts at seed + e x 1,000,003: "
+                             "a different number of engines draws different samples)")
     reward: str = Field("reward_model", pattern="^(verifier|reward_model|prm)$",
                         description="Who picks the best: the run's reward model, its process reward model (stage "
                         "prm: each line a step, the weakest step's score), or the task's verifier")

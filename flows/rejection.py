@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import PipelineError, prep_paths, starting_policy, train_job
+from flows.jobs import PipelineError, driver_gpus, prep_paths, starting_policy, train_job
 from flows.params import PipelineSettings, PrepParams, RejectionSamplingParams
 from orchestration.stages import PipelineContext, StageJob, StageOutcome
 from rlhf_core.config import SFTConfig, with_updates
@@ -39,7 +39,8 @@ def sampling_key(prep: PrepParams, params: RejectionSamplingParams, seed: int, r
 
 def scoring_key(prep: PrepParams, params: RejectionSamplingParams) -> str:
     """What a round's scoring depends on besides its samples and reward model: the reward source."""
-    return params_hash(params, exclude=SAMPLING_NOT_IN_KEY - {"reward"} | {"n_prompts", "best_of_n", "temperature"},
+    return params_hash(params, exclude=SAMPLING_NOT_IN_KEY - {"reward"} | {"n_prompts", "best_of_n", "temperature",
+                                                                         "num_engines"},
                        task=prep.task)
 
 
@@ -90,10 +91,10 @@ def run_rejection_sampling(ctx: PipelineContext, settings: PipelineSettings, pre
              "--input_key", "prompt", "--apply_chat_template", "--best_of_n", str(params.best_of_n),
              "--temperature", str(params.temperature), "--max_samples", str(params.n_prompts * r), "--iter",
              str(r - 1), "--rollout_batch_size", str(params.n_prompts), "--max_new_tokens",
-             str(get_task(prep.task).new_tokens),
+             str(get_task(prep.task).new_tokens), "--num_engines", str(params.num_engines),
              "--seed", str(seed + r), "--save_path", out, "--mlflow_run_name", generate_name, *track],
             out, sampling_key(prep, params, seed + r, r), None, prompts, {"policy": policy, "data": prep_outcome},
-            num_gpus=ctx.rollout_gpus))
+            num_gpus=driver_gpus(ctx, params.num_engines)))
 
         out = ctx.output(score_name)
         scorer = scorer_args(params, reward, prep)

@@ -13,7 +13,7 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
 
 
 def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run", promote=lambda *a: (False, None),
-               result=None) -> list:
+               result=None, rollout_gpus: float = 0) -> list:
     """Every job `run_rounds` submits, each faked (`promote`: the registry's answer; `result`: a dict
     that gets `run_rounds`' return value)."""
     from flows import iterative as iterative_flow
@@ -32,7 +32,7 @@ def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run",
 
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
     ctx = flow_ctx(tmp_path)
-    ctx.parent_run_id = parent
+    ctx.parent_run_id, ctx.rollout_gpus = parent, rollout_gpus
     out = iterative_flow.run_rounds(ctx, PipelineSettings(), prep or PrepParams(), PipelineDPOConfig(), EvalParams(),
                                     iterative, upstream.__getitem__, run, {})
     if result is not None:
@@ -67,6 +67,18 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams())
     assert pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5), parent="other-run") == \
         pairs_keys(tmp_path, monkeypatch, IterativeDPOParams(seed=5))
+
+
+def test_a_round_samples_on_its_engines_and_its_driver_holds_a_gpu_only_when_it_generates(tmp_path, monkeypatch):
+    from flows.params import IterativeDPOParams
+
+    """`iterative.num_engines` reaches `rlhf pairs`; a driver whose engines are Ray actors of their own
+    reserves no GPU of `settings.rollout_gpus` (its engines take theirs)."""
+    for engines, driver_gpus in ((1, 1.0), (3, 0)):
+        (pairs,) = [j for j in round_jobs(tmp_path, monkeypatch, IterativeDPOParams(num_engines=engines),
+                                          rollout_gpus=1.0) if j.stage == "pairs"]
+        assert pairs.args[pairs.args.index("--num_engines") + 1] == str(engines)
+        assert pairs.num_gpus == driver_gpus, engines
 
 
 def test_a_round_trains_dpo_at_its_own_learning_rate(tmp_path, monkeypatch):

@@ -377,12 +377,13 @@ def test_rejection_sampling_jobs_and_what_their_keys_hold():
     prep, params = PrepParams(), RejectionSamplingParams()
     key = sampling_key(prep, params, 7, 1)
     assert sampling_key(prep, params, 8, 1) != key and sampling_key(prep, params, 7, 2) != key
-    for name in ("n_prompts", "best_of_n", "temperature"):
+    for name in ("n_prompts", "best_of_n", "temperature", "num_engines"):  # engines draw with seeds of their own
         assert sampling_key(prep, perturbed(params, name), 7, 1) != key, name
     for name in ("rounds", "start_from", "learning_rate", "max_epochs", "seed", "reward"):  # raising rounds keeps round 1
         assert sampling_key(prep, perturbed(params, name), 7, 1) == key, name
     assert scoring_key(prep, perturbed(params, "reward")) != scoring_key(prep, params)
-    assert scoring_key(prep, perturbed(params, "best_of_n")) == scoring_key(prep, params)
+    for name in ("best_of_n", "num_engines"):  # the samples are the scoring job's upstream
+        assert scoring_key(prep, perturbed(params, name)) == scoring_key(prep, params), name
 
 
 def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the_chosen_percentile(tmp_path):
