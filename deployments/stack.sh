@@ -22,6 +22,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The venv's path as its processes show it: a symlinked .venv (a git worktree's) shows the target.
+VENV_REAL="$(readlink -f "$REPO/.venv" 2>/dev/null || echo "$REPO/.venv")/"
 BIN="$REPO/.venv/bin"
 HOME_DIR="${RLHF_HOME:-$REPO/.rlhf}"  # a relative RLHF_HOME is taken from the caller's directory
 mkdir -p "$HOME_DIR"
@@ -107,8 +109,8 @@ launch() {
 # children stay in it even when the leader has died).
 # Only processes run from this repository's venv count (a pid file may outlive its process).
 group_members() {
-  ps -eo pid=,pgid=,args= | VENV="$REPO/.venv/" awk -v g="$1" \
-    '$2 == g && $1 != g && index($0, ENVIRON["VENV"]) { print $1 }'
+  ps -eo pid=,pgid=,args= | VENV="$REPO/.venv/" REAL="$VENV_REAL" awk -v g="$1" \
+    '$2 == g && $1 != g && (index($0, ENVIRON["VENV"]) || index($0, ENVIRON["REAL"])) { print $1 }'
 }
 
 # Is pid $1 still the service this stack started (its command line runs this venv's $2)?
@@ -135,9 +137,9 @@ descendants() {
 # themselves `ray::...`; they are children of the raylet, found as descendants.) The patterns
 # travel in the environment so that awk's own command line does not match.
 ray_pids() {
-  ps -eo pid=,args= | RT="$RAY_TMP/" VENV="$REPO/.venv/" GCS=":${RAY_GCS_PORT:-none} " \
+  ps -eo pid=,args= | RT="$RAY_TMP/" VENV="$REPO/.venv/" REAL="$VENV_REAL" GCS=":${RAY_GCS_PORT:-none} " \
     awk '{ pid = $1; args = $0; sub(/^ *[0-9]+ +/, "", args); args = args " " }
-         (index(args, ENVIRON["VENV"]) == 1 && index(args, ENVIRON["RT"])) ||
+         ((index(args, ENVIRON["VENV"]) == 1 || index(args, ENVIRON["REAL"]) == 1) && index(args, ENVIRON["RT"])) ||
          (index(args, "ray.util.client.server") && index(args, ENVIRON["GCS"])) { print pid }'
 }
 
