@@ -108,8 +108,9 @@ launch() {
 # The members of process group $1 (a service started by `launch` leads its own group; its
 # children stay in it even when the leader has died).
 # Only processes run from this repository's venv count (a pid file may outlive its process).
+# `ps -ww`: whole command lines, whatever COLUMNS says (set, ps cuts them to its width).
 group_members() {
-  ps -eo pid=,pgid=,args= | VENV="$REPO/.venv/" REAL="$VENV_REAL" awk -v g="$1" \
+  ps -ww -eo pid=,pgid=,args= | VENV="$REPO/.venv/" REAL="$VENV_REAL" awk -v g="$1" \
     '$2 == g && $1 != g && (index($0, ENVIRON["VENV"]) || index($0, ENVIRON["REAL"])) { print $1 }'
 }
 
@@ -137,7 +138,7 @@ descendants() {
 # themselves `ray::...`; they are children of the raylet, found as descendants.) The patterns
 # travel in the environment so that awk's own command line does not match.
 ray_pids() {
-  ps -eo pid=,args= | RT="$RAY_TMP/" VENV="$REPO/.venv/" REAL="$VENV_REAL" GCS=":${RAY_GCS_PORT:-none} " \
+  ps -ww -eo pid=,args= | RT="$RAY_TMP/" VENV="$REPO/.venv/" REAL="$VENV_REAL" GCS=":${RAY_GCS_PORT:-none} " \
     awk '{ pid = $1; args = $0; sub(/^ *[0-9]+ +/, "", args); args = args " " }
          ((index(args, ENVIRON["VENV"]) == 1 || index(args, ENVIRON["REAL"]) == 1) && index(args, ENVIRON["RT"])) ||
          (index(args, "ray.util.client.server") && index(args, ENVIRON["GCS"])) { print pid }'

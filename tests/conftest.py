@@ -98,6 +98,16 @@ def _no_vllm_in_the_test_process():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _terminal_size_unset():
+    """pytest-xdist's workers run with COLUMNS=80 and LINES=24 set (a serial run has neither): every
+    process a test starts would inherit them (`ps` cut its lines at 80 characters, so stack.sh
+    could not find the processes it started)."""
+    if in_xdist_worker():
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _state_dir(tmp_path_factory):
     """MLflow store, compiled DeepSpeed ops and caches under a per-session state directory."""
     home = tmp_path_factory.mktemp("rlhf_home")
