@@ -11,26 +11,6 @@ os.environ.setdefault("RLHF_NO_PROGRESS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-GPU_DRY_RUN = pytest.StashKey()
-GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
-RL_SETTING = pytest.StashKey()
-# A folder the test processes of one run share (pytest-xdist's workers inherit it from the process
-# that made it, which removes it at the end): the RL setting is built once in it.
-SHARED_ENV = "RLHF_TESTS_SHARED"
-SHARED_OWNED = pytest.StashKey()
-
-
-def pytest_configure(config):
-    if not os.environ.get(SHARED_ENV):
-        import tempfile
-
-        os.environ[SHARED_ENV] = config.stash[SHARED_OWNED] = tempfile.mkdtemp(prefix="rlhf-tests-")
-
-
-def in_xdist_worker() -> bool:
-    return "PYTEST_XDIST_WORKER" in os.environ
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -42,39 +22,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+GPU_DRY_RUN = pytest.StashKey()
+GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
+RL_SETTING = pytest.StashKey()
+
+
 def pytest_collection_finish(session):
     """Slow preparations start once a test that reads them is collected, and run beside the tests
     before it: the GPU profile's pip resolve (tests/pip_dry_run.py; it waits on the registry) and
     the RL setting's SFT and reward model (tests/rl_setting.py; minutes of training, while the
-    integration tests before the first RL test mostly wait on their processes). Under pytest-xdist
-    every worker collects every test: the setting is built once for all of them, and the dry run
-    starts in the worker whose test reads it."""
-    if not in_xdist_worker() and any(item.name == GPU_DRY_RUN_TEST for item in session.items):
+    integration tests before the first RL test mostly wait on their processes)."""
+    if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
         from tests.pip_dry_run import PipDryRun
 
         session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
     if any("rl_setting" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("skip")
            for item in session.items):
+        import tempfile
         from pathlib import Path
 
-        from tests.rl_setting import start_or_join
+        from tests.rl_setting import PendingSetting
 
-        session.config.stash[RL_SETTING] = start_or_join(Path(os.environ[SHARED_ENV]))
+        session.config.stash[RL_SETTING] = PendingSetting(Path(tempfile.mkdtemp(prefix="rlhf-rl-setting-")))
 
 
 def pytest_unconfigure(config):
-    pending = config.stash.get(GPU_DRY_RUN, None)
-    if pending is not None:
-        pending.stop()
-    owned = config.stash.get(SHARED_OWNED, None)
-    if owned is not None:  # a session cut short leaves nothing running, and the shared folder goes
-        import shutil
-        from pathlib import Path
-
-        from tests.rl_setting import stop_build
-
-        stop_build(Path(owned))
-        shutil.rmtree(owned, ignore_errors=True)
+    for key in (GPU_DRY_RUN, RL_SETTING):
+        pending = config.stash.get(key, None)
+        if pending is not None:
+            pending.stop()  # a session cut short leaves nothing running (and the setting's folder goes)
 
 
 @pytest.fixture
@@ -95,16 +71,6 @@ def _no_vllm_in_the_test_process():
     torch to one thread, and every later in-process DeepSpeed test would fail."""
     yield
     assert "vllm" not in sys.modules, "this test imported vLLM into the test process"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _terminal_size_unset():
-    """pytest-xdist's workers run with COLUMNS=80 and LINES=24 set (a serial run has neither): every
-    process a test starts would inherit them (`ps` cut its lines at 80 characters, so stack.sh
-    could not find the processes it started)."""
-    if in_xdist_worker():
-        os.environ.pop("COLUMNS", None)
-        os.environ.pop("LINES", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,14 +119,12 @@ def _drop_stale_build_locks(extensions_dir: str, older_than_s: float = 900) -> N
 
 
 @pytest.fixture(scope="session")
-def rl_setting(request):
+def rl_setting(request, tmp_path_factory):
     """Where RL has room (tests/rl_setting.py), shared by every RL test: built by a process of its
     own, started when collection ended where a collected test needs it."""
-    from pathlib import Path
-
-    from tests.rl_setting import start_or_join
+    from tests.rl_setting import PendingSetting
 
     stash = request.config.stash
     if RL_SETTING not in stash:  # not started at collection: now, and stopped at the end all the same
-        stash[RL_SETTING] = start_or_join(Path(os.environ[SHARED_ENV]))
+        stash[RL_SETTING] = PendingSetting(tmp_path_factory.mktemp("rl_setting"))
     return stash[RL_SETTING].result()

@@ -7,18 +7,15 @@ every CPU kind.
 Building it trains for minutes on the CPU. conftest starts this process, niced, as soon as a test
 that needs the setting is collected, so it trains on the cores the tests before that one leave idle
 (they mostly wait on Ray, Prefect and their subprocesses); the `rl_setting` fixture then waits for
-it and reads `setting.json`. The test processes of one run (pytest-xdist's workers) share one
-build: the first to create its folder starts it, the others wait for its `setting.json`; the run's
-owner of the shared folder stops it (`stop_build`) and removes the folder at the end.
+it and reads `setting.json`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import sys
-import time
 from pathlib import Path
 
 from tests.background import BackgroundProcess
@@ -47,63 +44,24 @@ def build(root: Path) -> dict:
 
 
 class PendingSetting(BackgroundProcess):
-    """The build, started in the background by this process; its pid in `build.pid`."""
+    """The build, started in the background; `stop` also removes what it wrote."""
 
     def __init__(self, root: Path):
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, RLHF_HOME=str(root / ".rlhf"), RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
         env.pop("RAY_ADDRESS", None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         # (started at full priority, it slowed the first pipeline beside it from 160 to 407 s)
         super().__init__([sys.executable, "-m", "tests.rl_setting", str(root)], root / "build.log", cwd=REPO, env=env)
-        (root / "build.pid").write_text(str(self.proc.pid))
 
     def result(self, timeout_s: float = 1800) -> dict:
         self.wait(timeout_s)
         return json.loads((self.root / "setting.json").read_text())
 
-
-class JoinedSetting:
-    """The build another test process of this run started: waited for through its folder."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def result(self, timeout_s: float = 1800) -> dict:
-        deadline = time.monotonic() + timeout_s
-        done, pid_file = self.root / "setting.json", self.root / "build.pid"
-        while not done.exists():
-            if pid_file.exists() and not _alive(int(pid_file.read_text())) and not done.exists():
-                log = self.root / "build.log"
-                raise AssertionError(f"the RL setting's build failed:\n{log.read_text()[-4000:] if log.exists() else ''}")
-            assert time.monotonic() < deadline, f"the RL setting's build did not finish within {timeout_s:.0f} s"
-            time.sleep(2)
-        return json.loads(done.read_text())
-
-
-def start_or_join(shared: Path) -> PendingSetting | JoinedSetting:
-    """This run's build of the setting under `shared`: started here, or joined if already started."""
-    root = shared / "rl_setting"
-    try:
-        root.mkdir(parents=True)
-    except FileExistsError:
-        return JoinedSetting(root)
-    return PendingSetting(root)
-
-
-def stop_build(shared: Path) -> None:
-    """Kill this run's build if it still runs (a session cut short leaves nothing running)."""
-    pid_file = shared / "rl_setting" / "build.pid"
-    if pid_file.exists() and _alive(pid := int(pid_file.read_text())):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 if __name__ == "__main__":
