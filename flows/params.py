@@ -261,6 +261,12 @@ class EvalParams(StrictModel):
         return self
 
 
+# A sampling round's engines (iterative DPO's pairs, rejection sampling's generation).
+ROUND_ENGINES = Field(1, ge=1, description="Rollout engines the round's sampling spreads over (Ray actors of the "
+                      "job's cluster, each a contiguous share of the prompts at seed + e x 1,000,003: a different "
+                      "number of engines draws different samples)")
+
+
 class IterativeDPOParams(StrictModel):
     """Online DPO rounds: sample from the current policy, score, pair best vs worst, train DPO, evaluate."""
 
@@ -268,9 +274,7 @@ class IterativeDPOParams(StrictModel):
     n_prompts: int = Field(512, gt=0, description="Training prompts sampled per round")
     n_samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
-    num_engines: int = Field(1, ge=1, description="Rollout engines the round's sampling spreads over (Ray actors "
-                             "of the job's cluster, each a contiguous share of the prompts at seed + e x 1,000,003: "
-                             "a different number of engines draws different samples)")
+    num_engines: int = ROUND_ENGINES
     reward: str = Field("verifier", pattern="^(verifier|reward_model)$")
     start_from: str = Field("champion", pattern="^(champion|sft)$",
                             description="Start from the registered champion policy (falls back to SFT) or SFT")
@@ -291,9 +295,7 @@ class RejectionSamplingParams(StrictModel):
     n_prompts: int = Field(2048, gt=0, description="Training prompts per round (round r takes the r-th window)")
     best_of_n: int = Field(4, ge=2, description="Samples per prompt")
     temperature: float = Field(1.0, gt=0)
-    num_engines: int = Field(1, ge=1, description="Rollout engines the round's sampling spreads over (Ray actors "
-                             "of the job's cluster, each a contiguous share of the prompts at seed + e x 1,000,003: "
-                             "a different number of engines draws different samples)")
+    num_engines: int = ROUND_ENGINES
     reward: str = Field("reward_model", pattern="^(verifier|reward_model|prm)$",
                         description="Who picks the best: the run's reward model, its process reward model (stage "
                         "prm: each line a step, the weakest step's score), or the task's verifier")

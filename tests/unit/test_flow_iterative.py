@@ -70,10 +70,10 @@ def test_pairs_key_moves_with_every_iterative_field_the_round_uses(tmp_path, mon
 
 
 def test_a_round_samples_on_its_engines_and_its_driver_holds_a_gpu_only_when_it_generates(tmp_path, monkeypatch):
-    from flows.params import IterativeDPOParams
-
     """`iterative.num_engines` reaches `rlhf pairs`; a driver whose engines are Ray actors of their own
     reserves no GPU of `settings.rollout_gpus` (its engines take theirs)."""
+    from flows.params import IterativeDPOParams
+
     for engines, driver_gpus in ((1, 1.0), (3, 0)):
         (pairs,) = [j for j in round_jobs(tmp_path, monkeypatch, IterativeDPOParams(num_engines=engines),
                                           rollout_gpus=1.0) if j.stage == "pairs"]

@@ -386,6 +386,30 @@ def test_rejection_sampling_jobs_and_what_their_keys_hold():
         assert scoring_key(prep, perturbed(params, name)) == scoring_key(prep, params), name
 
 
+def test_rejection_sampling_generates_on_its_engines_and_its_driver_holds_a_gpu_only_when_it_generates(tmp_path):
+    """`rejection_sampling.num_engines` reaches the generating `rlhf batch_inference`; with engines as
+    Ray actors its driver reserves no GPU of `settings.rollout_gpus`; the scoring job keeps its own."""
+    from flows.params import PipelineSettings, PipelineSFTConfig, PrepParams, RejectionSamplingParams
+    from flows.rejection import run_rejection_sampling
+
+    upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
+    for engines, driver_gpus in ((1, 1.0), (2, 0)):
+        jobs = []
+
+        def run(job, jobs=jobs):
+            jobs.append(job)
+            return outcome(job.name, tmp_path)
+
+        ctx = flow_ctx(tmp_path)
+        ctx.rollout_gpus = 1.0
+        run_rejection_sampling(ctx, PipelineSettings(), PrepParams(), PipelineSFTConfig(),
+                               RejectionSamplingParams(num_engines=engines, n_prompts=16), upstream.__getitem__, run, {})
+        generate, score = jobs[0], jobs[1]
+        assert generate.args[generate.args.index("--num_engines") + 1] == str(engines)
+        assert (generate.num_gpus, score.num_gpus) == (driver_gpus, 1.0), engines
+        assert "--num_engines" not in score.args
+
+
 def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the_chosen_percentile(tmp_path):
     """Two jobs: the reward model scores prep's SFT rows into csft rows; SFT of prep's base on them,
     whose saved chat template appends the score the scoring job reported at `condition_percentile`."""
