@@ -24,6 +24,9 @@ FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFE
 # its own on the ranks: a rank's node has its own state directory (where `ray start` ran, or what
 # the job's environment says), so no rank depends on a folder of the driver's machine.
 NODE_LOCAL_ENV = ("RLHF_HOME", "TORCH_EXTENSIONS_DIR")
+# "1": a job on a one-node CPU cluster still puts a single rank in a Ray actor (`ranks_stay_in_driver`)
+RANKS_ON_RAY_ENV = "RLHF_RANKS_ON_RAY"
+FORWARDED_ENV += (RANKS_ON_RAY_ENV,)
 
 
 def forwarded_env() -> dict[str, str]:
@@ -79,3 +82,19 @@ def ensure_ray() -> bool:
     init_local(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                runtime_env={"env_vars": env}, configure_logging=False)
     return True
+
+
+def ranks_stay_in_driver(max_ranks: int, pinned: bool = False) -> bool:
+    """Joined to a cluster (`RAY_ADDRESS`): whether this driver runs its roles of `max_ranks` ranks
+    each in its own process (`resources.ranks_in_driver`: one rank each, one node, no GPUs), as
+    `rlhf train` does with no cluster at all. Connects (`ensure_ray`) and stays connected, so the
+    driver still exits when the cluster goes (Ray's GCS reconnect bound). `pinned`: a role names
+    custom Ray resources, which only actors can take."""
+    import ray
+
+    from rlhf_core.distributed.resources import cluster_devices, ranks_in_driver
+
+    ensure_ray()
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    asked = pinned or os.environ.get(RANKS_ON_RAY_ENV) == "1"
+    return ranks_in_driver(max_ranks, alive, cluster_devices(ray.cluster_resources()), asked)

@@ -8,7 +8,7 @@ import os
 import sys
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.distributed.cluster import ensure_ray, prepare_environment
+from rlhf_core.distributed.cluster import ensure_ray, prepare_environment, ranks_stay_in_driver
 from rlhf_core.infra import heap
 from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.infra.settings import ConfigError
@@ -37,8 +37,9 @@ class StageFailed(RuntimeError):
 
 def trains_in_process(cfg: TrainConfig) -> bool:
     """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank,
-    sparing a local Ray started for one actor. Several ranks, and every stage a pipeline submits
-    as a Ray job (Ray sets `RAY_ADDRESS`), run as a worker group."""
+    sparing a local Ray started for one actor. Several ranks run as a worker group; so does one rank
+    of a stage a pipeline submits as a Ray job (Ray sets `RAY_ADDRESS`) unless the cluster is one
+    CPU node (`cluster.ranks_stay_in_driver`: then the job's driver trains)."""
     return cfg.world_size == 1 and not os.environ.get("RAY_ADDRESS")
 
 
@@ -54,12 +55,7 @@ def run_stage(cfg: TrainConfig) -> dict:
     data = check_data(cfg)
     heap.settle()  # modules and checked data stay: later collector passes skip them (heap.py)
     if trains_in_process(cfg):
-        from rlhf_core.trainers import run_recipe
-
-        try:
-            return run_recipe(cfg, data)
-        except Exception as e:
-            raise StageFailed(e) from e
+        return _train_here(cfg, data)
     import ray  # slow to import: only where a worker group runs
 
     from rlhf_core.distributed.role_group import RoleError, RoleGroup
@@ -68,6 +64,10 @@ def run_stage(cfg: TrainConfig) -> dict:
     started = ensure_ray()
     group = None
     try:
+        if ranks_stay_in_driver(cfg.world_size):
+            print("rlhf: one rank on a one-node CPU cluster: it trains in the job's driver (RLHF_RANKS_ON_RAY=1 for "
+                  "a Ray actor)", file=sys.stderr, flush=True)
+            return _train_here(cfg, data)
         # The checked data goes to the object store once; the driver keeps only the reference.
         shared, data = share_data(data), None
         group = RoleGroup(StageWorker, cfg.world_size, name="train")  # GPUs when the cluster has them
@@ -83,6 +83,15 @@ def run_stage(cfg: TrainConfig) -> dict:
         if started:
             ray.shutdown()
         sys.stderr.flush()
+
+
+def _train_here(cfg: TrainConfig, data) -> dict:
+    from rlhf_core.trainers import run_recipe
+
+    try:
+        return run_recipe(cfg, data)
+    except Exception as e:
+        raise StageFailed(e) from e
 
 
 def share_data(data):

@@ -6,9 +6,9 @@ MLflow run) and saves the actor as the stage output, a plain `transformers` caus
 other trainers'. Roles: always the actor; a critic for `gae`; a reference with a KL term; reward
 models when they give the reward.
 
-Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join, in this
-process, with a transformers engine holding its own copy of the policy. Otherwise each role is a
-Ray worker group placed by the colocation flags (`rl/ray_roles.py`) and the engines are Ray actors
+Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join (or one of a
+single CPU node), in this process, with a transformers engine holding its own copy of the policy.
+Otherwise each role is a Ray worker group placed by the colocation flags (`rl/ray_roles.py`) and the engines are Ray actors
 (`rl/engines.py`: vLLM with `--vllm.num_engines`, else one transformers engine). Either way the
 controller and the saved model are the same.
 """
@@ -85,11 +85,19 @@ def build_reward_fn(cfg):
 
 
 def runs_on_ray(cfg) -> bool:
-    """Roles as Ray role groups when there is a cluster to join (`RAY_ADDRESS`, as in a pipeline's
-    Ray job), a role has several ranks, or vLLM engines are asked for; otherwise every role is in
-    this process (one CPU rank needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
-    ranks = [cfg.actor.world_size, cfg.critic.world_size, cfg.ref.world_size, cfg.reward.world_size]
-    return bool(os.environ.get("RAY_ADDRESS")) or cfg.vllm.num_engines > 0 or max(ranks) > 1
+    """Roles as Ray role groups when a role has several ranks (a ring's too), vLLM engines are
+    asked for, or the cluster joined (`RAY_ADDRESS`, as in a pipeline's Ray job) has several nodes
+    or GPUs (`cluster.ranks_stay_in_driver`); otherwise every role is in this process (one CPU rank
+    needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
+    roles = [cfg.actor, cfg.critic, cfg.ref, cfg.reward]
+    ranks = max(role.world_size for role in roles)
+    if cfg.vllm.num_engines > 0 or ranks > 1:
+        return True
+    if not os.environ.get("RAY_ADDRESS"):
+        return False
+    from rlhf_core.distributed.cluster import ranks_stay_in_driver
+
+    return not ranks_stay_in_driver(ranks, pinned=any(role.resources for role in roles))
 
 
 @dataclass
@@ -276,6 +284,9 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             started_ray = ensure_ray()
             roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
+            if os.environ.get("RAY_ADDRESS"):
+                print("rlhf: one rank per role on a one-node CPU cluster: every role runs in the job's driver "
+                      "(RLHF_RANKS_ON_RAY=1 for Ray actors)", file=sys.stderr, flush=True)
             roles = local_roles(cfg, specs, actor_path)
         if cfg.reward.placeholder_token is not None:
             rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,

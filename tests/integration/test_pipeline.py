@@ -175,6 +175,11 @@ def test_full_pipeline_records_lineage_registry_and_evaluation(first_run):
 
     for stage, timing in first_run["stages"].items():
         assert timing["job_seconds"] > 0 and timing["overhead_seconds"] >= 0, stage
+    # One rank per role on the flow's local (one-node CPU) Ray: each job's driver trains, no actors
+    logs = {p.name.split("-")[3]: p.read_text() for p in first_run["job_logs"]}
+    for stage in ("sft", "rm"):
+        assert "it trains in the job's driver" in logs[stage] and "role 'train': rank 0" not in logs[stage], stage
+    assert "every role runs in the job's driver" in logs["ppo"] and "RL roles on Ray" not in logs["ppo"]
     printed = first_run["printed"]
     for expected in ("champion: models:/rlhf-policy@champion -> " + first_run["outputs"]["ppo"], "MLflow UI:",
                      "Prefect UI:", "pairwise accuracy:", "best policy: ppo"):

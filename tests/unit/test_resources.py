@@ -8,6 +8,7 @@ from rlhf_core.distributed.resources import (
     cluster_devices,
     colocation_groups,
     plan_layout,
+    ranks_in_driver,
 )
 
 RL_ROLES = {"actor": 2, "ref": 2, "critic": 2, "reward": 2}
@@ -30,6 +31,14 @@ def test_devices_come_from_the_cluster_not_the_driver():
     busy = cluster_devices({"CPU": 16.0, "GPU": 2.0}, available={"CPU": 6.0})
     assert busy.use_gpu and busy.device == "cuda" and busy.cpus == 6.0
     assert not cluster_devices({"CPU": 4.0, "GPU": 0.5}).use_gpu  # no whole GPU for a rank
+
+
+def test_a_driver_holds_one_rank_per_role_only_on_one_cpu_node_when_no_actors_are_asked_for():
+    assert ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), actors_asked=False)
+    assert not ranks_in_driver(2, alive_nodes=1, devices=cpu_cluster(), actors_asked=False)  # a worker group
+    assert not ranks_in_driver(1, alive_nodes=2, devices=cpu_cluster(), actors_asked=False)  # ranks may go elsewhere
+    assert not ranks_in_driver(1, alive_nodes=1, devices=gpu_cluster(1), actors_asked=False)  # a rank takes a GPU
+    assert not ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), actors_asked=True)  # RLHF_RANKS_ON_RAY=1
 
 
 def test_openrlhf_colocation_flags_as_groups():
