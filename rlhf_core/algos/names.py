@@ -40,6 +40,22 @@ class DPOLossType(Choice):
         return True
 
 
+class PolicyLossType(Choice):
+    """The actor's surrogate (docs/algorithms.md, "Policy losses"): OpenRLHF's `ppo` and `gspo`,
+    and verl's / TRL's `cispo` and `sapo`."""
+
+    PPO = "ppo"  # token ratio, hard clip
+    GSPO = "gspo"  # one ratio per sequence (the geometric mean of its tokens'), hard clip
+    CISPO = "cispo"  # REINFORCE on log-probs weighted by the clipped, detached token ratio
+    SAPO = "sapo"  # a sigmoid gate on the token ratio instead of a hard clip
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the surrogate's ratio is a sequence's: then its loss reduces per sequence
+        (seq-mean-token-mean), as OpenRLHF's and verl's GSPO do, and a ring cannot split a row."""
+        return self is PolicyLossType.GSPO
+
+
 class KLEstimator(Choice):
     """Per-token estimators of KL(π ‖ π_ref) from samples of π (Schulman's k1, k2, k3)."""
 

@@ -31,7 +31,7 @@ from rlhf_core.algos.losses import (
     gather_token_logprobs,
     kl_penalty,
     loss_units,
-    policy_loss,
+    surrogate_loss,
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
@@ -353,7 +353,10 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""
         algo = self.cfg.algo
         mode = LossAggMode(algo.loss_agg_mode)
-        eps_low, eps_high = self.cfg.actor.eps_clip_low_high
+        actor = self.cfg.actor
+        eps_low, eps_high = actor.eps_clip_low_high
+        surrogate = surrogate_loss(actor.policy_loss_type, eps_low, eps_high, actor.dual_clip, actor.sapo_tau_pos,
+                                   actor.sapo_tau_neg)
         norm_length = self.cfg.rollout.max_new_tokens
 
         def micro_step(engine, chunk):
@@ -369,7 +372,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             if bool(on_policy.any()):
                 old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
-            loss, clipped = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high, self.cfg.actor.dual_clip)
+            loss, clipped = surrogate(logprobs, old, advantages, mask)
             stats = {"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),
                      "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
                      "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()}
