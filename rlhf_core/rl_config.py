@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.algos.names import (
     STEP_AGGREGATES,
     AdvantageEstimator,
+    ISCorrectionType,
     KLEstimator,
     LossAggMode,
     PolicyLossType,
@@ -253,6 +254,16 @@ class AdvantageConfig(StrictModel):
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda", json_schema_extra=flat("lambd"))
     no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std",
                               json_schema_extra=flat("no_advantage_std_norm"))
+    is_correction_enable: bool = Field(False, description="Weight the policy loss by the trainer's over the "
+                                       "engine's probability of each sampled token (importance sampling across the "
+                                       "engine/trainer mismatch; GSPO: its sequence ratio against the engine's "
+                                       "log-probs); docs/algorithms.md", json_schema_extra=flat("enable_vllm_is_correction"))
+    is_correction_threshold: tuple[float, float] = Field((0.5, 5.0), description="The weights' low and high bounds",
+                                                         json_schema_extra=flat("vllm_is_truncated_threshold"))
+    is_correction_type: ISCorrectionType = Field(ISCorrectionType.TIS, description="tis (clamp each weight), icepop "
+                                                 "(drop tokens whose weight is out of bounds), seq-mask-tis (drop "
+                                                 "sequences whose mean weight is)",
+                                                 json_schema_extra=flat("vllm_is_correction_type"))
 
 
 class KLConfig(StrictModel):
@@ -497,6 +508,14 @@ class PPOConfig(TrainingStageConfig):
                 problems.append(f"--actor.policy_loss_type {loss_type} with --ds.ring_attn_size (--ring_attn_size): "
                                 "a ring splits each sequence's tokens over its ranks, and the sequence's ratio "
                                 "needs them all; not built")
+        low, high = adv.is_correction_threshold
+        if adv.is_correction_enable and not 0 <= low <= high:
+            problems.append(f"--algo.advantage.is_correction_threshold (--vllm_is_truncated_threshold) {low} {high}: "
+                            "give 0 <= low <= high")
+        if adv.is_correction_enable and adv.is_correction_type.per_sequence and self.ds.ring_attn_size > 1:
+            problems.append("--algo.advantage.is_correction_type seq-mask-tis with --ds.ring_attn_size: a ring splits "
+                            "each sequence's tokens over its ranks, and the sequence's mean weight needs them all; "
+                            "not built")
         if actor.dual_clip is not None and loss_type in (PolicyLossType.CISPO, PolicyLossType.SAPO):
             problems.append(f"--actor.dual_clip (--dual_clip) bounds PPO's and GSPO's clipped surrogate; "
                             f"--actor.policy_loss_type {loss_type} has none")
@@ -688,10 +707,6 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
-                "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",
-                "algo.advantage.is_correction_enable", "algo.advantage.is_correction_threshold",
-                "algo.advantage.is_correction_type"),
     **_deferred("asynchronous RL comes with the frontier-RL work", "async_train", "train.async_enable",
                 "async_queue_size", "train.async_queue_size", "partial_rollout", "train.partial_rollout_enable"),
     **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),

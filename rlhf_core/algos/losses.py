@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_core.algos.names import DPOLossType, KLEstimator, LossAggMode, PolicyLossType, RewardLossType
+from rlhf_core.algos.names import (
+    DPOLossType,
+    ISCorrectionType,
+    KLEstimator,
+    LossAggMode,
+    PolicyLossType,
+    RewardLossType,
+)
 
 __all__ = [
     "DPO_LOSSES",
@@ -493,6 +500,36 @@ def surrogate_loss(kind: PolicyLossType | str, eps_low: float = 0.2, eps_high: f
     if kind is PolicyLossType.CISPO:
         return functools.partial(cispo_loss, eps_low=eps_low, eps_high=eps_high)
     return functools.partial(sapo_loss, tau_pos=tau_pos, tau_neg=tau_neg)
+
+
+def is_correction_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                          kind: ISCorrectionType | str = ISCorrectionType.TIS, low: float = 0.5,
+                          high: float = 5.0) -> Tensor:
+    """Per-token weights of the policy loss that correct for the engine sampling from another
+    distribution than the trainer computes (another kernel, precision or batch; OpenRLHF's
+    `--vllm_is_correction_type`).
+
+    old_logprobs: `(B, T)` the trainer's log-probs of the sampled tokens under the policy that
+    sampled them; rollout_logprobs: `(B, T)` the engine's. w_t = exp(clamp(logπ_old − logπ_engine,
+    −20, 20)); `tis`: clamp(w_t, low, high); `icepop`: w_t where low ≤ w_t ≤ high, else 0;
+    `seq-mask-tis`: w_t, for rows whose geometric-mean weight exp(mean_t log w_t) lies in
+    [low, high], else 0. Returns `(B, T)` float32, detached, 0 outside the mask.
+    """
+    if not 0 <= low <= high:
+        raise ValueError(f"IS correction thresholds must be 0 <= low <= high, got {low}, {high}")
+    kind = ISCorrectionType(kind)
+    keep = torch.as_tensor(mask, device=old_logprobs.device) != 0
+    log_w = torch.where(keep, (_f32(old_logprobs) - _f32(rollout_logprobs)).detach(), 0.0)
+    log_w = log_w.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    weights = log_w.exp()
+    if kind is ISCorrectionType.TIS:
+        weights = weights.clamp(low, high)
+    elif kind is ISCorrectionType.ICEPOP:
+        weights = torch.where((weights >= low) & (weights <= high), weights, 0.0)
+    else:
+        seq = (log_w.sum(-1) / keep.sum(-1).clamp(min=1)).exp()
+        weights = weights * ((seq >= low) & (seq <= high)).to(weights.dtype)[:, None]
+    return torch.where(keep, weights, 0.0)
 
 
 def value_loss(

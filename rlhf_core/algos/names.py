@@ -56,6 +56,19 @@ class PolicyLossType(Choice):
         return self is PolicyLossType.GSPO
 
 
+class ISCorrectionType(Choice):
+    """OpenRLHF's correction of the engine/trainer mismatch: the per-token weight exp(logπ_old − logπ_engine),
+    the trainer's probability of a sampled token over the engine's (docs/algorithms.md)."""
+
+    TIS = "tis"  # the weight clamped to [low, high]
+    ICEPOP = "icepop"  # the weight where it lies in [low, high], else 0
+    SEQ_MASK_TIS = "seq-mask-tis"  # the weight, for sequences whose geometric-mean weight lies in [low, high]
+
+    @property
+    def per_sequence(self) -> bool:
+        return self is ISCorrectionType.SEQ_MASK_TIS
+
+
 class KLEstimator(Choice):
     """Per-token estimators of KL(π ‖ π_ref) from samples of π (Schulman's k1, k2, k3)."""
 

@@ -11,6 +11,7 @@ from rlhf_core.algos.losses import (
     cispo_loss,
     entropy_from_logits,
     gspo_loss,
+    is_correction_weights,
     loss_units,
     policy_loss,
     sapo_loss,
@@ -195,6 +196,52 @@ def test_gspo_cispo_sapo_match_loop_references():
     for name, loss in got.items():
         assert_close(loss, want[name], atol=1e-12, rtol=1e-12)
     assert len({round(float(v), 6) for v in got["gspo"][0][:6]}) > 1  # per-token advantages still differ
+
+
+# --- the engine/trainer mismatch correction -----------------------------------------------------
+
+
+def test_is_correction_weights_hand_computed():
+    # trainer-over-engine ratios w: row 0: 2, 0.25, 8 (pad: 100); row 1: 1, 1; row 2: 6, 6
+    old = torch.log(torch.tensor([[2.0, 0.25, 8.0, 100.0], [1.0, 1.0, 1.0, 1.0], [6.0, 6.0, 1.0, 1.0]]))
+    engine = torch.zeros(3, 4)
+    mask = right_padded_mask([3, 2, 2], 4)
+    tis = is_correction_weights(old, engine, mask, "tis", 0.5, 5.0)
+    assert_close(tis, [[2.0, 0.5, 5.0, 0.0], [1.0, 1.0, 0.0, 0.0], [5.0, 5.0, 0.0, 0.0]])
+    icepop = is_correction_weights(old, engine, mask, "icepop", 0.5, 5.0)
+    assert_close(icepop, [[2.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # row 0's geometric mean (2 · 0.25 · 8)^(1/3) = 4^(1/3) is inside: its raw weights stay; row 2's 6 is not
+    seq = is_correction_weights(old, engine, mask, "seq-mask-tis", 0.5, 5.0)
+    assert_close(seq, [[2.0, 0.25, 8.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    logp = old.clone().requires_grad_()
+    assert not is_correction_weights(logp, engine, mask).requires_grad  # a weight, not a path for gradients
+    with pytest.raises(ValueError):
+        is_correction_weights(old, engine, mask, "tis", 2.0, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_is_correction_weights_match_loop_reference(kind):
+    rng = random.Random(7)
+    B, T, low, high = 5, 6, 0.6, 1.8
+    old = [[rng.uniform(-2, 0) for _ in range(T)] for _ in range(B)]
+    engine = [[x + rng.uniform(-0.9, 0.9) for x in row] for row in old]
+    engine[3] = [x + 1.0 + rng.uniform(-0.2, 0.2) for x in old[3]]  # a row the engine rates far above the trainer
+    lengths = [6, 1, 3, 4, 5]
+    want = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        ws = [math.exp(old[b][t] - engine[b][t]) for t in range(lengths[b])]
+        seq = math.exp(sum(math.log(w) for w in ws) / lengths[b])
+        for t, w in enumerate(ws):
+            if kind == "tis":
+                want[b][t] = min(max(w, low), high)
+            elif kind == "icepop":
+                want[b][t] = w if low <= w <= high else 0.0
+            else:
+                want[b][t] = w if low <= seq <= high else 0.0
+    got = is_correction_weights(torch.tensor(old, dtype=torch.float64), torch.tensor(engine, dtype=torch.float64),
+                                right_padded_mask(lengths, T), kind, low, high)
+    assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert 0 < sum(w == 0 for row, n in zip(want, lengths, strict=True) for w in row[:n]) < sum(lengths) or kind == "tis"
 
 
 # --- value loss -------------------------------------------------------------------------------
