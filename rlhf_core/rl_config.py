@@ -21,7 +21,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.algos.names import STEP_AGGREGATES, AdvantageEstimator, KLEstimator, LossAggMode
+from rlhf_core.algos.names import (
+    STEP_AGGREGATES,
+    AdvantageEstimator,
+    ISCorrectionType,
+    KLEstimator,
+    LossAggMode,
+    PolicyLossType,
+)
 from rlhf_core.config import (
     NOT_BUILT_FLAGS,
     AdamConfig,
@@ -101,6 +108,14 @@ class ActorConfig(Placement, Schedule, Optimiser):
                                                           json_schema_extra=flat("eps_clip_low_high"))
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off by default)",
                                     json_schema_extra=flat("dual_clip"))
+    policy_loss_type: PolicyLossType = Field(PolicyLossType.PPO, description="The surrogate: ppo (a clipped ratio "
+                                             "per token), gspo (one per sequence), cispo (REINFORCE weighted by "
+                                             "the clipped, detached ratio), sapo (a soft gate on the ratio); "
+                                             "docs/algorithms.md", json_schema_extra=flat("policy_loss_type"))
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO's gate temperature where the advantage is positive",
+                                json_schema_extra=flat("sapo_tau_pos"))
+    sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO's gate temperature where the advantage is not "
+                                "positive", json_schema_extra=flat("sapo_tau_neg"))
     entropy_coef: float | None = Field(None, description="Entropy bonus coefficient (None: off; 0: logged only)",
                                        json_schema_extra=flat("entropy_loss_coef"))
     aux_loss_coef: float = Field(0.0, ge=0, description="Weight of a Mixture-of-Experts router's load-balancing "
@@ -239,6 +254,16 @@ class AdvantageConfig(StrictModel):
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda", json_schema_extra=flat("lambd"))
     no_std_norm: bool = Field(False, description="Whiten advantages without dividing by the std",
                               json_schema_extra=flat("no_advantage_std_norm"))
+    is_correction_enable: bool = Field(False, description="Weight the policy loss by the trainer's over the "
+                                       "engine's probability of each sampled token (importance sampling across the "
+                                       "engine/trainer mismatch; GSPO: its sequence ratio against the engine's "
+                                       "log-probs); docs/algorithms.md", json_schema_extra=flat("enable_vllm_is_correction"))
+    is_correction_threshold: tuple[float, float] = Field((0.5, 5.0), description="The weights' low and high bounds",
+                                                         json_schema_extra=flat("vllm_is_truncated_threshold"))
+    is_correction_type: ISCorrectionType = Field(ISCorrectionType.TIS, description="tis (clamp each weight), icepop "
+                                                 "(drop tokens whose weight is out of bounds), seq-mask-tis (drop "
+                                                 "sequences whose mean weight is)",
+                                                 json_schema_extra=flat("vllm_is_correction_type"))
 
 
 class KLConfig(StrictModel):
@@ -472,6 +497,28 @@ class PPOConfig(TrainingStageConfig):
             set_(critic, "freezing_steps", 0)
         if actor.eps_clip_low_high is None:
             set_(actor, "eps_clip_low_high", (actor.eps_clip, actor.eps_clip))
+        loss_type = actor.policy_loss_type
+        if loss_type.per_sequence:  # one ratio per sequence: its loss is the sequence's mean (OpenRLHF, verl)
+            if "loss_agg_mode" not in algo.model_fields_set:
+                set_(algo, "loss_agg_mode", LossAggMode.SEQ_MEAN_TOKEN_MEAN)
+            elif algo.loss_agg_mode is not LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+                problems.append(f"--actor.policy_loss_type {loss_type} reduces per sequence: --algo.loss_agg_mode "
+                                f"(--loss_agg_mode) must be seq-mean-token-mean, got {algo.loss_agg_mode}")
+            if self.ds.ring_attn_size > 1:
+                problems.append(f"--actor.policy_loss_type {loss_type} with --ds.ring_attn_size (--ring_attn_size): "
+                                "a ring splits each sequence's tokens over its ranks, and the sequence's ratio "
+                                "needs them all; not built")
+        low, high = adv.is_correction_threshold
+        if adv.is_correction_enable and not 0 <= low <= high:
+            problems.append(f"--algo.advantage.is_correction_threshold (--vllm_is_truncated_threshold) {low} {high}: "
+                            "give 0 <= low <= high")
+        if adv.is_correction_enable and adv.is_correction_type.per_sequence and self.ds.ring_attn_size > 1:
+            problems.append("--algo.advantage.is_correction_type seq-mask-tis with --ds.ring_attn_size: a ring splits "
+                            "each sequence's tokens over its ranks, and the sequence's mean weight needs them all; "
+                            "not built")
+        if actor.dual_clip is not None and loss_type in (PolicyLossType.CISPO, PolicyLossType.SAPO):
+            problems.append(f"--actor.dual_clip (--dual_clip) bounds PPO's and GSPO's clipped surrogate; "
+                            f"--actor.policy_loss_type {loss_type} has none")
 
         # Advantage estimator and the models it needs.
         if adv.estimator.is_group:
@@ -660,11 +707,6 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("policy-loss variants come with the frontier-RL work", "policy_loss_type", "actor.policy_loss_type"),
-    **_deferred("importance-sampling correction of the engine/trainer mismatch comes with the frontier-RL work",
-                "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type",
-                "algo.advantage.is_correction_enable", "algo.advantage.is_correction_threshold",
-                "algo.advantage.is_correction_type"),
     **_deferred("asynchronous RL comes with the frontier-RL work", "async_train", "train.async_enable",
                 "async_queue_size", "train.async_queue_size", "partial_rollout", "train.partial_rollout_enable"),
     **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),

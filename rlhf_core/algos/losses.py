@@ -24,13 +24,21 @@ Choices, and why:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_core.algos.names import DPOLossType, KLEstimator, LossAggMode, RewardLossType
+from rlhf_core.algos.names import (
+    DPOLossType,
+    ISCorrectionType,
+    KLEstimator,
+    LossAggMode,
+    PolicyLossType,
+    RewardLossType,
+)
 
 __all__ = [
     "DPO_LOSSES",
@@ -402,9 +410,126 @@ def policy_loss(
         dual_active = (advantages < 0) & (bound < loss)
         loss = torch.where(dual_active, bound, loss)
         clip_active = clip_active | dual_active
+    return _kept(loss, clip_active, mask)
+
+
+def _kept(loss: Tensor, clipped: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     keep = torch.as_tensor(mask, device=loss.device) != 0
     zero = torch.zeros_like(loss)
-    return torch.where(keep, loss, zero), torch.where(keep, clip_active.to(loss.dtype), zero)
+    return torch.where(keep, loss, zero), torch.where(keep, clipped.to(loss.dtype), zero)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO: the PPO surrogate on one importance ratio per sequence.
+
+    Shapes as `policy_loss`; each row is one sequence. s = exp(clamp(Σ m·(logπ − logπ_old) / max(Σ m, 1),
+    −20, 20)), the geometric mean of the row's token ratios, the same for every token of the row;
+    L_t = −min(s·A_t, clip(s, 1 − eps_low, 1 + eps_high)·A_t), dual clip as in `policy_loss`.
+    The gradient of a row is (s/|y|)·Σ_t A·∇logπ_t while s is inside the clip range, 0 outside.
+    Reduce with seq-mean-token-mean (OpenRLHF and verl force it). Returns `(loss, clipped)`.
+    """
+    mask_f = _f32(torch.as_tensor(mask)).to(logprobs.device)
+    lengths = mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    seq_log_ratio = ((_f32(logprobs) - _f32(old_logprobs)) * mask_f).sum(-1, keepdim=True) / lengths
+    log_ratio = seq_log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).expand_as(mask_f)
+    return policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, mask, eps_low, eps_high, dual_clip)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, Tensor]:
+    """CISPO: REINFORCE on every token, weighted by its importance ratio clipped and detached.
+
+    Shapes as `policy_loss`. w_t = sg(clip(r_t, 1 − eps_low, 1 + eps_high)), r_t = exp(clamp(logπ −
+    logπ_old, −20, 20)); L_t = −w_t·A_t·logπ_t (verl's two-sided clip; its value is not PPO's
+    surrogate, its gradient at r = 1 is). Unlike the PPO clip, a clipped token keeps its gradient,
+    at the clipped weight: `clipped` is 1 where the clip changed w_t. Returns `(loss, clipped)`.
+    """
+    logprobs = _f32(logprobs)
+    ratio = (logprobs.detach() - _f32(old_logprobs)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = -weight * _f32(advantages).to(ratio.device) * logprobs
+    return _kept(loss, weight != ratio, mask)
+
+
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Tensor, Tensor]:
+    """SAPO: a soft gate on the token ratio in place of PPO's hard clip.
+
+    Shapes as `policy_loss`. L_t = −(4/τ)·σ(τ·(r_t − 1))·A_t with τ = tau_pos where A_t > 0, else
+    tau_neg (verl's and TRL's defaults 1.0 / 1.05). Its gradient is 4σ(1 − σ)·A·∇r: PPO's at r = 1,
+    fading smoothly as r leaves 1. Nothing is clipped: `clipped` is all 0. Returns `(loss, clipped)`.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got {tau_pos}, {tau_neg}")
+    ratio = (_f32(logprobs) - _f32(old_logprobs)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    advantages = _f32(advantages).to(ratio.device)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+    return _kept(loss, torch.zeros_like(loss), mask)
+
+
+def surrogate_loss(kind: PolicyLossType | str, eps_low: float = 0.2, eps_high: float = 0.2,
+                   dual_clip: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05):
+    """The actor's per-token loss `(logprobs, old_logprobs, advantages, mask) -> (loss, clipped)` that
+    `--actor.policy_loss_type` names, with its hyperparameters bound."""
+    kind = PolicyLossType(kind)
+    if kind is PolicyLossType.PPO:
+        return functools.partial(policy_loss, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    if kind is PolicyLossType.GSPO:
+        return functools.partial(gspo_loss, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    if kind is PolicyLossType.CISPO:
+        return functools.partial(cispo_loss, eps_low=eps_low, eps_high=eps_high)
+    return functools.partial(sapo_loss, tau_pos=tau_pos, tau_neg=tau_neg)
+
+
+def is_correction_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                          kind: ISCorrectionType | str = ISCorrectionType.TIS, low: float = 0.5,
+                          high: float = 5.0) -> Tensor:
+    """Per-token weights of the policy loss that correct for the engine sampling from another
+    distribution than the trainer computes (another kernel, precision or batch; OpenRLHF's
+    `--vllm_is_correction_type`).
+
+    old_logprobs: `(B, T)` the trainer's log-probs of the sampled tokens under the policy that
+    sampled them; rollout_logprobs: `(B, T)` the engine's. w_t = exp(clamp(logπ_old − logπ_engine,
+    −20, 20)); `tis`: clamp(w_t, low, high); `icepop`: w_t where low ≤ w_t ≤ high, else 0;
+    `seq-mask-tis`: w_t, for rows whose geometric-mean weight exp(mean_t log w_t) lies in
+    [low, high], else 0. Returns `(B, T)` float32, detached, 0 outside the mask.
+    """
+    if not 0 <= low <= high:
+        raise ValueError(f"IS correction thresholds must be 0 <= low <= high, got {low}, {high}")
+    kind = ISCorrectionType(kind)
+    keep = torch.as_tensor(mask, device=old_logprobs.device) != 0
+    log_w = torch.where(keep, (_f32(old_logprobs) - _f32(rollout_logprobs)).detach(), 0.0)
+    log_w = log_w.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    weights = log_w.exp()
+    if kind is ISCorrectionType.TIS:
+        weights = weights.clamp(low, high)
+    elif kind is ISCorrectionType.ICEPOP:
+        weights = torch.where((weights >= low) & (weights <= high), weights, 0.0)
+    else:
+        seq = (log_w.sum(-1) / keep.sum(-1).clamp(min=1)).exp()
+        weights = weights * ((seq >= low) & (seq <= high)).to(weights.dtype)[:, None]
+    return torch.where(keep, weights, 0.0)
 
 
 def value_loss(

@@ -40,6 +40,35 @@ class DPOLossType(Choice):
         return True
 
 
+class PolicyLossType(Choice):
+    """The actor's surrogate (docs/algorithms.md, "Policy losses"): OpenRLHF's `ppo` and `gspo`,
+    and verl's / TRL's `cispo` and `sapo`."""
+
+    PPO = "ppo"  # token ratio, hard clip
+    GSPO = "gspo"  # one ratio per sequence (the geometric mean of its tokens'), hard clip
+    CISPO = "cispo"  # REINFORCE on log-probs weighted by the clipped, detached token ratio
+    SAPO = "sapo"  # a sigmoid gate on the token ratio instead of a hard clip
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the surrogate's ratio is a sequence's: then its loss reduces per sequence
+        (seq-mean-token-mean), as OpenRLHF's and verl's GSPO do, and a ring cannot split a row."""
+        return self is PolicyLossType.GSPO
+
+
+class ISCorrectionType(Choice):
+    """OpenRLHF's correction of the engine/trainer mismatch: the per-token weight exp(logπ_old − logπ_engine),
+    the trainer's probability of a sampled token over the engine's (docs/algorithms.md)."""
+
+    TIS = "tis"  # the weight clamped to [low, high]
+    ICEPOP = "icepop"  # the weight where it lies in [low, high], else 0
+    SEQ_MASK_TIS = "seq-mask-tis"  # the weight, for sequences whose geometric-mean weight lies in [low, high]
+
+    @property
+    def per_sequence(self) -> bool:
+        return self is ISCorrectionType.SEQ_MASK_TIS
+
+
 class KLEstimator(Choice):
     """Per-token estimators of KL(π ‖ π_ref) from samples of π (Schulman's k1, k2, k3)."""
 

@@ -29,12 +29,13 @@ from rlhf_core.algos.losses import (
     aggregate_loss,
     entropy_from_logits,
     gather_token_logprobs,
+    is_correction_weights,
     kl_penalty,
     loss_units,
-    policy_loss,
+    surrogate_loss,
     value_loss,
 )
-from rlhf_core.algos.names import LossAggMode
+from rlhf_core.algos.names import LossAggMode, PolicyLossType
 from rlhf_core.algos.nucleus import filter_logits
 from rlhf_core.data.token_budget import balanced_groups, budget_chunks, micro_batch_count
 from rlhf_core.distributed.engine import (
@@ -353,8 +354,14 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""
         algo = self.cfg.algo
         mode = LossAggMode(algo.loss_agg_mode)
-        eps_low, eps_high = self.cfg.actor.eps_clip_low_high
+        actor = self.cfg.actor
+        eps_low, eps_high = actor.eps_clip_low_high
+        surrogate = surrogate_loss(actor.policy_loss_type, eps_low, eps_high, actor.dual_clip, actor.sapo_tau_pos,
+                                   actor.sapo_tau_neg)
         norm_length = self.cfg.rollout.max_new_tokens
+        correction = algo.advantage
+        bounds = correction.is_correction_threshold
+        sequence_ratio = PolicyLossType(actor.policy_loss_type).per_sequence
 
         def micro_step(engine, chunk):
             batch, index, mask = self._collate(chunk)
@@ -369,10 +376,22 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             if bool(on_policy.any()):
                 old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
-            loss, clipped = policy_loss(logprobs, old, advantages, mask, eps_low, eps_high, self.cfg.actor.dual_clip)
-            stats = {"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),
-                     "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
-                     "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()}
+            stats = {}
+            if correction.is_correction_enable:  # the engine's log-probs: its sampling distribution
+                rollout = stack([s.rollout_logprobs for s in chunk], width).to(self.device)
+                stats["engine_gap_tokens"] = ((rollout - old) * mask).sum()  # OpenRLHF's vllm_kl
+            if correction.is_correction_enable and sequence_ratio:  # GSPO: its ratio against the engine's
+                loss, clipped = surrogate(logprobs, rollout, advantages, mask)
+            else:
+                loss, clipped = surrogate(logprobs, old, advantages, mask)
+            if correction.is_correction_enable and not sequence_ratio:
+                weights = is_correction_weights(old, rollout, mask, correction.is_correction_type, *bounds)
+                loss = loss * weights
+                stats["is_weight_tokens"] = (weights * mask).sum()
+                stats["is_dropped_tokens"] = ((weights == 0) * mask).sum()
+            stats.update({"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),
+                          "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
+                          "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()})
             if algo.kl.use_loss:
                 ref = stack([s.ref_logprobs for s in chunk], width).to(self.device)
                 kl = kl_penalty(logprobs, ref, algo.kl.estimator)
@@ -399,6 +418,11 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
                     "lr": self.engine.get_lr()[0]}
             if "kl_loss_tokens" in sums:
                 step["kl_loss"] = float(sums["kl_loss_tokens"]) / tokens
+            if "engine_gap_tokens" in sums:  # --algo.advantage.is_correction_enable
+                step["vllm_kl"] = float(sums["engine_gap_tokens"]) / tokens
+            if "is_weight_tokens" in sums:
+                step["is_weight"] = float(sums["is_weight_tokens"]) / tokens
+                step["is_dropped_frac"] = float(sums["is_dropped_tokens"]) / tokens
             if "aux_loss" in sums:  # an MoE policy's load balancing (--aux_loss_coef)
                 step["aux_loss"] = float(sums["aux_loss"] / units)
             for k, v in step.items():

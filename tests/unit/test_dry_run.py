@@ -62,7 +62,7 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 
 @pytest.mark.parametrize("stage, argv", [
-    ("ppo", ["--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.5", "5.0"]),
+    ("ppo", ["--async_train", "--async_queue_size", "2"]),
     ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),
     ("ppo", ["--ds_tensor_parallel_size", "2"]),

@@ -344,6 +344,16 @@ def test_flag_errors_exit_2_naming_the_flag(flags, named, capsys):
      "at least 2"),
     ({"actor": {"bogus": 1}}, "--actor.bogus: unknown field"),
     ({"no_such_flag": 1}, "--no_such_flag: unknown field"),
+    ({"policy_loss_type": "gspo", "loss_agg_mode": "token-mean"}, "must be seq-mean-token-mean, got token-mean"),
+    ({"policy_loss_type": "gspo", "ring_attn_size": 2}, "--actor.policy_loss_type gspo with --ds.ring_attn_size"),
+    ({"policy_loss_type": "sapo", "dual_clip": 3.0}, "--actor.policy_loss_type sapo has none"),
+    ({"policy_loss_type": "cispo", "dual_clip": 3.0}, "--actor.policy_loss_type cispo has none"),
+    ({"policy_loss_type": "grpo"}, "--actor.policy_loss_type (--policy_loss_type)"),
+    ({"sapo_tau_neg": 0}, "--actor.sapo_tau_neg (--sapo_tau_neg)"),
+    ({"enable_vllm_is_correction": True, "vllm_is_truncated_threshold": [2, 1]}, "give 0 <= low <= high"),
+    ({"enable_vllm_is_correction": True, "vllm_is_correction_type": "seq-mask-tis", "ring_attn_size": 2},
+     "seq-mask-tis with --ds.ring_attn_size"),
+    ({"vllm_is_correction_type": "mis"}, "--algo.advantage.is_correction_type (--vllm_is_correction_type)"),
 ])
 def test_invalid_configs_name_the_flag(values, named):
     with pytest.raises(ConfigError) as exc:
@@ -387,6 +397,35 @@ def test_derived_defaults():
                             "max_len": 1536}, {})
     assert (cfg.critic.model_name_or_path, cfg.ref.model_name_or_path) == ("rm1", "r")
     assert cfg.rollout.max_new_tokens == 512
+
+
+def test_policy_loss_type_in_both_eras_and_gspo_reduces_per_sequence():
+    """OpenRLHF's `--policy_loss_type` (0.9) / `--actor.policy_loss_type` (0.11): `ppo` by default; `gspo`
+    takes the sequence-mean reduction OpenRLHF forces for it; `cispo` and `sapo` (verl's and TRL's) keep
+    the configured one."""
+    assert build_ppo_config(TASK, {}).actor.policy_loss_type == "ppo"
+    flat, dotted = (_ppo(f"{PPO_FLAT} --policy_loss_type gspo"), _ppo(f"{PPO_DOTTED} --actor.policy_loss_type gspo"))
+    assert flat.model_dump() == dotted.model_dump()
+    assert dotted.actor.policy_loss_type == "gspo" and dotted.algo.loss_agg_mode == "seq-mean-token-mean"
+    for kind in ("cispo", "sapo"):
+        cfg = build_ppo_config({**TASK, "policy_loss_type": kind, "sapo_tau_pos": 2.0}, {})
+        assert cfg.actor.policy_loss_type == kind and cfg.algo.loss_agg_mode == "token-mean"
+        assert cfg.actor.sapo_tau_pos == 2.0 and cfg.actor.sapo_tau_neg == 1.05
+    dumped = dotted.model_dump(mode="json")
+    assert PPOConfig.model_validate(dumped).model_dump(mode="json") == dumped
+
+
+def test_the_engine_mismatch_correction_in_both_eras():
+    flat = _ppo(f"{PPO_FLAT} --enable_vllm_is_correction --vllm_is_truncated_threshold 0.8 2 "
+                "--vllm_is_correction_type icepop")
+    dotted = _ppo(f"{PPO_DOTTED} --algo.advantage.is_correction_enable --algo.advantage.is_correction_threshold 0.8 2 "
+                  "--algo.advantage.is_correction_type icepop")
+    assert flat.model_dump() == dotted.model_dump()
+    adv = dotted.algo.advantage
+    assert adv.is_correction_enable and adv.is_correction_threshold == (0.8, 2.0) and adv.is_correction_type == "icepop"
+    default = build_ppo_config(TASK, {}).algo.advantage  # OpenRLHF's defaults
+    assert not default.is_correction_enable and default.is_correction_threshold == (0.5, 5.0)
+    assert default.is_correction_type == "tis"
 
 
 def test_a_resolved_config_validates_again_unchanged():

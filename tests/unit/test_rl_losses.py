@@ -8,9 +8,13 @@ import torch
 
 from rlhf_core.algos.losses import (
     aggregate_loss,
+    cispo_loss,
     entropy_from_logits,
+    gspo_loss,
+    is_correction_weights,
     loss_units,
     policy_loss,
+    sapo_loss,
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
@@ -105,6 +109,139 @@ def test_policy_loss_matches_loop_reference(dual_clip):
     assert_close(loss, exp_loss, atol=1e-12, rtol=1e-12)
     assert_close(clipped, exp_clip)
     assert 0 < sum(map(sum, exp_clip)) < sum(lengths)  # some tokens clipped, some not
+
+
+# --- GSPO, CISPO, SAPO -------------------------------------------------------------------------
+
+
+def test_gspo_one_ratio_per_sequence_hand_computed():
+    # Row 0: token ratios 2 and 0.5 (geometric mean 1), the pad's log-ratio 9 is left out. Row 1:
+    # ratios 1.5 and 1.5 → s = 1.5, clipped to 1.2 where A > 0. Row 2: one token of ratio 0.5, A < 0.
+    logp = torch.log(torch.tensor([[2.0, 0.5, math.exp(9.0)], [1.5, 1.5, 1.0], [0.5, 1.0, 1.0]]))
+    adv = torch.tensor([[1.0, -2.0, 5.0], [1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    mask = right_padded_mask([2, 2, 1], 3)
+    loss, clipped = gspo_loss(logp, torch.zeros(3, 3), adv, mask)
+    assert_close(loss, [[-1.0, 2.0, 0.0], [-1.2, -1.2, 0.0], [0.8, 0.0, 0.0]])
+    assert_close(clipped, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # dual clip as PPO's: s = 5 for a row with A = −1 is capped at 3
+    loss, clipped = gspo_loss(torch.log(torch.tensor([[5.0, 5.0]])), torch.zeros(1, 2), torch.tensor([[-1.0, -1.0]]),
+                              torch.ones(1, 2), dual_clip=3.0)
+    assert_close(loss, [[3.0, 3.0]])
+    assert_close(clipped, [[1.0, 1.0]])
+
+
+def test_gspo_gradient_is_the_sequence_ratio_over_its_length_times_the_advantage():
+    logp = torch.log(torch.tensor([[1.1, 0.9, 1.0, 1.0]])).requires_grad_()
+    mask = right_padded_mask([3], 4)
+    adv = torch.tensor([[2.0, 2.0, 2.0, 2.0]])
+    loss, clipped = gspo_loss(logp, torch.zeros(1, 4), adv, mask)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    s = (1.1 * 0.9) ** (1 / 3)  # inside [0.8, 1.2]
+    # Σ over the row's 3 tokens of −s·A, each d s/d logπ_t = s/3
+    assert_close(grad, [[-s * 2.0, -s * 2.0, -s * 2.0, 0.0]], rtol=1e-5)
+    assert not clipped.any()
+
+
+def test_cispo_weights_reinforce_by_the_clipped_detached_ratio():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 2.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, clipped = cispo_loss(logp, torch.zeros(1, 4), adv, mask)
+    # w = clip(r, 0.8, 1.2): 1.2, 0.8, 1.1; L = −w·A·logπ
+    expected = [-1.2 * 1.0 * math.log(1.5), -0.8 * -1.0 * math.log(0.5), -1.1 * 2.0 * math.log(1.1), 0.0]
+    assert_close(loss, [expected], rtol=1e-5)
+    assert_close(clipped, [[1.0, 1.0, 0.0, 0.0]])
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    # a clipped token keeps a gradient, at its clipped weight (PPO's would be 0): −w·A
+    assert_close(grad, [[-1.2, 0.8, -2.2, 0.0]], rtol=1e-5)
+
+
+def test_sapo_soft_gate_hand_computed_and_ppo_gradient_on_policy():
+    logp = torch.log(torch.tensor([[1.0, 1.0, 1.5, 0.5]])).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 1.0, -2.0]])
+    loss, clipped = sapo_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4))
+
+    def gate(r, tau):
+        return 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+
+    assert_close(loss, [[-gate(1.0, 1.0), gate(1.0, 1.05), -gate(1.5, 1.0), 2.0 * gate(0.5, 1.05)]], rtol=1e-5)
+    assert not clipped.any()
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    # at r = 1 the gradient is PPO's, −A; away from 1 it fades: 4σ(1 − σ)·r·(−A)
+    sig = 1.0 / (1.0 + math.exp(-0.5))
+    assert_close(grad[0, :2], [-1.0, 1.0], rtol=1e-5)
+    assert_close(grad[0, 2], -4 * sig * (1 - sig) * 1.5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        sapo_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), tau_pos=0.0)
+
+
+def test_gspo_cispo_sapo_match_loop_references():
+    rng = random.Random(5)
+    B, T, el, eh, tp, tn = 4, 6, 0.2, 0.3, 1.0, 1.05
+    logp = [[rng.uniform(-1, 0.2) for _ in range(T)] for _ in range(B)]
+    old = [[x + rng.uniform(-0.6, 0.6) for x in row] for row in logp]
+    adv = [[rng.uniform(-2, 2) for _ in range(T)] for _ in range(B)]
+    lengths = [6, 2, 4, 5]
+    want = {name: [[0.0] * T for _ in range(B)] for name in ("gspo", "cispo", "sapo")}
+    for b in range(B):
+        s = math.exp(sum(logp[b][t] - old[b][t] for t in range(lengths[b])) / lengths[b])
+        for t in range(lengths[b]):
+            a, r = adv[b][t], math.exp(logp[b][t] - old[b][t])
+            want["gspo"][b][t] = -min(s * a, min(max(s, 1 - el), 1 + eh) * a)
+            want["cispo"][b][t] = -min(max(r, 1 - el), 1 + eh) * a * logp[b][t]
+            tau = tp if a > 0 else tn
+            want["sapo"][b][t] = -(4 / tau) * a / (1 + math.exp(-tau * (r - 1)))
+    args = [torch.tensor(x, dtype=torch.float64) for x in (logp, old, adv)] + [right_padded_mask(lengths, T)]
+    got = {"gspo": gspo_loss(*args, el, eh)[0], "cispo": cispo_loss(*args, el, eh)[0], "sapo": sapo_loss(*args, tp, tn)[0]}
+    for name, loss in got.items():
+        assert_close(loss, want[name], atol=1e-12, rtol=1e-12)
+    assert len({round(float(v), 6) for v in got["gspo"][0][:6]}) > 1  # per-token advantages still differ
+
+
+# --- the engine/trainer mismatch correction -----------------------------------------------------
+
+
+def test_is_correction_weights_hand_computed():
+    # trainer-over-engine ratios w: row 0: 2, 0.25, 8 (pad: 100); row 1: 1, 1; row 2: 6, 6
+    old = torch.log(torch.tensor([[2.0, 0.25, 8.0, 100.0], [1.0, 1.0, 1.0, 1.0], [6.0, 6.0, 1.0, 1.0]]))
+    engine = torch.zeros(3, 4)
+    mask = right_padded_mask([3, 2, 2], 4)
+    tis = is_correction_weights(old, engine, mask, "tis", 0.5, 5.0)
+    assert_close(tis, [[2.0, 0.5, 5.0, 0.0], [1.0, 1.0, 0.0, 0.0], [5.0, 5.0, 0.0, 0.0]])
+    icepop = is_correction_weights(old, engine, mask, "icepop", 0.5, 5.0)
+    assert_close(icepop, [[2.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # row 0's geometric mean (2 · 0.25 · 8)^(1/3) = 4^(1/3) is inside: its raw weights stay; row 2's 6 is not
+    seq = is_correction_weights(old, engine, mask, "seq-mask-tis", 0.5, 5.0)
+    assert_close(seq, [[2.0, 0.25, 8.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    logp = old.clone().requires_grad_()
+    assert not is_correction_weights(logp, engine, mask).requires_grad  # a weight, not a path for gradients
+    with pytest.raises(ValueError):
+        is_correction_weights(old, engine, mask, "tis", 2.0, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_is_correction_weights_match_loop_reference(kind):
+    rng = random.Random(7)
+    B, T, low, high = 5, 6, 0.6, 1.8
+    old = [[rng.uniform(-2, 0) for _ in range(T)] for _ in range(B)]
+    engine = [[x + rng.uniform(-0.9, 0.9) for x in row] for row in old]
+    engine[3] = [x + 1.0 + rng.uniform(-0.2, 0.2) for x in old[3]]  # a row the engine rates far above the trainer
+    lengths = [6, 1, 3, 4, 5]
+    want = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        ws = [math.exp(old[b][t] - engine[b][t]) for t in range(lengths[b])]
+        seq = math.exp(sum(math.log(w) for w in ws) / lengths[b])
+        for t, w in enumerate(ws):
+            if kind == "tis":
+                want[b][t] = min(max(w, low), high)
+            elif kind == "icepop":
+                want[b][t] = w if low <= w <= high else 0.0
+            else:
+                want[b][t] = w if low <= seq <= high else 0.0
+    got = is_correction_weights(torch.tensor(old, dtype=torch.float64), torch.tensor(engine, dtype=torch.float64),
+                                right_padded_mask(lengths, T), kind, low, high)
+    assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert 0 < sum(w == 0 for row, n in zip(want, lengths, strict=True) for w in row[:n]) < sum(lengths) or kind == "tis"
 
 
 # --- value loss -------------------------------------------------------------------------------
