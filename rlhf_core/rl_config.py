@@ -342,6 +342,15 @@ class EvalSection(StrictModel):
     n_samples_per_prompt: int = Field(4, ge=1, json_schema_extra=flat("eval_n_samples_per_prompt"))
     task: str | None = Field(None, description="Built-in task whose exact verifier measures held-out accuracy "
                              "(default: --reward.task); the training reward may come from a reward model")
+    hacking_guard_enable: bool = Field(True, description="Warn (log, MLflow tag and metric) when the training "
+                                       "reward rises while the held-out check (--ckpt.best_metric_key's metric, "
+                                       "default the verifier's sampled accuracy) falls over the last "
+                                       "eval.hacking_window evaluations; needs a held-out check and eval.steps")
+    hacking_window: int = Field(3, ge=1, description="Evaluations the reward-hacking guard looks back over")
+    hacking_min_drop: float = Field(0.02, ge=0, description="How far (absolute) the held-out check must fall over "
+                                    "the window for the guard to fire")
+    stop_on_hacking: bool = Field(False, description="Stop training when the reward-hacking guard fires (the "
+                                  "last evaluation and the save still run)")
 
 
 class RLDSConfig(DSConfig, ValueHead, RingAttention):

@@ -70,7 +70,8 @@ class BestMetric:
 
 def _state(controller) -> dict:
     return {"step": controller.step, "prompt_position": controller.prompts.position,
-            "kl": controller.kl.state_dict(), "rng": rng_state(), "best": controller.best.state_dict()}
+            "kl": controller.kl.state_dict(), "rng": rng_state(), "best": controller.best.state_dict(),
+            "guard": controller.guard.state_dict() if controller.guard is not None else None}
 
 
 def save(controller, ckpt: str | os.PathLike, run_id: str | None, best: bool = False) -> str:
@@ -146,6 +147,8 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     controller.prompts.position = int(state["prompt_position"])
     controller.kl.load_state_dict(state["kl"])
     controller.best.load_state_dict(state.get("best"))
+    if controller.guard is not None:
+        controller.guard.load_state_dict(state.get("guard"))
     set_rng_state(state["rng"])
     run_id = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
     checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)

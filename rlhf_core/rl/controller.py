@@ -37,7 +37,7 @@ from rlhf_core.algos.nucleus import filtering
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.infra.not_applied import not_applied
-from rlhf_core.rl import checkpoint
+from rlhf_core.rl import checkpoint, guard
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.plan import StepPlan
 
@@ -110,6 +110,11 @@ class RLController:
         self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
         self.best = checkpoint.BestMetric(cfg.ckpt.best_metric_key)  # the best evaluation's checkpoint
         self.history: list[dict] = []
+        # The reward-hacking guard watches the metric the best checkpoint is chosen by (`rl/guard.py`).
+        watched = cfg.ckpt.best_metric_key if cfg.ckpt.best_metric_key not in ("", "none") else checkpoint.BestMetric.AUTO
+        self.guard = guard.HackingGuard(watched, cfg.eval.hacking_window, cfg.eval.hacking_min_drop) \
+            if cfg.eval.hacking_guard_enable else None
+        self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -121,12 +126,16 @@ class RLController:
         self.resume["start_step"] = start = self.step
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
+        if initial and self.guard is not None:
+            self.guard.evaluated(0, {k.replace("eval_initial/", "eval/", 1): v for k, v in initial.items()})
         heap.settle()  # the model, optimizer and data are built: later collector passes skip them
-        while self.step < self.rollout_steps:
+        while self.step < self.rollout_steps and self.stopped_by_guard is None:
             metrics = self.train_step()
             self.step += 1
             self.steps_run += 1
             self._log(metrics)
+            if self.guard is not None and "rollout/reward_mean" in metrics:
+                self.guard.rollout(metrics["rollout/reward_mean"])
             if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
             if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
@@ -138,6 +147,10 @@ class RLController:
                    "train/steps_run": self.steps_run}
         if self.best.step is not None:
             summary.update({"best/step": self.best.step, "best/value": self.best.value})
+        if self.guard is not None and self.guard.fired is not None:
+            summary.update({"guard/reward_hacking": 1.0, "guard/fired_step": self.guard.fired.step})
+            if self.stopped_by_guard is not None:
+                summary["guard/stopped_step"] = self.stopped_by_guard
         trained = [m for m in self.history if "rollout/reward_mean" in m]
         if trained:  # the last step's rollout and training numbers
             summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})
@@ -149,6 +162,27 @@ class RLController:
         self._log(metrics)
         if self.cfg.ckpt.path and self.best.improves(metrics, self.step):
             self.checkpoint_run = checkpoint.save(self, self.cfg.ckpt.path, self.checkpoint_run, best=True)
+        if self.guard is not None:
+            self._guard(metrics)
+
+    def _guard(self, metrics: dict[str, float]) -> None:
+        """The reward-hacking guard on this evaluation: a metric per evaluation, and where it fires
+        first, one warning line and an MLflow tag; with `--eval.stop_on_hacking`, training stops."""
+        first = self.guard.fired is None
+        found = self.guard.evaluated(self.step, metrics)
+        if self.guard.metric not in metrics:
+            return
+        self.tracker.log_metrics({"guard/reward_hacking": float(found is not None)}, step=self.step)
+        if found is None or not first:
+            return
+        message = found.message(self.guard.metric)
+        stop = self.cfg.eval.stop_on_hacking and self.step < self.rollout_steps
+        print(f"rlhf: WARNING {message}" + ("; training stops (--eval.stop_on_hacking)" if stop else
+                                            " (--eval.stop_on_hacking stops training here)"),
+              file=sys.stderr, flush=True)
+        self.tracker.set_tags({"rlhf.reward_hacking": message})
+        if stop:
+            self.stopped_by_guard = self.step
 
     def _trainable(self) -> list:
         return [group for group in (self.actor, self.critic) if group is not None]

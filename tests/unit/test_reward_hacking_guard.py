@@ -1,0 +1,102 @@
+"""The reward-hacking guard (rlhf_core/rl/guard.py): training reward up while the held-out check falls."""
+
+import pytest
+
+from rlhf_core.rl.guard import Evaluation, Hacking, HackingGuard, reward_hacking
+
+
+def evaluations(rewards, metrics, every=2):
+    return [Evaluation(i * every, r, m) for i, (r, m) in enumerate(zip(rewards, metrics, strict=True))]
+
+
+def test_it_fires_only_when_the_reward_rises_and_the_check_falls_by_the_margin():
+    # reward 0.2 -> 0.9 while accuracy 0.60 -> 0.50 over the last 3 evaluations (steps 2..8)
+    found = reward_hacking(evaluations([0.1, 0.2, 0.5, 0.7, 0.9], [0.6, 0.6, 0.58, 0.55, 0.5]), 3, 0.02)
+    assert found == Hacking(since_step=2, step=8, reward_rise=pytest.approx(0.7), metric_drop=pytest.approx(0.1))
+    assert "from step 2 to step 8" in found.message("eval/sampled_accuracy")
+    assert reward_hacking(evaluations([0.2, 0.5, 0.7, 0.9], [0.6, 0.62, 0.65, 0.7]), 3, 0.02) is None  # learning
+    assert reward_hacking(evaluations([0.9, 0.7, 0.5, 0.2], [0.6, 0.58, 0.55, 0.5]), 3, 0.02) is None  # both fall
+    assert reward_hacking(evaluations([0.2, 0.5, 0.7, 0.9], [0.6, 0.6, 0.6, 0.59]), 3, 0.02) is None  # within margin
+    assert reward_hacking(evaluations([0.2, 0.9, 0.9], [0.6, 0.5, 0.4]), 3, 0.02) is None  # window not full
+    assert reward_hacking(evaluations([None, 0.5, 0.7, 0.9], [0.6, 0.55, 0.5, 0.4]), 3, 0.02) is None
+
+
+def test_the_guard_pairs_each_evaluation_with_the_rewards_before_it_and_resumes_its_window():
+    g = HackingGuard("eval/acc", window=2, min_drop=0.05)
+    assert g.evaluated(0, {"eval/acc": 0.8}) is None  # before training: its reward is the first rollout's
+    g.rollout(0.1)
+    g.rollout(0.3)
+    assert g.evaluations[0].reward == 0.1
+    assert g.evaluated(2, {"eval/acc": 0.78}) is None and g.evaluations[1].reward == pytest.approx(0.2)
+    restored = HackingGuard("eval/acc", window=2, min_drop=0.05)
+    restored.load_state_dict(g.state_dict())  # a resumed run keeps the window
+    for guard in (g, restored):
+        guard.rollout(0.6)
+        found = guard.evaluated(4, {"eval/acc": 0.7})
+        assert found == Hacking(0, 4, pytest.approx(0.5), pytest.approx(0.1)) and guard.fired == found
+    assert g.evaluated(6, {"other": 1.0}) is None  # no held-out check in this evaluation: nothing recorded
+    assert len(g.evaluations) == 3
+    g.evaluated(4, {"eval/acc": 0.69})  # the same policy evaluated again (the final evaluation) replaces it
+    assert len(g.evaluations) == 3 and g.evaluations[-1].metric == 0.69 and g.evaluations[-1].reward == 0.6
+
+
+# A reward that rises with every call (the policy "pleases" it more each step), whatever the text.
+RISING_REWARD = """
+from pathlib import Path
+import torch
+
+COUNTER = Path(__file__).with_suffix(".calls")
+
+def reward_func(queries, prompts, labels, **kwargs):
+    calls = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
+    COUNTER.write_text(str(calls))
+    return torch.tensor([0.1 * calls + 0.01 * (len(q) % 3) for q in queries])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_can_stop(prepared, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """The controller's own loop: an evaluation after every step whose held-out accuracy falls 0.1
+    each time (scripted), against a reward that rises every step. The guard fires at step 3 (the
+    window of 3 evaluations after the initial one): a warning line, the MLflow tag and metric; with
+    --eval.stop_on_hacking the run stops there and still saves."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from rlhf_core.cli import main
+    from rlhf_core.rl.controller import RLController
+
+    def falling(self, prefix="eval/"):
+        self.evaluations_made = getattr(self, "evaluations_made", 0) + 1
+        return {f"{prefix}sampled_accuracy": 0.9 - 0.1 * self.evaluations_made}
+
+    monkeypatch.setattr(RLController, "evaluate", falling)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    results = {}
+    for name, extra in (("warn", []), ("stop", ["--eval.stop_on_hacking"])):
+        reward = tmp_path / f"{name}_reward.py"
+        reward.write_text(RISING_REWARD)
+        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
+                     "2", "--rollout_batch_size", "4", "--train_batch_size", "8", "--generate_max_len", "4",
+                     "--param_dtype", "fp32", "--max_steps", "5", "--eval_steps", "1", "--mlflow_experiment", "guard",
+                     "--save_path", str(tmp_path / name), *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err[-3000:]
+        results[name] = (json.loads(out[out.index("{"):]), err)
+    for manifest, err in results.values():
+        metrics = manifest["metrics"]
+        assert metrics["guard/reward_hacking"] == 1.0 and metrics["guard/fired_step"] == 3, metrics
+        assert "rlhf: WARNING reward hacking: from step 0 to step 3 the training reward rose by" in err
+        run = MlflowClient(uri).get_run(manifest["mlflow_run_id"])
+        assert run.data.tags["rlhf.reward_hacking"].startswith("reward hacking: from step 0 to step 3")
+        history = MlflowClient(uri).get_metric_history(run.info.run_id, "guard/reward_hacking")
+        assert [m.value for m in sorted(history, key=lambda m: m.step)][:3] == [0.0, 0.0, 1.0]
+    assert results["warn"][0]["metrics"]["train/steps"] == 5 and "guard/stopped_step" not in results["warn"][0]["metrics"]
+    stopped = results["stop"][0]["metrics"]
+    assert stopped["train/steps"] == 3 and stopped["guard/stopped_step"] == 3
+    assert (tmp_path / "stop" / "model.safetensors").is_file()
