@@ -32,7 +32,7 @@ KEY_METRICS = {
 
 
 def stage_metrics_lines(stage: str, metrics: dict) -> list[str]:
-    lines = []
+    lines = [hacking_line(metrics)] if "guard/fired_step" in metrics else []
     for label, before, after in KEY_METRICS.get(stage, []):
         if after not in metrics:
             continue
@@ -41,6 +41,16 @@ def stage_metrics_lines(stage: str, metrics: dict) -> list[str]:
             text = f"{metrics[before]:.4g} -> {text}"
         lines.append(f"{label}: {text}")
     return lines
+
+
+def hacking_line(metrics: dict) -> str:
+    """The RL stage's reward-hacking guard fired (`rlhf_core/rl/guard.py`): where, by how much."""
+    line = (f"**reward hacking flagged**: from step {metrics['guard/since_step']:.0f} to step "
+            f"{metrics['guard/fired_step']:.0f} the training reward rose by {metrics['guard/reward_rise']:.4g} while "
+            f"the held-out check fell by {metrics['guard/metric_drop']:.4g}")
+    if "guard/stopped_step" in metrics:
+        return line + f"; training stopped at step {metrics['guard/stopped_step']:.0f}"
+    return line + " (`--eval.stop_on_hacking` stops training there)"
 
 
 def publish_eval_report(outcome: StageOutcome, promote_metric: str) -> dict:

@@ -77,6 +77,21 @@ def test_a_distilled_student_is_reported_with_its_size_against_its_teacher():
     assert built.markdown.count("No training curves") == 1  # the student's (no history given here)
 
 
+def test_a_flagged_rl_stage_says_so_in_the_report():
+    metrics = {"guard/reward_hacking": 1.0, "guard/since_step": 0, "guard/fired_step": 12, "guard/reward_rise": 0.8,
+               "guard/metric_drop": 0.15}
+    ppo = StageOutcome("ppo", "ppo", "/m/ppo", "run-p", "k", False, metrics, {})
+    built = reports.build_pipeline_report("parent", {"ppo": ppo}, eval_report(), {}, "sampled_accuracy")
+    assert ("- **reward hacking flagged**: from step 0 to step 12 the training reward rose by 0.8 while the held-out "
+            "check fell by 0.15 (`--eval.stop_on_hacking` stops training there)\n") in built.markdown
+    stopped = StageOutcome("ppo", "ppo", "/m/ppo", "run-p", "k", False, {**metrics, "guard/stopped_step": 12}, {})
+    built = reports.build_pipeline_report("parent", {"ppo": stopped}, eval_report(), {}, "sampled_accuracy")
+    assert "fell by 0.15; training stopped at step 12\n" in built.markdown
+    quiet = StageOutcome("ppo", "ppo", "/m/ppo", "run-p", "k", False, {"train/steps": 4}, {})
+    assert "reward hacking" not in reports.build_pipeline_report("parent", {"ppo": quiet}, eval_report(), {},
+                                                                 "sampled_accuracy").markdown
+
+
 def log_history(client, run_id, series: dict[str, list[tuple[int, float]]]):
     from mlflow.entities import Metric
 
