@@ -430,6 +430,8 @@ write_env_file() {
     echo "export RAY_AUTH_MODE=token"
     echo "export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT"
     echo "export RLHF_JOB_COMMAND=$(printf '%q' "$JOB_COMMAND")"
+    # One machine's Ray: a job's roles of one rank each stay in its driver where that node has no GPU
+    echo "export RLHF_RANKS_ON_RAY=${RLHF_RANKS_ON_RAY:-0}"
     echo "export TORCH_EXTENSIONS_DIR=$(printf '%q' "$TORCH_EXT")"
     if [ -n "${RLHF_ARTIFACT_ROOT:-}" ]; then echo "export RLHF_ARTIFACT_ROOT=$(printf '%q' "$RLHF_ARTIFACT_ROOT")"; fi
     if [ -n "${AWS_ENDPOINT_URL:-}" ]; then echo "export AWS_ENDPOINT_URL=$(printf '%q' "$AWS_ENDPOINT_URL")"; fi

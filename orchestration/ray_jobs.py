@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from rlhf_core.distributed.cluster import check_no_other_checkout_here, forwarded_env
+from rlhf_core.distributed.cluster import RANKS_ON_RAY_ENV, check_no_other_checkout_here, forwarded_env
 from rlhf_core.infra.redaction import redact_text
 from rlhf_core.infra.settings import EXIT_CONFIG, env_number
 
@@ -144,6 +144,8 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = forwarded_env()
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("RLHF_PROGRESS_SECONDS", "30")  # a progress line every 30 s unless the caller set one
+    if not os.environ.get("RAY_ADDRESS"):  # the flow's own local Ray, on this machine: one rank per role
+        env.setdefault(RANKS_ON_RAY_ENV, "0")  # stays in the job's driver (`cluster.ranks_stay_in_driver`)
     # The job's driver and ranks exit once the cluster's GCS has been gone this long, instead of
     # reconnecting while nobody waits for them (Ray would allow 60 s, or what the cluster says).
     env.setdefault(GCS_RECONNECT_ENV, str(max(1, round(unreachable_s()))))

@@ -44,13 +44,14 @@ def stage_metrics_lines(stage: str, metrics: dict) -> list[str]:
 
 
 def hacking_line(metrics: dict) -> str:
-    """The RL stage's reward-hacking guard fired (`rlhf_core/rl/guard.py`): where, by how much."""
-    line = (f"**reward hacking flagged**: from step {metrics['guard/since_step']:.0f} to step "
+    """The RL stage's reward-hacking guard fired (`rlhf_core/rl/guard.py`): where, by how much (plain
+    text: the report's markdown and the terminal summary both print it)."""
+    line = (f"reward hacking flagged: from step {metrics['guard/since_step']:.0f} to step "
             f"{metrics['guard/fired_step']:.0f} the training reward rose by {metrics['guard/reward_rise']:.4g} while "
             f"the held-out check fell by {metrics['guard/metric_drop']:.4g}")
     if "guard/stopped_step" in metrics:
         return line + f"; training stopped at step {metrics['guard/stopped_step']:.0f}"
-    return line + " (`--eval.stop_on_hacking` stops training there)"
+    return line + " (--eval.stop_on_hacking stops training there)"
 
 
 def publish_eval_report(outcome: StageOutcome, promote_metric: str) -> dict:

@@ -595,6 +595,14 @@ class PPOConfig(TrainingStageConfig):
             else:
                 problems.append(f"--data.max_len ({self.data.max_len}) leaves no room to generate after "
                                 f"--data.prompt_max_len ({self.data.prompt_max_len}): give --rollout.max_new_tokens")
+        guard = self.eval
+        if guard.stop_on_hacking:
+            needs = [what for what, missing in (
+                ("the guard on (--eval.hacking_guard_enable)", not guard.hacking_guard_enable),
+                ("evaluations during training (--eval.steps N)", guard.steps <= 0),
+                ("a held-out check (--eval.task, a verifier)", guard.task is None)) if missing]
+            if needs:
+                problems.append(f"--eval.stop_on_hacking needs {' and '.join(needs)}")
         try:
             check_input_template(self.data.input_template, "--data.input_template")
         except ValueError as e:

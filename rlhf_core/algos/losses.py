@@ -433,8 +433,10 @@ def gspo_loss(
     Shapes as `policy_loss`; each row is one sequence. s = exp(clamp(Σ m·(logπ − logπ_old) / max(Σ m, 1),
     −20, 20)), the geometric mean of the row's token ratios, the same for every token of the row;
     L_t = −min(s·A_t, clip(s, 1 − eps_low, 1 + eps_high)·A_t), dual clip as in `policy_loss`.
-    The gradient of a row is (s/|y|)·Σ_t A·∇logπ_t while s is inside the clip range, 0 outside.
-    Reduce with seq-mean-token-mean (OpenRLHF and verl force it). Returns `(loss, clipped)`.
+    ∇s = (s/|y|)·Σ_t ∇logπ_t, so a row's summed loss has gradient −(s/|y|)·(Σ_t A_t)·Σ_t ∇logπ_t,
+    and 0 where PPO's clip binds (A > 0 above 1 + eps_high, A < 0 below 1 − eps_low; per token,
+    as A_t may differ along the row). Reduce with seq-mean-token-mean (OpenRLHF and verl force it).
+    Returns `(loss, clipped)`.
     """
     mask_f = _f32(torch.as_tensor(mask)).to(logprobs.device)
     lengths = mask_f.sum(-1, keepdim=True).clamp(min=1.0)

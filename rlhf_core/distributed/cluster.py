@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from rlhf_core.infra.settings import ConfigError, state_dir
@@ -24,7 +25,9 @@ FORWARDED_ENV += ("RLHF_STORE_CHECK_S", "RLHF_STORE_WAIT_S", "RLHF_METRICS_BUFFE
 # its own on the ranks: a rank's node has its own state directory (where `ray start` ran, or what
 # the job's environment says), so no rank depends on a folder of the driver's machine.
 NODE_LOCAL_ENV = ("RLHF_HOME", "TORCH_EXTENSIONS_DIR")
-# "1": a job on a one-node CPU cluster still puts a single rank in a Ray actor (`ranks_stay_in_driver`)
+# "0": a job whose roles have one rank each keeps them in its driver on a one-node CPU cluster
+# (`ranks_stay_in_driver`); "1", or unset on a cluster of RAY_ADDRESS: Ray actors. A flow sets "0"
+# for the local Ray it starts (`orchestration/ray_jobs.job_env`), as deployments/stack.sh does.
 RANKS_ON_RAY_ENV = "RLHF_RANKS_ON_RAY"
 FORWARDED_ENV += (RANKS_ON_RAY_ENV,)
 
@@ -84,17 +87,30 @@ def ensure_ray() -> bool:
     return True
 
 
-def ranks_stay_in_driver(max_ranks: int, pinned: bool = False) -> bool:
-    """Joined to a cluster (`RAY_ADDRESS`): whether this driver runs its roles of `max_ranks` ranks
-    each in its own process (`resources.ranks_in_driver`: one rank each, one node, no GPUs), as
-    `rlhf train` does with no cluster at all. Connects (`ensure_ray`) and stays connected, so the
-    driver still exits when the cluster goes (Ray's GCS reconnect bound). `pinned`: a role names
-    custom Ray resources, which only actors can take."""
+def ranks_stay_in_driver(max_ranks: int, pinned: bool = False, what: str = "it trains") -> bool:
+    """Joined to a cluster (`RAY_ADDRESS`) with `RLHF_RANKS_ON_RAY=0`: whether this driver runs its
+    roles of `max_ranks` ranks each in the driver's own process (`resources.ranks_in_driver`: one
+    rank each, one CPU node, the driver's), as `rlhf train` does with no cluster at all; says so
+    in one line. Connects (`ensure_ray`) and stays connected, so the driver still exits when the
+    cluster goes (Ray's GCS reconnect bound). `pinned`: a role names custom Ray resources, which
+    only actors can take. Unset or "1": actors (a cluster of RAY_ADDRESS may scale up, or be
+    reached through Ray Client from another machine: only its owner knows)."""
+    value = os.environ.get(RANKS_ON_RAY_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"{RANKS_ON_RAY_ENV}={value!r}: give 0 (one rank per role stays in the job's driver on a "
+                          "one-node CPU cluster) or 1 (Ray actors)")
+    if value == "1" or pinned or max_ranks > 1:
+        return False
     import ray
 
     from rlhf_core.distributed.resources import cluster_devices, ranks_in_driver
 
     ensure_ray()
-    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-    asked = pinned or os.environ.get(RANKS_ON_RAY_ENV) == "1"
-    return ranks_in_driver(max_ranks, alive, cluster_devices(ray.cluster_resources()), asked)
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    here = ray.get_runtime_context().get_node_id()
+    stays = ranks_in_driver(max_ranks, len(alive), cluster_devices(ray.cluster_resources()),
+                            any(node.get("NodeID") == here for node in alive))
+    if stays:
+        print(f"rlhf: one rank per role on a one-node CPU cluster: {what} in the job's driver ({RANKS_ON_RAY_ENV}=1 "
+              "for Ray actors)", file=sys.stderr, flush=True)
+    return stays

@@ -55,13 +55,14 @@ def cluster_devices(resources: Mapping[str, float], available: Mapping[str, floa
     return ClusterDevices(use_gpu=gpus >= 1, gpus=gpus, cpus=cpus)
 
 
-def ranks_in_driver(max_ranks: int, alive_nodes: int, devices: ClusterDevices, actors_asked: bool) -> bool:
-    """Pure: whether a job's driver holds its ranks itself instead of starting a Ray actor per rank,
-    on the cluster it joined: every role has one rank, the cluster is one node without GPUs (an
-    actor would run on the same CPUs of the same machine, only in another process that imports
-    torch and loads the models again: seconds per stage), and no one asked for actors
-    (`actors_asked`: `RLHF_RANKS_ON_RAY=1`, or a role pinned to nodes by custom resources)."""
-    return max_ranks == 1 and alive_nodes == 1 and not devices.use_gpu and not actors_asked
+def ranks_in_driver(max_ranks: int, alive_nodes: int, devices: ClusterDevices, driver_on_the_node: bool) -> bool:
+    """Pure: whether a job's driver may hold its ranks itself instead of starting a Ray actor per
+    rank: every role has one rank, and the cluster is one node with CPUs and no GPUs, the node the
+    driver runs on (an actor would run on the same CPUs of the same machine, only in another
+    process that imports torch and loads the models again: seconds per stage). `devices`: from the
+    cluster's totals."""
+    return (max_ranks == 1 and alive_nodes == 1 and not devices.use_gpu and devices.cpus > 0
+            and driver_on_the_node)
 
 
 RELEASE_WAIT_S = 15.0  # how long a driver waits for CPUs a finished job is still handing back

@@ -110,8 +110,11 @@ class RLController:
         self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
         self.best = checkpoint.BestMetric(cfg.ckpt.best_metric_key)  # the best evaluation's checkpoint
         self.history: list[dict] = []
-        # The reward-hacking guard watches the metric the best checkpoint is chosen by (`rl/guard.py`).
-        watched = cfg.ckpt.best_metric_key if cfg.ckpt.best_metric_key not in ("", "none") else checkpoint.BestMetric.AUTO
+        # The reward-hacking guard watches a held-out accuracy (`rl/guard.py`): the one the best checkpoint
+        # is chosen by where it is one, else the sampled accuracy (a held-out reward would be the
+        # training reward's own judge).
+        key = cfg.ckpt.best_metric_key
+        watched = key if key.endswith("_accuracy") else checkpoint.BestMetric.AUTO
         self.guard = guard.HackingGuard(watched, cfg.eval.hacking_window, cfg.eval.hacking_min_drop) \
             if cfg.eval.hacking_guard_enable else None
         self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
@@ -129,6 +132,7 @@ class RLController:
         if initial and self.guard is not None:
             self.guard.evaluated(0, {k.replace("eval_initial/", "eval/", 1): v for k, v in initial.items()})
         heap.settle()  # the model, optimizer and data are built: later collector passes skip them
+        evaluated = None
         while self.step < self.rollout_steps and self.stopped_by_guard is None:
             metrics = self.train_step()
             self.step += 1
@@ -136,13 +140,19 @@ class RLController:
             self._log(metrics)
             if self.guard is not None and "rollout/reward_mean" in metrics:
                 self.guard.rollout(metrics["rollout/reward_mean"])
-            if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
-                self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
+            evaluated = None
             if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
                     and self.step < self.rollout_steps:
-                self._evaluated(self.evaluate())
-        final = self.evaluate()
-        self._evaluated(final)
+                evaluated = self.evaluate()
+                self._evaluated(evaluated)
+            # after the evaluation: the checkpoint holds what it changed (the best, the guard's window)
+            if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
+                self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
+        if self.stopped_by_guard is not None and evaluated is not None:
+            final = evaluated  # this policy was just evaluated: the guard stopped training there
+        else:
+            final = self.evaluate()
+            self._evaluated(final)
         summary = {**initial, **final, "train/steps": self.step, "train/start_step": start,
                    "train/steps_run": self.steps_run}
         if self.best.step is not None:

@@ -87,11 +87,11 @@ class HackingGuard:
         return found
 
     def state_dict(self) -> dict:
-        return {"evaluations": [asdict(e) for e in self.evaluations], "rewards": list(self.rewards),
-                "fired": None if self.fired is None else asdict(self.fired)}
+        return {"metric": self.metric, "evaluations": [asdict(e) for e in self.evaluations],
+                "rewards": list(self.rewards), "fired": None if self.fired is None else asdict(self.fired)}
 
     def load_state_dict(self, state: dict | None) -> None:
-        if not state:
+        if not state or state.get("metric") != self.metric:  # a resume watching another metric starts afresh
             return
         self.evaluations = [Evaluation(**e) for e in state["evaluations"]]
         self.rewards = list(state["rewards"])

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.algos.losses import (
+    RATIO_LOG_CLAMP,
     aggregate_loss,
     entropy_from_logits,
     gather_token_logprobs,
@@ -391,7 +392,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
                 stats["is_dropped_tokens"] = ((weights == 0) * mask).sum()
             stats.update({"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),
                           "clip_tokens": (clipped * mask).sum(), "tokens": mask.sum(),
-                          "ratio_sum": (torch.exp((logprobs - old).clamp(-20, 20)) * mask).sum().detach()})
+                          "ratio_sum": (torch.exp((logprobs - old).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
+                                        * mask).sum().detach()})
             if algo.kl.use_loss:
                 ref = stack([s.ref_logprobs for s in chunk], width).to(self.device)
                 kl = kl_penalty(logprobs, ref, algo.kl.estimator)

@@ -37,9 +37,8 @@ class StageFailed(RuntimeError):
 
 def trains_in_process(cfg: TrainConfig) -> bool:
     """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank,
-    sparing a local Ray started for one actor. Several ranks run as a worker group; so does one rank
-    of a stage a pipeline submits as a Ray job (Ray sets `RAY_ADDRESS`) unless the cluster is one
-    CPU node (`cluster.ranks_stay_in_driver`: then the job's driver trains)."""
+    sparing a local Ray started for one actor, which is never started. (Joined to a cluster, one
+    rank may still train in the driver: `run_stage` asks `cluster.ranks_stay_in_driver`.)"""
     return cfg.world_size == 1 and not os.environ.get("RAY_ADDRESS")
 
 
@@ -65,8 +64,6 @@ def run_stage(cfg: TrainConfig) -> dict:
     group = None
     try:
         if ranks_stay_in_driver(cfg.world_size):
-            print("rlhf: one rank on a one-node CPU cluster: it trains in the job's driver (RLHF_RANKS_ON_RAY=1 for "
-                  "a Ray actor)", file=sys.stderr, flush=True)
             return _train_here(cfg, data)
         # The checked data goes to the object store once; the driver keeps only the reference.
         shared, data = share_data(data), None

@@ -86,8 +86,8 @@ def build_reward_fn(cfg):
 
 def runs_on_ray(cfg) -> bool:
     """Roles as Ray role groups when a role has several ranks (a ring's too), vLLM engines are
-    asked for, or the cluster joined (`RAY_ADDRESS`, as in a pipeline's Ray job) has several nodes
-    or GPUs (`cluster.ranks_stay_in_driver`); otherwise every role is in this process (one CPU rank
+    asked for, or a cluster is joined (`RAY_ADDRESS`, as in a pipeline's Ray job) unless its one CPU
+    node may hold them (`cluster.ranks_stay_in_driver`, `RLHF_RANKS_ON_RAY=0`); otherwise every role is in this process (one CPU rank
     needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
     roles = [cfg.actor, cfg.critic, cfg.ref, cfg.reward]
     ranks = max(role.world_size for role in roles)
@@ -97,7 +97,7 @@ def runs_on_ray(cfg) -> bool:
         return False
     from rlhf_core.distributed.cluster import ranks_stay_in_driver
 
-    return not ranks_stay_in_driver(ranks, pinned=any(role.resources for role in roles))
+    return not ranks_stay_in_driver(ranks, pinned=any(role.resources for role in roles), what="every role runs")
 
 
 @dataclass
@@ -260,7 +260,6 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
                          f"(--rollout.batch_size {cfg.rollout.batch_size})")
     steps = rollout_steps(cfg, len(prompt_ids))
     optimizer_steps = total_optimizer_steps(steps, cfg)
-    on_ray = runs_on_ray(cfg) if on_ray is None else on_ray
 
     precision = precision_of(cfg.ds).value
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage, cfg.mlflow_parent_run_id,
@@ -278,15 +277,14 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         reward_paths = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
         specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps)
+        if on_ray is None:
+            on_ray = runs_on_ray(cfg)  # may connect to the cluster: inside, so a failure closes the run as FAILED
         if on_ray:
             from rlhf_core.distributed.cluster import ensure_ray
 
             started_ray = ensure_ray()
             roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
-            if os.environ.get("RAY_ADDRESS"):
-                print("rlhf: one rank per role on a one-node CPU cluster: every role runs in the job's driver "
-                      "(RLHF_RANKS_ON_RAY=1 for Ray actors)", file=sys.stderr, flush=True)
             roles = local_roles(cfg, specs, actor_path)
         if cfg.reward.placeholder_token is not None:
             rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,

@@ -12,7 +12,7 @@
 - a weight sync to an engine that hangs or dies fails with `EngineSyncError` naming the engine.
 
 `RAY_ADDRESS` is set as in a pipeline's Ray job, and `RLHF_RANKS_ON_RAY=1`, so `rlhf train ppo`
-puts every role on Ray (one rank per role on a one-node CPU cluster otherwise stays in the driver).
+puts every role on Ray (with 0, one rank per role on this one-node CPU cluster stays in the driver).
 """
 
 import json
@@ -94,13 +94,13 @@ PPO = ("--advantage_estimator", "gae", "--init_kl_coef", "0.05", "--max_epochs",
 
 
 def test_colocated_and_separate_roles_make_the_same_first_step(cluster, prepared, tmp_path, capsys, monkeypatch):
-    """Also in the driver: what a pipeline's job does on a one-node CPU cluster without RLHF_RANKS_ON_RAY."""
+    """Also in the driver: what a pipeline's job does on its flow's local Ray (RLHF_RANKS_ON_RAY=0)."""
     runs, errs = {}, {}
     variants = (("separate", ()), ("colocated", ("--colocate_all_models",)), ("ring", ("--ring_attn_size", "2")),
                 ("driver", ()))
     for name, extra in variants:
-        if name == "driver":
-            monkeypatch.delenv("RLHF_RANKS_ON_RAY")
+        if name == "driver":  # as a pipeline's job on the local Ray its flow started
+            monkeypatch.setenv("RLHF_RANKS_ON_RAY", "0")
         code, manifest, errs[name] = ppo(prepared, tmp_path, name, *PPO, "--max_steps", "1", *extra, capsys=capsys)
         assert code == 0, errs[name][-3000:]
         assert ("RL roles on Ray" in errs[name]) == (name != "driver"), errs[name][-3000:]

@@ -70,6 +70,20 @@ def test_a_cluster_of_its_own_gets_no_path_of_this_machine(monkeypatch):
     assert env["AWS_ENDPOINT_URL"] == "http://s3:9000"
 
 
+def test_the_jobs_on_a_flows_own_local_ray_may_keep_one_rank_per_role_in_their_driver(monkeypatch):
+    """`RLHF_RANKS_ON_RAY=0` for the local Ray a flow starts (one machine); a cluster of RAY_ADDRESS
+    keeps Ray actors unless its user says otherwise; a user's value travels as given."""
+    monkeypatch.delenv("RLHF_RANKS_ON_RAY", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert job_env()["RLHF_RANKS_ON_RAY"] == "0"
+    monkeypatch.setenv("RLHF_RANKS_ON_RAY", "1")
+    assert job_env()["RLHF_RANKS_ON_RAY"] == "1"
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert job_env()["RLHF_RANKS_ON_RAY"] == "1"
+    monkeypatch.delenv("RLHF_RANKS_ON_RAY")
+    assert "RLHF_RANKS_ON_RAY" not in job_env()
+
+
 class FakeJobs:
     """An in-memory Jobs API: the job's log grows by one chunk per poll, then it ends."""
 

@@ -82,8 +82,8 @@ def test_a_flagged_rl_stage_says_so_in_the_report():
                "guard/metric_drop": 0.15}
     ppo = StageOutcome("ppo", "ppo", "/m/ppo", "run-p", "k", False, metrics, {})
     built = reports.build_pipeline_report("parent", {"ppo": ppo}, eval_report(), {}, "sampled_accuracy")
-    assert ("- **reward hacking flagged**: from step 0 to step 12 the training reward rose by 0.8 while the held-out "
-            "check fell by 0.15 (`--eval.stop_on_hacking` stops training there)\n") in built.markdown
+    assert ("- reward hacking flagged: from step 0 to step 12 the training reward rose by 0.8 while the held-out "
+            "check fell by 0.15 (--eval.stop_on_hacking stops training there)\n") in built.markdown
     stopped = StageOutcome("ppo", "ppo", "/m/ppo", "run-p", "k", False, {**metrics, "guard/stopped_step": 12}, {})
     built = reports.build_pipeline_report("parent", {"ppo": stopped}, eval_report(), {}, "sampled_accuracy")
     assert "fell by 0.15; training stopped at step 12\n" in built.markdown

@@ -33,12 +33,29 @@ def test_devices_come_from_the_cluster_not_the_driver():
     assert not cluster_devices({"CPU": 4.0, "GPU": 0.5}).use_gpu  # no whole GPU for a rank
 
 
-def test_a_driver_holds_one_rank_per_role_only_on_one_cpu_node_when_no_actors_are_asked_for():
-    assert ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), actors_asked=False)
-    assert not ranks_in_driver(2, alive_nodes=1, devices=cpu_cluster(), actors_asked=False)  # a worker group
-    assert not ranks_in_driver(1, alive_nodes=2, devices=cpu_cluster(), actors_asked=False)  # ranks may go elsewhere
-    assert not ranks_in_driver(1, alive_nodes=1, devices=gpu_cluster(1), actors_asked=False)  # a rank takes a GPU
-    assert not ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), actors_asked=True)  # RLHF_RANKS_ON_RAY=1
+def test_a_driver_holds_one_rank_per_role_only_on_the_one_cpu_node_it_runs_on():
+    assert ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), driver_on_the_node=True)
+    assert not ranks_in_driver(2, alive_nodes=1, devices=cpu_cluster(), driver_on_the_node=True)  # a worker group
+    assert not ranks_in_driver(1, alive_nodes=2, devices=cpu_cluster(), driver_on_the_node=True)  # ranks go elsewhere
+    assert not ranks_in_driver(1, alive_nodes=1, devices=gpu_cluster(1), driver_on_the_node=True)  # a rank takes a GPU
+    assert not ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(0), driver_on_the_node=True)  # a head of 0 CPUs
+    assert not ranks_in_driver(1, alive_nodes=1, devices=cpu_cluster(), driver_on_the_node=False)  # Ray Client
+
+
+def test_ranks_on_ray_takes_0_or_1_and_1_or_unset_never_connects(monkeypatch):
+    from rlhf_core.distributed import cluster
+    from rlhf_core.infra.settings import ConfigError
+
+    monkeypatch.setattr(cluster, "ensure_ray", lambda: pytest.fail("connected to ask the cluster's shape"))
+    monkeypatch.delenv("RLHF_RANKS_ON_RAY", raising=False)
+    assert not cluster.ranks_stay_in_driver(1)  # a cluster of RAY_ADDRESS: actors, unless told
+    monkeypatch.setenv("RLHF_RANKS_ON_RAY", "1")
+    assert not cluster.ranks_stay_in_driver(1)
+    monkeypatch.setenv("RLHF_RANKS_ON_RAY", "0")
+    assert not cluster.ranks_stay_in_driver(2) and not cluster.ranks_stay_in_driver(1, pinned=True)
+    monkeypatch.setenv("RLHF_RANKS_ON_RAY", "true")
+    with pytest.raises(ConfigError, match="RLHF_RANKS_ON_RAY='true': give 0"):
+        cluster.ranks_stay_in_driver(1)
 
 
 def test_openrlhf_colocation_flags_as_groups():

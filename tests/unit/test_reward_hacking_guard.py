@@ -1,5 +1,7 @@
 """The reward-hacking guard (rlhf_core/rl/guard.py): training reward up while the held-out check falls."""
 
+import re
+
 import pytest
 
 from rlhf_core.rl.guard import Evaluation, Hacking, HackingGuard, reward_hacking
@@ -83,7 +85,8 @@ def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
                      "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
                      "2", "--rollout_batch_size", "4", "--train_batch_size", "8", "--generate_max_len", "4",
-                     "--param_dtype", "fp32", "--max_steps", "5", "--eval_steps", "1", "--mlflow_experiment", "guard",
+                     "--param_dtype", "fp32", "--max_steps", "5", "--eval_steps", "1", "--eval.task", "addition",
+                     "--mlflow_experiment", "guard",
                      "--save_path", str(tmp_path / name), *extra])
         out, err = capsys.readouterr()
         assert code == 0, err[-3000:]
@@ -100,3 +103,26 @@ def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_
     stopped = results["stop"][0]["metrics"]
     assert stopped["train/steps"] == 3 and stopped["guard/stopped_step"] == 3
     assert (tmp_path / "stop" / "model.safetensors").is_file()
+    # the policy the guard stopped at was evaluated once, not again as the final evaluation
+    assert "[rl step 3] eval/sampled_accuracy=0.5000" in results["stop"][1]
+    assert "eval/sampled_accuracy=0.4000" not in results["stop"][1]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--eval.hacking_guard_enable", "false"], "the guard on (--eval.hacking_guard_enable)"),
+    (["--eval.steps", "-1"], "evaluations during training (--eval.steps N)"),
+])
+def test_stopping_on_hacking_needs_the_guard_and_evaluations(flags, named):
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.rl_config import build_ppo_config
+
+    base = {"actor.model_name_or_path": "m", "reward.task": "addition", "data.prompt_dataset": "json@d",
+            "ckpt.output_dir": "o", "eval.stop_on_hacking": True, "eval.steps": 2}
+    build_ppo_config(base, {})  # a verifier (the task's) and evaluations every 2 steps: accepted
+    values = dict(base)
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        values[flag.removeprefix("--")] = value
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        build_ppo_config(values, {})
+    with pytest.raises(ConfigError, match=re.escape("a held-out check (--eval.task, a verifier)")):
+        build_ppo_config({**base, "reward.task": None, "reward.remote_url": "r.py"}, {})
