@@ -138,7 +138,7 @@ class FakeKL:
 
 
 def controller(step: int, roles=None):
-    return SimpleNamespace(step=step, actor=roles, critic=None, prompts=SimpleNamespace(position=step * 4),
+    return SimpleNamespace(step=step, actor=roles, critic=None, guard=None, prompts=SimpleNamespace(position=step * 4),
                            kl=FakeKL(), best=BestMetric(""),
                            cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
