@@ -16,6 +16,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.infra import storage
 from rlhf_core.infra.settings import state_dir
 from rlhf_core.rl.checkpoint import BestMetric
+from rlhf_core.rl.guard import HackingGuard
 from rlhf_core.trainers.loop import TrainLoop
 from tests.integration.simulated_cluster import staged_leftovers
 
@@ -172,14 +173,17 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
     def controller(role):
         return SimpleNamespace(actor=LocalRoleGroup(role, "actor"), critic=None, step=0,
                                prompts=SimpleNamespace(position=0), kl=KL(0.01), resume={}, best=BestMetric(""),
+                               guard=HackingGuard("eval/sampled_accuracy", 3, 0.02),
                                cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
     ckpt = "s3://models/ckpt/ppo"
     role = Role()
     writer = controller(role)
     run = None
+    writer.guard.evaluated(0, {"eval/sampled_accuracy": 0.6})
     for step in (1, 2):
         role.weights = torch.full((3,), float(step))
+        writer.guard.rollout(0.1 * step)
         writer.step, writer.prompts.position, writer.kl.coef = step, 8 * step, 0.01 * step
         run = checkpoint.save(writer, ckpt, run)
     assert listing(ckpt) == ["global_step2/actor/weights.pt", "global_step2/controller.pt", "latest",
@@ -190,6 +194,8 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
     assert reader.step == 2 and reader.prompts.position == 16 and reader.kl.coef == pytest.approx(0.02)
     assert torch.equal(reader.actor.worker.weights, torch.full((3,), 2.0))
     assert reader.resume["checkpoint"] == f"{ckpt}/global_step2"
+    assert reader.guard.state_dict() == writer.guard.state_dict()  # the reward-hacking guard's window
+    assert reader.guard.evaluations[0].reward == 0.1 and reader.guard.rewards == [0.1, 0.2]
 
 
 def test_a_retried_stage_claims_its_s3_checkpoint_folder_under_its_own_key(s3_endpoint):
