@@ -159,8 +159,9 @@ class RLController:
             summary.update({"best/step": self.best.step, "best/value": self.best.value})
         if self.guard is not None and self.guard.fired is not None:
             fired = self.guard.fired
-            summary.update({"guard/reward_hacking": 1.0, "guard/fired_step": fired.step, "guard/since_step": fired.since_step,
-                            "guard/reward_rise": fired.reward_rise, "guard/metric_drop": fired.metric_drop})
+            summary.update({"guard/reward_hacking": 1.0, "guard/fired_step": fired.step,
+                            "guard/since_step": fired.since_step, "guard/reward_rise": fired.reward_rise,
+                            "guard/metric_drop": fired.metric_drop})
             if self.stopped_by_guard is not None:
                 summary["guard/stopped_step"] = self.stopped_by_guard
         trained = [m for m in self.history if "rollout/reward_mean" in m]

@@ -76,11 +76,7 @@ class HackingGuard:
             return None
         reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
         self.rewards = []
-        if self.evaluations and self.evaluations[-1].step == step:  # the same policy evaluated again
-            kept = self.evaluations[-1].reward if reward is None else reward
-            self.evaluations[-1] = Evaluation(step, kept, metrics[self.metric])
-        else:
-            self.evaluations.append(Evaluation(step, reward, metrics[self.metric]))
+        self.evaluations.append(Evaluation(step, reward, metrics[self.metric]))
         found = reward_hacking(self.evaluations, self.window, self.min_drop)
         if found is not None and self.fired is None:
             self.fired = found

@@ -377,16 +377,15 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             if bool(on_policy.any()):
                 old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
-            stats = {}
+            stats, behaviour = {}, old
             if correction.is_correction_enable:  # the engine's log-probs: its sampling distribution
-                rollout = stack([s.rollout_logprobs for s in chunk], width).to(self.device)
-                stats["engine_gap_tokens"] = ((rollout - old) * mask).sum()  # OpenRLHF's vllm_kl
-            if correction.is_correction_enable and sequence_ratio:  # GSPO: its ratio against the engine's
-                loss, clipped = surrogate(logprobs, rollout, advantages, mask)
-            else:
-                loss, clipped = surrogate(logprobs, old, advantages, mask)
+                engine_lp = stack([s.rollout_logprobs for s in chunk], width).to(self.device)
+                stats["engine_gap_tokens"] = ((engine_lp - old) * mask).sum()  # OpenRLHF's vllm_kl
+                if sequence_ratio:  # GSPO: its sequence ratio against the engine's log-probs, no weights
+                    behaviour = engine_lp
+            loss, clipped = surrogate(logprobs, behaviour, advantages, mask)
             if correction.is_correction_enable and not sequence_ratio:
-                weights = is_correction_weights(old, rollout, mask, correction.is_correction_type, *bounds)
+                weights = is_correction_weights(old, engine_lp, mask, correction.is_correction_type, *bounds)
                 loss = loss * weights
                 stats["is_weight_tokens"] = (weights * mask).sum()
                 stats["is_dropped_tokens"] = ((weights == 0) * mask).sum()

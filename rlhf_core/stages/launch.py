@@ -36,9 +36,9 @@ class StageFailed(RuntimeError):
 
 
 def trains_in_process(cfg: TrainConfig) -> bool:
-    """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank,
-    sparing a local Ray started for one actor, which is never started. (Joined to a cluster, one
-    rank may still train in the driver: `run_stage` asks `cluster.ranks_stay_in_driver`.)"""
+    """One rank and no cluster to join (`RAY_ADDRESS` unset): the CLI's own process is the rank and
+    no local Ray is started. (Joined to a cluster, one rank may still train in the driver:
+    `run_stage` asks `cluster.ranks_stay_in_driver`.)"""
     return cfg.world_size == 1 and not os.environ.get("RAY_ADDRESS")
 
 

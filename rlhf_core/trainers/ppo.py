@@ -6,10 +6,11 @@ MLflow run) and saves the actor as the stage output, a plain `transformers` caus
 other trainers'. Roles: always the actor; a critic for `gae`; a reference with a KL term; reward
 models when they give the reward.
 
-Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join (or one of a
-single CPU node), in this process, with a transformers engine holding its own copy of the policy.
-Otherwise each role is a Ray worker group placed by the colocation flags (`rl/ray_roles.py`) and the engines are Ray actors
-(`rl/engines.py`: vLLM with `--vllm.num_engines`, else one transformers engine). Either way the
+Where the roles run (`runs_on_ray`): with one rank per role and no cluster to join (or, with
+`RLHF_RANKS_ON_RAY=0`, a cluster of one CPU node), in this process, with a transformers engine
+holding its own copy of the policy. Otherwise each role is a Ray worker group placed by the
+colocation flags (`rl/ray_roles.py`) and the engines are Ray actors (`rl/engines.py`: vLLM with
+`--vllm.num_engines`, else one transformers engine). Either way the
 controller and the saved model are the same.
 """
 
@@ -86,9 +87,10 @@ def build_reward_fn(cfg):
 
 def runs_on_ray(cfg) -> bool:
     """Roles as Ray role groups when a role has several ranks (a ring's too), vLLM engines are
-    asked for, or a cluster is joined (`RAY_ADDRESS`, as in a pipeline's Ray job) unless its one CPU
-    node may hold them (`cluster.ranks_stay_in_driver`, `RLHF_RANKS_ON_RAY=0`); otherwise every role is in this process (one CPU rank
-    needs no Ray actor, as a single `deepspeed` process needs no launcher)."""
+    asked for, or a cluster is joined (`RAY_ADDRESS`, as in a pipeline's Ray job) unless its one
+    CPU node may hold them (`cluster.ranks_stay_in_driver`, `RLHF_RANKS_ON_RAY=0`); otherwise every
+    role is in this process (one CPU rank needs no Ray actor, as one `deepspeed` process needs no
+    launcher)."""
     roles = [cfg.actor, cfg.critic, cfg.ref, cfg.reward]
     ranks = max(role.world_size for role in roles)
     if cfg.vllm.num_engines > 0 or ranks > 1:

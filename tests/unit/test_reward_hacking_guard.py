@@ -38,8 +38,6 @@ def test_the_guard_pairs_each_evaluation_with_the_rewards_before_it_and_resumes_
         assert found == Hacking(0, 4, pytest.approx(0.5), pytest.approx(0.1)) and guard.fired == found
     assert g.evaluated(6, {"other": 1.0}) is None  # no held-out check in this evaluation: nothing recorded
     assert len(g.evaluations) == 3
-    g.evaluated(4, {"eval/acc": 0.69})  # the same policy evaluated again (the final evaluation) replaces it
-    assert len(g.evaluations) == 3 and g.evaluations[-1].metric == 0.69 and g.evaluations[-1].reward == 0.6
 
 
 # A reward that rises with every call (the policy "pleases" it more each step), whatever the text.

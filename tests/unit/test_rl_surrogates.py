@@ -49,7 +49,7 @@ def test_the_engine_mismatch_correction_weights_the_update(prepared, tmp_path, c
     """`--enable_vllm_is_correction`: the engine's log-probs are made 1 nat above the trainer's
     (w = e^-1 for every token). icepop drops every token out of [0.5, 5]: the policy does not move;
     tis clamps w to 0.5; both log the gap (`train/vllm_kl`, OpenRLHF's name) and the weights. Off,
-    the same run trains."""
+    the same run trains. GSPO takes its sequence ratio against the engine's log-probs instead."""
     import json
 
     from safetensors.torch import load_file
@@ -65,7 +65,9 @@ def test_the_engine_mismatch_correction_weights_the_update(prepared, tmp_path, c
     reward.write_text(REWARD_FILE)
     weights, metrics = {}, {}
     for name, flags in (("off", []), ("icepop", ["--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"]),
-                        ("tis", ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"])):
+                        ("tis", ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]),
+                        ("gspo", ["--policy_loss_type", "gspo"]),
+                        ("gspo corrected", ["--policy_loss_type", "gspo", "--enable_vllm_is_correction"])):
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
                      "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
                      "4", "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "16",
@@ -84,3 +86,8 @@ def test_the_engine_mismatch_correction_weights_the_update(prepared, tmp_path, c
     for name in ("icepop", "tis"):
         assert metrics[name]["train/vllm_kl"] == pytest.approx(1.0, abs=1e-4)
     assert "train/is_weight" not in metrics["off"]
+    # GSPO takes its sequence ratio against the engine's log-probs instead (e^-1 per sequence): no weights
+    assert metrics["gspo corrected"]["train/vllm_kl"] == pytest.approx(1.0, abs=1e-4)
+    assert "train/is_weight" not in metrics["gspo corrected"]
+    gap = max((weights["gspo"][k] - weights["gspo corrected"][k]).abs().max().item() for k in base)
+    assert gap > 1e-6, "the correction left GSPO's update as it was"
