@@ -322,6 +322,12 @@ class TrainSection(TrainLoopConfig):
                                     "models where it trains them", json_schema_extra=flat(
                                         "actor_init_on_gpu", noop="each rank builds its models on its own device",
                                         **NOT_SEMANTIC))
+    async_enable: bool = Field(False, description="Sample the next rollout batches while the actor trains on the "
+                               "current one: each batch is sampled by the policy train.async_queue_size updates "
+                               "before the one that trains on it (docs/flags.md)", json_schema_extra=flat("async_train"))
+    async_queue_size: int = Field(1, ge=1, description="With train.async_enable: the rollout batches sampled ahead "
+                                  "of training, and so the policy updates between a batch's sampling and its "
+                                  "training", json_schema_extra=flat("async_queue_size"))
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "
@@ -525,6 +531,9 @@ class PPOConfig(TrainingStageConfig):
             problems.append("--algo.advantage.is_correction_type seq-mask-tis with --ds.ring_attn_size: a ring splits "
                             "each sequence's tokens over its ranks, and the sequence's mean weight needs them all; "
                             "not built")
+        if train.async_enable and self.vllm.enable_sleep:  # as OpenRLHF refuses it
+            problems.append("--train.async_enable (--async_train) with --vllm.enable_sleep (--vllm_enable_sleep): the "
+                            "engines sample while the actor trains, so they never sleep")
         if actor.dual_clip is not None and loss_type in (PolicyLossType.CISPO, PolicyLossType.SAPO):
             problems.append(f"--actor.dual_clip (--dual_clip) bounds PPO's and GSPO's clipped surrogate; "
                             f"--actor.policy_loss_type {loss_type} has none")
@@ -670,10 +679,11 @@ class PPOConfig(TrainingStageConfig):
         if tp > 1 and not vllm.num_engines:
             problems.append(f"--vllm.tensor_parallel_size {tp} needs --vllm.num_engines > 0 (it sets the GPUs of each "
                             "vLLM engine; the transformers engine has no tensor parallelism)")
-        if train.colocate_all and vllm.num_engines and actor.world_size != vllm.num_engines * tp:
+        engines_colocated = train.colocate_all and not train.async_enable  # async: the DeepSpeed models only
+        if engines_colocated and vllm.num_engines and actor.world_size != vllm.num_engines * tp:
             problems.append(f"--train.colocate_all: actor ranks ({actor.world_size}) must equal --vllm.num_engines x "
                             f"--vllm.tensor_parallel_size ({vllm.num_engines} x {tp})")
-        elif train.colocate_all and vllm.num_engines and actor.num_gpus_per_node % tp:
+        elif engines_colocated and vllm.num_engines and actor.num_gpus_per_node % tp:
             problems.append(f"--train.colocate_all: --actor.num_gpus_per_node ({actor.num_gpus_per_node}) must be a "
                             f"multiple of --vllm.tensor_parallel_size ({tp}), so that each engine's GPUs are on one node")
         if rollout.backend == RolloutBackend.VLLM and not vllm.num_engines:
@@ -724,8 +734,9 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("asynchronous RL comes with the frontier-RL work", "async_train", "train.async_enable",
-                "async_queue_size", "train.async_queue_size", "partial_rollout", "train.partial_rollout_enable"),
+    **_deferred("partial rollouts (a generation interrupted by a weight sync and continued with the new weights) "
+                "come with the frontier-RL work; --train.async_enable samples whole batches ahead", "partial_rollout",
+                "train.partial_rollout_enable"),
     **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),
     **_deferred("tensor parallelism of the RL roles (the supervised stages have it; --vllm.tensor_parallel_size "
                 "splits the rollout engines)", "ds_tensor_parallel_size", "ds.tensor_parallel_size"),

@@ -4,7 +4,8 @@ Layout under `--ckpt.path`:
 
     global_step<N>/actor/, critic/   DeepSpeed checkpoints (weights, optimizer, scheduler)
     global_step<N>/rng_<role>_rank<r>.pt   each rank's RNG states
-    global_step<N>/controller.pt     step, prompt position, KL controller, the driver's RNG states
+    global_step<N>/controller.pt     step, prompt position, KL controller, the driver's RNG states,
+                                     the rollouts sampled ahead (`rl/ahead.py`) with their policy version
     latest                           the newest complete tag, written last
     best_global_step<N>/             the best held-out evaluation so far (`--ckpt.best_metric_key`):
                                      the same contents; never rotated, replaced by a better one,
@@ -71,7 +72,8 @@ class BestMetric:
 def _state(controller) -> dict:
     return {"step": controller.step, "prompt_position": controller.prompts.position,
             "kl": controller.kl.state_dict(), "rng": rng_state(), "best": controller.best.state_dict(),
-            "guard": controller.guard.state_dict() if controller.guard is not None else None}
+            "guard": controller.guard.state_dict() if controller.guard is not None else None,
+            "policy_version": controller.policy_version, "ahead": controller.ahead.state_dict()}
 
 
 def save(controller, ckpt: str | os.PathLike, run_id: str | None, best: bool = False) -> str:
@@ -149,6 +151,8 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     controller.best.load_state_dict(state.get("best"))
     if controller.guard is not None:
         controller.guard.load_state_dict(state.get("guard"))
+    controller.policy_version = int(state.get("policy_version", controller.step))
+    controller.ahead.load_state_dict(state.get("ahead"), controller.step)  # the batches sampled ahead, if any
     set_rng_state(state["rng"])
     run_id = checkpoints.run_of(ckpt, tag) or checkpoints.new_run_id()
     checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step)

@@ -38,6 +38,7 @@ from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.rl import checkpoint, guard
+from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.plan import StepPlan
 
@@ -118,6 +119,9 @@ class RLController:
         self.guard = guard.HackingGuard(watched, cfg.eval.hacking_window, cfg.eval.hacking_min_drop) \
             if cfg.eval.hacking_guard_enable else None
         self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
+        # Actor updates the engines hold; a batch sampled `staleness` updates before it trains.
+        self.policy_version = 0
+        self.ahead = RolloutsAhead(self._sample, cfg.train.async_queue_size if cfg.train.async_enable else 0)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -205,12 +209,16 @@ class RLController:
         generate; where a rank cannot, one line says what was missing."""
         if not self.cfg.ds.enable_sleep:
             return
+        if self.ahead.depth:
+            not_applied("ds.enable_sleep", True, "engines that take turns with the trainers", "with "
+                        "--train.async_enable they sample while the trainers train, and the states stay on the devices")
+            return
         for group in self._trainable():
             for missing in {m for m in group.call_all("offload_states") if m}:
                 not_applied("ds.enable_sleep", True, missing, "the trainers' states stay where they are")
 
     def _trainers_wake(self) -> None:
-        if self.cfg.ds.enable_sleep:
+        if self.cfg.ds.enable_sleep and not self.ahead.depth:
             for group in self._trainable():
                 group.call_all("reload_states")
 
@@ -219,8 +227,14 @@ class RLController:
         times: dict[str, float] = {}
         t0 = time.perf_counter()
         self._trainers_sleep()
-        samples, rollout_stats = self.rollout(times)
+        batch = self.ahead.take(self.step)  # sampled ahead (--train.async_enable), or now
         self._trainers_wake()
+        times["rollout_wait"] = time.perf_counter() - t0
+        self.ahead.start(self.step, self.rollout_steps)  # the next batches, while this one trains
+        samples = batch.samples
+        staleness = self.policy_version - batch.version
+        rollout_stats = {**batch.stats, "rollout/staleness": float(staleness)}
+        times.update(batch.times)
         plan = self.plan_step(len(samples))
         t = time.perf_counter()
         experience_stats = self.make_experience(samples, plan)
@@ -228,6 +242,7 @@ class RLController:
         t = time.perf_counter()
         train_stats = self.train(samples, plan)
         times["train"] = time.perf_counter() - t
+        times["ahead_wait"] = self.ahead.wait()  # the weights of the batches sampled ahead are kept until then
         t = time.perf_counter()
         self.sync_weights()
         times["sync"] = time.perf_counter() - t
@@ -238,7 +253,8 @@ class RLController:
                    "perf/samples_per_s": len(samples) / elapsed}
         if (self.step + 1) % cfg.logger.logging_steps == 0 or self.step + 1 == self.rollout_steps:
             shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                              ("rollout/reward_mean", "rollout/kl", "rollout/logprob_mismatch", "train/policy_loss",
+                              ("rollout/reward_mean", "rollout/kl", "rollout/logprob_mismatch",
+                               *(("rollout/staleness",) if self.ahead.depth else ()), "train/policy_loss",
                                "train/value_loss", "perf/samples_per_s")
                               if k in metrics)
             shown += " | s: " + " ".join(f"{k}={v:.1f}" for k, v in times.items())
@@ -246,6 +262,14 @@ class RLController:
         return metrics
 
     # -- rollout and rewards ----------------------------------------------------------------
+    def _sample(self, step: int) -> Rollout:
+        """The rollout of `step` from the engines' current weights (`RolloutsAhead.produce`: in the
+        background with --train.async_enable, where nothing else calls the engines meanwhile)."""
+        times: dict[str, float] = {}
+        version = self.policy_version
+        samples, stats = self.rollout(times)
+        return Rollout(samples, stats, times, version)
+
     def rollout(self, times: dict[str, float]) -> tuple[list[RolloutSample], dict[str, float]]:
         cfg = self.cfg
         n, want = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
@@ -395,6 +419,8 @@ class RLController:
         if self.step < self.cfg.critic.freezing_steps and not force:
             return
         self.engines.sync(self.actor)
+        if not force:
+            self.policy_version += 1  # the actor trained this step (it is frozen until freezing_steps)
 
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, prefix: str = "eval/") -> dict[str, float]:

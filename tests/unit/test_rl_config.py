@@ -354,6 +354,8 @@ def test_flag_errors_exit_2_naming_the_flag(flags, named, capsys):
     ({"enable_vllm_is_correction": True, "vllm_is_correction_type": "seq-mask-tis", "ring_attn_size": 2},
      "seq-mask-tis with --ds.ring_attn_size"),
     ({"vllm_is_correction_type": "mis"}, "--algo.advantage.is_correction_type (--vllm_is_correction_type)"),
+    ({"async_train": True, "vllm_enable_sleep": True}, "--train.async_enable (--async_train) with --vllm.enable_sleep"),
+    ({"async_train": True, "async_queue_size": 0}, "--train.async_queue_size (--async_queue_size)"),
 ])
 def test_invalid_configs_name_the_flag(values, named):
     with pytest.raises(ConfigError) as exc:

@@ -42,6 +42,15 @@ def test_separate_roles_split_two_cpus_and_colocate_all_shares_one_bundle():
     assert {p.num_cpus for p in layout.roles.values()} == {0.5}
 
 
+def test_with_async_training_colocate_all_leaves_the_engines_a_pool_of_their_own():
+    """As OpenRLHF: the engines sample while the models train, so only the DeepSpeed models share."""
+    cfg = config("algo.advantage.estimator", "gae", "algo.kl.init_coef", "0.01", "train.colocate_all", True,
+                 "train.async_enable", True, "vllm.num_engines", "2")  # 2 engines against 1 actor rank: allowed
+    layout = rl_layout(cfg, [], GPU8)
+    assert set(layout.pools) == {"actor+ref+critic", "rollout"}
+    assert layout.roles["rollout"].world_size == 2 and layout.roles["rollout"].share == 1
+
+
 def test_role_resources_pin_each_pool_to_the_nodes_that_have_them():
     """`--actor.resources '{"node_a": 1}'` (JSON, as `ray start --resources`) goes into every bundle of
     the actor's pool; colocated roles' bundles take the largest amount of each; unpinned roles and

@@ -62,9 +62,16 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
-def test_a_killed_run_resumes_to_the_same_weights(prepared, tmp_path):
+@pytest.fixture(scope="module")
+def synchronous(prepared, tmp_path_factory) -> Path:
+    """The uninterrupted synchronous run's output."""
+    tmp_path = tmp_path_factory.mktemp("synchronous")
     whole = run(prepared, tmp_path, "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
+    return tmp_path / "whole_out"
+
+
+def test_a_killed_run_resumes_to_the_same_weights(prepared, synchronous, tmp_path):
 
     killed = run(prepared, tmp_path, "split", kill_at=3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -78,9 +85,35 @@ def test_a_killed_run_resumes_to_the_same_weights(prepared, tmp_path):
     # Steps 3 and 4 only: 2 killed-run calls + the killed one + 2. A restart from step 0 would also
     # end with equal weights (the run is deterministic) but call the reward 4 more times.
     assert (tmp_path / "split_reward.calls").read_text() == "5"
-    a, b = weights(tmp_path / "whole_out"), weights(tmp_path / "split_out")
+    a, b = weights(synchronous), weights(tmp_path / "split_out")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     first = weights(Path(prepared["base"]))
     assert not all(torch.equal(a[k], first[k]) for k in a if k in first)  # it trained at all
     manifest = json.loads((tmp_path / "split_out" / "stage.json").read_text())
     assert manifest["metrics"]["train/steps"] == 4
+
+
+def test_an_async_run_trains_on_batches_sampled_ahead_and_a_killed_one_resumes_to_its_weights(
+        prepared, synchronous, tmp_path):
+    """--async_train: step t trains on the batch the policy of update t-1 sampled while step t-1
+    trained. The checkpoint keeps that batch: the resume trains on it rather than sampling it
+    again, by the restored policy (which would give other weights and one more reward call)."""
+    whole = run(prepared, tmp_path, "async", "--async_train")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "staleness=1" in whole.stderr
+    metrics = json.loads((tmp_path / "async_out" / "stage.json").read_text())["metrics"]
+    assert metrics["rollout/staleness"] == 1.0 and metrics["train/steps"] == 4
+    a, sync = weights(tmp_path / "async_out"), weights(synchronous)
+    assert not all(torch.equal(a[k], sync[k]) for k in a)  # not the synchronous schedule
+
+    # Reward calls: batches 0 (step 0), 1 (during step 0), 2 (during step 1), then the checkpoint
+    # of step 2 with batch 2 waiting in it; call 4 samples batch 3 during step 2: killed there.
+    killed = run(prepared, tmp_path, "async_split", "--async_train", kill_at=4)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (tmp_path / "async_split_ckpt" / "latest").read_text() == "global_step2"
+    resumed = run(prepared, tmp_path, "async_split", "--async_train", "--load_checkpoint")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2" in resumed.stderr
+    assert (tmp_path / "async_split_reward.calls").read_text() == "5"  # batch 3 only
+    b = weights(tmp_path / "async_split_out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
