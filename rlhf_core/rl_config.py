@@ -342,7 +342,8 @@ class EvalSection(StrictModel):
                                 json_schema_extra=flat("eval_dataset", **NOT_SEMANTIC))
     split: str | None = Field(None, description="Default: 'test' where eval.dataset has one, else 'train'",
                               json_schema_extra=flat("eval_split"))
-    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only)",
+    steps: int = Field(-1, description="Evaluate every N steps (-1: at the end only, or, where a held-out check "
+                       "is watched (eval.task, with the guard or eval.publish_best on), every tenth of the run)",
                        json_schema_extra=flat("eval_steps"))
     temperature: float = Field(0.6, gt=0, json_schema_extra=flat("eval_temperature"))
     n_samples_per_prompt: int = Field(4, ge=1, json_schema_extra=flat("eval_n_samples_per_prompt"))
@@ -357,6 +358,13 @@ class EvalSection(StrictModel):
                                     "the window for the guard to fire")
     stop_on_hacking: bool = Field(False, description="Stop training when the reward-hacking guard fires (the "
                                   "last evaluation and the save still run)")
+    selection_fraction: float = Field(0.25, ge=0, lt=1, description="With evaluations during training: the share of "
+                                      "the held-out prompts they (the guard, the best policy) are measured on; the "
+                                      "evaluations before and after training, the reported ones, take the rest (0: "
+                                      "every evaluation on all of them, and no best policy is published)")
+    publish_best: bool = Field(True, description="Publish the policy of the best evaluation during training "
+                               "(--ckpt.best_metric_key, on the selection prompts) as the stage's output, where it "
+                               "is not the last one; needs eval.selection_fraction > 0")
 
 
 class RLDSConfig(DSConfig, ValueHead, RingAttention):

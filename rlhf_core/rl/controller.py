@@ -37,7 +37,7 @@ from rlhf_core.algos.nucleus import filtering
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.infra.not_applied import not_applied
-from rlhf_core.rl import checkpoint, guard
+from rlhf_core.rl import checkpoint, guard, selection
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.plan import StepPlan
@@ -119,6 +119,20 @@ class RLController:
         self.guard = guard.HackingGuard(watched, cfg.eval.hacking_window, cfg.eval.hacking_min_drop) \
             if cfg.eval.hacking_guard_enable else None
         self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
+        # Evaluations during training (the guard's, the best policy's): every `eval_every` steps, on the
+        # selection prompts where there are some; the evaluations before and after, on the rest (`rl/selection.py`).
+        watched = bool(self.eval_prompt_ids) and cfg.eval.task is not None and \
+            (self.guard is not None or cfg.eval.publish_best)
+        self.eval_every = selection.eval_every(cfg.eval.steps, rollout_steps, watched)
+        chosen, reported = selection.selection_split(len(self.eval_prompt_ids), cfg.eval.selection_fraction,
+                                                     cfg.train.seed) if self.eval_every else ([], [])
+        self.selection: tuple[list, list] | None = None
+        if chosen:
+            self.selection = ([self.eval_prompt_ids[i] for i in chosen], [self.eval_labels[i] for i in chosen])
+            self.eval_prompt_ids = [self.eval_prompt_ids[i] for i in reported]
+            self.eval_labels = [self.eval_labels[i] for i in reported]
+        self.publishing = self.selection is not None and cfg.eval.publish_best
+        self.published_step: int | None = None  # the step whose policy is the output
         # Actor updates the engines hold; a batch sampled `staleness` updates before it trains.
         self.policy_version = 0
         self.ahead = RolloutsAhead(self._sample, cfg.train.async_queue_size if cfg.train.async_enable else 0)
@@ -133,7 +147,9 @@ class RLController:
         self.resume["start_step"] = start = self.step
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
-        if initial and self.guard is not None:
+        if self.step == 0 and self.selection is not None:
+            self._evaluated(self.evaluate("select/", *self.selection))  # the policy before training: a candidate too
+        elif initial and self.guard is not None:
             self.guard.evaluated(0, {k.replace("eval_initial/", "eval/", 1): v for k, v in initial.items()})
         heap.settle()  # the model, optimizer and data are built: later collector passes skip them
         evaluated = None
@@ -145,20 +161,20 @@ class RLController:
             if self.guard is not None and "rollout/reward_mean" in metrics:
                 self.guard.rollout(metrics["rollout/reward_mean"])
             evaluated = None
-            if self.cfg.eval.steps > 0 and self.step % self.cfg.eval.steps == 0 \
-                    and self.step < self.rollout_steps:
-                evaluated = self.evaluate()
-                self._evaluated(evaluated)
+            if self.eval_every and self.step % self.eval_every == 0 and self.step < self.rollout_steps:
+                evaluated = self._check()
             # after the evaluation: the checkpoint holds what it changed (the best, the guard's window)
             if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
-        if self.stopped_by_guard is not None and evaluated is not None:
-            final = evaluated  # this policy was just evaluated: the guard stopped training there
-        else:
-            final = self.evaluate()
-            self._evaluated(final)
+        if self.stopped_by_guard is None or evaluated is None:  # else just evaluated: the guard stopped there
+            evaluated = self._check()
+        self.published_step = self._publish_best()
+        final = evaluated
+        if self.selection is not None:  # the reported evaluation, on the prompts no choice was made on
+            final = {**evaluated, **self.evaluate()}
+            self._log({k: v for k, v in final.items() if k.startswith("eval/")})
         summary = {**initial, **final, "train/steps": self.step, "train/start_step": start,
-                   "train/steps_run": self.steps_run}
+                   "train/steps_run": self.steps_run, "published/step": self.published_step}
         if self.best.step is not None:
             summary.update({"best/step": self.best.step, "best/value": self.best.value})
         if self.guard is not None and self.guard.fired is not None:
@@ -173,14 +189,43 @@ class RLController:
             summary.update({k: v for k, v in trained[-1].items() if k.startswith(("rollout/", "train/"))})
         return summary
 
+    def _check(self) -> dict[str, float]:
+        """An evaluation during training (or of the last policy, for the choice): on the selection
+        prompts (`select/`) where there are some, else on all of them (`eval/`)."""
+        metrics = self.evaluate("select/", *self.selection) if self.selection is not None else self.evaluate()
+        self._evaluated(metrics)
+        return metrics
+
     def _evaluated(self, metrics: dict[str, float]) -> None:
-        """Log an evaluation during training; where it is the best so far and checkpoints have a
-        place (`--ckpt.path`), keep its checkpoint (`--ckpt.best_metric_key`)."""
+        """Log an evaluation during training; where it is the best so far, keep its policy to publish
+        (`--eval.publish_best`) and, where checkpoints have a place (`--ckpt.path`), its checkpoint
+        (`--ckpt.best_metric_key`); then the guard. Both read selection metrics under `eval/` names."""
         self._log(metrics)
-        if self.cfg.ckpt.path and self.best.improves(metrics, self.step):
-            self.checkpoint_run = checkpoint.save(self, self.cfg.ckpt.path, self.checkpoint_run, best=True)
+        view = {k.replace("select/", "eval/", 1): v for k, v in metrics.items()}
+        if self.best.improves(view, self.step):
+            if self.publishing:
+                self.actor.call_all("keep_best")
+            if self.cfg.ckpt.path and self.step > 0:  # step 0's policy is the stage's input
+                self.checkpoint_run = checkpoint.save(self, self.cfg.ckpt.path, self.checkpoint_run, best=True)
         if self.guard is not None:
-            self._guard(metrics)
+            self._guard(view)
+
+    def _publish_best(self) -> int:
+        """The step whose policy becomes the output: the best evaluation's (`--eval.publish_best`),
+        put back into the actor and the engines, where it is not the last; else the last."""
+        best = self.best
+        if not self.publishing or best.step is None or best.step == self.step:
+            return self.step
+        if self.cfg.train.enable_ema:
+            not_applied("eval.publish_best", True, "an evaluated policy", "with --train.enable_ema the output is "
+                        "the moving average of the weights, which no evaluation saw: the last one is published")
+            return self.step
+        self.actor.call_all("restore_best")
+        self.sync_weights(force=True)  # the reported evaluation samples the published policy
+        print(f"rlhf: publishing the policy of step {best.step} ({best.key or best.AUTO}={best.value:.4f} on the "
+              f"selection prompts), the best evaluation of the run, rather than the last (step {self.step})",
+              file=sys.stderr, flush=True)
+        return best.step
 
     def _guard(self, metrics: dict[str, float]) -> None:
         """The reward-hacking guard on this evaluation: a metric per evaluation, and where it fires
@@ -423,25 +468,29 @@ class RLController:
             self.policy_version += 1  # the actor trained this step (it is frozen until freezing_steps)
 
     # -- evaluation -------------------------------------------------------------------------
-    def evaluate(self, prefix: str = "eval/") -> dict[str, float]:
-        """Held-out prompts, sampled at `--eval.temperature` and greedy: the mean reward, and with a
-        task verifier (`--eval.task`, default `--reward.task`) the exact-match accuracy."""
-        if not self.eval_prompt_ids:
+    def evaluate(self, prefix: str = "eval/", prompt_ids: list | None = None, labels: list | None = None
+                 ) -> dict[str, float]:
+        """Held-out prompts (default: the reported ones), sampled at `--eval.temperature` and greedy:
+        the mean reward, and with a task verifier (`--eval.task`, default `--reward.task`) the
+        exact-match accuracy."""
+        prompt_ids = self.eval_prompt_ids if prompt_ids is None else prompt_ids
+        labels = self.eval_labels if labels is None else labels
+        if not prompt_ids:
             return {}
         cfg = self.cfg
         verifier = get_task(cfg.eval.task) if cfg.eval.task else None
         out = {}
         for name, temperature, n in (("sampled", cfg.eval.temperature, cfg.eval.n_samples_per_prompt),
                                      ("greedy", 0.0, 1)):
-            groups = self.generate(self.eval_prompt_ids, n, temperature, seed=cfg.train.seed + 17)
+            groups = self.generate(prompt_ids, n, temperature, seed=cfg.train.seed + 17)
             samples = [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
-                       for i, (p, group) in enumerate(zip(self.eval_prompt_ids, groups, strict=True)) for s in group]
-            self.score(samples, self.eval_labels)
+                       for i, (p, group) in enumerate(zip(prompt_ids, groups, strict=True)) for s in group]
+            self.score(samples, labels)
             out[f"{prefix}{name}_reward"] = sum(s.score for s in samples) / len(samples)
             if verifier is not None:
                 responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
                 out[f"{prefix}{name}_accuracy"] = sum(
-                    verifier.score(r, self.eval_labels[s.prompt_index]) for r, s in zip(responses, samples, strict=True)
+                    verifier.score(r, labels[s.prompt_index]) for r, s in zip(responses, samples, strict=True)
                 ) / len(samples)
         self.engines.sleep()
         return out

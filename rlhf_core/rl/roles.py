@@ -323,10 +323,35 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             return super().export()
         return {k: v.clone() for k, v in self.ema.items()} if self.rank == 0 else None
 
+    # `--eval.publish_best`: the policy of the best evaluation so far, put back at the end of the run
+    def keep_best(self) -> None:
+        """Remember the policy's weights, on CPU: under ZeRO-3 each rank its own partition, else rank
+        0 the whole model (`restore_best` broadcasts it)."""
+        module = self.engine.module
+        if partitioned(module):
+            self._best = {n: p.ds_tensor.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
+        else:
+            self._best = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()} \
+                if self.rank == 0 else {}
+
+    @torch.no_grad()
+    def restore_best(self) -> None:
+        """Put the kept weights back into the model (every rank; the optimizer is done with)."""
+        module = self.engine.module
+        split = partitioned(module)
+        for name, param in module.named_parameters():
+            target = param.ds_tensor if split else param.data
+            if split or self.rank == 0:
+                target.copy_(self._best[name].to(target.device, target.dtype))
+            if not split and self.world_size > 1:
+                torch.distributed.broadcast(target, src=0)
+
     def save_checkpoint(self, directory: str) -> None:
         super().save_checkpoint(directory)
         if self.ema is not None and self.rank == 0 and not self.cfg.ckpt.disable_ds:
             torch.save(self.ema, Path(directory) / f"ema_{self.name}.pt")
+        if getattr(self, "_best", None) and not self.cfg.ckpt.disable_ds:  # a resumed run can still publish it
+            torch.save(self._best, Path(directory) / f"best_{self.name}_rank{self.rank}.pt")
         if self.cfg.ckpt.save_hf:  # `--ckpt.save_hf`: the policy, as transformers loads it
             from rlhf_core.models.loading import load_tokenizer, write_hf_checkpoint
 
@@ -338,6 +363,8 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         super().load_checkpoint(directory)
         if self.cfg.train.enable_ema and self.rank == 0:
             self.ema = torch.load(Path(directory) / f"ema_{self.name}.pt", weights_only=True)
+        kept = Path(directory) / f"best_{self.name}_rank{self.rank}.pt"
+        self._best = torch.load(kept, weights_only=True) if kept.exists() else {}
 
     def _forward_model(self) -> tuple:
         return self.engine, False

@@ -150,7 +150,11 @@ STAGE_CURVES: dict[str, list[tuple[str, dict[str, str]]]] = {
             ("entropy", {"entropy": "train/entropy"}),
             ("clip fraction", {"clip frac": "train/clip_frac"}),
             ("response length (tokens)", {"length": "rollout/response_length"}),
-            ("held-out accuracy", {"sampled": "eval/sampled_accuracy", "greedy": "eval/greedy_accuracy"})],
+            ("held-out accuracy", {"sampled": "eval/sampled_accuracy", "greedy": "eval/greedy_accuracy"}),
+            # the reward-hacking guard's two numbers (rl/guard.py): they part ways when the policy games its reward
+            ("training reward against the held-out check", {"training reward": "rollout/reward_mean",
+                                                            "held-out accuracy (selection)": "select/sampled_accuracy",
+                                                            "held-out accuracy": "eval/sampled_accuracy"})],
 }
 DEFAULT_CURVES = [("loss", {"train": "train/loss", "held-out": "eval/loss"})]
 INITIAL_PREFIX = "eval_initial/"

@@ -62,7 +62,7 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 
 @pytest.mark.parametrize("stage, argv", [
-    ("ppo", ["--async_train", "--async_queue_size", "2"]),
+    ("ppo", ["--partial_rollout", "--async_train"]),
     ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),
     ("ppo", ["--ds_tensor_parallel_size", "2"]),
@@ -78,9 +78,9 @@ def test_an_openrlhf_flag_of_a_feature_not_built_yet_is_refused_by_name(stage, a
 
 def test_a_deferred_flag_in_yaml_is_refused_the_same_way(untouched, tmp_path, capsys):
     config = tmp_path / "ppo.yaml"
-    config.write_text("train:\n  async_enable: true\n")
+    config.write_text("train:\n  partial_rollout_enable: true\n")
     assert main([*COMMANDS["ppo"], "--config", str(config), "--dry_run"]) == 2
-    assert "--train.async_enable: not built yet: asynchronous RL" in capsys.readouterr().err
+    assert "--train.partial_rollout_enable: not built yet: partial rollouts" in capsys.readouterr().err
 
 
 def test_the_flag_table_in_docs_is_generated_from_the_configs():

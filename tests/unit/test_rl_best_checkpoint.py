@@ -60,6 +60,7 @@ def test_ppo_keeps_the_checkpoint_of_its_best_evaluation(key, prepared, tmp_path
                  "--input_key", "prompt", "--label_key", "answer", "--max_samples", "16", "--remote_rm_url",
                  str(tmp_path / "reward.py"), "--eval_dataset", str(held_out), "--eval.task", "addition",
                  "--eval_n_samples_per_prompt", "2", "--eval_steps", "1", "--best_metric_key", key,
+                 "--eval.selection_fraction", "0",  # every evaluation on the 4 prompts (below: a selection share)
                  "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
                  "--generate_max_len", "6", "--actor_learning_rate", "5e-3", "--max_steps", "3",
                  "--save_steps", "1", "--max_ckpt_num", "1", "--ckpt_path", str(ckpt), "--save_path",
@@ -83,3 +84,52 @@ def test_ppo_keeps_the_checkpoint_of_its_best_evaluation(key, prepared, tmp_path
     manifest = json.loads(out.out[out.out.index("{"):])
     assert manifest["metrics"]["best/step"] == best_step
     assert manifest["metrics"]["best/value"] == pytest.approx(evaluations[best_step], abs=1e-4)
+
+
+def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_not_chosen_on(
+        prepared, tmp_path, capsys, monkeypatch, one_torch_thread):
+    """At a learning rate this high the held-out reward (`--best_metric_key sampled_reward`) moves
+    both ways, and the stage publishes the policy of its best evaluation, chosen on a selection
+    share of the held-out prompts (`select/` metrics), then reports it on the rest (`eval/`). With `--eval.steps` left
+    at -1 a run of 10 steps evaluates every step (a tenth of the run): the guard's and the
+    choice's default cadence. The published weights are the chosen step's own (its checkpoint's
+    Hugging Face copy, `--ckpt.save_hf`); with `--eval.publish_best false` the last step's."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "reward.py").write_text(REWARD)
+    held_out = tmp_path / "held_out.jsonl"
+    rows = open(f"{prepared['prompts']}/test.jsonl").read().splitlines()[:16]
+    held_out.write_text("\n".join(rows) + "\n")
+
+    def train(name: str, *extra: str) -> tuple[dict, str]:
+        code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--input_key", "prompt", "--label_key", "answer", "--max_samples", "40", "--remote_rm_url",
+                     str(tmp_path / "reward.py"), "--eval_dataset", str(held_out), "--eval.task", "addition",
+                     "--eval_n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+                     "--train_batch_size", "8", "--generate_max_len", "6", "--actor_learning_rate", "5e-3",
+                     "--max_steps", "10", "--save_steps", "1", "--max_ckpt_num", "20", "--save_hf_ckpt",
+                     "--ckpt_path", str(tmp_path / f"{name}_ckpt"), "--save_path", str(tmp_path / name),
+                     "--best_metric_key", "sampled_reward", "--use_mlflow", "false", "--seed", "1", *extra])
+        out = capsys.readouterr()
+        assert code == 0, out.err[-3000:]
+        return json.loads(out.out[out.out.index("{"):])["metrics"], out.err
+
+    metrics, err = train("published")
+    chosen = {int(step): float(value) for step, value in
+              re.findall(r"\[rl step (\d+)\] .*select/sampled_reward=(-?[\d.]+)", err)}
+    assert sorted(chosen) == list(range(11))  # before training, every step, and the last policy
+    best = max(chosen, key=lambda s: (chosen[s], -s))  # the first of the highest
+    assert metrics["best/step"] == best and metrics["published/step"] == best
+    assert 0 < best < 10, chosen  # the policy moved both ways here: a choice was made
+    assert f"publishing the policy of step {best}" in err
+    from safetensors.torch import load_file
+
+    published = load_file(str(tmp_path / "published" / "model.safetensors"))
+    at_best = load_file(str(tmp_path / "published_ckpt" / f"global_step{best}" / "hf" / "model.safetensors"))
+    assert all(__import__("torch").equal(published[k], at_best[k]) for k in published)
+    assert "eval/sampled_reward" in metrics and "eval_initial/sampled_reward" in metrics  # the reported ones
+
+    metrics, err = train("last", "--eval.publish_best", "false")
+    assert metrics["published/step"] == 10 and "publishing the policy" not in err
+    last = load_file(str(tmp_path / "last" / "model.safetensors"))
+    final = load_file(str(tmp_path / "last_ckpt" / "global_step10" / "hf" / "model.safetensors"))
+    assert all(__import__("torch").equal(last[k], final[k]) for k in last)

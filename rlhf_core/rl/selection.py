@@ -1,0 +1,37 @@
+"""When the RL stage evaluates during training, and on which held-out prompts (pure).
+
+Evaluations during training serve the reward-hacking guard (`rl/guard.py`) and the choice of the
+policy the stage publishes (the best by `--ckpt.best_metric_key`). Both read a held-out check, so
+where one is watched (a verifier, `--eval.task`) and `--eval.steps` is left at -1, the stage
+evaluates every tenth of the run. A policy chosen on the prompts its results are reported on
+would report a number biased upwards by the choice, so those evaluations take a selection share
+of the held-out prompts (`--eval.selection_fraction`) and the evaluations before and after
+training, the reported ones, the rest.
+"""
+
+from __future__ import annotations
+
+import random
+
+DEFAULT_EVALUATIONS = 10  # evaluations over a run when `--eval.steps` is left at -1 and a check is watched
+
+
+def eval_every(steps: int, rollout_steps: int, watched: bool) -> int:
+    """Steps between evaluations during training: `--eval.steps` where given (> 0); else, where a
+    held-out check is watched, a tenth of the run (none in runs of fewer than ten steps); else 0
+    (the evaluations before and after training only)."""
+    if steps > 0:
+        return steps
+    return rollout_steps // DEFAULT_EVALUATIONS if watched else 0
+
+
+def selection_split(num_prompts: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(selection, report): the held-out prompt indices, a seeded `fraction` of them for selection
+    and the rest for reporting, each in order. No selection (all reported) where either side would
+    be empty."""
+    k = round(num_prompts * fraction)
+    if k < 1 or k >= num_prompts:
+        return [], list(range(num_prompts))
+    order = list(range(num_prompts))
+    random.Random(f"{seed}-selection").shuffle(order)
+    return sorted(order[:k]), sorted(order[k:])

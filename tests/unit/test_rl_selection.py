@@ -1,0 +1,23 @@
+"""When the RL stage evaluates during training and on which held-out prompts (`rl/selection.py`)."""
+
+from rlhf_core.rl.selection import eval_every, selection_split
+
+
+def test_evaluations_during_training_come_every_tenth_of_the_run_where_a_check_is_watched():
+    assert eval_every(5, 100, watched=False) == 5  # given: as given
+    assert eval_every(-1, 100, watched=False) == 0  # OpenRLHF's -1: before and after only
+    assert eval_every(-1, 100, watched=True) == 10
+    assert eval_every(-1, 64, watched=True) == 6
+    assert eval_every(-1, 9, watched=True) == 0  # too short a run to look back over
+
+
+def test_the_selection_share_is_seeded_disjoint_from_the_reported_prompts_and_never_all_of_them():
+    chosen, reported = selection_split(267, 0.25, seed=0)
+    assert len(chosen) == 67 and len(reported) == 200
+    assert sorted(chosen + reported) == list(range(267))
+    assert chosen != list(range(67))  # spread over the set, not its head
+    assert selection_split(267, 0.25, seed=0) == (chosen, reported)
+    assert selection_split(267, 0.25, seed=1) != (chosen, reported)
+    assert selection_split(200, 0.0, seed=0) == ([], list(range(200)))  # off
+    assert selection_split(1, 0.25, seed=0) == ([], [0])  # nothing left to set aside
+    assert selection_split(2, 0.9, seed=0) == ([], [0, 1])  # nothing left to report on
