@@ -616,7 +616,7 @@ class PPOConfig(TrainingStageConfig):
         if guard.stop_on_hacking:
             needs = [what for what, missing in (
                 ("the guard on (--eval.hacking_guard_enable)", not guard.hacking_guard_enable),
-                ("evaluations during training (--eval.steps N)", guard.steps <= 0),
+                ("held-out prompts (--eval.dataset)", guard.dataset is None),
                 ("a held-out check (--eval.task, a verifier)", guard.task is None)) if missing]
             if needs:
                 problems.append(f"--eval.stop_on_hacking needs {' and '.join(needs)}")

@@ -132,6 +132,11 @@ class RLController:
             self.eval_prompt_ids = [self.eval_prompt_ids[i] for i in reported]
             self.eval_labels = [self.eval_labels[i] for i in reported]
         self.publishing = self.selection is not None and cfg.eval.publish_best
+        if cfg.eval.stop_on_hacking and not self.eval_every:
+            from rlhf_core.infra.settings import ConfigError
+
+            raise ConfigError(f"--eval.stop_on_hacking: this run of {rollout_steps} steps evaluates only before and "
+                              "after training (a tenth of the run is under one step): give --eval.steps N")
         self.published_step: int | None = None  # the step whose policy is the output
         # Actor updates the engines hold; a batch sampled `staleness` updates before it trains.
         self.policy_version = 0

@@ -114,3 +114,32 @@ def test_the_tokenizer_chat_template_flag_formats_the_prompts(prepared):
     text = tokenizer.decode(ids[0])
     assert text.startswith("[") and text.endswith("]"), text
     assert ids[0] != default_ids[0]
+
+
+def test_a_policy_a_weak_reward_model_drives_off_a_cliff_is_caught_and_not_published(rl_setting, tmp_path, capsys):
+    """The reward-hacking guard's proof (issue 26's setting): a reward model trained for 40 steps
+    only (about 63% of held-out pairs ranked right), REINFORCE with baseline at a high learning
+    rate. The training reward rises while the verifier's held-out accuracy collapses; the guard
+    warns, and the stage publishes its best evaluated policy (chosen on the selection prompts),
+    which on the reported prompts is within 2 points of SFT, where the last policy, what a run
+    without the choice publishes, has lost most of its accuracy."""
+    weak = tmp_path / "weak_rm"
+    preference = Path(rl_setting["root"]) / "prep" / "data" / "preference"
+    assert main(["train", "rm", "--pretrain", rl_setting["sft"], "--dataset", f"json@{preference}",
+                 "--save_path", str(weak), "--train_batch_size", "64", "--micro_train_batch_size", "32",
+                 "--max_steps", "40", "--apply_chat_template", "--max_len", "64", "--packing_samples",
+                 "--param_dtype", "fp32", "--lr_warmup_ratio", "0.05", "--seed", "0", "--use_mlflow", "false",
+                 "--learning_rate", "1e-3", "--max_epochs", "50"]) == 0
+    capsys.readouterr()
+    manifest, err = ppo(rl_setting, tmp_path / "hacked", "--reward.model_name_or_path", str(weak),
+                        "--algo.advantage.estimator", "reinforce_baseline", "--rollout.n_samples_per_prompt", "4",
+                        "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
+                        "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", "64",
+                        capsys=capsys)
+    m = manifest["metrics"]
+    assert "rlhf: WARNING reward hacking" in err and m["guard/reward_hacking"] == 1.0, err[-3000:]
+    assert m["guard/reward_rise"] > 0 and m["guard/metric_drop"] >= 0.02
+    sft = m["eval_initial/sampled_accuracy"]
+    assert m["select/sampled_accuracy"] < sft - 0.3, m  # the last policy collapsed
+    assert m["published/step"] < 64 and f"publishing the policy of step {m['published/step']}" in err
+    assert m["eval/sampled_accuracy"] >= sft - 0.02, m  # what is published did not

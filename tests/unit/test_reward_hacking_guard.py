@@ -84,6 +84,7 @@ def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_
                      "--remote_rm_url", str(reward), "--advantage_estimator", "group_norm", "--n_samples_per_prompt",
                      "2", "--rollout_batch_size", "4", "--train_batch_size", "8", "--generate_max_len", "4",
                      "--param_dtype", "fp32", "--max_steps", "5", "--eval_steps", "1", "--eval.task", "addition",
+                     "--eval_dataset", f"json@{prepared['prompts']}", "--eval.selection_fraction", "0",
                      "--mlflow_experiment", "guard",
                      "--save_path", str(tmp_path / name), *extra])
         out, err = capsys.readouterr()
@@ -108,15 +109,15 @@ def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_
 
 @pytest.mark.parametrize("flags, named", [
     (["--eval.hacking_guard_enable", "false"], "the guard on (--eval.hacking_guard_enable)"),
-    (["--eval.steps", "-1"], "evaluations during training (--eval.steps N)"),
+    (["--eval.dataset", None], "held-out prompts (--eval.dataset)"),
 ])
 def test_stopping_on_hacking_needs_the_guard_and_evaluations(flags, named):
     from rlhf_core.infra.settings import ConfigError
     from rlhf_core.rl_config import build_ppo_config
 
     base = {"actor.model_name_or_path": "m", "reward.task": "addition", "data.prompt_dataset": "json@d",
-            "ckpt.output_dir": "o", "eval.stop_on_hacking": True, "eval.steps": 2}
-    build_ppo_config(base, {})  # a verifier (the task's) and evaluations every 2 steps: accepted
+            "ckpt.output_dir": "o", "eval.stop_on_hacking": True, "eval.dataset": "json@h"}
+    build_ppo_config(base, {})  # a verifier (the task's) and held-out prompts (evaluated every tenth of the run)
     values = dict(base)
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         values[flag.removeprefix("--")] = value
