@@ -83,6 +83,14 @@ class RolloutsAhead:
             raise error
         return waited
 
+    def abandon(self) -> None:
+        """After a failure in training: wait for the background sampling to end (each engine call
+        has its deadline), keeping nothing it raised: the training's error is the one to report."""
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 (the failure in training is already on its way up)
+            pass
+
     def _background(self, until: int) -> None:
         try:
             self._produce_until(until)

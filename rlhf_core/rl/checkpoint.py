@@ -72,6 +72,7 @@ class BestMetric:
 def _state(controller) -> dict:
     return {"step": controller.step, "prompt_position": controller.prompts.position,
             "kl": controller.kl.state_dict(), "rng": rng_state(), "best": controller.best.state_dict(),
+            "evaluated_on": controller.evaluated_on,
             "guard": controller.guard.state_dict() if controller.guard is not None else None,
             "policy_version": controller.policy_version, "ahead": controller.ahead.state_dict()}
 
@@ -148,9 +149,13 @@ def load(controller, ckpt: str | os.PathLike) -> str | None:
     controller.step = int(state["step"])
     controller.prompts.position = int(state["prompt_position"])
     controller.kl.load_state_dict(state["kl"])
-    controller.best.load_state_dict(state.get("best"))
-    if controller.guard is not None:
-        controller.guard.load_state_dict(state.get("guard"))
+    if state.get("evaluated_on") == controller.evaluated_on:  # else other prompts: their numbers do not compare
+        controller.best.load_state_dict(state.get("best"))
+        if controller.guard is not None:
+            controller.guard.load_state_dict(state.get("guard"))
+    else:
+        print("rlhf: the checkpoint's evaluations during training were on other held-out prompts (or none): the "
+              "best evaluation and the reward-hacking guard's window start afresh", file=sys.stderr, flush=True)
     controller.policy_version = int(state.get("policy_version", controller.step))
     controller.ahead.load_state_dict(state.get("ahead"), controller.step)  # the batches sampled ahead, if any
     set_rng_state(state["rng"])

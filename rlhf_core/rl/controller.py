@@ -36,7 +36,7 @@ from rlhf_core.algos.names import AdvantageEstimator
 from rlhf_core.algos.nucleus import filtering
 from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
-from rlhf_core.infra.not_applied import not_applied
+from rlhf_core.infra.not_applied import not_applied, say_once
 from rlhf_core.rl import checkpoint, guard, selection
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
@@ -127,11 +127,23 @@ class RLController:
         chosen, reported = selection.selection_split(len(self.eval_prompt_ids), cfg.eval.selection_fraction,
                                                      cfg.train.seed) if self.eval_every else ([], [])
         self.selection: tuple[list, list] | None = None
+        # which prompts the evaluations during training were on: a resume on others starts the best afresh
+        self.evaluated_on = {"all": len(self.eval_prompt_ids)}
         if chosen:
             self.selection = ([self.eval_prompt_ids[i] for i in chosen], [self.eval_labels[i] for i in chosen])
             self.eval_prompt_ids = [self.eval_prompt_ids[i] for i in reported]
             self.eval_labels = [self.eval_labels[i] for i in reported]
+            self.evaluated_on = {"selection": len(chosen), "reported": len(reported), "seed": cfg.train.seed,
+                                 "fraction": cfg.eval.selection_fraction}
+        elif self.eval_every and self.eval_prompt_ids and cfg.eval.selection_fraction > 0:
+            say_once(f"rlhf: --eval.selection_fraction {cfg.eval.selection_fraction}: {len(self.eval_prompt_ids)} "
+                     f"held-out prompts leave fewer than {selection.MIN_SELECTION} to choose on: every evaluation "
+                     "is on all of them, and the last policy is published")
         self.publishing = self.selection is not None and cfg.eval.publish_best
+        if self.publishing and cfg.train.enable_ema:
+            self.publishing = False
+            not_applied("eval.publish_best", True, "an evaluated policy", "with --train.enable_ema the output is "
+                        "the moving average of the weights, which no evaluation saw: the last one is published")
         if cfg.eval.stop_on_hacking and not self.eval_every:
             from rlhf_core.infra.settings import ConfigError
 
@@ -159,7 +171,11 @@ class RLController:
         heap.settle()  # the model, optimizer and data are built: later collector passes skip them
         evaluated = None
         while self.step < self.rollout_steps and self.stopped_by_guard is None:
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except BaseException:
+                self.ahead.abandon()  # no sampling left running while the roles shut down
+                raise
             self.step += 1
             self.steps_run += 1
             self._log(metrics)
@@ -221,9 +237,9 @@ class RLController:
         best = self.best
         if not self.publishing or best.step is None or best.step == self.step:
             return self.step
-        if self.cfg.train.enable_ema:
-            not_applied("eval.publish_best", True, "an evaluated policy", "with --train.enable_ema the output is "
-                        "the moving average of the weights, which no evaluation saw: the last one is published")
+        if not all(self.actor.call_all("has_best")):  # resumed from a checkpoint written without them
+            print(f"rlhf: the best evaluation (step {best.step}) has no kept weights in this run's checkpoint: the "
+                  "last policy is published", file=sys.stderr, flush=True)
             return self.step
         self.actor.call_all("restore_best")
         self.sync_weights(force=True)  # the reported evaluation samples the published policy

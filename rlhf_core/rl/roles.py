@@ -334,6 +334,12 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             self._best = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()} \
                 if self.rank == 0 else {}
 
+    def has_best(self) -> bool:
+        """Whether this rank holds its part of kept weights (a rank other than 0 holds none of a
+        whole model)."""
+        kept = bool(getattr(self, "_best", None))
+        return kept or (not partitioned(self.engine.module) and self.rank != 0)
+
     @torch.no_grad()
     def restore_best(self) -> None:
         """Put the kept weights back into the model (every rank; the optimizer is done with)."""

@@ -11,9 +11,11 @@ training, the reported ones, the rest.
 
 from __future__ import annotations
 
+import math
 import random
 
 DEFAULT_EVALUATIONS = 10  # evaluations over a run when `--eval.steps` is left at -1 and a check is watched
+MIN_SELECTION = 4  # held-out prompts a choice is made on, at least (fewer: no selection share)
 
 
 def eval_every(steps: int, rollout_steps: int, watched: bool) -> int:
@@ -22,15 +24,15 @@ def eval_every(steps: int, rollout_steps: int, watched: bool) -> int:
     (the evaluations before and after training only)."""
     if steps > 0:
         return steps
-    return rollout_steps // DEFAULT_EVALUATIONS if watched else 0
+    return math.ceil(rollout_steps / DEFAULT_EVALUATIONS) if watched and rollout_steps >= DEFAULT_EVALUATIONS else 0
 
 
 def selection_split(num_prompts: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(selection, report): the held-out prompt indices, a seeded `fraction` of them for selection
-    and the rest for reporting, each in order. No selection (all reported) where either side would
-    be empty."""
+    and the rest for reporting, each in order. No selection (all reported) where it would hold fewer
+    than `MIN_SELECTION` prompts or leave none to report on."""
     k = round(num_prompts * fraction)
-    if k < 1 or k >= num_prompts:
+    if k < MIN_SELECTION or k >= num_prompts:
         return [], list(range(num_prompts))
     order = list(range(num_prompts))
     random.Random(f"{seed}-selection").shuffle(order)

@@ -81,6 +81,9 @@ def test_an_error_while_sampling_ahead_is_raised_in_the_training_thread():
     ahead.start(0, 4)
     with pytest.raises(RuntimeError, match="engine 0 died"):
         ahead.wait()
+    ahead.start(0, 4)
+    ahead.abandon()  # after a failure in training: waits, and the training's error is the one raised
+    assert ahead._thread is None
 
 
 def test_a_checkpoint_keeps_the_waiting_batches_and_a_resume_trains_on_them():

@@ -7,7 +7,8 @@ def test_evaluations_during_training_come_every_tenth_of_the_run_where_a_check_i
     assert eval_every(5, 100, watched=False) == 5  # given: as given
     assert eval_every(-1, 100, watched=False) == 0  # OpenRLHF's -1: before and after only
     assert eval_every(-1, 100, watched=True) == 10
-    assert eval_every(-1, 64, watched=True) == 6
+    assert eval_every(-1, 64, watched=True) == 7  # at most ten evaluations
+    assert eval_every(-1, 19, watched=True) == 2
     assert eval_every(-1, 9, watched=True) == 0  # too short a run to look back over
 
 
@@ -20,4 +21,6 @@ def test_the_selection_share_is_seeded_disjoint_from_the_reported_prompts_and_ne
     assert selection_split(267, 0.25, seed=1) != (chosen, reported)
     assert selection_split(200, 0.0, seed=0) == ([], list(range(200)))  # off
     assert selection_split(1, 0.25, seed=0) == ([], [0])  # nothing left to set aside
+    assert selection_split(12, 0.25, seed=0) == ([], list(range(12)))  # 3 prompts: too few to choose on
+    assert len(selection_split(16, 0.25, seed=0)[0]) == 4
     assert selection_split(2, 0.9, seed=0) == ([], [0, 1])  # nothing left to report on
