@@ -189,7 +189,7 @@ class RLController:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
         if self.stopped_by_guard is None or evaluated is None:  # else just evaluated: the guard stopped there
             evaluated = self._check()
-        self.published_step = self._publish_best()
+        self.published_step = self._publish_best({k.replace("select/", "eval/", 1): v for k, v in evaluated.items()})
         final = evaluated
         if self.selection is not None:  # the reported evaluation, on the prompts no choice was made on
             final = {**evaluated, **self.evaluate()}
@@ -231,11 +231,20 @@ class RLController:
         if self.guard is not None:
             self._guard(view)
 
-    def _publish_best(self) -> int:
+    def _publish_best(self, last: dict[str, float]) -> int:
         """The step whose policy becomes the output: the best evaluation's (`--eval.publish_best`),
-        put back into the actor and the engines, where it is not the last; else the last."""
+        put back into the actor and the engines, where it is not the last and beat the last by more
+        than the noise (`selection.beats_the_last`); else the last. `last`: the last policy's
+        evaluation on the selection prompts, under `eval/` names."""
         best = self.best
         if not self.publishing or best.step is None or best.step == self.step:
+            return self.step
+        metric = best.key or best.AUTO
+        responses = len(self.selection[0]) * (1 if "greedy" in metric else self.cfg.eval.n_samples_per_prompt)
+        if metric in last and not selection.beats_the_last(best.value, last[metric], metric, responses):
+            print(f"rlhf: the best evaluation (step {best.step}, {metric}={best.value:.4f}) is within the noise of the "
+                  f"last ({last[metric]:.4f} over {responses} responses on the selection prompts): the last policy is "
+                  "published", file=sys.stderr, flush=True)
             return self.step
         if not all(self.actor.call_all("has_best")):  # resumed from a checkpoint written without them
             print(f"rlhf: the best evaluation (step {best.step}) has no kept weights in this run's checkpoint: the "

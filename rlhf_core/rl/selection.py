@@ -37,3 +37,13 @@ def selection_split(num_prompts: int, fraction: float, seed: int) -> tuple[list[
     order = list(range(num_prompts))
     random.Random(f"{seed}-selection").shuffle(order)
     return sorted(order[:k]), sorted(order[k:])
+
+
+def beats_the_last(best: float, last: float, metric: str, samples: int) -> bool:
+    """Whether the best evaluation beat the last one by more than their noise, so that publishing
+    the best is a choice rather than a draw: for an accuracy over `samples` responses each, by
+    more than twice the standard error of the difference of two proportions; for another metric
+    (a reward, whose spread is not known here), by anything at all."""
+    if not metric.endswith("_accuracy") or samples <= 0:
+        return best > last
+    return best - last > 2 * math.sqrt((best * (1 - best) + last * (1 - last)) / samples)

@@ -15,6 +15,7 @@ import pytest
 from rlhf_core.config import SFTConfig
 from rlhf_core.infra import storage
 from rlhf_core.infra.settings import state_dir
+from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.checkpoint import BestMetric
 from rlhf_core.rl.guard import HackingGuard
 from rlhf_core.trainers.loop import TrainLoop
@@ -173,7 +174,8 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
     def controller(role):
         return SimpleNamespace(actor=LocalRoleGroup(role, "actor"), critic=None, step=0,
                                prompts=SimpleNamespace(position=0), kl=KL(0.01), resume={}, best=BestMetric(""),
-                               guard=HackingGuard("eval/sampled_accuracy", 3, 0.02),
+                               guard=HackingGuard("eval/sampled_accuracy", 3, 0.02), policy_version=0,
+                               ahead=RolloutsAhead(lambda step: None, 1), evaluated_on={"all": 0},
                                cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
     ckpt = "s3://models/ckpt/ppo"
@@ -185,6 +187,7 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
         role.weights = torch.full((3,), float(step))
         writer.guard.rollout(0.1 * step)
         writer.step, writer.prompts.position, writer.kl.coef = step, 8 * step, 0.01 * step
+        writer.policy_version, writer.ahead.ready = step, {step: Rollout(["a sample"], {}, {}, step - 1)}
         run = checkpoint.save(writer, ckpt, run)
     assert listing(ckpt) == ["global_step2/actor/weights.pt", "global_step2/controller.pt", "latest",
                              "rlhf-checkpoints.json"] and not staged()
@@ -196,6 +199,7 @@ def test_rl_checkpoints_on_s3_hold_every_role_and_the_controller(s3_endpoint):
     assert reader.resume["checkpoint"] == f"{ckpt}/global_step2"
     assert reader.guard.state_dict() == writer.guard.state_dict()  # the reward-hacking guard's window
     assert reader.guard.evaluations[0].reward == 0.1 and reader.guard.rewards == [0.1, 0.2]
+    assert reader.policy_version == 2 and reader.ahead.ready[2].version == 1  # an async run's batch sampled ahead
 
 
 def test_a_retried_stage_claims_its_s3_checkpoint_folder_under_its_own_key(s3_endpoint):

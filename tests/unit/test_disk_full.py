@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from rlhf_core.infra import storage
+from rlhf_core.rl.ahead import RolloutsAhead
 from rlhf_core.rl.checkpoint import BestMetric
 from rlhf_core.trainers import checkpoints
 
@@ -139,7 +140,8 @@ class FakeKL:
 
 def controller(step: int, roles=None):
     return SimpleNamespace(step=step, actor=roles, critic=None, guard=None, prompts=SimpleNamespace(position=step * 4),
-                           kl=FakeKL(), best=BestMetric(""),
+                           kl=FakeKL(), best=BestMetric(""), policy_version=step, evaluated_on={"all": 0},
+                           ahead=RolloutsAhead(lambda s: None, 0),
                            cfg=SimpleNamespace(ckpt=SimpleNamespace(max_num=1, max_mem=None, disable_ds=False)))
 
 

@@ -105,7 +105,7 @@ def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_n
                      "--input_key", "prompt", "--label_key", "answer", "--max_samples", "40", "--remote_rm_url",
                      str(tmp_path / "reward.py"), "--eval_dataset", str(held_out), "--eval.task", "addition",
                      "--eval_n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
-                     "--train_batch_size", "8", "--generate_max_len", "6", "--actor_learning_rate", "5e-3",
+                     "--train_batch_size", "8", "--generate_max_len", "6", "--actor_learning_rate", "1e-2",
                      "--max_steps", "10", "--save_steps", "1", "--max_ckpt_num", "20", "--save_hf_ckpt",
                      "--ckpt_path", str(tmp_path / f"{name}_ckpt"), "--save_path", str(tmp_path / name),
                      "--best_metric_key", "sampled_reward", "--use_mlflow", "false", "--seed", "1", *extra])
@@ -119,7 +119,7 @@ def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_n
     assert sorted(chosen) == list(range(11))  # before training, every step, and the last policy
     best = max(chosen, key=lambda s: (chosen[s], -s))  # the first of the highest
     assert metrics["best/step"] == best and metrics["published/step"] == best
-    assert 0 < best < 10, chosen  # the policy moved both ways here: a choice was made
+    assert 0 < best < 10 and chosen[10] < chosen[best], chosen  # it moved both ways here: a choice was made
     assert f"publishing the policy of step {best}" in err
     from safetensors.torch import load_file
 

@@ -1,6 +1,6 @@
 """When the RL stage evaluates during training and on which held-out prompts (`rl/selection.py`)."""
 
-from rlhf_core.rl.selection import eval_every, selection_split
+from rlhf_core.rl.selection import beats_the_last, eval_every, selection_split
 
 
 def test_evaluations_during_training_come_every_tenth_of_the_run_where_a_check_is_watched():
@@ -24,3 +24,11 @@ def test_the_selection_share_is_seeded_disjoint_from_the_reported_prompts_and_ne
     assert selection_split(12, 0.25, seed=0) == ([], list(range(12)))  # 3 prompts: too few to choose on
     assert len(selection_split(16, 0.25, seed=0)[0]) == 4
     assert selection_split(2, 0.9, seed=0) == ([], [0, 1])  # nothing left to report on
+
+
+def test_the_best_is_published_over_the_last_only_when_it_beat_it_by_more_than_the_noise():
+    # 100 responses each: the standard error of the difference at 0.83 against 0.80 is 0.055
+    assert not beats_the_last(0.83, 0.80, "eval/sampled_accuracy", 100)
+    assert beats_the_last(0.66, 0.07, "eval/sampled_accuracy", 100)  # a collapse is no draw
+    assert beats_the_last(0.83, 0.80, "eval/sampled_accuracy", 10_000)
+    assert beats_the_last(0.9, 0.8, "eval/sampled_reward", 100) and not beats_the_last(0.8, 0.8, "eval/sampled_reward", 100)
