@@ -115,8 +115,9 @@ def test_colocated_and_separate_roles_make_the_same_first_step(cluster, prepared
     a = weights(tmp_path, "separate")
     # a ring attends by matmul over gathered keys, one rank by the lean forward's SDPA; the driver
     # computes on all its cores (an actor on its CPU share's one thread): sums in another order,
-    # which Adam's first step turns into weights ~2e-5 apart
-    for name, rel, atol in (("colocated", 1e-5, 1e-6), ("driver", 1e-5, 5e-5), ("ring", 1e-4, 5e-5)):
+    # which Adam's first step turns into weights ~2e-5 apart (Intel Xeon, AMX), 8.5e-5 for the ring
+    # on an AMD EPYC (Zen 4, AVX-512)
+    for name, rel, atol in (("colocated", 1e-5, 1e-6), ("driver", 1e-5, 5e-5), ("ring", 1e-4, 2e-4)):
         for key, value in first.items():
             assert runs[name][key] == pytest.approx(value, rel=rel, abs=1e-6 if name == "ring" else 1e-7), (name, key)
         b = weights(tmp_path, name)
