@@ -109,3 +109,63 @@ def test_a_checkpoint_of_the_synchronous_loop_has_nothing_ahead():
     ahead = RolloutsAhead(engines.produce, 1)
     ahead.load_state_dict(None, 4)
     assert ahead.take(4).version == 0 and ahead.next_step == 5
+
+
+TIMED_REWARD = '''
+import time
+from pathlib import Path
+
+import torch
+
+LOG = Path(__file__).with_suffix(".calls")
+
+def reward_func(queries, prompts, labels, **kwargs):
+    with LOG.open("a") as log:
+        log.write(f"{time.monotonic()}\\n")
+    return torch.zeros(len(queries))
+'''
+
+
+def test_a_real_run_samples_the_next_batch_while_the_step_trains(prepared, tmp_path, capsys, monkeypatch,
+                                                                 one_torch_thread):
+    """`rlhf train ppo --async_train`: the next batch's reward call, after its generation, begins
+    between the start of a step and the end of its training (held 1 s longer here), so sampling
+    ran beside the experience passes and the training; synchronously it never does."""
+    import time
+
+    from rlhf_core.cli import main
+    from rlhf_core.rl.controller import RLController
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    starts: list[float] = []
+    ends: list[float] = []
+    train, train_step = RLController.train, RLController.train_step
+
+    def slow_train(self, samples, plan):
+        out = train(self, samples, plan)
+        time.sleep(1.0)
+        ends.append(time.monotonic())
+        return out
+
+    def timed_step(self):
+        starts.append(time.monotonic())
+        return train_step(self)
+
+    monkeypatch.setattr(RLController, "train", slow_train)
+    monkeypatch.setattr(RLController, "train_step", timed_step)
+    overlaps = {}
+    for mode, extra in (("sync", []), ("async", ["--async_train"])):
+        reward = tmp_path / f"{mode}_reward.py"
+        reward.write_text(TIMED_REWARD)
+        starts.clear()
+        ends.clear()
+        assert main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                     "--input_key", "prompt", "--label_key", "answer", "--remote_rm_url", str(reward),
+                     "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                     "--generate_max_len", "4", "--max_steps", "3", "--save_path", str(tmp_path / mode),
+                     "--use_mlflow", "false", *extra]) == 0, capsys.readouterr().err[-3000:]
+        calls = [float(t) for t in reward.with_suffix(".calls").read_text().split()]
+        assert len(calls) == 3  # one reward call per batch, each batch sampled once
+        # batch t + 1's reward call began inside step t's training
+        overlaps[mode] = [start < calls[t + 1] < end for t, (start, end) in enumerate(zip(starts[:-1], ends[:-1]))]
+    assert overlaps == {"sync": [False, False], "async": [True, True]}, overlaps

@@ -93,21 +93,22 @@ def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_n
     share of the held-out prompts (`select/` metrics), then reports it on the rest (`eval/`). With `--eval.steps` left
     at -1 a run of 10 steps evaluates every step (a tenth of the run): the guard's and the
     choice's default cadence. The published weights are the chosen step's own (its checkpoint's
-    Hugging Face copy, `--ckpt.save_hf`); with `--eval.publish_best false` the last step's."""
+    Hugging Face copy, `--ckpt.save_hf`), a run resumed after the best step publishes the same
+    (the kept weights are in the checkpoint); with `--eval.publish_best false` the last step's."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     (tmp_path / "reward.py").write_text(REWARD)
     held_out = tmp_path / "held_out.jsonl"
     rows = open(f"{prepared['prompts']}/test.jsonl").read().splitlines()[:16]
     held_out.write_text("\n".join(rows) + "\n")
 
-    def train(name: str, *extra: str) -> tuple[dict, str]:
+    def train(name: str, *extra: str, ckpt: str | None = None) -> tuple[dict, str]:
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
                      "--input_key", "prompt", "--label_key", "answer", "--max_samples", "40", "--remote_rm_url",
                      str(tmp_path / "reward.py"), "--eval_dataset", str(held_out), "--eval.task", "addition",
                      "--eval_n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
                      "--train_batch_size", "8", "--generate_max_len", "6", "--actor_learning_rate", "1e-2",
                      "--max_steps", "10", "--save_steps", "1", "--max_ckpt_num", "20", "--save_hf_ckpt",
-                     "--ckpt_path", str(tmp_path / f"{name}_ckpt"), "--save_path", str(tmp_path / name),
+                     "--ckpt_path", str(tmp_path / f"{ckpt or name}_ckpt"), "--save_path", str(tmp_path / name),
                      "--best_metric_key", "sampled_reward", "--use_mlflow", "false", "--seed", "1", *extra])
         out = capsys.readouterr()
         assert code == 0, out.err[-3000:]
@@ -127,6 +128,14 @@ def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_n
     at_best = load_file(str(tmp_path / "published_ckpt" / f"global_step{best}" / "hf" / "model.safetensors"))
     assert all(__import__("torch").equal(published[k], at_best[k]) for k in published)
     assert "eval/sampled_reward" in metrics and "eval_initial/sampled_reward" in metrics  # the reported ones
+
+    # Resumed after the best step (its checkpoint named `latest`), the run ends the same: the kept
+    # weights come back from the checkpoint with the best evaluation, and are what it publishes.
+    (tmp_path / "published_ckpt" / "latest").write_text(f"global_step{best + 1}")
+    metrics, err = train("resumed", "--load_checkpoint", ckpt="published")
+    assert f"at step {best + 1}" in err and metrics["published/step"] == best, err[-3000:]
+    resumed = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert all(__import__("torch").equal(resumed[k], published[k]) for k in published)
 
     metrics, err = train("last", "--eval.publish_best", "false")
     assert metrics["published/step"] == 10 and "publishing the policy" not in err
