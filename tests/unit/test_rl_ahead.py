@@ -167,5 +167,6 @@ def test_a_real_run_samples_the_next_batch_while_the_step_trains(prepared, tmp_p
         calls = [float(t) for t in reward.with_suffix(".calls").read_text().split()]
         assert len(calls) == 3  # one reward call per batch, each batch sampled once
         # batch t + 1's reward call began inside step t's training
-        overlaps[mode] = [start < calls[t + 1] < end for t, (start, end) in enumerate(zip(starts[:-1], ends[:-1]))]
+        steps = enumerate(zip(starts[:-1], ends[:-1], strict=True))
+        overlaps[mode] = [start < calls[t + 1] < end for t, (start, end) in steps]
     assert overlaps == {"sync": [False, False], "async": [True, True]}, overlaps
