@@ -21,6 +21,7 @@ is gone once the actor has moved on, so a resume trains on them instead of sampl
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,8 +71,6 @@ class RolloutsAhead:
     def wait(self) -> float:
         """Block until the background sampling is done (before a weight sync, an evaluation or a
         checkpoint); re-raise what it raised. Returns the seconds waited."""
-        import time
-
         if self._thread is None:
             return 0.0
         t = time.perf_counter()

@@ -48,9 +48,14 @@ class BestMetric:
     def __init__(self, key: str):
         self.key, self.value, self.step = key, float("-inf"), None
 
+    @property
+    def metric(self) -> str:
+        """The evaluation metric it compares ('' resolved to the sampled accuracy)."""
+        return self.AUTO if self.key == "" else self.key
+
     def improves(self, metrics: dict[str, float], step: int) -> bool:
         """Whether `metrics` (one evaluation's, at `step`) beat the best so far; if so, it becomes it."""
-        key = self.AUTO if self.key == "" else self.key
+        key = self.metric
         if self.key == "none" or key not in metrics:
             if self.key not in ("", "none") and metrics:
                 say_once(f"rlhf: --ckpt.best_metric_key {self.key}: the evaluation has no such metric (it has "
@@ -117,7 +122,7 @@ def save(controller, ckpt: str | os.PathLike, run_id: str | None, best: bool = F
         checkpoints.record_tag(ckpt, tag, run_id, "ppo", controller.step, best=best)
         checkpoints.rotate(ckpt, run_id, controller.cfg.ckpt.max_num, controller.cfg.ckpt.max_mem)
     if best:
-        print(f"best checkpoint: {controller.best.key or BestMetric.AUTO}={controller.best.value:.4f} at step "
+        print(f"best checkpoint: {controller.best.metric}={controller.best.value:.4f} at step "
               f"{controller.step}: {checkpoints.location(ckpt, tag)}", file=sys.stderr, flush=True)
     return run_id
 

@@ -92,6 +92,11 @@ def overlong_penalty(raw: torch.Tensor, lengths: torch.Tensor, max_new_tokens: i
     return rewards
 
 
+def as_eval(metrics: dict[str, float]) -> dict[str, float]:
+    """Selection metrics under the `eval/` names the best-metric key and the guard use."""
+    return {k.replace("select/", "eval/", 1): v for k, v in metrics.items()}
+
+
 class RLController:
     def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
                  eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_source, tracker,
@@ -149,6 +154,9 @@ class RLController:
 
             raise ConfigError(f"--eval.stop_on_hacking: this run of {rollout_steps} steps evaluates only before and "
                               "after training (a tenth of the run is under one step): give --eval.steps N")
+        if "async_queue_size" in cfg.train.model_fields_set and not cfg.train.async_enable:
+            not_applied("train.async_queue_size", cfg.train.async_queue_size, "--train.async_enable (--async_train)",
+                        "each batch is sampled at its step")
         self.published_step: int | None = None  # the step whose policy is the output
         # Actor updates the engines hold; a batch sampled `staleness` updates before it trains.
         self.policy_version = 0
@@ -165,7 +173,7 @@ class RLController:
         initial = self.evaluate("eval_initial/") if self.step == 0 else {}
         self._log(initial)
         if self.step == 0 and self.selection is not None:
-            self._evaluated(self.evaluate("select/", *self.selection))  # the policy before training: a candidate too
+            self._check()  # the policy before training: a candidate too
         elif initial and self.guard is not None:
             self.guard.evaluated(0, {k.replace("eval_initial/", "eval/", 1): v for k, v in initial.items()})
         heap.settle()  # the model, optimizer and data are built: later collector passes skip them
@@ -189,7 +197,7 @@ class RLController:
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
         if self.stopped_by_guard is None or evaluated is None:  # else just evaluated: the guard stopped there
             evaluated = self._check()
-        self.published_step = self._publish_best({k.replace("select/", "eval/", 1): v for k, v in evaluated.items()})
+        self.published_step = self._publish_best(as_eval(evaluated))
         final = evaluated
         if self.selection is not None:  # the reported evaluation, on the prompts no choice was made on
             final = {**evaluated, **self.evaluate()}
@@ -212,8 +220,10 @@ class RLController:
 
     def _check(self) -> dict[str, float]:
         """An evaluation during training (or of the last policy, for the choice): on the selection
-        prompts (`select/`) where there are some, else on all of them (`eval/`)."""
-        metrics = self.evaluate("select/", *self.selection) if self.selection is not None else self.evaluate()
+        prompts (`select/`, greedy only where the best is chosen by a greedy metric: the guard reads
+        the sampled accuracy) where there are some, else on all of them (`eval/`)."""
+        metrics = self.evaluate("select/", *self.selection, greedy="greedy" in self.best.metric) \
+            if self.selection is not None else self.evaluate()
         self._evaluated(metrics)
         return metrics
 
@@ -222,7 +232,7 @@ class RLController:
         (`--eval.publish_best`) and, where checkpoints have a place (`--ckpt.path`), its checkpoint
         (`--ckpt.best_metric_key`); then the guard. Both read selection metrics under `eval/` names."""
         self._log(metrics)
-        view = {k.replace("select/", "eval/", 1): v for k, v in metrics.items()}
+        view = as_eval(metrics)
         if self.best.improves(view, self.step):
             if self.publishing:
                 self.actor.call_all("keep_best")
@@ -239,7 +249,7 @@ class RLController:
         best = self.best
         if not self.publishing or best.step is None or best.step == self.step:
             return self.step
-        metric = best.key or best.AUTO
+        metric = best.metric
         responses = len(self.selection[0]) * (1 if "greedy" in metric else self.cfg.eval.n_samples_per_prompt)
         if metric in last and not selection.beats_the_last(best.value, last[metric], metric, responses):
             print(f"rlhf: the best evaluation (step {best.step}, {metric}={best.value:.4f}) is within the noise of the "
@@ -252,7 +262,7 @@ class RLController:
             return self.step
         self.actor.call_all("restore_best")
         self.sync_weights(force=True)  # the reported evaluation samples the published policy
-        print(f"rlhf: publishing the policy of step {best.step} ({best.key or best.AUTO}={best.value:.4f} on the "
+        print(f"rlhf: publishing the policy of step {best.step} ({metric}={best.value:.4f} on the "
               f"selection prompts), the best evaluation of the run, rather than the last (step {self.step})",
               file=sys.stderr, flush=True)
         return best.step
@@ -498,11 +508,11 @@ class RLController:
             self.policy_version += 1  # the actor trained this step (it is frozen until freezing_steps)
 
     # -- evaluation -------------------------------------------------------------------------
-    def evaluate(self, prefix: str = "eval/", prompt_ids: list | None = None, labels: list | None = None
-                 ) -> dict[str, float]:
-        """Held-out prompts (default: the reported ones), sampled at `--eval.temperature` and greedy:
-        the mean reward, and with a task verifier (`--eval.task`, default `--reward.task`) the
-        exact-match accuracy."""
+    def evaluate(self, prefix: str = "eval/", prompt_ids: list | None = None, labels: list | None = None,
+                 greedy: bool = True) -> dict[str, float]:
+        """Held-out prompts (default: the reported ones), sampled at `--eval.temperature` and (with
+        `greedy`) greedy: the mean reward, and with a task verifier (`--eval.task`, default
+        `--reward.task`) the exact-match accuracy."""
         prompt_ids = self.eval_prompt_ids if prompt_ids is None else prompt_ids
         labels = self.eval_labels if labels is None else labels
         if not prompt_ids:
@@ -511,7 +521,7 @@ class RLController:
         verifier = get_task(cfg.eval.task) if cfg.eval.task else None
         out = {}
         for name, temperature, n in (("sampled", cfg.eval.temperature, cfg.eval.n_samples_per_prompt),
-                                     ("greedy", 0.0, 1)):
+                                     ("greedy", 0.0, 1))[: 2 if greedy else 1]:
             groups = self.generate(prompt_ids, n, temperature, seed=cfg.train.seed + 17)
             samples = [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
                        for i, (p, group) in enumerate(zip(prompt_ids, groups, strict=True)) for s in group]

@@ -118,6 +118,7 @@ def test_the_best_evaluated_policy_is_published_and_reported_on_prompts_it_was_n
     chosen = {int(step): float(value) for step, value in
               re.findall(r"\[rl step (\d+)\] .*select/sampled_reward=(-?[\d.]+)", err)}
     assert sorted(chosen) == list(range(11))  # before training, every step, and the last policy
+    assert "select/greedy" not in err  # the choice and the guard read sampled metrics: no greedy pass for them
     best = max(chosen, key=lambda s: (chosen[s], -s))  # the first of the highest
     assert metrics["best/step"] == best and metrics["published/step"] == best
     assert 0 < best < 10 and chosen[10] < chosen[best], chosen  # it moved both ways here: a choice was made
