@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "critic_pretrain": "--critic.model_name_or_path",
                                 "reward_pretrain": "--reward.model_name_or_path"})
             _check_reward_files(cfg.reward.remote_url)
+            if cfg.train.agent_func_path:  # import it now: a broken file is a config error, before any model loads
+                from rlhf_core.rl.agents import load_agent
+
+                load_agent(cfg.train.agent_func_path)
             print(json.dumps(run_rl_stage(cfg), indent=2, sort_keys=True))
             return 0
         if args.command == "train":

@@ -328,6 +328,16 @@ class TrainSection(TrainLoopConfig):
     async_queue_size: int = Field(1, ge=1, description="With train.async_enable: the rollout batches sampled ahead "
                                   "of training, and so the policy updates between a batch's sampling and its "
                                   "training", json_schema_extra=flat("async_queue_size"))
+    agent_func_path: str | None = Field(None, description="An OpenRLHF agent file (AgentInstance with async "
+                                        "reset/step, AgentExecutor(MultiTurnAgentExecutor)): multi-turn episodes "
+                                        "against its environment, which gives the rewards (docs/flags.md)",
+                                        json_schema_extra=flat("agent_func_path"))
+    agent_max_turns: int = Field(0, ge=0, description="With train.agent_func_path: actions per episode at most (0: "
+                                 "until the environment is done or data.max_len tokens are spent)",
+                                 json_schema_extra=flat("agent_max_turns"))
+    agent_timeout_s: float = Field(60.0, gt=0, description="With train.agent_func_path: seconds each environment "
+                                   "call (reset, step) may take; one that misses it, or raises, ends its episode",
+                                   json_schema_extra=flat("agent_timeout_s"))
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "
@@ -564,8 +574,12 @@ class PPOConfig(TrainingStageConfig):
         if self.ref.model_name_or_path is None:
             set_(self.ref, "model_name_or_path", actor.model_name_or_path)
 
-        # Rewards: one kind of source.
-        if len(reward.sources) > 1:
+        # Rewards: one kind of source (an agent's environment gives its own).
+        if train.agent_func_path and reward.sources:
+            problems.append(f"--train.agent_func_path (--agent_func_path): the environment's step() gives the "
+                            f"rewards; drop {', '.join('--reward.' + k for k in reward.sources)} (a held-out "
+                            "verifier is --eval.task)")
+        elif len(reward.sources) > 1:
             problems.append("give one reward source: --reward.model_name_or_path, --reward.remote_url or "
                             f"--reward.task (got {', '.join(reward.sources)})")
         if reward.remote_url is not None:
@@ -713,9 +727,10 @@ class PPOConfig(TrainingStageConfig):
                    for path, value in (("actor.model_name_or_path", self.actor.model_name_or_path),
                                        ("data.prompt_dataset", self.data.prompt_dataset),
                                        ("ckpt.output_dir", self.ckpt.output_dir)) if not value]
-        if not self.reward.sources:
+        if not self.reward.sources and not self.train.agent_func_path:
             missing.append("a reward source is required: --reward.model_name_or_path (--reward_pretrain), "
-                           "--reward.remote_url (--remote_rm_url) or --reward.task (--task)")
+                           "--reward.remote_url (--remote_rm_url), --reward.task (--task) or an agent "
+                           "(--train.agent_func_path)")
         if missing:
             raise ConfigError(f"{self.stage}: " + "; ".join(missing))
 
@@ -745,7 +760,6 @@ PPOConfig.DEFERRED = {
     **_deferred("partial rollouts (a generation interrupted by a weight sync and continued with the new weights) "
                 "come with the frontier-RL work; --train.async_enable samples whole batches ahead", "partial_rollout",
                 "train.partial_rollout_enable"),
-    **_deferred("agentic (multi-turn) RL comes with the frontier-RL work", "agent_func_path", "train.agent_func_path"),
     **_deferred("tensor parallelism of the RL roles (the supervised stages have it; --vllm.tensor_parallel_size "
                 "splits the rollout engines)", "ds_tensor_parallel_size", "ds.tensor_parallel_size"),
     **_deferred("vision-language RL is not planned yet", "data.image_key", "data.max_images_per_prompt",

@@ -38,6 +38,7 @@ from rlhf_core.data.synthetic import get_task
 from rlhf_core.infra import heap
 from rlhf_core.infra.not_applied import not_applied, say_once
 from rlhf_core.rl import checkpoint, guard, selection
+from rlhf_core.rl.agents import agent_stats
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.plan import StepPlan
@@ -100,8 +101,9 @@ def as_eval(metrics: dict[str, float]) -> dict[str, float]:
 class RLController:
     def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
                  eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_source, tracker,
-                 kl_controller, rollout_steps: int):
+                 kl_controller, rollout_steps: int, agent=None):
         self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
+        self.agent = agent  # multi-turn episodes (`rl/agents.AgentRollouts`), or None: one response a prompt
         self.prompt_ids, self.labels = prompt_ids, labels
         self.eval_prompt_ids, self.eval_labels = eval_prompt_ids or [], eval_labels or []
         self.actor, self.critic, self.ref, self.reward_source = actor, critic, ref, reward_source
@@ -364,12 +366,10 @@ class RLController:
         for round_ in range(MAX_FILTER_ROUNDS if cfg.algo.dynamic_filtering_enable else 1):
             indices = self.prompts.take(want - len(kept) // n)
             t = time.perf_counter()
-            groups = self.generate([self.prompt_ids[i] for i in indices], n, cfg.rollout.temperature,
-                                   seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_,
-                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+            fresh = self.draw([self.prompt_ids[i] for i in indices], indices, [self.labels[i] for i in indices], n,
+                              cfg.rollout.temperature, seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_,
+                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
             times["generate"] += time.perf_counter() - t
-            fresh = [RolloutSample(list(self.prompt_ids[i]), list(s.token_ids), i, torch.tensor(s.logprobs),
-                                   s.finished) for i, group in zip(indices, groups, strict=True) for s in group]
             t = time.perf_counter()
             self.score(fresh)
             times["reward"] += time.perf_counter() - t
@@ -395,6 +395,7 @@ class RLController:
                  "rollout/truncated_frac": sum(not s.finished for s in kept) / len(kept)}
         if cfg.algo.dynamic_filtering_enable:
             stats["rollout/filter_pass_rate"] = passed_groups / drawn_groups
+        stats.update(agent_stats(kept))
         return kept, stats
 
     def score(self, samples: list[RolloutSample], labels: list | None = None) -> None:
@@ -522,28 +523,41 @@ class RLController:
         out = {}
         for name, temperature, n in (("sampled", cfg.eval.temperature, cfg.eval.n_samples_per_prompt),
                                      ("greedy", 0.0, 1))[: 2 if greedy else 1]:
-            groups = self.generate(prompt_ids, n, temperature, seed=cfg.train.seed + 17)
-            samples = [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
-                       for i, (p, group) in enumerate(zip(prompt_ids, groups, strict=True)) for s in group]
+            samples = self.draw(prompt_ids, list(range(len(prompt_ids))), labels, n, temperature, seed=cfg.train.seed + 17)
             self.score(samples, labels)
             out[f"{prefix}{name}_reward"] = sum(s.score for s in samples) / len(samples)
-            if verifier is not None:
-                responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+            if verifier is not None:  # an episode's answer is its last action
+                responses = [s.extra["final_text"] if "final_text" in s.extra else
+                             self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
                 out[f"{prefix}{name}_accuracy"] = sum(
                     verifier.score(r, labels[s.prompt_index]) for r, s in zip(responses, samples, strict=True)
                 ) / len(samples)
         self.engines.sleep()
         return out
 
+    def draw(self, prompt_ids: list[list[int]], indices: list[int], labels: list, n: int, temperature: float,
+             seed: int, top_k: int = -1, top_p: float = 1.0) -> list[RolloutSample]:
+        """`n` samples of each prompt (`prompt_ids[k]` is prompt `indices[k]` of its set): one response
+        each, or with an agent one episode each (its rewards in `extra`, read by the agent's reward source)."""
+        if self.agent is not None:
+            self.engines.wake_up()
+            return self.agent.run(prompt_ids, indices, labels, n, temperature, seed, top_k=top_k, top_p=top_p,
+                                  generate=lambda ids, t, budget, sd, k, p: [
+                                      group[0] for group in self.generate(ids, 1, t, sd, k, p, budget)])
+        groups = self.generate(prompt_ids, n, temperature, seed, top_k=top_k, top_p=top_p)
+        return [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
+                for i, p, group in zip(indices, prompt_ids, groups, strict=True) for s in group]
+
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, max_new_tokens: int | None = None):
         self.engines.wake_up()
         size = self.cfg.rollout.vllm_generate_batch_size or len(prompt_ids) or 1
+        budget = max_new_tokens or self.cfg.rollout.max_new_tokens
         out = []
         for start in range(0, len(prompt_ids), size):  # `--rollout.vllm_generate_batch_size` prompts a call
             # seed + start: one vLLM engine seeds prompt i with seed + i, so a split draws what one call would
-            out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature,
-                                             self.cfg.rollout.max_new_tokens, seed + start, top_k=top_k, top_p=top_p)
+            out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature, budget, seed + start,
+                                             top_k=top_k, top_p=top_p)
         return out
 
     # -- reporting --------------------------------------------------------------------------

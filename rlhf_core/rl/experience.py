@@ -3,7 +3,10 @@
 A `RolloutSample` is one response to one prompt: the token ids, the engine's log-probs and,
 filled in by the controller, the reward, the old policy's and the reference's log-probs, the
 critic's values, the advantages and returns. Per-token tensors are `(T_i,)`, one entry per
-response token, so samples shard across ranks by plain slicing and nothing depends on padding.
+trained response token, so samples shard across ranks by plain slicing and nothing depends on
+padding. A single-turn response trains on all its tokens; a multi-turn episode (`rl/agents.py`)
+interleaves the policy's actions with the environment's feedback, and `action_mask` marks the
+action tokens: only they carry loss, KL, values and advantages, and `T_i` counts them.
 
 `collate` turns samples into a training `Batch` (padded, or packed with each prompt computed once
 per group) plus the `(N, T_max)` layout of their response tokens (`models.forward.response_index`);
@@ -36,10 +39,22 @@ class RolloutSample:
     advantages: torch.Tensor | None = None  # (T,)
     returns: torch.Tensor | None = None  # (T,)
     extra: dict = field(default_factory=dict)
+    action_mask: list[int] | None = None  # per response token, 1 where the policy sampled it (None: all)
 
     @property
     def response_len(self) -> int:
-        return len(self.response_ids)
+        """Trained tokens: the length of every per-token tensor."""
+        return len(self.response_ids) if self.action_mask is None else sum(self.action_mask)
+
+    @property
+    def sequence_len(self) -> int:
+        """Tokens the models read: prompt and whole response."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """Per response token: 1 where it is trained."""
+        return [1] * len(self.response_ids) if self.action_mask is None else list(self.action_mask)
 
 
 def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
@@ -70,7 +85,8 @@ def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capaci
     padding it saves.
     """
     key = (pad_id, packing, row_capacity,
-           tuple((s.prompt_index, tuple(s.prompt_ids), tuple(s.response_ids)) for s in samples))
+           tuple((s.prompt_index, tuple(s.prompt_ids), tuple(s.response_ids),
+                  None if s.action_mask is None else tuple(s.action_mask)) for s in samples))
     hit = _COLLATED.get(key)
     if hit is not None:
         _COLLATED.move_to_end(key)
@@ -85,10 +101,10 @@ def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capaci
 def _collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
              ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
-    masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
+    masks = [[0] * len(s.prompt_ids) + s.loss_mask for s in samples]
     groups = prompt_groups(samples)
     if packing and len(groups) < len(samples):
-        longest = max(len(seqs[g[0]]) + sum(s.response_len for s in (samples[i] for i in g[1:])) for g in groups)
+        longest = max(len(seqs[g[0]]) + sum(len(samples[i].response_ids) for i in g[1:]) for g in groups)
         capacity = 2 * longest if row_capacity is None else max(longest, min(row_capacity, 2 * longest))
         batch = pack_shared_prefix(seqs, masks, groups, capacity, pad_id)
     else:

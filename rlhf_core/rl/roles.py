@@ -115,7 +115,7 @@ def plain_state(module) -> dict[str, torch.Tensor]:
 
 
 def sequence_len(sample: RolloutSample) -> int:
-    return len(sample.prompt_ids) + sample.response_len
+    return sample.sequence_len
 
 
 def all_reduce_max(value: int) -> int:

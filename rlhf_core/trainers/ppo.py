@@ -266,7 +266,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
     precision = precision_of(cfg.ds).value
     tracker = Tracker(cfg.use_mlflow, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage, cfg.mlflow_parent_run_id,
                       tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(), "rlhf.precision": precision})
-    roles = None
+    roles = agent = None
     started_ray = False
     try:
         attach_dashboards(tracker, cfg)
@@ -288,7 +288,14 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
             roles = local_roles(cfg, specs, actor_path)
-        if cfg.reward.placeholder_token is not None:
+        agent = None
+        if cfg.train.agent_func_path:
+            from rlhf_core.rl.agents import AgentRewardSource, AgentRollouts, load_agent
+
+            agent = AgentRollouts(load_agent(cfg.train.agent_func_path), tokenizer, cfg.data.max_len,
+                                  cfg.rollout.max_new_tokens, cfg.train.agent_max_turns, cfg.train.agent_timeout_s)
+            rewards = AgentRewardSource()
+        elif cfg.reward.placeholder_token is not None:
             rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,
                                           cfg.reward.process_enable)
         elif reward_paths:
@@ -298,7 +305,8 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
         roles.engines.sync(roles.actor)
         controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, roles.engines,
                                   roles.actor, roles.critic, roles.ref, rewards, tracker,
-                                  kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps)
+                                  kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps,
+                                  agent=agent)
         metrics = controller.run()
         manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision,
                                resume=controller.resume, critic=roles.critic)
@@ -306,6 +314,8 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
         tracker.finish("FAILED")
         raise
     finally:
+        if agent is not None:
+            agent.close()
         if roles is not None:
             roles.shutdown()
         if started_ray:

@@ -63,7 +63,6 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 @pytest.mark.parametrize("stage, argv", [
     ("ppo", ["--partial_rollout", "--async_train"]),
-    ("ppo", ["--train.agent_func_path", "agent.py"]),
     ("ppo", ["--data.image_key", "images"]),
     ("ppo", ["--ds_tensor_parallel_size", "2"]),
 ])

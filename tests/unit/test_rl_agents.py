@@ -1,0 +1,260 @@
+"""Multi-turn episodes against an environment (`rl/agents.py`): what the policy sampled is trained,
+what the environment wrote is not; rewards add up over turns; budgets and turn limits end an
+episode; an environment that raises, hangs or answers nonsense ends its episode, never the run;
+OpenRLHF's agent files load as written."""
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.infra.settings import ConfigError
+from rlhf_core.rl import agents
+from rlhf_core.rl.agent_api import AgentInstanceBase
+from rlhf_core.rl.agents import AgentError, AgentRewardSource, AgentRollouts, agent_stats, load_agent
+from rlhf_core.rollout.base import Sample
+
+
+class CharTokenizer:
+    """One token per character (its code point): what was tokenized is plain to read back."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class Script:
+    """A stand-in engine: the episode of prompt "k>" answers at its turn t `replies[k][t]` (log-prob -0.5 - position/100
+    per token, so each token's log-prob is recognisable); records each call."""
+
+    def __init__(self, replies):
+        self.replies, self.calls, self.turn_of = replies, [], {}
+
+    def __call__(self, prompt_ids, temperature, max_new_tokens, seed, top_k, top_p):
+        self.calls.append({"n": len(prompt_ids), "temperature": temperature, "budget": max_new_tokens})
+        out = []
+        for ids in prompt_ids:
+            text = "".join(map(chr, ids))
+            k = int(text[text.index(">") - 1])  # the prompt's digit before its ">" says which episode it is
+            t = self.turn_of.get(k, 0)
+            self.turn_of[k] = t + 1
+            text = self.replies[k][t]
+            out.append(Sample(tuple(ord(c) for c in text), tuple(-0.5 - j / 100 for j in range(len(text))), True))
+        return out
+
+
+def episodes(instance_cls, replies, prompts=("0>",), labels=None, max_length=64, max_new_tokens=8, **kwargs):
+    runner = AgentRollouts(instance_cls, CharTokenizer(), max_length, max_new_tokens, **kwargs)
+    engine = Script(replies)
+    try:
+        ids = [[ord(c) for c in p] for p in prompts]
+        out = runner.run(ids, list(range(len(prompts))), list(labels or ["x"] * len(prompts)), 1, 1.0, 0, engine)
+    finally:
+        runner.close()
+    return out, engine
+
+
+class TwoTries(AgentInstanceBase):
+    """Right answer `label`: reward 1 and done; wrong: reward -0.25, feedback `?`, one more try."""
+
+    def __init__(self):
+        self.tries = 0
+
+    async def step(self, states):
+        self.tries += 1
+        right = states["action_text"] == states["label"]
+        done = right or self.tries == 2
+        return {"rewards": torch.tensor([1.0 if right else -0.25]), "environment_feedback": "" if done else "?",
+                "done": done, "extra_logs": {"tries": self.tries}}
+
+
+def test_actions_are_trained_feedback_is_not_and_rewards_add_up_over_turns():
+    (s,), engine = episodes(TwoTries, {0: ["ab", "x"]})
+    assert s.prompt_ids == [ord("0"), ord(">")]
+    assert s.response_ids == [ord(c) for c in "ab?x"]
+    assert s.action_mask == [1, 1, 0, 1]
+    assert s.response_len == 3 and s.sequence_len == 6  # per-token tensors: the action tokens only
+    assert torch.allclose(s.rollout_logprobs, torch.tensor([-0.5, -0.51, -0.5]))  # both turns' own log-probs
+    assert s.extra["agent_reward"] == pytest.approx(0.75) and s.extra["agent_score"] == pytest.approx(0.75)
+    assert s.finished and s.extra["turns"] == 2 and s.extra["final_text"] == "x"
+    assert [c["budget"] for c in engine.calls] == [62, 59]  # the episode's remaining room each turn
+    rewards, scores = AgentRewardSource().score([s], ["x"])
+    assert rewards.tolist() == [0.75] and scores.tolist() == [0.75]
+    assert agent_stats([s]) == {"rollout/agent_turns": 2.0, "rollout/agent_failed_frac": 0.0,
+                                "rollout/agent/tries": 2.0}
+
+
+def test_the_token_budget_and_the_turn_limit_end_an_episode():
+    class Never(AgentInstanceBase):
+        def __init__(self):
+            pass
+
+        async def step(self, states):
+            return {"rewards": 0.5, "environment_feedback": "feedback!", "done": False}
+
+    (s,), engine = episodes(Never, {0: ["abcdef"] * 9}, max_length=16)
+    # 2 prompt tokens, 6 action, 8 of the 9 feedback characters (the budget cuts the rest), then no room
+    assert s.response_ids == [ord(c) for c in "abcdef" + "feedback"] and sum(s.action_mask) == 6
+    assert not s.finished and s.extra["turns"] == 1 and s.extra["agent_reward"] == 0.5
+    (s,), engine = episodes(Never, {0: ["a"] * 9}, max_length=64, max_turns=3)
+    assert s.extra["turns"] == 3 and len(engine.calls) == 3 and s.extra["agent_reward"] == 1.5 and not s.finished
+
+
+def test_episodes_are_batched_per_turn_and_a_returned_temperature_is_honoured():
+    class Cooler(AgentInstanceBase):
+        def __init__(self):
+            self.turn = 0
+
+        async def step(self, states):
+            self.turn += 1
+            params = states["sampling_params"]
+            if states["label"] == "cool":
+                params.temperature = 0.25
+            return {"rewards": 0.0, "environment_feedback": ";", "done": self.turn == 2, "sampling_params": params}
+
+    out, engine = episodes(Cooler, {0: ["a", "b"], 1: ["c", "d"]}, prompts=("0>", "1>"), labels=("warm", "cool"))
+    assert [c["n"] for c in engine.calls] == [2, 1, 1]  # one call for both first turns; then one per temperature
+    assert sorted(c["temperature"] for c in engine.calls[1:]) == [0.25, 1.0]
+    assert [s.extra["turns"] for s in out] == [2, 2]
+
+
+def test_an_environment_that_raises_hangs_or_answers_nonsense_ends_its_episode_only(monkeypatch):
+    monkeypatch.setattr(agents, "GRACE_S", 0.5)
+
+    class Faulty(AgentInstanceBase):
+        def __init__(self):
+            pass
+
+        async def step(self, states):
+            kind = states["label"]
+            if kind == "raise":
+                raise ValueError("the tool crashed")
+            if kind == "async-hang":
+                await asyncio.sleep(600)
+            if kind == "sync-hang":
+                time.sleep(3)  # blocks its event loop's thread
+            if kind == "nonsense":
+                return {"rewards": "lots"}
+            return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+    labels = ("ok", "raise", "async-hang", "nonsense", "sync-hang", "ok", "ok", "ok")
+    prompts = tuple(f"{k}>" for k in range(len(labels)))
+    started = time.perf_counter()
+    out, _ = episodes(Faulty, {k: ["a"] for k in range(len(labels))}, prompts=prompts, labels=labels, timeout_s=1.0)
+    assert time.perf_counter() - started < 10
+    failed = {labels[s.prompt_index] for s in out if s.extra["failed"]}
+    assert failed == {"raise", "async-hang", "nonsense", "sync-hang"}
+    for s in out:
+        assert s.extra["agent_reward"] == (0.0 if s.extra["failed"] else 1.0)
+        assert s.response_len == 1 and not s.finished == s.extra["failed"]
+    assert agent_stats(out)["rollout/agent_failed_frac"] == 0.5
+
+
+def test_an_environment_that_fails_every_episode_is_an_error():
+    class Broken(AgentInstanceBase):
+        def __init__(self):
+            pass
+
+        async def step(self, states):
+            raise KeyError("answer")
+
+    with pytest.raises(AgentError, match="every one of 2 episodes.*KeyError"):
+        episodes(Broken, {0: ["a"], 1: ["b"]}, prompts=("0>", "1>"))
+
+
+def test_an_async_init_and_a_rewritten_observation_cut_from_the_left():
+    class Rewrites(AgentInstanceBase):
+        async def __init__(self):  # OpenRLHF v0.9.10's example declares __init__ async
+            self.ready = True
+
+        async def reset(self, states):
+            return {"observation": "0" + "long context " * 4 + states["observation"]}
+
+        def step(self, states):  # a plain function works too
+            return {"rewards": float(self.ready), "environment_feedback": "", "done": True}
+
+    (s,), _ = episodes(Rewrites, {0: ["ab"]}, max_length=20, max_new_tokens=8)
+    assert len(s.prompt_ids) == 12 and CharTokenizer().decode(s.prompt_ids).endswith("ntext 0>")
+    assert s.extra["agent_reward"] == 1.0
+
+
+AGENT_FILE = '''
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.steps = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.steps += 1
+        return {"rewards": torch.tensor([1.0]), "scores": torch.tensor([1.0]), "environment_feedback": "",
+                "done": True, "sampling_params": states.get("sampling_params"), "extra_logs": {}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def test_an_openrlhf_agent_file_loads_as_written_and_leaves_no_openrlhf_module_behind(tmp_path):
+    path = tmp_path / "agent_func.py"
+    path.write_text(AGENT_FILE)
+    cls = load_agent(str(path))
+    assert cls.__name__ == "AgentInstance" and issubclass(cls, AgentInstanceBase)
+    assert "openrlhf" not in sys.modules and "openrlhf.utils.agent" not in sys.modules
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("import nothing_here\n", "importing it failed: ModuleNotFoundError"),
+    ("x = 1\n", "defines no AgentExecutor"),
+    (AGENT_FILE.replace("(MultiTurnAgentExecutor)", "").replace("super().__init__(AgentInstance)", "pass"),
+     "must subclass MultiTurnAgentExecutor"),
+    (AGENT_FILE + "\n    async def execute(self, *args, **kwargs):\n        return {}\n", "overrides execute"),
+])
+def test_a_bad_agent_file_is_a_config_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "agent.py"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_agent(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(ConfigError, match="must be a Python file"):
+        load_agent(str(Path(tmp_path) / "agent.txt"))
+
+
+def test_env_tokens_inside_a_response_are_read_but_not_trained(prepared):
+    """Collated (padded and packed with a sibling), an episode's per-token log-probs are the model's
+    at its action tokens, in order, as a plain forward of the whole sequence gives them."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.algos.losses import gather_token_logprobs
+    from rlhf_core.models.forward import response_logits
+    from rlhf_core.rl.experience import RolloutSample, collate
+
+    model = AutoModelForCausalLM.from_pretrained(prepared["base"]).eval()
+    prompt, response = [1, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
+    mask = [1, 1, 0, 0, 1, 0, 1]
+    episode = RolloutSample(prompt, response, 0, torch.zeros(4), True, action_mask=mask)
+    sibling = RolloutSample(prompt, [15, 16, 17], 0, torch.zeros(3), True)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+        full = torch.log_softmax(logits, -1)
+        positions = [len(prompt) + t for t, m in enumerate(mask) if m]
+        expected = torch.stack([full[p - 1, (prompt + response)[p]] for p in positions])
+        for packing in (False, True):
+            batch, index, valid = collate([episode, sibling], 0, packing, 64)
+            assert valid[0].sum() == 4  # the episode's four action tokens, the environment's three left out
+            lp = gather_token_logprobs(response_logits(model, batch, index, 1.0), batch.input_ids.reshape(-1)[index])
+            torch.testing.assert_close(lp[0, :4].float(), expected, atol=1e-5, rtol=0)
