@@ -49,6 +49,8 @@ class SyntheticTask:
     mutate: Callable[[str, random.Random], str]
     # Tasks whose answers are steps: (prompt, response) -> a "+"/"-" label per step (process reward models)
     step_labels: Callable[[str, str], list[str]] | None = None
+    # Tasks with a tool: (prompt, answer, rng) -> a demonstration conversation (SFT rows' "messages")
+    conversation: Callable[[str, str, random.Random], list[dict]] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -139,6 +141,30 @@ def _sort_generate(rng: random.Random) -> Example:
     return f"sort: {''.join(letters)}", "".join(sorted(letters))
 
 
+# --- multiply (with a calculator tool) ----------------------------------------------------------
+
+# Three digits times two: beyond what a tiny model learns to do in its head from a few thousand
+# examples, and one call of the calculator tool away (`rl/calculator_agent.py`). The tool's
+# syntax is an assistant turn of its own, `calc: EXPRESSION`; its result comes back as a user turn.
+TOOL_CALL_PREFIX = "calc: "
+TOOL_DEMO_RATE = 0.25  # the demonstrations that call the tool; the rest answer in one turn
+
+
+def _multiply_generate(rng: random.Random) -> Example:
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
+    return f"mul {a}*{b}=", str(a * b)
+
+
+def _multiply_conversation(prompt: str, answer: str, rng: random.Random) -> list[dict]:
+    """A demonstration: with probability TOOL_DEMO_RATE the call, the tool's result and the answer;
+    otherwise the answer at once (what a model does without the tool)."""
+    if rng.random() >= TOOL_DEMO_RATE:
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    expression = prompt.removeprefix("mul ").removesuffix("=")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": TOOL_CALL_PREFIX + expression},
+            {"role": "user", "content": answer}, {"role": "assistant", "content": answer}]
+
+
 TASKS: dict[str, SyntheticTask] = {
     task.name: task
     for task in (
@@ -172,6 +198,15 @@ TASKS: dict[str, SyntheticTask] = {
             max_answer_len=SORT_MAX_LEN,
             generate=_sort_generate,
             mutate=_edit_letters,
+        ),
+        SyntheticTask(
+            name="multiply",
+            description="a 3-digit number times a 2-digit one, with a calculator tool (SFT rows carry tool-use "
+            f"conversations for --multiturn in a {TOOL_DEMO_RATE:.0%} share; RL: --agent_func_path calculator)",
+            max_answer_len=5,
+            generate=_multiply_generate,
+            mutate=_addition_mutate,
+            conversation=_multiply_conversation,
         ),
     )
 }
@@ -247,9 +282,15 @@ def build_splits(
             return {"response": task.near_miss(answer, error_rng), "demo_correct": False}
         return {"response": answer, "demo_correct": True}
 
+    talk_rng = random.Random(f"{seed}-conversations")
+
+    def conversation(prompt: str, row: dict) -> dict:
+        return {"messages": task.conversation(prompt, row["response"], talk_rng)} if task.conversation else {}
+
     splits: dict[str, dict[str, list[dict]]] = {"sft": {}, "preference": {}, "prompts": {}}
     for split, examples in (("train", train), ("test", test)):
-        splits["sft"][split] = [{"prompt": p, **demonstration(a, split)} for p, a in examples]
+        splits["sft"][split] = [{"prompt": p, **(d := demonstration(a, split)), **conversation(p, d)}
+                                for p, a in examples]
         splits["preference"][split] = [
             {"prompt": p, "chosen": a, "rejected": task.near_miss(a, miss_rng)} for p, a in examples
         ]

@@ -71,10 +71,15 @@ def _openrlhf_names():
                 sys.modules[name] = module
 
 
+# Environments that come with rlhf, by the name `--agent_func_path` takes instead of a file.
+BUILTIN_AGENTS = {"calculator": Path(__file__).with_name("calculator_agent.py")}
+
+
 def load_agent(path: str) -> type:
-    """The environment class of an OpenRLHF agent file: the `AgentInstance` its `AgentExecutor`
-    (a `MultiTurnAgentExecutor`) runs. Raises `ConfigError` naming the file and what is wrong."""
-    file = Path(path)
+    """The environment class of an OpenRLHF agent file (or of a built-in one, `BUILTIN_AGENTS`):
+    the `AgentInstance` its `AgentExecutor` (a `MultiTurnAgentExecutor`) runs. Raises
+    `ConfigError` naming the file and what is wrong."""
+    file = BUILTIN_AGENTS.get(path, Path(path))
     if file.suffix != ".py":
         raise ConfigError(f"--train.agent_func_path {path}: must be a Python file (.py)")
     if not file.is_file():

@@ -526,6 +526,7 @@ class RLController:
             samples = self.draw(prompt_ids, list(range(len(prompt_ids))), labels, n, temperature, seed=cfg.train.seed + 17)
             self.score(samples, labels)
             out[f"{prefix}{name}_reward"] = sum(s.score for s in samples) / len(samples)
+            out.update({f"{prefix}{name}_{k.removeprefix('rollout/')}": v for k, v in agent_stats(samples).items()})
             if verifier is not None:  # an episode's answer is its last action
                 responses = [s.extra["final_text"] if "final_text" in s.extra else
                              self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]

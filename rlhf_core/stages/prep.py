@@ -106,7 +106,8 @@ def prepare(
             storage.write_text_atomic(file, storage.jsonl_text(rows))
             paths[f"prm_{split}"] = str(file)
 
-    train_texts = [text for row in splits["sft"]["train"] for text in (row["prompt"], row["response"])]
+    train_texts = [text for row in splits["sft"]["train"]
+                   for text in (row["prompt"], row["response"], *(m["content"] for m in row.get("messages", ())))]
     # A task of steps marks them with the PRM's placeholder: one token wherever it stands.
     extra = [PLACEHOLDER] if synthetic_task.step_labels is not None else []
     if model_family is None:

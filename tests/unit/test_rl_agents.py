@@ -258,3 +258,93 @@ def test_env_tokens_inside_a_response_are_read_but_not_trained(prepared):
             assert valid[0].sum() == 4  # the episode's four action tokens, the environment's three left out
             lp = gather_token_logprobs(response_logits(model, batch, index, 1.0), batch.input_ids.reshape(-1)[index])
             torch.testing.assert_close(lp[0, :4].float(), expected, atol=1e-5, rtol=0)
+
+
+# OpenRLHF's example environment as its v0.9.10 file writes it (`async def __init__`, 1-3 random
+# turns, feedback that opens a new "Human:" turn), rewritten here with a fixed seed.
+OPENRLHF_STYLE_FILE = '''
+import random
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+RNG = random.Random(0)
+
+
+class AgentInstance(AgentInstanceBase):
+    async def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+        self.max_steps = RNG.randint(1, 3)
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        done = self.step_idx >= self.max_steps
+        reward = torch.tensor([float(len(states["action_text"]) % 2)]) if done else torch.tensor(0)
+        feedback = "[CORRECT]" if done else " Human: [INCORRECT] try again. Assistant: "
+        self.step_idx += 1
+        return {"rewards": reward, "scores": reward, "environment_feedback": feedback, "done": done,
+                "sampling_params": states.get("sampling_params", None), "extra_logs": {"dummy_scores": reward}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+@pytest.mark.slow
+def test_an_openrlhf_style_agent_file_trains_asynchronously_with_its_flat_flags(prepared, tmp_path, capsys,
+                                                                                   one_torch_thread):
+    import json
+
+    from rlhf_core.cli import main
+
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(OPENRLHF_STYLE_FILE)
+    assert main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--agent_func_path", str(agent), "--advantage_estimator", "reinforce_baseline",
+                 "--n_samples_per_prompt", "2", "--rollout_batch_size", "8", "--train_batch_size", "16",
+                 "--micro_train_batch_size", "8", "--generate_max_len", "24", "--prompt_max_len", "16",
+                 "--param_dtype", "fp32", "--use_mlflow", "false", "--max_steps", "3", "--async_train",
+                 "--packing_samples", "--save_path", str(tmp_path / "out")]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    assert metrics["rollout/staleness"] == 1.0 and metrics["rollout/agent_failed_frac"] == 0.0
+    # an untrained model rarely ends its first action before the episode's budget: one turn each mostly
+    # (tests/learning/test_rl_agent_learning.py trains real multi-turn episodes)
+    assert metrics["rollout/agent_turns"] >= 1.0 and "rollout/agent/dummy_scores" in metrics
+
+
+def test_the_built_in_calculator_environment_runs_its_tool_and_scores_the_answer():
+    cls = load_agent("calculator")
+    env = cls()
+
+    def step(action, label="27531"):
+        return asyncio.run(env.step({"action_text": action, "label": label, "observation_text": ""}))
+
+    called = step("calc: 483*57<|eos|>")
+    assert called["environment_feedback"] == "<|user|>27531<|assistant|>" and not called["done"]
+    assert called["rewards"] == 0.0 and called["extra_logs"]["tool_calls"] == 1
+    assert step("27531<|eos|>") == {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True,
+                                    "extra_logs": {"tool_calls": 1, "used_tool": 1.0}}
+    assert step("27530<|eos|>")["rewards"] == 0.0
+    env = cls()
+    crashed = step("calc: __import__('os').system('true')")  # not arithmetic: the tool raises, the episode ends
+    assert crashed["done"] and crashed["rewards"] == 0.0
+
+
+def test_a_tool_that_hangs_is_killed_at_its_deadline_and_the_sandbox_starts_again():
+    from rlhf_core.rl.tools import ToolError, ToolSandbox
+
+    sandbox = ToolSandbox(timeout_s=0.5)
+    try:
+        assert sandbox.call("calc", "(2+3)*4") == "20"
+        started = time.perf_counter()
+        with pytest.raises(ToolError, match="no answer within 0.5 s"):
+            sandbox.call("hang", "")
+        assert time.perf_counter() - started < 3
+        with pytest.raises(ToolError, match="ZeroDivisionError"):
+            sandbox.call("calc", "1//0")
+        assert sandbox.call("calc", "7*6") == "42" and sandbox.restarts == 1
+    finally:
+        sandbox.close()

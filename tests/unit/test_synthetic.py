@@ -32,6 +32,8 @@ def _solve(prompt: str, name: str = "") -> str:
         return m[1][::-1]
     if m := re.fullmatch(r"sort: ([A-Z]+)", prompt):
         return "".join(sorted(m[1]))
+    if m := re.fullmatch(r"mul (\d{3})\*(\d{2})=", prompt):
+        return str(int(m[1]) * int(m[2]))
     raise AssertionError(f"unexpected prompt format {prompt!r}")
 
 
@@ -73,7 +75,7 @@ def test_near_miss_is_wrong_but_close(name):
             miss = task.near_miss(answer, rng)
             assert miss and miss != answer and not task.verify(miss, answer)
             close = _levenshtein(miss, answer) <= 2  # an adjacent swap costs 2
-            if name == "addition":
+            if name in ("addition", "multiply"):
                 assert miss.isdigit() and (miss == "0" or miss[0] != "0")
                 close = close or abs(int(miss) - int(answer)) in (1, 10)
             elif name == "addition_steps":  # one carry flipped and followed through: the sum off by 10^k
@@ -160,3 +162,16 @@ def test_demo_error_rate_corrupts_only_training_demonstrations():
     assert all(r["response"] == answers[r["prompt"]] for r in noisy["sft"]["train"] if r["demo_correct"])
     with pytest.raises(ValueError, match="demo_error_rate"):
         build_splits(task, seed=3, n_train=10, n_test=5, demo_error_rate=1.0)
+
+
+def test_the_multiply_tasks_demonstrations_call_the_tool_in_a_quarter_of_the_rows():
+    from rlhf_core.data.synthetic import TOOL_CALL_PREFIX, build_splits, get_task
+
+    rows = build_splits(get_task("multiply"), seed=0, n_train=2000, n_test=10)["sft"]["train"]
+    calls = [r["messages"] for r in rows if len(r["messages"]) == 4]
+    assert 0.2 < len(calls) / len(rows) < 0.3
+    for talk in calls:
+        a, b = talk[0]["content"].removeprefix("mul ").removesuffix("=").split("*")
+        assert talk[1]["content"] == f"{TOOL_CALL_PREFIX}{a}*{b}" and talk[2]["content"] == talk[3]["content"]
+        assert talk[3]["content"] == str(int(a) * int(b))
+    assert all(r["messages"][-1]["content"] == r["response"] for r in rows)

@@ -1,0 +1,47 @@
+"""Multi-turn RL with a tool: on the built-in `multiply` task (a 3-digit number times a 2-digit
+one, beyond what the tiny model learns to do in its head), an SFT model that calls the
+calculator in a quarter of its demonstrations learns from the task's reward to call it: held-out
+success rises by well over 15 points and tool use goes to nearly every episode.
+
+The whole chain as a user runs it: `rlhf prep --task multiply` (SFT rows with tool-use
+conversations), `rlhf train sft --multiturn`, `rlhf train ppo --agent_func_path calculator` (the
+built-in environment, an OpenRLHF agent file, with its tool in the sandbox). fp32, one
+in-process rank each; about a minute and a half on 2 cores.
+"""
+
+import json
+
+import pytest
+
+from rlhf_core.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_rl_with_the_calculator_tool_raises_success_and_the_policy_learns_to_call_it(tmp_path, capsys):
+    prep = tmp_path / "prep"
+    assert main(["prep", "--task", "multiply", "--out", str(prep), "--n_train", "4000", "--n_test", "200",
+                 "--seed", "0"]) == 0
+    sft = tmp_path / "sft"
+    assert main(["train", "sft", "--pretrain", str(prep / "base"), "--dataset", f"json@{prep / 'data' / 'sft'}",
+                 "--input_key", "messages", "--multiturn", "--apply_chat_template", "--max_len", "64",
+                 "--packing_samples", "--param_dtype", "fp32", "--lr_warmup_ratio", "0.05", "--seed", "0",
+                 "--use_mlflow", "false", "--learning_rate", "1e-3", "--max_epochs", "50", "--train_batch_size", "32",
+                 "--micro_train_batch_size", "32", "--max_steps", "600", "--save_path", str(sft)]) == 0
+    capsys.readouterr()
+    prompts = f"json@{prep / 'data' / 'prompts'}"
+    assert main(["train", "ppo", "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", prompts,
+                 "--data.apply_chat_template", "--eval.dataset", prompts, "--eval.temperature", "1.0",
+                 "--eval.n_samples_per_prompt", "2", "--eval.task", "multiply", "--agent_func_path", "calculator",
+                 "--ckpt.output_dir", str(tmp_path / "rl"), "--ds.param_dtype", "fp32", "--use_mlflow", "false",
+                 "--train.seed", "0", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+                 "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
+                 "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", "30",
+                 "--rollout.max_new_tokens", "24", "--data.prompt_max_len", "24"]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    before, after = metrics["eval_initial/sampled_accuracy"], metrics["eval/sampled_accuracy"]
+    print(f"held-out success (150 prompts x 2, T=1): SFT {before:.3f} -> RL {after:.3f}; tool use "
+          f"{metrics['eval_initial/sampled_agent/used_tool']:.2f} -> {metrics['eval/sampled_agent/used_tool']:.2f}")
+    assert after >= before + 0.15
+    assert metrics["eval_initial/sampled_agent/used_tool"] < 0.5 < 0.9 < metrics["eval/sampled_agent/used_tool"]
+    assert metrics["rollout/agent_failed_frac"] == 0.0 and metrics["rollout/agent_turns"] > 1.5
