@@ -328,6 +328,11 @@ class TrainSection(TrainLoopConfig):
     async_queue_size: int = Field(1, ge=1, description="With train.async_enable: the rollout batches sampled ahead "
                                   "of training, and so the policy updates between a batch's sampling and its "
                                   "training", json_schema_extra=flat("async_queue_size"))
+    partial_rollout_enable: bool = Field(False, description="With train.async_enable: a weight sync does not wait "
+                                         "for the batches sampled ahead; their unfinished responses go on with "
+                                         "the new weights from the end of the current generation segment "
+                                         "(each token's policy version is kept and its staleness logged)",
+                                         json_schema_extra=flat("partial_rollout"))
     agent_func_path: str | None = Field(None, description="An OpenRLHF agent file (AgentInstance with async "
                                         "reset/step, AgentExecutor(MultiTurnAgentExecutor)): multi-turn episodes "
                                         "against its environment, which gives the rewards (docs/flags.md)",
@@ -549,6 +554,9 @@ class PPOConfig(TrainingStageConfig):
             problems.append("--algo.advantage.is_correction_type seq-mask-tis with --ds.ring_attn_size: a ring splits "
                             "each sequence's tokens over its ranks, and the sequence's mean weight needs them all; "
                             "not built")
+        if train.partial_rollout_enable and not train.async_enable:  # as OpenRLHF refuses it
+            problems.append("--train.partial_rollout_enable (--partial_rollout) needs --train.async_enable "
+                            "(--async_train): only batches sampled ahead overlap a weight sync")
         if train.async_enable and self.vllm.enable_sleep:  # as OpenRLHF refuses it
             problems.append("--train.async_enable (--async_train) with --vllm.enable_sleep (--vllm_enable_sleep): the "
                             "engines sample while the actor trains, so they never sleep")
@@ -757,9 +765,6 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("partial rollouts (a generation interrupted by a weight sync and continued with the new weights) "
-                "come with the frontier-RL work; --train.async_enable samples whole batches ahead", "partial_rollout",
-                "train.partial_rollout_enable"),
     **_deferred("tensor parallelism of the RL roles (the supervised stages have it; --vllm.tensor_parallel_size "
                 "splits the rollout engines)", "ds_tensor_parallel_size", "ds.tensor_parallel_size"),
     **_deferred("vision-language RL is not planned yet", "data.image_key", "data.max_images_per_prompt",

@@ -188,6 +188,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)  # everything after the prompt: actions and feedback
     mask: list[int] = field(default_factory=list)  # 1 on action tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, of the action tokens
+    versions: list = field(default_factory=list)  # the policy version of each action token (partial rollouts)
     reward: float = 0.0
     score: float | None = None
     turns: int = 0
@@ -263,9 +264,12 @@ class AgentRollouts:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def run(self, prompt_ids: list[list[int]], indices: list[int], labels: list, n: int, temperature: float,
-            seed: int, generate: Callable, top_k: int = -1, top_p: float = 1.0) -> list[RolloutSample]:
+            seed: int, generate: Callable, top_k: int = -1, top_p: float = 1.0,
+            between: Callable[[], int] | None = None) -> list[RolloutSample]:
         """`n` episodes for each prompt (`prompt_ids[k]` is prompt `indices[k]` of its set, with
-        `labels[k]`), as `RolloutSample`s with `extra["agent_reward"]`/`["agent_score"]`."""
+        `labels[k]`), as `RolloutSample`s with `extra["agent_reward"]`/`["agent_score"]`.
+        `between()` (partial rollouts, `rl/partial.py`): called before each turn's generation, where a
+        pending weight sync happens; returns the policy version of the turn's tokens (`extra["versions"]`)."""
         decode = self.tokenizer.decode
         episodes = []
         for ids, index, label in zip(prompt_ids, indices, labels, strict=True):
@@ -276,7 +280,8 @@ class AgentRollouts:
         self._reset(episodes)
         turn = 0
         while active := [ep for ep in episodes if not ep.over]:
-            self._act(active, seed + 7919 * turn, generate)
+            version = between() if between is not None else None
+            self._act(active, seed + 7919 * turn, generate, version)
             stepping = [ep for ep in active if not ep.over]
             answers = self.loops.run([(ep.slot, self._step_call(ep)) for ep in stepping], self.timeout_s)
             for ep, answer in zip(stepping, answers, strict=True):
@@ -297,7 +302,11 @@ class AgentRollouts:
         if failed:
             print(f"rlhf: {len(failed)} of {len(episodes)} agent episodes ended by their environment failing (first: "
                   f"{failed[0].failure})", file=sys.stderr, flush=True)
-        return [self._sample(ep) for ep in episodes]
+        samples = [self._sample(ep) for ep in episodes]
+        if between is None:
+            for s in samples:
+                del s.extra["versions"]
+        return samples
 
     def _reset(self, episodes: list[Episode]) -> None:
         cls = self.instance_cls
@@ -327,7 +336,7 @@ class AgentRollouts:
             if not ep.prompt_ids:
                 ep.fail(f"reset: --data.max_len {self.max_length} leaves no room for the observation")
 
-    def _act(self, active: list[Episode], seed: int, generate: Callable) -> None:
+    def _act(self, active: list[Episode], seed: int, generate: Callable, version: int | None) -> None:
         """One action for each active episode: one engine call per distinct sampling setting."""
         by_setting: dict[tuple, list[Episode]] = {}
         for ep in active:
@@ -347,6 +356,7 @@ class AgentRollouts:
                 ep.tokens += ids
                 ep.mask += [1] * len(ids)
                 ep.logprobs += list(sample.logprobs[: len(ids)])
+                ep.versions += [version] * len(ids)
                 ep.last_action = self.tokenizer.decode(ids, skip_special_tokens=False)
                 ep.turns += 1
 
@@ -365,6 +375,7 @@ class AgentRollouts:
             ep.done, action_mask=mask,
             extra={"agent_reward": ep.reward, "agent_score": ep.reward if ep.score is None else ep.score,
                    "turns": ep.turns, "failed": ep.failure is not None, "agent_logs": dict(ep.extra_logs),
+                   "versions": ep.versions[: len(actions)],
                    "final_text": self.tokenizer.decode(last, skip_special_tokens=True)})
 
     def close(self) -> None:

@@ -16,13 +16,18 @@ staler are sampled.
 
 The batches waiting to be trained are part of the RL checkpoint (`state_dict`): their policy
 is gone once the actor has moved on, so a resume trains on them instead of sampling them again.
+
+With `partial` (`--train.partial_rollout_enable`, `rl/partial.py`) the weight sync does not wait
+for the batches ahead: `paused()` stops the background sampling at its next `yield_point` (the
+end of a generation segment), the sync runs, and sampling goes on with the new weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -42,8 +47,9 @@ class RolloutsAhead:
     """`produce(step)`: the rollout of `step`, sampled by the engines' current weights; called in
     step order, from one thread at a time. `depth`: how many batches ahead of the training step."""
 
-    def __init__(self, produce: Callable[[int], Rollout], depth: int):
-        self.produce, self.depth = produce, depth
+    def __init__(self, produce: Callable[[int], Rollout], depth: int, partial: bool = False):
+        self.produce, self.depth, self.partial = produce, depth, partial
+        self._pause, self._paused, self._resume = threading.Event(), threading.Event(), threading.Event()
         self.ready: dict[int, Rollout] = {}
         self.next_step = 0  # the first step whose batch is neither ready nor being sampled
         self._thread: threading.Thread | None = None
@@ -81,6 +87,30 @@ class RolloutsAhead:
             error, self._error = self._error, None
             raise error
         return waited
+
+    def yield_point(self) -> None:
+        """Called by `produce` between generation segments: where a pending `paused()` takes effect."""
+        if self._pause.is_set() and threading.current_thread() is self._thread:
+            self._paused.set()
+            self._resume.wait()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The background sampling held at its next `yield_point` (or finished) for the duration."""
+        thread = self._thread
+        if thread is None:
+            yield
+            return
+        self._resume.clear()
+        self._pause.set()
+        try:
+            while not self._paused.wait(0.01) and thread.is_alive():
+                pass
+            yield
+        finally:
+            self._pause.clear()
+            self._paused.clear()
+            self._resume.set()
 
     def abandon(self) -> None:
         """After a failure in training: wait for the background sampling to end (each engine call

@@ -41,6 +41,7 @@ from rlhf_core.rl import checkpoint, guard, selection
 from rlhf_core.rl.agents import agent_stats
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
+from rlhf_core.rl.partial import sample_in_segments, staleness_stats
 from rlhf_core.rl.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class RLController:
         self.published_step: int | None = None  # the step whose policy is the output
         # Actor updates the engines hold; a batch sampled `staleness` updates before it trains.
         self.policy_version = 0
-        self.ahead = RolloutsAhead(self._sample, cfg.train.async_queue_size if cfg.train.async_enable else 0)
+        self.ahead = RolloutsAhead(self._sample, cfg.train.async_queue_size if cfg.train.async_enable else 0,
+                                   partial=cfg.train.partial_rollout_enable)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -193,10 +195,13 @@ class RLController:
                 self.guard.rollout(metrics["rollout/reward_mean"])
             evaluated = None
             if self.eval_every and self.step % self.eval_every == 0 and self.step < self.rollout_steps:
+                self.ahead.wait()  # partial rollouts: the engines are the evaluation's alone
                 evaluated = self._check()
             # after the evaluation: the checkpoint holds what it changed (the best, the guard's window)
             if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
+                self.ahead.wait()  # partial rollouts: the batch being sampled is saved whole
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
+        self.ahead.wait()
         if self.stopped_by_guard is None or evaluated is None:  # else just evaluated: the guard stopped there
             evaluated = self._check()
         self.published_step = self._publish_best(as_eval(evaluated))
@@ -319,8 +324,9 @@ class RLController:
         times["rollout_wait"] = time.perf_counter() - t0
         self.ahead.start(self.step, self.rollout_steps)  # the next batches, while this one trains
         samples = batch.samples
-        staleness = self.policy_version - batch.version
-        rollout_stats = {**batch.stats, "rollout/staleness": float(staleness)}
+        rollout_stats = {**batch.stats, "rollout/staleness": float(self.policy_version - batch.version)}
+        if self.ahead.partial:  # per token: a response may have been sampled by two policies
+            rollout_stats.update(staleness_stats([s.extra["versions"] for s in samples], self.policy_version))
         times.update(batch.times)
         plan = self.plan_step(len(samples))
         t = time.perf_counter()
@@ -329,9 +335,16 @@ class RLController:
         t = time.perf_counter()
         train_stats = self.train(samples, plan)
         times["train"] = time.perf_counter() - t
-        times["ahead_wait"] = self.ahead.wait()  # the weights of the batches sampled ahead are kept until then
         t = time.perf_counter()
-        self.sync_weights()
+        if self.ahead.partial:  # the sampling ahead stops at its next segment's end, and goes on with the new weights
+            with self.ahead.paused():
+                times["ahead_wait"] = time.perf_counter() - t
+                t = time.perf_counter()
+                self.sync_weights()
+        else:
+            times["ahead_wait"] = self.ahead.wait()  # the weights of the batches sampled ahead are kept until then
+            t = time.perf_counter()
+            self.sync_weights()
         times["sync"] = time.perf_counter() - t
         self.kl.update(experience_stats["rollout/kl"], len(samples))
         elapsed = time.perf_counter() - t0
@@ -368,7 +381,7 @@ class RLController:
             t = time.perf_counter()
             fresh = self.draw([self.prompt_ids[i] for i in indices], indices, [self.labels[i] for i in indices], n,
                               cfg.rollout.temperature, seed=cfg.train.seed * 1_000_003 + self.prompts.position * 7 + round_,
-                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, training=True)
             times["generate"] += time.perf_counter() - t
             t = time.perf_counter()
             self.score(fresh)
@@ -537,17 +550,33 @@ class RLController:
         return out
 
     def draw(self, prompt_ids: list[list[int]], indices: list[int], labels: list, n: int, temperature: float,
-             seed: int, top_k: int = -1, top_p: float = 1.0) -> list[RolloutSample]:
+             seed: int, top_k: int = -1, top_p: float = 1.0, training: bool = False) -> list[RolloutSample]:
         """`n` samples of each prompt (`prompt_ids[k]` is prompt `indices[k]` of its set): one response
-        each, or with an agent one episode each (its rewards in `extra`, read by the agent's reward source)."""
-        if self.agent is not None:
+        each, or with an agent one episode each (its rewards in `extra`, read by the agent's reward source).
+        `training`: a rollout batch (with partial rollouts: sampled in segments, its tokens' versions kept)."""
+        partial = self.ahead.partial and training
+        if self.agent is not None:  # with partial rollouts a weight sync may come between two turns
             self.engines.wake_up()
             return self.agent.run(prompt_ids, indices, labels, n, temperature, seed, top_k=top_k, top_p=top_p,
                                   generate=lambda ids, t, budget, sd, k, p: [
-                                      group[0] for group in self.generate(ids, 1, t, sd, k, p, budget)])
+                                      group[0] for group in self.generate(ids, 1, t, sd, k, p, budget)],
+                                  between=self._between_segments if partial else None)
+        if partial:
+            groups = sample_in_segments(
+                prompt_ids, n, self.cfg.rollout.max_new_tokens, seed,
+                lambda ids, budget, sd: [g[0] for g in self.generate(ids, 1, temperature, sd, top_k, top_p, budget)],
+                self._between_segments)
+            return [RolloutSample(list(p), r.token_ids, i, torch.tensor(r.logprobs), r.finished,
+                                  extra={"versions": r.versions})
+                    for i, p, group in zip(indices, prompt_ids, groups, strict=True) for r in group]
         groups = self.generate(prompt_ids, n, temperature, seed, top_k=top_k, top_p=top_p)
         return [RolloutSample(list(p), list(s.token_ids), i, torch.tensor(s.logprobs), s.finished)
                 for i, p, group in zip(indices, prompt_ids, groups, strict=True) for s in group]
+
+    def _between_segments(self) -> int:
+        """Where a pending weight sync takes effect (partial rollouts); the version the next tokens get."""
+        self.ahead.yield_point()
+        return self.policy_version
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
                  top_p: float = 1.0, max_new_tokens: int | None = None):

@@ -62,7 +62,6 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 
 @pytest.mark.parametrize("stage, argv", [
-    ("ppo", ["--partial_rollout", "--async_train"]),
     ("ppo", ["--data.image_key", "images"]),
     ("ppo", ["--ds_tensor_parallel_size", "2"]),
 ])
@@ -77,9 +76,9 @@ def test_an_openrlhf_flag_of_a_feature_not_built_yet_is_refused_by_name(stage, a
 
 def test_a_deferred_flag_in_yaml_is_refused_the_same_way(untouched, tmp_path, capsys):
     config = tmp_path / "ppo.yaml"
-    config.write_text("train:\n  partial_rollout_enable: true\n")
+    config.write_text("data:\n  image_key: images\n")
     assert main([*COMMANDS["ppo"], "--config", str(config), "--dry_run"]) == 2
-    assert "--train.partial_rollout_enable: not built yet: partial rollouts" in capsys.readouterr().err
+    assert "--data.image_key: not built yet: vision-language RL" in capsys.readouterr().err
 
 
 def test_the_flag_table_in_docs_is_generated_from_the_configs():

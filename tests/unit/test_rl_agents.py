@@ -294,7 +294,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 
 
 @pytest.mark.slow
-def test_an_openrlhf_style_agent_file_trains_asynchronously_with_its_flat_flags(prepared, tmp_path, capsys,
+def test_an_openrlhf_style_agent_file_trains_asynchronously_with_partial_rollouts(prepared, tmp_path, capsys,
                                                                                    one_torch_thread):
     import json
 
@@ -307,9 +307,10 @@ def test_an_openrlhf_style_agent_file_trains_asynchronously_with_its_flat_flags(
                  "--n_samples_per_prompt", "2", "--rollout_batch_size", "8", "--train_batch_size", "16",
                  "--micro_train_batch_size", "8", "--generate_max_len", "24", "--prompt_max_len", "16",
                  "--param_dtype", "fp32", "--use_mlflow", "false", "--max_steps", "3", "--async_train",
-                 "--packing_samples", "--save_path", str(tmp_path / "out")]) == 0
+                 "--partial_rollout", "--packing_samples", "--save_path", str(tmp_path / "out")]) == 0
     metrics = json.loads(capsys.readouterr().out)["metrics"]
-    assert metrics["rollout/staleness"] == 1.0 and metrics["rollout/agent_failed_frac"] == 0.0
+    assert 0.0 <= metrics["rollout/staleness"] <= metrics["rollout/staleness_max"] <= 1.0
+    assert metrics["rollout/agent_failed_frac"] == 0.0
     # an untrained model rarely ends its first action before the episode's budget: one turn each mostly
     # (tests/learning/test_rl_agent_learning.py trains real multi-turn episodes)
     assert metrics["rollout/agent_turns"] >= 1.0 and "rollout/agent/dummy_scores" in metrics
