@@ -12,7 +12,6 @@ torch work behind a lock (one model, one device), and a plain server runs in a t
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -21,9 +20,10 @@ import socket
 import sys
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.rewards.base import RewardError, as_reward_output
 from rlhf_core.rewards.remote import TOKEN_ENV
 
@@ -139,72 +139,42 @@ def _parse_request(body: bytes) -> tuple[list[str], list[str], list]:
 
 
 def _handler(server: RewardServer, token: bytes):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    class Handler(BearerJsonHandler):
         server_version = "rlhf-reward"
-        sys_version = ""
+        max_body_bytes = MAX_BODY_BYTES
 
         def do_GET(self):
             if urllib.parse.urlsplit(self.path).path == "/health":
-                return self._reply(200, {"status": "ok"})
-            self._reply(404, {"error": "not found: POST /get_reward"})
+                return self.reply(200, {"status": "ok"})
+            self.reply(404, {"error": "not found: POST /get_reward"})
 
         def do_POST(self):
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                return self._reply(411, {"error": "Content-Length required"}, close=True)
-            if length < 0 or length > MAX_BODY_BYTES:
-                return self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes: send smaller chunks"},
-                                   close=True)
+            length = self.read_length()
+            if length is None:
+                return None
             if urllib.parse.urlsplit(self.path).path != "/get_reward":
-                self._drain(length)
-                return self._reply(404, {"error": "not found: POST /get_reward"}, close=True)
-            if not self._authorized():
-                self._drain(length)
-                return self._reply(401, {"error": "missing or wrong bearer token: send Authorization: Bearer "
-                                         "<token> (clients read it from RLHF_RM_TOKEN)"}, close=True,
-                                   extra={"WWW-Authenticate": 'Bearer realm="rlhf-reward"'})
+                self.drain(length)
+                return self.reply(404, {"error": "not found: POST /get_reward"}, close=True)
+            if not self.authorized():
+                self.drain(length)
+                return self.reply(401, {"error": "missing or wrong bearer token: send Authorization: Bearer "
+                                        "<token> (clients read it from RLHF_RM_TOKEN)"}, close=True,
+                                  extra={"WWW-Authenticate": 'Bearer realm="rlhf-reward"'})
             body = self.rfile.read(length)
             try:
                 queries, prompts, labels = _parse_request(body)
             except _BadRequest as e:
-                return self._reply(400, {"error": str(e)})
+                return self.reply(400, {"error": str(e)})
             try:
                 result = server.score(queries, prompts, labels)
             except RewardError as e:
-                return self._reply(500, {"error": str(e)})
+                return self.reply(500, {"error": str(e)})
             except Exception as e:
                 log.exception("reward source failed")
-                return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
-            self._reply(200, result)
+                return self.reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self.reply(200, result)
 
-        def _drain(self, length: int) -> None:
-            # Read a small unwanted body before answering: closing on unread data resets the
-            # connection, and the client could lose the answer that says what was wrong.
-            if length <= 2**20:
-                self.rfile.read(length)
-
-        def _authorized(self) -> bool:
-            scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
-
-        def _reply(self, code: int, payload: dict, close: bool = False, extra: dict | None = None) -> None:
-            body = json.dumps(payload, allow_nan=False).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in (extra or {}).items():
-                self.send_header(k, v)
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format, *args):  # the request line and status only, never headers
-            log.info("%s %s", self.address_string(), format % args)
-
+    Handler.token = token
     return Handler
 
 

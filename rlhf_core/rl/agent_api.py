@@ -73,3 +73,49 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int = 1
     logprobs: int | None = 1
+
+
+class OpenAIAgentExecutor(AgentExecutorBase):
+    """rlhf's executor for agents that talk to the policy over HTTP, as to any OpenAI-compatible server
+    (`rl/policy_server.py`): subclass it as `AgentExecutor` and write `run_agent`.
+
+    Before the first episode the RL stage sets `base_url` (`http://127.0.0.1:PORT/v1`), `api_key`
+    (the endpoint's bearer token) and `model`. `run_agent` runs one episode: it sends its requests
+    with the `session_id` it is given (OpenAI clients: `extra_body={"session_id": session_id}`; or
+    `await self.chat(messages, session_id)`), may hand `base_url`/`api_key` to another process or
+    framework, and returns `{"reward": number}` (optionally `scores`, `extra_logs`). The session's
+    completions are trained, everything else in the conversation is not."""
+
+    base_url: str = ""
+    api_key: str = ""
+    model: str = ""
+
+    async def run_agent(self, prompt, label, session_id: str) -> dict:
+        raise NotImplementedError("AgentExecutor.run_agent(prompt, label, session_id) -> {'reward': ...}")
+
+    async def chat(self, messages: list[dict], session_id: str, max_tokens: int | None = None) -> str:
+        """One chat completion of the session (no client library needed); its text."""
+        import asyncio
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = {"model": self.model, "messages": messages, "session_id": session_id}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        request = urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {self.api_key}"})
+
+        def send() -> str:
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    return json.loads(response.read())["choices"][0]["message"]["content"]
+            except urllib.error.HTTPError as e:  # the endpoint's reason, not only its status
+                raise RuntimeError(f"the policy endpoint answered {e.code}: {e.read().decode(errors='replace')}") from None
+
+        return await asyncio.to_thread(send)
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
+                      images=None):
+        raise NotImplementedError("rlhf runs OpenAIAgentExecutor's episodes in rlhf_core.rl.agents")

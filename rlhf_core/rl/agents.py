@@ -72,13 +72,15 @@ def _openrlhf_names():
 
 
 # Environments that come with rlhf, by the name `--agent_func_path` takes instead of a file.
-BUILTIN_AGENTS = {"calculator": Path(__file__).with_name("calculator_agent.py")}
+BUILTIN_AGENTS = {"calculator": Path(__file__).with_name("calculator_agent.py"),
+                  "calculator-http": Path(__file__).with_name("calculator_http_agent.py")}
 
 
-def load_agent(path: str) -> type:
-    """The environment class of an OpenRLHF agent file (or of a built-in one, `BUILTIN_AGENTS`):
-    the `AgentInstance` its `AgentExecutor` (a `MultiTurnAgentExecutor`) runs. Raises
-    `ConfigError` naming the file and what is wrong."""
+def load_agent(path: str):
+    """What an agent file (or a built-in one, `BUILTIN_AGENTS`) runs: the environment class its
+    `AgentExecutor(MultiTurnAgentExecutor)` names, or its `AgentExecutor(OpenAIAgentExecutor)`
+    itself (an agent driving the policy's HTTP endpoint). Raises `ConfigError` naming the file
+    and what is wrong."""
     file = BUILTIN_AGENTS.get(path, Path(path))
     if file.suffix != ".py":
         raise ConfigError(f"--train.agent_func_path {path}: must be a Python file (.py)")
@@ -96,10 +98,20 @@ def load_agent(path: str) -> type:
             raise ConfigError(f"--train.agent_func_path {path}: defines no AgentExecutor class (OpenRLHF's interface: "
                              "class AgentExecutor(MultiTurnAgentExecutor) whose __init__ calls "
                              "super().__init__(AgentInstance))")
+        if isinstance(executor_cls, type) and issubclass(executor_cls, agent_api.OpenAIAgentExecutor):
+            if executor_cls.run_agent is agent_api.OpenAIAgentExecutor.run_agent:
+                raise ConfigError(f"--train.agent_func_path {path}: AgentExecutor(OpenAIAgentExecutor) must define "
+                                  "async run_agent(self, prompt, label, session_id) -> {'reward': ...}")
+            try:
+                return executor_cls()
+            except Exception as e:
+                raise ConfigError(f"--train.agent_func_path {path}: AgentExecutor() failed: "
+                                  f"{type(e).__name__}: {e}") from e
         if not (isinstance(executor_cls, type) and issubclass(executor_cls, agent_api.MultiTurnAgentExecutor)):
             raise ConfigError(f"--train.agent_func_path {path}: AgentExecutor must subclass MultiTurnAgentExecutor "
-                             "(from openrlhf.utils.agent); an executor with a loop of its own (AgentExecutorBase."
-                             "execute driving OpenRLHF's vLLM actor) is not supported")
+                             "(from openrlhf.utils.agent) or rlhf's OpenAIAgentExecutor (rlhf_core.rl.agent_api: "
+                             "an agent that talks to the policy over HTTP); an executor with a loop of its own "
+                             "(AgentExecutorBase.execute driving OpenRLHF's vLLM actor) is not supported")
         if executor_cls.execute is not agent_api.MultiTurnAgentExecutor.execute:
             raise ConfigError(f"--train.agent_func_path {path}: AgentExecutor overrides execute(); rlhf runs the "
                              "multi-turn loop itself (batched over its engines), so only the AgentInstance's "
@@ -410,3 +422,19 @@ class AgentRewardSource:
     def score(self, samples: list[RolloutSample], labels: list) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor([float(s.extra["agent_reward"]) for s in samples]),
                 torch.tensor([float(s.extra["agent_score"]) for s in samples]))
+
+
+def make_agent_rollouts(path: str, tokenizer, max_length: int, max_new_tokens: int, max_turns: int,
+                        timeout_s: float, raw_prompts: dict):
+    """The episode runner of an agent file: `AgentRollouts` for an environment, `ServedRollouts`
+    (`rl/served_agents.py`) for an agent that drives the policy's HTTP endpoint."""
+    loaded = load_agent(path)
+    if isinstance(loaded, agent_api.OpenAIAgentExecutor):
+        from rlhf_core.infra.not_applied import not_applied
+        from rlhf_core.rl.served_agents import ServedRollouts
+
+        if max_turns:
+            not_applied("train.agent_max_turns", max_turns, "an environment (AgentInstance)",
+                        "an OpenAIAgentExecutor's run_agent decides its calls; --data.max_len bounds the session")
+        return ServedRollouts(loaded, tokenizer, max_length, max_new_tokens, raw_prompts, timeout_s)
+    return AgentRollouts(loaded, tokenizer, max_length, max_new_tokens, max_turns, timeout_s)

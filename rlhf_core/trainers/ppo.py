@@ -290,10 +290,11 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             roles = local_roles(cfg, specs, actor_path)
         agent = None
         if cfg.train.agent_func_path:
-            from rlhf_core.rl.agents import AgentRewardSource, AgentRollouts, load_agent
+            from rlhf_core.rl.agents import AgentRewardSource, make_agent_rollouts
 
-            agent = AgentRollouts(load_agent(cfg.train.agent_func_path), tokenizer, cfg.data.max_len,
-                                  cfg.rollout.max_new_tokens, cfg.train.agent_max_turns, cfg.train.agent_timeout_s)
+            agent = make_agent_rollouts(cfg.train.agent_func_path, tokenizer, cfg.data.max_len,
+                                        cfg.rollout.max_new_tokens, cfg.train.agent_max_turns,
+                                        cfg.train.agent_timeout_s, raw_prompts)
             rewards = AgentRewardSource()
         elif cfg.reward.placeholder_token is not None:
             rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,

@@ -5,8 +5,9 @@ success rises by well over 15 points and tool use goes to nearly every episode.
 
 The whole chain as a user runs it: `rlhf prep --task multiply` (SFT rows with tool-use
 conversations), `rlhf train sft --multiturn`, `rlhf train ppo --agent_func_path calculator` (the
-built-in environment, an OpenRLHF agent file, with its tool in the sandbox). fp32, one
-in-process rank each; about a minute and a half on 2 cores.
+built-in environment, an OpenRLHF agent file, with its tool in the sandbox), and the same
+episodes driven through the policy's OpenAI-compatible endpoint (`calculator-http`). fp32, one
+in-process rank each; about two and a half minutes on 2 cores.
 """
 
 import json
@@ -18,30 +19,50 @@ from rlhf_core.cli import main
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
 
 
-def test_rl_with_the_calculator_tool_raises_success_and_the_policy_learns_to_call_it(tmp_path, capsys):
-    prep = tmp_path / "prep"
+@pytest.fixture(scope="module")
+def multiply_sft(tmp_path_factory) -> dict:
+    """The `multiply` task prepared and SFT'd on its demonstrations (a quarter call the tool)."""
+    root = tmp_path_factory.mktemp("multiply")
+    prep = root / "prep"
     assert main(["prep", "--task", "multiply", "--out", str(prep), "--n_train", "4000", "--n_test", "200",
                  "--seed", "0"]) == 0
-    sft = tmp_path / "sft"
+    sft = root / "sft"
     assert main(["train", "sft", "--pretrain", str(prep / "base"), "--dataset", f"json@{prep / 'data' / 'sft'}",
                  "--input_key", "messages", "--multiturn", "--apply_chat_template", "--max_len", "64",
                  "--packing_samples", "--param_dtype", "fp32", "--lr_warmup_ratio", "0.05", "--seed", "0",
                  "--use_mlflow", "false", "--learning_rate", "1e-3", "--max_epochs", "50", "--train_batch_size", "32",
                  "--micro_train_batch_size", "32", "--max_steps", "600", "--save_path", str(sft)]) == 0
+    return {"sft": str(sft), "prompts": f"json@{prep / 'data' / 'prompts'}"}
+
+
+def rl(multiply_sft, out, agent: str, steps: int, capsys) -> dict:
     capsys.readouterr()
-    prompts = f"json@{prep / 'data' / 'prompts'}"
-    assert main(["train", "ppo", "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", prompts,
+    prompts = multiply_sft["prompts"]
+    assert main(["train", "ppo", "--actor.model_name_or_path", multiply_sft["sft"], "--data.prompt_dataset", prompts,
                  "--data.apply_chat_template", "--eval.dataset", prompts, "--eval.temperature", "1.0",
-                 "--eval.n_samples_per_prompt", "2", "--eval.task", "multiply", "--agent_func_path", "calculator",
-                 "--ckpt.output_dir", str(tmp_path / "rl"), "--ds.param_dtype", "fp32", "--use_mlflow", "false",
+                 "--eval.n_samples_per_prompt", "2", "--eval.task", "multiply", "--agent_func_path", agent,
+                 "--ckpt.output_dir", str(out), "--ds.param_dtype", "fp32", "--use_mlflow", "false",
                  "--train.seed", "0", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
                  "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
-                 "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", "30",
+                 "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", str(steps),
                  "--rollout.max_new_tokens", "24", "--data.prompt_max_len", "24"]) == 0
     metrics = json.loads(capsys.readouterr().out)["metrics"]
     before, after = metrics["eval_initial/sampled_accuracy"], metrics["eval/sampled_accuracy"]
-    print(f"held-out success (150 prompts x 2, T=1): SFT {before:.3f} -> RL {after:.3f}; tool use "
+    print(f"{agent}: held-out success (150 prompts x 2, T=1): SFT {before:.3f} -> RL {after:.3f}; tool use "
           f"{metrics['eval_initial/sampled_agent/used_tool']:.2f} -> {metrics['eval/sampled_agent/used_tool']:.2f}")
-    assert after >= before + 0.15
+    return metrics
+
+
+def test_rl_with_the_calculator_tool_raises_success_and_the_policy_learns_to_call_it(multiply_sft, tmp_path, capsys):
+    metrics = rl(multiply_sft, tmp_path / "rl", "calculator", 30, capsys)
+    assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
     assert metrics["eval_initial/sampled_agent/used_tool"] < 0.5 < 0.9 < metrics["eval/sampled_agent/used_tool"]
     assert metrics["rollout/agent_failed_frac"] == 0.0 and metrics["rollout/agent_turns"] > 1.5
+
+
+def test_rollouts_driven_through_the_openai_endpoint_train_the_same_way(multiply_sft, tmp_path, capsys):
+    """The same episodes, written as an agent that chats with the policy over HTTP
+    (`calculator-http`, an `OpenAIAgentExecutor`): the endpoint's sessions train it."""
+    metrics = rl(multiply_sft, tmp_path / "rl_http", "calculator-http", 15, capsys)
+    assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
+    assert metrics["eval/sampled_agent/used_tool"] > 0.8 and metrics["rollout/agent_failed_frac"] < 0.1

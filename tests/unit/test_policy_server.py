@@ -1,0 +1,115 @@
+"""The policy's OpenAI-compatible endpoint (`rl/policy_server.py`): OpenAI's request and answer
+shapes, a bearer token, sessions whose calls become one training sample with exactly the sampled
+tokens, concurrent requests batched into one engine call."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rlhf_core.rl.policy_server import PolicyServer, trace_sample
+from rlhf_core.rollout.base import Sample
+
+
+class CharTokenizer:
+    chat_template = "x"  # present: the endpoint renders messages with apply_chat_template below
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0x2404))
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}" + ("\u2404" if m["role"] == "assistant" else "")
+                       for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+EOT = 0x2404  # the tokenizer's end of an assistant turn, its EOS
+
+
+@pytest.fixture
+def server():
+    server = PolicyServer(CharTokenizer(), "policy", max_length=200, token="secret")
+    calls = []
+
+    def generate(sequences, budget):
+        calls.append((len(sequences), budget))
+        # answers "ok" + the sequence's length mod 10, then EOS (a token that re-tokenizes as one)
+        return [Sample(tuple(map(ord, f"ok{len(s) % 10}")) + (EOT,), (-0.5, -0.25, -0.125, -0.0625), True)
+                for s in sequences]
+
+    server.batcher.generate = generate
+    server.calls = calls
+    yield server
+    server.close()
+
+
+def post(server, path, body, token="secret"):
+    request = urllib.request.Request(f"{server.base_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_session_of_chat_calls_becomes_one_sample_with_its_completions_trained(server):
+    first = [{"role": "user", "content": "hi"}]
+    code, answer = post(server, "/chat/completions", {"model": "policy", "messages": first, "session_id": "s1",
+                                                      "logprobs": True})
+    assert code == 200 and answer["object"] == "chat.completion"
+    reply = answer["choices"][0]["message"]["content"]
+    assert reply == "ok9" and answer["choices"][0]["finish_reason"] == "stop"
+    assert [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]] == [-0.5, -0.25, -0.125, -0.0625]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "and?"}]
+    code, answer = post(server, "/chat/completions", {"messages": second, "session_id": "s1"})
+    assert code == 200
+    session = server.take("s1")
+    sample = trace_sample(session, prompt_index=7)
+    prompt = "<user>hi<assistant>"
+    assert "".join(map(chr, sample.prompt_ids)) == prompt
+    between = "<user>and?<assistant>"
+    assert "".join(map(chr, sample.response_ids)) == "ok9\u2404" + between + "ok4\u2404"
+    assert sample.action_mask == [1] * 4 + [0] * len(between) + [1] * 4
+    assert sample.rollout_logprobs.tolist() == [-0.5, -0.25, -0.125, -0.0625] * 2 and sample.finished
+    assert sample.prompt_index == 7 and server.take("s1") is None
+
+
+def test_a_request_that_rewrites_the_conversation_is_refused(server):
+    post(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session_id": "s"})
+    code, answer = post(server, "/chat/completions", {"session_id": "s", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "something else"},
+        {"role": "user", "content": "?"}]})
+    assert code == 400 and "does not extend the session" in answer["error"]["message"]
+
+
+def test_completions_models_health_and_the_token(server):
+    code, answer = post(server, "/completions", {"prompt": "abc", "max_tokens": 2})
+    assert code == 200 and answer["choices"][0]["text"] == "ok" and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert post(server, "/completions", {"prompt": "abc"}, token="wrong")[0] == 401
+    assert post(server, "/completions", {"prompt": "abc", "n": 2})[0] == 400
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    request = urllib.request.Request(f"{server.base_url}/models", headers={"Authorization": "Bearer secret"})
+    with urllib.request.urlopen(request) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "policy"
+    assert server.host == "127.0.0.1"
+
+
+def test_concurrent_requests_share_an_engine_call(server):
+    results = []
+    threads = [threading.Thread(target=lambda k=k: results.append(post(server, "/completions",
+                                                                        {"prompt": "x" * k})[0]))
+               for k in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 8
+    assert len(server.calls) < 8 and sum(n for n, _ in server.calls) == 8
