@@ -212,3 +212,63 @@ def test_a_representative_script_trains_on_the_cpu_as_written(tag, script, data_
     manifest = json.loads(out.out[out.out.index("{"):])
     assert manifest["metrics"]["train/steps"] == 2, manifest["metrics"]
     assert AutoConfig.from_pretrained(tmp_path / "out").model_type == "llama"
+
+
+# OpenRLHF's example environment (examples/python/agent_func.py) in the shape of each tag: v0.9.10
+# declares AgentInstance.__init__ async (which OpenRLHF itself cannot construct; rlhf awaits it),
+# v0.11.0 a plain one. The rewards vary within a prompt's group, so dynamic filtering keeps some.
+AGENT_FILE = """
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    {init}
+        self.step_idx = 0
+
+    async def reset(self, states: dict, **kwargs):
+        return {{"observation": states["observation"]}}
+
+    async def step(self, states: dict, **kwargs):
+        done = self.step_idx >= 1 or len(states["action_text"]) % 2 == 0
+        reward = torch.tensor([float(len(states["action_text"]) % 3)]) if done else torch.tensor(0)
+        self.step_idx += 1
+        return {{"rewards": reward, "scores": reward, "environment_feedback": "" if done else " again: ",
+                 "done": done, "sampling_params": states.get("sampling_params", None),
+                 "extra_logs": {{"dummy_scores": reward}}}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+@pytest.mark.parametrize("tag, dotted, init", [
+    ("v0.9.10", False, "async def __init__(self, *args, **kwargs):"),
+    ("v0.11.0", True, "def __init__(self, *args, **kwargs):"),
+])
+def test_the_async_agent_script_with_partial_rollouts_and_is_correction_trains_on_the_cpu(
+        tag, dotted, init, prepared, tmp_path, monkeypatch, capsys, one_torch_thread):
+    """train_reinforce_baseline_ray_agent_async.sh (agent file, --async_train, --partial_rollout,
+    icepop correction, dynamic filtering, colocate_all, ZeRO-3) scaled down like the others; its
+    ring of 2 ranks becomes one rank and its DAPO-math labels the task's answers."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(AGENT_FILE.format(init=init))
+    stage, argv = scaled_down(tag, "train_reinforce_baseline_ray_agent_async.sh", prepared, tmp_path, None, dotted)
+    flag = (lambda dotted_name, flat_name: dotted_name if dotted else flat_name)
+    argv = replaced(argv, {flag("--train.agent_func_path", "--agent_func_path"): str(agent),
+                           flag("--ds.ring_attn_size", "--ring_attn_size"): "1",
+                           flag("--data.label_key", "--label_key"): "answer",
+                           flag("--rollout.max_new_tokens", "--max_new_tokens"): "12",
+                           flag("--data.max_len", "--max_len"): "48"})
+    dropped = {"--generate_max_len", "--remote_rm_url", "--reward.remote_url"}  # the script has no reward source
+    argv = [a for i, a in enumerate(argv) if not (a in dropped or (i and argv[i - 1] in dropped))]
+    code = main(["train", stage, *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    metrics = json.loads(out.out[out.out.index("{"):])["metrics"]
+    assert metrics["train/steps"] == 2 and metrics["rollout/agent_failed_frac"] == 0.0
+    assert "rollout/staleness_max" in metrics and "rollout/agent/dummy_scores" in metrics
