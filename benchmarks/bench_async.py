@@ -22,7 +22,7 @@ after (200 prompts x 4 samples at T = 1; 67 more are the selection share). Runs
 alternate (sync, async, sync, ...); every run is printed, then the medians and the ratio. Nothing
 is asserted about time (benchmarks/README.md).
 
-Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--work_dir DIR]
+Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--partial] [--work_dir DIR]
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def run(side: str, args, setting: dict, work: Path, env: dict, index: int) -> di
            "--logger.logging_steps", "1", "--use_mlflow", "false", "--ckpt.output_dir", str(out)]
     if side == "async":
         cmd += ["--train.async_enable", "--train.async_queue_size", str(args.queue)]
+        cmd += ["--train.partial_rollout_enable"] if args.partial else []
     start = time.perf_counter()
     arrivals: dict[int, float] = {}
     step_s: list[float] = []
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--queue", type=int, default=1, help="--train.async_queue_size of the async runs")
+    p.add_argument("--partial", action="store_true", help="the async runs with --train.partial_rollout_enable")
     p.add_argument("--work_dir", default=None, help="kept between runs (the SFT model is reused)")
     args = p.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-async-")).resolve()
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
                             "greedy_after")}
            for side in ("sync", "async")}
     print(f"\nMachine: {describe_hardware()}; fp32; actor and engine on one CPU each (Ray); {args.steps} steps, "
-          f"queue {args.queue}, {args.repeats} run(s) a side")
+          f"queue {args.queue}{', partial rollouts' if args.partial else ''}, {args.repeats} run(s) a side")
     print("| side | training steps/s | RL loop steps/s (with its evaluations) | whole process s | held-out sampled "
           "accuracy before -> after | greedy after |")
     print("|---|---|---|---|---|---|")
