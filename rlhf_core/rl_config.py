@@ -624,7 +624,11 @@ class PPOConfig(TrainingStageConfig):
                 task_budget = budget if task_budget is None else max(task_budget, budget)
             except ValueError as e:
                 problems.append(f"--eval.task: {e}")
-        if rollout.max_new_tokens is None:
+        if rollout.max_new_tokens is None and train.agent_func_path and task_budget is not None:
+            problems.append("--train.agent_func_path (--agent_func_path): give --rollout.max_new_tokens "
+                            "(--generate_max_len) or --data.max_len: an episode's budget holds every action and the "
+                            f"environment's answers, which the task's answer length ({task_budget} tokens) does not")
+        elif rollout.max_new_tokens is None:
             if task_budget is not None:
                 set_(rollout, "max_new_tokens", task_budget)
             elif self.data.max_len is None:

@@ -17,6 +17,7 @@ class BearerJsonHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     sys_version = ""
+    timeout = 60  # seconds a connection may stall (a body that never comes) before its thread is freed
     token: bytes = b""
     max_body_bytes: int = 2**20
 

@@ -64,9 +64,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
 
 @dataclass
 class SamplingParams:
-    """What an environment sees as `states["sampling_params"]` and may hand back changed: vLLM's
-    attribute names for the knobs the episode loop honours (temperature, top_p, top_k per
-    episode; `max_tokens` is the episode's remaining budget, set before each turn)."""
+    """What an environment sees as `states["sampling_params"]`: vLLM's attribute names for the RL
+    stage's sampling (`max_tokens` is the episode's remaining budget, set before each turn). One
+    handed back changed is not applied (said once): the trainer's log-probs must match the engine's."""
 
     temperature: float = 1.0
     top_p: float = 1.0

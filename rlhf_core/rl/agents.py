@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.infra.not_applied import say_once
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl import agent_api
 from rlhf_core.rl.experience import RolloutSample
@@ -155,6 +156,9 @@ class EventLoops:
     @staticmethod
     def _start() -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
+        # blocking work an environment hands to asyncio.to_thread (tools, HTTP calls): every episode at once
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
+                                                                        thread_name_prefix="rlhf-agent-io"))
         threading.Thread(target=loop.run_forever, name="rlhf-agent-env", daemon=True).start()
         return loop
 
@@ -165,13 +169,15 @@ class EventLoops:
             loop = self.loops[slot % len(self.loops)]
             futures.append(asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout_s), loop))
         _, pending = concurrent.futures.wait(futures, timeout=timeout_s + GRACE_S)
+        blocked = {slot % len(self.loops) for (slot, _), future in zip(calls, futures, strict=True)
+                   if future in pending}
+        for k in blocked:  # blocked by synchronous code: abandoned (stopped once it returns) for a fresh loop
+            old, self.loops[k] = self.loops[k], self._start()
+            old.call_soon_threadsafe(old.stop)
         out = []
-        for (slot, _), future in zip(calls, futures, strict=True):
-            if future in pending:  # its loop is blocked by synchronous code: abandon it for a fresh one
+        for future in futures:
+            if future in pending:
                 future.cancel()
-                k = slot % len(self.loops)
-                if self.loops[k] is not None and not self.loops[k].is_closed():
-                    self.loops[k] = self._start()
                 out.append(EnvFailure(f"no answer within {timeout_s:g} s (its thread was blocked)"))
                 continue
             try:
@@ -228,8 +234,26 @@ def _number(value, what: str) -> float:
     return out
 
 
+def extra_logs(logs) -> dict[str, float]:
+    """The numbers of an environment's `extra_logs` (anything else is left out)."""
+    out = {}
+    for key, value in (logs.items() if isinstance(logs, dict) else ()):
+        with contextlib.suppress(EnvFailure):
+            out[str(key)] = _number(value, f"extra_logs[{key!r}]")
+    return out
+
+
 def _apply_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> None:
     """Fold one `step` answer into the episode (raises `EnvFailure` on a malformed one)."""
+    try:
+        _fold_step(ep, result, tokenize)
+    except EnvFailure:
+        raise
+    except Exception as e:  # whatever a malformed answer makes fail here is the environment's fault
+        raise EnvFailure(f"an unusable answer ({type(e).__name__}: {e})") from None
+
+
+def _fold_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> None:
     if not isinstance(result, dict):
         raise EnvFailure(f"step() must return a dict, got {type(result).__name__}")
     missing = [k for k in ("rewards", "environment_feedback", "done") if k not in result]
@@ -238,22 +262,26 @@ def _apply_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> No
     feedback = result["environment_feedback"]
     if not isinstance(feedback, str):
         raise EnvFailure(f"environment_feedback must be text, got {type(feedback).__name__}")
-    ep.reward += _number(result["rewards"], "rewards")
-    if result.get("scores") is not None:
-        ep.score = _number(result["scores"], "scores")
-    for key, value in (result.get("extra_logs") or {}).items():
-        with contextlib.suppress(EnvFailure):
-            ep.extra_logs[str(key)] = _number(value, f"extra_logs[{key!r}]")
-    params = result.get("sampling_params")
-    if params is not None:
-        ep.sampling = replace(ep.sampling, temperature=float(getattr(params, "temperature", ep.sampling.temperature)),
-                              top_p=float(getattr(params, "top_p", ep.sampling.top_p)),
-                              top_k=int(getattr(params, "top_k", ep.sampling.top_k)))
-    ep.observation += ep.last_action + feedback
+    reward = _number(result["rewards"], "rewards")  # everything read before the episode changes
+    score = _number(result["scores"], "scores") if result.get("scores") is not None else None
+    done = result["done"]
+    done = bool(done.item() if isinstance(done, torch.Tensor) else done)
+    logs = extra_logs(result.get("extra_logs"))
     ids = tokenize(feedback) if feedback else []
+    params = result.get("sampling_params")
+    if params is not None and any(getattr(params, k, v) != v for k, v in (
+            ("temperature", ep.sampling.temperature), ("top_p", ep.sampling.top_p), ("top_k", ep.sampling.top_k))):
+        say_once("rlhf: an environment's step() returned other sampling_params (temperature, top_p, top_k): not "
+                 "applied; every turn samples with the RL stage's settings (the trainer's log-probs must match "
+                 "the engine's)")
+    ep.reward += reward
+    if score is not None:
+        ep.score = score
+    ep.extra_logs.update(logs)
+    ep.observation += ep.last_action + feedback
     ep.tokens += ids
     ep.mask += [0] * len(ids)
-    if result["done"]:
+    if done:
         ep.done = ep.over = True
 
 
@@ -349,22 +377,26 @@ class AgentRollouts:
                 ep.fail(f"reset: --data.max_len {self.max_length} leaves no room for the observation")
 
     def _act(self, active: list[Episode], seed: int, generate: Callable, version: int | None) -> None:
-        """One action for each active episode: one engine call per distinct sampling setting."""
-        by_setting: dict[tuple, list[Episode]] = {}
+        """One action for each active episode, all in one engine call (the largest room left; each
+        action cut to its own episode's)."""
+        group = []
         for ep in active:
             room = self.max_length - len(ep.prompt_ids) - len(ep.tokens)
             if room <= 0:
                 ep.over = True
                 continue
             ep.sampling.max_tokens = room
-            key = (ep.sampling.temperature, ep.sampling.top_k, ep.sampling.top_p)
-            by_setting.setdefault(key, []).append(ep)
-        for g, ((temperature, top_k, top_p), group) in enumerate(sorted(by_setting.items())):
+            group.append(ep)
+        if group:
+            s = group[0].sampling
             budget = max(ep.sampling.max_tokens for ep in group)
-            samples = generate([ep.prompt_ids + ep.tokens for ep in group], temperature, budget, seed + 104729 * g,
-                               top_k, top_p)
+            samples = generate([ep.prompt_ids + ep.tokens for ep in group], s.temperature, budget, seed, s.top_k,
+                               s.top_p)
             for ep, sample in zip(group, samples, strict=True):
                 ids = list(sample.token_ids[: ep.sampling.max_tokens])
+                if not ids:  # nothing sampled (no room the engine would use): the episode cannot go on
+                    ep.over = True
+                    continue
                 ep.tokens += ids
                 ep.mask += [1] * len(ids)
                 ep.logprobs += list(sample.logprobs[: len(ids)])
@@ -374,7 +406,7 @@ class AgentRollouts:
 
     def _step_call(self, ep: Episode) -> Callable[[], Awaitable]:
         states = {"observation_text": ep.observation, "action_text": ep.last_action, "label": ep.label,
-                  "sampling_params": ep.sampling}
+                  "sampling_params": replace(ep.sampling)}  # a copy: what the environment does to it stays there
         return lambda: _call(ep.instance.step, states)
 
     def _sample(self, ep: Episode) -> RolloutSample:

@@ -157,6 +157,10 @@ class RLController:
 
             raise ConfigError(f"--eval.stop_on_hacking: this run of {rollout_steps} steps evaluates only before and "
                               "after training (a tenth of the run is under one step): give --eval.steps N")
+        for field_ in ("agent_max_turns", "agent_timeout_s"):
+            if field_ in cfg.train.model_fields_set and not cfg.train.agent_func_path:
+                not_applied(f"train.{field_}", getattr(cfg.train, field_), "--train.agent_func_path (--agent_func_path)",
+                            "every rollout is one response a prompt")
         if "async_queue_size" in cfg.train.model_fields_set and not cfg.train.async_enable:
             not_applied("train.async_queue_size", cfg.train.async_queue_size, "--train.async_enable (--async_train)",
                         "each batch is sampled at its step")
@@ -326,7 +330,9 @@ class RLController:
         samples = batch.samples
         rollout_stats = {**batch.stats, "rollout/staleness": float(self.policy_version - batch.version)}
         if self.ahead.partial:  # per token: a response may have been sampled by two policies
-            rollout_stats.update(staleness_stats([s.extra["versions"] for s in samples], self.policy_version))
+            # (a batch sampled whole, e.g. kept by a checkpoint of a run without partial rollouts: its version)
+            rollout_stats.update(staleness_stats([s.extra.get("versions", [batch.version] * s.response_len)
+                                                  for s in samples], self.policy_version))
         times.update(batch.times)
         plan = self.plan_step(len(samples))
         t = time.perf_counter()

@@ -65,6 +65,8 @@ def sample_in_segments(prompt_ids: list[list[int]], n: int, max_new_tokens: int,
             r.logprobs += list(sample.logprobs[: len(ids)])
             r.versions += [version] * len(ids)
             r.finished = sample.finished and len(ids) == len(sample.token_ids)
+            if not ids:  # the engine gave nothing: the response cannot grow (never loop on it)
+                r.finished = True
         active = [r for r in active if not r.finished and len(r.token_ids) < max_new_tokens]
         round_ += 1
     return responses

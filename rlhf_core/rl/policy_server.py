@@ -13,8 +13,11 @@ completion (trained) and what the conversation added between two calls (not trai
   text would merge them differently. A request that rewrites the conversation is refused (400).
 - Sampling follows the RL stage (`--temperature`, `--top_k`, `--top_p`): a request's own
   `temperature`/`top_p` would make the engine's log-probs disagree with the trainer's, so they are
-  not applied (said once). `max_tokens` caps a completion; the session's whole sequence stays
-  within `--data.max_len`.
+  not applied (said once), nor are `seed`, penalties or `logit_bias` (said once); OpenAI tool
+  calling (`tools`) is refused: calls go in the text. `max_tokens` caps a completion; the
+  session's whole sequence stays within `--data.max_len`. `stop` ends a completion at the token
+  that completes a stop string, which (unlike OpenAI) stays in the text returned.
+- A session answers one call at a time (a concurrent one gets 409), so its calls form one chain.
 - Concurrent requests are batched into one engine call (`MicroBatcher`: those that arrive within a
   few milliseconds of each other), so many sessions at once cost about what one batched rollout
   does.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,6 +49,9 @@ log = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.005
 MAX_BODY_BYTES = 16 * 2**20
+# OpenAI request fields sampling here does not follow (said once when a request sets one)
+NOT_SERVED = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs", "response_format",
+              "min_tokens", "repetition_penalty")
 
 
 @dataclass
@@ -60,6 +67,7 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # prompt and completion of the last call
     text: str = ""  # their text, special tokens included
+    busy: bool = False  # a call is being answered: a second one at once is refused (409)
 
 
 class MicroBatcher:
@@ -69,8 +77,20 @@ class MicroBatcher:
     def __init__(self, window_s: float = BATCH_WINDOW_S):
         self.window_s = window_s
         self.generate: Callable[[list[list[int]], int], list[Sample]] | None = None
+        self.engine_lock = threading.Lock()  # held while the engines generate for the endpoint
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, name="policy-server-batcher", daemon=True).start()
+
+    def stop_serving(self) -> None:
+        """No more engine calls: waits for one in progress, fails the requests still queued."""
+        with self.engine_lock:
+            self.generate = None
+        while True:
+            try:
+                _, _, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(RuntimeError("the policy is not serving now (between rollouts)"))
 
     def submit(self, ids: list[int], max_tokens: int) -> Sample:
         future: Future = Future()
@@ -87,9 +107,10 @@ class MicroBatcher:
                 except queue.Empty:
                     break
             try:
-                if self.generate is None:
-                    raise RuntimeError("the policy is not serving now (between rollouts)")
-                out = self.generate([ids for ids, _, _ in batch], max(m for _, m, _ in batch))
+                with self.engine_lock:
+                    if self.generate is None:
+                        raise RuntimeError("the policy is not serving now (between rollouts)")
+                    out = self.generate([ids for ids, _, _ in batch], max(m for _, m, _ in batch))
                 for (_, m, future), sample in zip(batch, out, strict=True):
                     cut = len(sample.token_ids) > m
                     future.set_result(Sample(sample.token_ids[:m], sample.logprobs[:m], sample.finished and not cut))
@@ -104,7 +125,11 @@ class _Server(ThreadingHTTPServer):
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses (400), with the reason."""
+    """A request the endpoint refuses (400, or `status`), with the reason."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class PolicyServer:
@@ -139,11 +164,14 @@ class PolicyServer:
         with self._lock:
             return self.sessions.pop(session_id, None)
 
-    def _prompt_ids(self, session_id: str | None, text: str) -> list[int]:
+    def forget_sessions(self) -> None:
+        """After a batch: what calls of abandoned episodes left behind."""
+        with self._lock:
+            self.sessions.clear()
+
+    def _prompt_ids(self, session: Session | None, session_id: str | None, text: str) -> list[int]:
         """The token ids of `text`: the session's own tokens, then the new text's."""
         encode = self.tokenizer
-        with self._lock:
-            session = self.sessions.get(session_id) if session_id else None
         if session is None or not session.calls:
             return list(encode(text, add_special_tokens=False)["input_ids"])
         if not text.startswith(session.text):
@@ -151,30 +179,57 @@ class PolicyServer:
                                "(its earlier messages and completions must come back unchanged)")
         return session.ids + list(encode(text[len(session.text):], add_special_tokens=False)["input_ids"])
 
-    def complete(self, session_id: str | None, text: str, max_tokens: int | None) -> tuple[Call, str]:
-        ids = self._prompt_ids(session_id, text)
-        room = self.max_length - len(ids)
-        if room <= 0:
-            raise RequestError(f"the prompt ({len(ids)} tokens) leaves no room under --data.max_len "
-                               f"{self.max_length}")
-        budget = room if max_tokens is None else min(room, max_tokens)
-        sample = self.batcher.submit(ids, budget)
-        call = Call(ids, list(sample.token_ids), list(sample.logprobs), sample.finished)
+    def complete(self, session_id: str | None, text: str, max_tokens: int | None,
+                 stop: list[str] | None = None) -> tuple[Call, str]:
+        session = None
         if session_id:
             with self._lock:
                 session = self.sessions.setdefault(session_id, Session())
-                session.calls.append(call)
-                session.ids = ids + call.completion_ids
-                session.text = text + self.tokenizer.decode(call.completion_ids, skip_special_tokens=False)
+                if session.busy:
+                    raise RequestError(f"session {session_id}: a call of this session is being answered; its calls "
+                                       "go one after another", status=409)
+                session.busy = True
+        try:
+            ids = self._prompt_ids(session, session_id, text)
+            room = self.max_length - len(ids)
+            if room <= 0:
+                raise RequestError(f"the prompt ({len(ids)} tokens) leaves no room under --data.max_len "
+                                   f"{self.max_length}")
+            budget = room if max_tokens is None else min(room, max_tokens)
+            sample = self.batcher.submit(ids, budget)
+            call = Call(ids, list(sample.token_ids), list(sample.logprobs), sample.finished)
+            if stop:
+                call = self._cut_at_stop(call, stop)
+            if session is not None:
+                with self._lock:
+                    session.calls.append(call)
+                    session.ids = ids + call.completion_ids
+                    session.text = text + self.tokenizer.decode(call.completion_ids, skip_special_tokens=False)
+        finally:
+            if session is not None:
+                session.busy = False
         return call, self.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+
+    def _cut_at_stop(self, call: Call, stop: list[str]) -> Call:
+        """The completion up to and including the token that completes the first stop string. Unlike
+        OpenAI's, the text returned keeps the stop string: the session continues from the tokens as
+        sampled, so the conversation sent back must carry them."""
+        decode = self.tokenizer.decode
+        for k in range(1, len(call.completion_ids) + 1):
+            if any(s in decode(call.completion_ids[:k], skip_special_tokens=True) for s in stop):
+                return Call(call.prompt_ids, call.completion_ids[:k], call.logprobs[:k], True)
+        return call
 
 
 def trace_sample(session: Session, prompt_index: int) -> RolloutSample:
-    """A session's calls as one training sample: each completion trained, what came between not."""
+    """A session's calls as one training sample: each completion trained, what came between not.
+    ValueError if a call does not extend the ones before it."""
     first = session.calls[0]
     prompt = first.prompt_ids
     response, mask, logprobs = [], [], []
-    for call in session.calls:
+    for k, call in enumerate(session.calls):
+        if call.prompt_ids[: len(prompt) + len(response)] != prompt + response:
+            raise ValueError(f"call {k} of the session does not continue the calls before it")
         between = call.prompt_ids[len(prompt) + len(response):]
         response += between + call.completion_ids
         mask += [0] * len(between) + [1] * len(call.completion_ids)
@@ -184,8 +239,10 @@ def trace_sample(session: Session, prompt_index: int) -> RolloutSample:
 
 
 def _openai_logprobs(tokenizer, call: Call) -> dict:
-    return {"content": [{"token": tokenizer.decode([t]), "token_id": t, "logprob": lp, "bytes": None,
-                         "top_logprobs": []} for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
+    # JSON has no -inf: a token the engine's filtered distribution gave probability 0 shows -9999
+    return {"content": [{"token": tokenizer.decode([t]), "token_id": t, "logprob": lp if math.isfinite(lp) else -9999.0,
+                         "bytes": None, "top_logprobs": []}
+                        for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
 
 
 def _handler(server: PolicyServer, token: bytes):
@@ -244,16 +301,28 @@ def _handler(server: PolicyServer, token: bytes):
                     raise RequestError("the body must be a JSON object")
                 if body.get("n", 1) != 1 or body.get("stream"):
                     raise RequestError("one completion per request, not streamed (n=1, stream=false)")
-                for knob in ("temperature", "top_p"):
+                for knob in ("temperature", "top_p", "top_k"):
                     if knob in body:
                         say_once(f"rlhf: the policy endpoint samples with the RL stage's --{knob}; a request's "
                                  f"{knob} is not applied (the trainer's log-probs must match the engine's)")
+                for knob in NOT_SERVED:
+                    if body.get(knob) not in (None, [], {}, 0):
+                        say_once(f"rlhf: the policy endpoint does not apply a request's {knob!r} (sampling follows "
+                                 "the RL stage's settings)")
+                if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+                    raise RequestError("OpenAI tool calling (tools, tool_choice) is not served: write calls in the "
+                                       "text and parse them in the agent")
+                stop = body.get("stop")
+                stop = [stop] if isinstance(stop, str) else stop
+                if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+                    raise RequestError("stop must be a non-empty string or a list of them")
                 max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
                 if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
                     raise RequestError("max_tokens must be a positive integer")
-                call, text = server.complete(body.get("session_id"), text_of(body), max_tokens)
+                call, text = server.complete(body.get("session_id"), text_of(body), max_tokens, stop)
             except (ValueError, RequestError) as e:  # JSON errors are ValueErrors too
-                return self.reply(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                return self.reply(getattr(e, "status", 400), {"error": {"message": str(e),
+                                                                       "type": "invalid_request_error"}})
             except Exception as e:
                 log.exception("policy endpoint failed")
                 return self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}})

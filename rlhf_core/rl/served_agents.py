@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf_core.rl.agents import AgentError, EnvFailure, EventLoops, _call, _number
+from rlhf_core.rl.agents import AgentError, EnvFailure, EventLoops, _call, _number, extra_logs
 from rlhf_core.rl.experience import RolloutSample
 from rlhf_core.rl.policy_server import PolicyServer, trace_sample
 
@@ -57,11 +57,12 @@ class ServedRollouts:
             calls.append((slot, lambda p=prompt, lb=label, s=session: _call(self.executor.run_agent, p, lb, s)))
         try:
             answers = self.loops.run(calls, self.timeout_s)
-        finally:
-            self.server.batcher.generate = None
+        finally:  # an abandoned episode's request may still be generating: the engines are free after this
+            self.server.batcher.stop_serving()
+        sessions = [self.server.take(session_id) for *_, session_id in episodes]
+        self.server.forget_sessions()  # what abandoned episodes' late calls left
         samples, failures = [], []
-        for (ids, index, _, session_id), answer in zip(episodes, answers, strict=True):
-            session = self.server.take(session_id)
+        for (ids, index, _, session_id), answer, session in zip(episodes, answers, sessions, strict=True):
             reward = score = 0.0
             logs: dict = {}
             try:
@@ -71,16 +72,20 @@ class ServedRollouts:
                     raise EnvFailure(f"run_agent must return {{'reward': number}}, got {answer!r:.200}")
                 reward = _number(answer["reward"], "reward")
                 score = reward if answer.get("scores") is None else _number(answer["scores"], "scores")
-                logs = {str(k): _number(v, f"extra_logs[{k!r}]") for k, v in (answer.get("extra_logs") or {}).items()}
+                logs = extra_logs(answer.get("extra_logs"))
                 if session is None:
                     raise EnvFailure(f"run_agent never called the policy with its session_id {session_id}")
-                failure = None
-            except EnvFailure as e:
-                failure, reward, score = str(e), 0.0, 0.0
-                failures.append(failure)
-            if session is not None and session.calls:
                 sample = trace_sample(session, index)
-            else:  # nothing sampled: a completion of its prompt stands for it (its group keeps its size)
+                failure = None
+            except (EnvFailure, ValueError) as e:
+                failure, reward, score, sample = str(e), 0.0, 0.0, None
+                failures.append(failure)
+            if sample is None and session is not None and session.calls:
+                try:
+                    sample = trace_sample(session, index)
+                except ValueError:
+                    sample = None
+            if sample is None:  # nothing sampled: a completion of its prompt stands for it (its group keeps its size)
                 (one,) = generate([ids], temperature, self.max_new_tokens, seed + 104729, top_k, top_p)
                 sample = RolloutSample(list(ids), list(one.token_ids), index, torch.tensor(one.logprobs), one.finished)
             turns = len(session.calls) if session is not None else 0

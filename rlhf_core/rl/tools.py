@@ -2,10 +2,12 @@
 
 `ToolSandbox` keeps one worker process (a fresh interpreter, `python -I`: no site packages, no
 environment variables read, no current directory on the path) that evaluates tool calls sent as
-JSON lines. The worker runs under resource limits (CPU seconds, address space, no child
-processes, no files written: `RLIMIT_NOFILE`/`RLIMIT_FSIZE`) and each call has a deadline: a call that
-runs past it gets the worker killed and a fresh one started, so a tool that hangs or crashes
-costs its episode, never the run. Tools are pure functions of their argument text defined in the
+JSON lines. The worker runs under resource limits (CPU seconds, address space, no files written
+or opened beyond a few descriptors, no child processes where the user is not root) and each call
+has a deadline: a call that runs past it gets the worker killed and a fresh one started, so a
+tool that hangs or crashes costs its episode, never the run. A worker is also replaced every
+`CALLS_PER_WORKER` calls, so its CPU-seconds limit bounds a stretch of calls, not a whole run.
+Not isolated: the network. Tools are pure functions of their argument text defined in the
 worker's source (`TOOLS_SOURCE`); today one: `calc`, exact integer arithmetic.
 """
 
@@ -25,6 +27,7 @@ def limits(cpu_s, memory_mb):
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8, 8))
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -63,6 +66,9 @@ for line in sys.stdin:
 '''
 
 
+CALLS_PER_WORKER = 10_000
+
+
 class ToolError(Exception):
     """A tool call that failed: the tool raised, or ran past its deadline (then the worker was replaced)."""
 
@@ -74,6 +80,7 @@ class ToolSandbox:
         self.timeout_s, self.cpu_s, self.memory_mb = timeout_s, cpu_s, memory_mb
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._calls = 0  # by the current worker
         self.restarts = 0
 
     def _start(self) -> subprocess.Popen:
@@ -84,8 +91,11 @@ class ToolSandbox:
     def call(self, tool: str, arg: str) -> str:
         """The tool's answer; `ToolError` when it raised or ran past the deadline."""
         with self._lock:
+            if self._proc is not None and self._calls >= CALLS_PER_WORKER:
+                self.close_worker()
             if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
+                self._proc, self._calls = self._start(), 0
+            self._calls += 1
             proc = self._proc
             answer: list[str] = []
             reader = threading.Thread(target=lambda: answer.append(proc.stdout.readline()), daemon=True)
@@ -113,9 +123,12 @@ class ToolSandbox:
             self._proc = None
             self.restarts += 1
 
+    def close_worker(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
     def close(self) -> None:
         with self._lock:
-            if self._proc is not None:
-                self._proc.kill()
-                self._proc.wait()
-                self._proc = None
+            self.close_worker()

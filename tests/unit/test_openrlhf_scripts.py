@@ -258,7 +258,10 @@ def test_the_async_agent_script_with_partial_rollouts_and_is_correction_trains_o
     agent = tmp_path / "agent_func.py"
     agent.write_text(AGENT_FILE.format(init=init))
     stage, argv = scaled_down(tag, "train_reinforce_baseline_ray_agent_async.sh", prepared, tmp_path, None, dotted)
-    flag = (lambda dotted_name, flat_name: dotted_name if dotted else flat_name)
+
+    def flag(dotted_name: str, flat_name: str) -> str:
+        return dotted_name if dotted else flat_name
+
     argv = replaced(argv, {flag("--train.agent_func_path", "--agent_func_path"): str(agent),
                            flag("--ds.ring_attn_size", "--ring_attn_size"): "1",
                            flag("--data.label_key", "--label_key"): "answer",

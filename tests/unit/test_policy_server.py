@@ -4,6 +4,7 @@ tokens, concurrent requests batched into one engine call."""
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -113,3 +114,39 @@ def test_concurrent_requests_share_an_engine_call(server):
         t.join()
     assert results == [200] * 8
     assert len(server.calls) < 8 and sum(n for n, _ in server.calls) == 8
+
+
+def test_a_session_answers_one_call_at_a_time_and_its_calls_form_one_chain(server):
+    gate = threading.Event()
+    slow = server.batcher.generate
+
+    def held(sequences, budget):
+        gate.wait(10)
+        return slow(sequences, budget)
+
+    server.batcher.generate = held
+    first = threading.Thread(target=lambda: post(server, "/completions", {"prompt": "abc", "session_id": "s"}))
+    first.start()
+    time.sleep(0.2)  # the first call is being answered
+    code, answer = post(server, "/completions", {"prompt": "abc", "session_id": "s"})
+    gate.set()
+    first.join()
+    assert code == 409 and "one after another" in answer["error"]["message"]
+    assert len(server.take("s").calls) == 1
+
+
+def test_stop_strings_end_a_completion_and_tool_calling_fields_are_refused(server):
+    code, answer = post(server, "/completions", {"prompt": "abc", "stop": ["k"], "session_id": "t"})
+    assert code == 200 and answer["choices"][0]["text"] == "ok" and answer["choices"][0]["finish_reason"] == "stop"
+    assert server.take("t").calls[0].completion_ids == [ord("o"), ord("k")]  # the tokens as sampled, up to the stop
+    code, answer = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "tools": [{"type": "function"}]})
+    assert code == 400 and "tool calling" in answer["error"]["message"]
+
+
+def test_a_session_whose_calls_do_not_chain_is_not_a_sample():
+    from rlhf_core.rl.policy_server import Call, Session
+
+    session = Session([Call([1, 2], [3], [-1.0], True), Call([1, 9, 3, 4], [5], [-1.0], True)])
+    with pytest.raises(ValueError, match="call 1 of the session does not continue"):
+        trace_sample(session, 0)

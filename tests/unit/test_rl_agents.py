@@ -5,6 +5,7 @@ OpenRLHF's agent files load as written."""
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,15 @@ def test_actions_are_trained_feedback_is_not_and_rewards_add_up_over_turns():
                                 "rollout/agent/tries": 2.0}
 
 
+def test_an_agent_run_of_a_task_needs_an_episode_budget():
+    from rlhf_core.rl_config import PPOConfig
+
+    with pytest.raises(ValueError, match="agent_func_path.*give --rollout.max_new_tokens"):
+        PPOConfig.model_validate({"train": {"agent_func_path": "calculator"}, "eval": {"task": "multiply"}})
+    PPOConfig.model_validate({"train": {"agent_func_path": "calculator"}, "eval": {"task": "multiply"},
+                              "rollout": {"max_new_tokens": 24}})
+
+
 def test_the_token_budget_and_the_turn_limit_end_an_episode():
     class Never(AgentInstanceBase):
         def __init__(self):
@@ -105,7 +115,7 @@ def test_the_token_budget_and_the_turn_limit_end_an_episode():
     assert s.extra["turns"] == 3 and len(engine.calls) == 3 and s.extra["agent_reward"] == 1.5 and not s.finished
 
 
-def test_episodes_are_batched_per_turn_and_a_returned_temperature_is_honoured():
+def test_episodes_are_batched_per_turn_and_a_returned_temperature_is_not_applied(capsys):
     class Cooler(AgentInstanceBase):
         def __init__(self):
             self.turn = 0
@@ -118,8 +128,9 @@ def test_episodes_are_batched_per_turn_and_a_returned_temperature_is_honoured():
             return {"rewards": 0.0, "environment_feedback": ";", "done": self.turn == 2, "sampling_params": params}
 
     out, engine = episodes(Cooler, {0: ["a", "b"], 1: ["c", "d"]}, prompts=("0>", "1>"), labels=("warm", "cool"))
-    assert [c["n"] for c in engine.calls] == [2, 1, 1]  # one call for both first turns; then one per temperature
-    assert sorted(c["temperature"] for c in engine.calls[1:]) == [0.25, 1.0]
+    assert [c["n"] for c in engine.calls] == [2, 2]  # one call per turn for both episodes
+    assert [c["temperature"] for c in engine.calls] == [1.0, 1.0]  # the trainer's temperature, always
+    assert "sampling_params (temperature, top_p, top_k): not applied" in capsys.readouterr().err
     assert [s.extra["turns"] for s in out] == [2, 2]
 
 
@@ -140,19 +151,23 @@ def test_an_environment_that_raises_hangs_or_answers_nonsense_ends_its_episode_o
                 time.sleep(3)  # blocks its event loop's thread
             if kind == "nonsense":
                 return {"rewards": "lots"}
+            if kind == "bad-done":  # a tensor of two can't be a truth value: the episode's failure, not the run's
+                return {"rewards": 1.0, "environment_feedback": "", "done": torch.tensor([1, 0]), "extra_logs": 3}
             return {"rewards": 1.0, "environment_feedback": "", "done": True}
 
-    labels = ("ok", "raise", "async-hang", "nonsense", "sync-hang", "ok", "ok", "ok")
+    labels = ("ok", "raise", "async-hang", "nonsense", "sync-hang", "bad-done", "ok", "ok")
     prompts = tuple(f"{k}>" for k in range(len(labels)))
-    started = time.perf_counter()
+    started, threads = time.perf_counter(), threading.active_count()
     out, _ = episodes(Faulty, {k: ["a"] for k in range(len(labels))}, prompts=prompts, labels=labels, timeout_s=1.0)
     assert time.perf_counter() - started < 10
+    time.sleep(3.5)  # the blocked thread wakes up: its abandoned loop stops, nothing else is left running
+    assert threading.active_count() <= threads + 1
     failed = {labels[s.prompt_index] for s in out if s.extra["failed"]}
-    assert failed == {"raise", "async-hang", "nonsense", "sync-hang"}
+    assert failed == {"raise", "async-hang", "nonsense", "sync-hang", "bad-done"}
     for s in out:
-        assert s.extra["agent_reward"] == (0.0 if s.extra["failed"] else 1.0)
         assert s.response_len == 1 and not s.finished == s.extra["failed"]
-    assert agent_stats(out)["rollout/agent_failed_frac"] == 0.5
+    assert [s.extra["agent_reward"] for s in out] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert agent_stats(out)["rollout/agent_failed_frac"] == 5 / 8
 
 
 def test_an_environment_that_fails_every_episode_is_an_error():

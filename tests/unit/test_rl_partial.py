@@ -53,6 +53,14 @@ def test_a_response_cut_by_the_budget_is_not_finished():
     assert len(r.token_ids) == 8 and not r.finished and r.versions == [0] * 8
 
 
+def test_an_engine_that_gives_nothing_ends_the_response_instead_of_looping():
+    def empty(sequences, budget, seed):
+        return [Sample((), (), False) for _ in sequences]
+
+    (r,), = sample_in_segments([[10, 1]], 1, 8, 0, empty, lambda: 0)
+    assert r.token_ids == [] and r.finished
+
+
 def test_staleness_is_measured_per_token():
     stats = staleness_stats([[3, 3, 4], [4, 4]], current=4)
     assert stats == {"rollout/staleness": pytest.approx(2 / 5), "rollout/staleness_max": 1.0,
