@@ -23,14 +23,10 @@ is abandoned and replaced, and the episodes that shared it end too.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import importlib.util
 import inspect
-import math
 import sys
-import threading
 import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -41,15 +37,10 @@ import torch
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl import agent_api
+from rlhf_core.rl.env_calls import LOOPS, AgentError, EnvFailure, EventLoops, call_env, extra_logs, number
 from rlhf_core.rl.experience import RolloutSample
 
-LOOPS = 8  # event loops the environments' coroutines share
-GRACE_S = 5.0  # beyond the deadline: how long a blocked loop gets before it is abandoned
 SHIM_MODULES = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent")
-
-
-class AgentError(RuntimeError):
-    """An environment that failed every episode of a batch."""
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -128,16 +119,7 @@ def load_agent(path: str):
     return instance_cls
 
 
-# -- environment calls with deadlines ----------------------------------------------------------
-class EnvFailure(Exception):
-    """An environment call that raised, returned something unusable or missed its deadline."""
-
-
-async def _call(fn: Callable, *args):
-    out = fn(*args)
-    return await out if inspect.isawaitable(out) else out
-
-
+# -- environments ----------------------------------------------------------------------------
 async def _new_instance(cls: type):
     """`cls()`, awaiting an `async def __init__` (OpenRLHF v0.9.10's example declares one)."""
     if inspect.iscoroutinefunction(cls.__init__):
@@ -145,52 +127,6 @@ async def _new_instance(cls: type):
         await instance.__init__()
         return instance
     return cls()
-
-
-class EventLoops:
-    """A few event loops in daemon threads; call `k` of a batch runs on loop `slot % size`."""
-
-    def __init__(self, size: int = LOOPS):
-        self.loops = [self._start() for _ in range(size)]
-
-    @staticmethod
-    def _start() -> asyncio.AbstractEventLoop:
-        loop = asyncio.new_event_loop()
-        # blocking work an environment hands to asyncio.to_thread (tools, HTTP calls): every episode at once
-        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
-                                                                        thread_name_prefix="rlhf-agent-io"))
-        threading.Thread(target=loop.run_forever, name="rlhf-agent-env", daemon=True).start()
-        return loop
-
-    def run(self, calls: list[tuple[int, Callable[[], Awaitable]]], timeout_s: float) -> list:
-        """Each call's result, or an `EnvFailure` in its place."""
-        futures = []
-        for slot, make in calls:
-            loop = self.loops[slot % len(self.loops)]
-            futures.append(asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout_s), loop))
-        _, pending = concurrent.futures.wait(futures, timeout=timeout_s + GRACE_S)
-        blocked = {slot % len(self.loops) for (slot, _), future in zip(calls, futures, strict=True)
-                   if future in pending}
-        for k in blocked:  # blocked by synchronous code: abandoned (stopped once it returns) for a fresh loop
-            old, self.loops[k] = self.loops[k], self._start()
-            old.call_soon_threadsafe(old.stop)
-        out = []
-        for future in futures:
-            if future in pending:
-                future.cancel()
-                out.append(EnvFailure(f"no answer within {timeout_s:g} s (its thread was blocked)"))
-                continue
-            try:
-                out.append(future.result())
-            except TimeoutError:
-                out.append(EnvFailure(f"no answer within {timeout_s:g} s"))
-            except Exception as e:
-                out.append(EnvFailure(f"{type(e).__name__}: {e}"))
-        return out
-
-    def close(self) -> None:
-        for loop in self.loops:
-            loop.call_soon_threadsafe(loop.stop)
 
 
 # -- episodes --------------------------------------------------------------------------------
@@ -220,29 +156,6 @@ class Episode:
         self.failure, self.over = why, True
 
 
-def _number(value, what: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise EnvFailure(f"{what} must be one number, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise EnvFailure(f"{what} must be a number, got {value!r}") from None
-    if not math.isfinite(out):
-        raise EnvFailure(f"{what} must be finite, got {out}")
-    return out
-
-
-def extra_logs(logs) -> dict[str, float]:
-    """The numbers of an environment's `extra_logs` (anything else is left out)."""
-    out = {}
-    for key, value in (logs.items() if isinstance(logs, dict) else ()):
-        with contextlib.suppress(EnvFailure):
-            out[str(key)] = _number(value, f"extra_logs[{key!r}]")
-    return out
-
-
 def _apply_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> None:
     """Fold one `step` answer into the episode (raises `EnvFailure` on a malformed one)."""
     try:
@@ -262,8 +175,8 @@ def _fold_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> Non
     feedback = result["environment_feedback"]
     if not isinstance(feedback, str):
         raise EnvFailure(f"environment_feedback must be text, got {type(feedback).__name__}")
-    reward = _number(result["rewards"], "rewards")  # everything read before the episode changes
-    score = _number(result["scores"], "scores") if result.get("scores") is not None else None
+    reward = number(result["rewards"], "rewards")  # everything read before the episode changes
+    score = number(result["scores"], "scores") if result.get("scores") is not None else None
     done = result["done"]
     done = bool(done.item() if isinstance(done, torch.Tensor) else done)
     logs = extra_logs(result.get("extra_logs"))
@@ -323,7 +236,7 @@ class AgentRollouts:
             version = between() if between is not None else None
             self._act(active, seed + 7919 * turn, generate, version)
             stepping = [ep for ep in active if not ep.over]
-            answers = self.loops.run([(ep.slot, self._step_call(ep)) for ep in stepping], self.timeout_s)
+            answers = self.loops.run([(ep.slot, self._stepcall_env(ep)) for ep in stepping], self.timeout_s)
             for ep, answer in zip(stepping, answers, strict=True):
                 try:
                     if isinstance(answer, EnvFailure):
@@ -354,7 +267,7 @@ class AgentRollouts:
         def start(ep: Episode):
             async def call():
                 instance = await _new_instance(cls)
-                return instance, await _call(instance.reset, {"observation": ep.observation, "label": ep.label})
+                return instance, await call_env(instance.reset, {"observation": ep.observation, "label": ep.label})
             return call
 
         answers = self.loops.run([(ep.slot, start(ep)) for ep in episodes], self.timeout_s)
@@ -404,10 +317,10 @@ class AgentRollouts:
                 ep.last_action = self.tokenizer.decode(ids, skip_special_tokens=False)
                 ep.turns += 1
 
-    def _step_call(self, ep: Episode) -> Callable[[], Awaitable]:
+    def _stepcall_env(self, ep: Episode) -> Callable[[], Awaitable]:
         states = {"observation_text": ep.observation, "action_text": ep.last_action, "label": ep.label,
                   "sampling_params": replace(ep.sampling)}  # a copy: what the environment does to it stays there
-        return lambda: _call(ep.instance.step, states)
+        return lambda: call_env(ep.instance.step, states)
 
     def _sample(self, ep: Episode) -> RolloutSample:
         keep = max(0, self.max_length - len(ep.prompt_ids))  # feedback past the budget is cut

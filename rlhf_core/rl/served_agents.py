@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf_core.rl.agents import AgentError, EnvFailure, EventLoops, _call, _number, extra_logs
+from rlhf_core.rl.env_calls import AgentError, EnvFailure, EventLoops, call_env, extra_logs, number
 from rlhf_core.rl.experience import RolloutSample
 from rlhf_core.rl.policy_server import PolicyServer, trace_sample
 
@@ -54,7 +54,7 @@ class ServedRollouts:
         calls = []
         for slot, (ids, _, label, session) in enumerate(episodes):
             prompt = self.raw_prompts.get(tuple(ids), decode(ids, skip_special_tokens=True))
-            calls.append((slot, lambda p=prompt, lb=label, s=session: _call(self.executor.run_agent, p, lb, s)))
+            calls.append((slot, lambda p=prompt, lb=label, s=session: call_env(self.executor.run_agent, p, lb, s)))
         try:
             answers = self.loops.run(calls, self.timeout_s)
         finally:  # an abandoned episode's request may still be generating: the engines are free after this
@@ -70,8 +70,8 @@ class ServedRollouts:
                     raise answer
                 if not isinstance(answer, dict) or "reward" not in answer:
                     raise EnvFailure(f"run_agent must return {{'reward': number}}, got {answer!r:.200}")
-                reward = _number(answer["reward"], "reward")
-                score = reward if answer.get("scores") is None else _number(answer["scores"], "scores")
+                reward = number(answer["reward"], "reward")
+                score = reward if answer.get("scores") is None else number(answer["scores"], "scores")
                 logs = extra_logs(answer.get("extra_logs"))
                 if session is None:
                     raise EnvFailure(f"run_agent never called the policy with its session_id {session_id}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_core.infra.settings import ConfigError
-from rlhf_core.rl import agents
+from rlhf_core.rl import env_calls
 from rlhf_core.rl.agent_api import AgentInstanceBase
 from rlhf_core.rl.agents import AgentError, AgentRewardSource, AgentRollouts, agent_stats, load_agent
 from rlhf_core.rollout.base import Sample
@@ -135,7 +135,7 @@ def test_episodes_are_batched_per_turn_and_a_returned_temperature_is_not_applied
 
 
 def test_an_environment_that_raises_hangs_or_answers_nonsense_ends_its_episode_only(monkeypatch):
-    monkeypatch.setattr(agents, "GRACE_S", 0.5)
+    monkeypatch.setattr(env_calls, "GRACE_S", 0.5)
 
     class Faulty(AgentInstanceBase):
         def __init__(self):
