@@ -124,6 +124,24 @@ def available_memory_bytes() -> int:
     return psutil.virtual_memory().available
 
 
+def prefill_batches(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive ranges of requests whose prompt tokens (`lengths`, children of `n` counted)
+    fit one scheduler step of `budget` tokens, each range one generate call (a prompt longer than
+    the budget goes alone). vLLM's CPU build cannot split the prefill of a seeded request over
+    steps (torch's CPU generators have no offset: "CPU Generator does not use offset"), which its
+    scheduler does once a call's prompts exceed `max_num_batched_tokens`, e.g. an agent's turns
+    of a whole batch, each episode a request of its own."""
+    out, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            out.append(range(start, i))
+            start, used = i, 0
+        used += n
+    if lengths:
+        out.append(range(start, len(lengths)))
+    return out
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
                  dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
@@ -166,6 +184,7 @@ class VLLMEngine(RolloutEngine):
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension")
         self.tensor_parallel_size = tensor_parallel_size
+        self.prefill_budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         self.eos_ids = {self.tokenizer.eos_token_id}
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
@@ -180,7 +199,12 @@ class VLLMEngine(RolloutEngine):
                                  top_k=max(top_k, 0), max_tokens=max_new_tokens,
                                  seed=seed + i, skip_special_tokens=True, repetition_penalty=1.0, logprobs=0)
                   for i in range(len(prompt_ids))]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            calls = [range(len(inputs))]
+        else:  # seeds stay per prompt: a split draws what one call would
+            calls = prefill_batches([len(ids) * (1 if greedy else n) for ids in prompt_ids], self.prefill_budget)
+        outputs = [out for r in calls
+                   for out in self.llm.generate([inputs[i] for i in r], [params[i] for i in r], use_tqdm=False)]
         results = []
         for out in outputs:
             group = [self._sample(list(c.token_ids), c.logprobs or []) for c in out.outputs]

@@ -125,6 +125,11 @@ def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
         assert all(len(g) == 3 and all(1 <= len(s.token_ids) <= MAX_NEW for s in g) for g in groups)
         assert log_prob_gap(model, groups, temperature) < 1e-4
     assert sample(engine, 3, 1.0, seed=5) == sample(engine, 3, 1.0, seed=5)  # a seed per prompt
+    # more prompt tokens than one scheduler step takes (an agent batch's turns): seeded, on CPU, in
+    # calls that each fit one (vLLM's CPU sampler cannot split a seeded prefill over steps)
+    many = [PROMPTS[k % 3] * 8 for k in range(160)]
+    groups = sample(engine, 1, 1.0, prompts=many)
+    assert len(groups) == 160 and all(len(g) == 1 and g[0].token_ids for g in groups)
     greedy = sample(engine, 2, 0.0)
     for prompt, (first, second) in zip(PROMPTS, greedy, strict=True):
         assert first == second

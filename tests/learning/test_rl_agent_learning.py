@@ -6,8 +6,9 @@ success rises by well over 15 points and tool use goes to nearly every episode.
 The whole chain as a user runs it: `rlhf prep --task multiply` (SFT rows with tool-use
 conversations), `rlhf train sft --multiturn`, `rlhf train ppo --agent_func_path calculator` (the
 built-in environment, an OpenRLHF agent file, with its tool in the sandbox), and the same
-episodes driven through the policy's OpenAI-compatible endpoint (`calculator-http`). fp32, one
-in-process rank each; about two and a half minutes on 2 cores.
+episodes driven through the policy's OpenAI-compatible endpoint (`calculator-http`), and on a
+vLLM engine. fp32, one in-process rank each (the vLLM engine in a Ray actor); about three and a
+half minutes on 2 cores.
 """
 
 import json
@@ -35,7 +36,7 @@ def multiply_sft(tmp_path_factory) -> dict:
     return {"sft": str(sft), "prompts": f"json@{prep / 'data' / 'prompts'}"}
 
 
-def rl(multiply_sft, out, agent: str, steps: int, capsys) -> dict:
+def rl(multiply_sft, out, agent: str, steps: int, capsys, *extra: str) -> dict:
     capsys.readouterr()
     prompts = multiply_sft["prompts"]
     assert main(["train", "ppo", "--actor.model_name_or_path", multiply_sft["sft"], "--data.prompt_dataset", prompts,
@@ -45,7 +46,7 @@ def rl(multiply_sft, out, agent: str, steps: int, capsys) -> dict:
                  "--train.seed", "0", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
                  "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
                  "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", str(steps),
-                 "--rollout.max_new_tokens", "24", "--data.prompt_max_len", "24"]) == 0
+                 "--rollout.max_new_tokens", "24", "--data.prompt_max_len", "24", *extra]) == 0
     metrics = json.loads(capsys.readouterr().out)["metrics"]
     before, after = metrics["eval_initial/sampled_accuracy"], metrics["eval/sampled_accuracy"]
     print(f"{agent}: held-out success (150 prompts x 2, T=1): SFT {before:.3f} -> RL {after:.3f}; tool use "
@@ -66,3 +67,11 @@ def test_rollouts_driven_through_the_openai_endpoint_train_the_same_way(multiply
     metrics = rl(multiply_sft, tmp_path / "rl_http", "calculator-http", 15, capsys)
     assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
     assert metrics["eval/sampled_agent/used_tool"] > 0.8 and metrics["rollout/agent_failed_frac"] < 0.1
+
+
+def test_agent_episodes_on_a_vllm_engine_train_too(multiply_sft, tmp_path, capsys):
+    """The environment loop over vLLM (its CPU build, in a Ray actor): each episode is a request
+    of its own, a batch's turns more prompt tokens than one scheduler step takes."""
+    metrics = rl(multiply_sft, tmp_path / "rl_vllm", "calculator", 15, capsys, "--vllm.num_engines", "1")
+    assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
+    assert metrics["eval/sampled_agent/used_tool"] > 0.8 and metrics["rollout/agent_failed_frac"] == 0.0

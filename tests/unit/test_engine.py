@@ -269,3 +269,11 @@ def test_muon_orthogonalises_the_hidden_matrices_and_adamw_steps_the_rest(capsys
             # (the first gradient of a tiny batch is rank-deficient: its null directions stay 0)
             assert 0.5 < singular.max() < 1.5 and (singular > 0.5).float().mean() > 0.5, singular
     assert losses[-1] < 0.85 * losses[0], losses
+
+
+def test_prefill_batches_keep_each_calls_prompts_within_one_scheduler_step():
+    from rlhf_core.rollout.vllm_engine import prefill_batches
+
+    assert prefill_batches([3, 3, 3, 3], 6) == [range(0, 2), range(2, 4)]
+    assert prefill_batches([3, 9, 2], 6) == [range(0, 1), range(1, 2), range(2, 3)]  # too long: alone
+    assert prefill_batches([1] * 5, 100) == [range(0, 5)] and prefill_batches([], 10) == []
