@@ -156,13 +156,15 @@ def _multiply_generate(rng: random.Random) -> Example:
 
 
 def _multiply_conversation(prompt: str, answer: str, rng: random.Random) -> list[dict]:
-    """A demonstration: with probability TOOL_DEMO_RATE the call, the tool's result and the answer;
-    otherwise the answer at once (what a model does without the tool)."""
+    """A demonstration whose last turn is `answer` (the row's response: a near miss under
+    `demo_error_rate`): with probability TOOL_DEMO_RATE the call and the tool's result (always the
+    true product, as the calculator gives it) first; otherwise the answer at once."""
     if rng.random() >= TOOL_DEMO_RATE:
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
     expression = prompt.removeprefix("mul ").removesuffix("=")
+    a, b = expression.split("*")
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": TOOL_CALL_PREFIX + expression},
-            {"role": "user", "content": answer}, {"role": "assistant", "content": answer}]
+            {"role": "user", "content": str(int(a) * int(b))}, {"role": "assistant", "content": answer}]
 
 
 TASKS: dict[str, SyntheticTask] = {

@@ -16,6 +16,10 @@ load time with that reason.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.error
+import urllib.request
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -95,11 +99,6 @@ class OpenAIAgentExecutor(AgentExecutorBase):
 
     async def chat(self, messages: list[dict], session_id: str, max_tokens: int | None = None) -> str:
         """One chat completion of the session (no client library needed); its text."""
-        import asyncio
-        import json
-        import urllib.error
-        import urllib.request
-
         body = {"model": self.model, "messages": messages, "session_id": session_id}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens

@@ -24,6 +24,7 @@ is abandoned and replaced, and the episodes that shared it end too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import sys
@@ -72,12 +73,18 @@ def load_agent(path: str):
     """What an agent file (or a built-in one, `BUILTIN_AGENTS`) runs: the environment class its
     `AgentExecutor(MultiTurnAgentExecutor)` names, or its `AgentExecutor(OpenAIAgentExecutor)`
     itself (an agent driving the policy's HTTP endpoint). Raises `ConfigError` naming the file
-    and what is wrong."""
+    and what is wrong. Imported once per process: the CLI checks the file before any model loads,
+    and the stage then gets the same classes."""
     file = BUILTIN_AGENTS.get(path, Path(path))
     if file.suffix != ".py":
         raise ConfigError(f"--train.agent_func_path {path}: must be a Python file (.py)")
     if not file.is_file():
         raise ConfigError(f"--train.agent_func_path {path}: no such file")
+    return _load(path, file.resolve())
+
+
+@functools.cache
+def _load(path: str, file: Path):
     spec = importlib.util.spec_from_file_location(f"rlhf_agent_{abs(hash(str(file.resolve())))}", file)
     module = importlib.util.module_from_spec(spec)
     with _openrlhf_names():
@@ -234,9 +241,9 @@ class AgentRollouts:
         turn = 0
         while active := [ep for ep in episodes if not ep.over]:
             version = between() if between is not None else None
-            self._act(active, seed + 7919 * turn, generate, version)
+            self._act(active, generate, temperature, seed + 7919 * turn, top_k, top_p, version)
             stepping = [ep for ep in active if not ep.over]
-            answers = self.loops.run([(ep.slot, self._stepcall_env(ep)) for ep in stepping], self.timeout_s)
+            answers = self.loops.run([(ep.slot, self._step_call(ep)) for ep in stepping], self.timeout_s)
             for ep, answer in zip(stepping, answers, strict=True):
                 try:
                     if isinstance(answer, EnvFailure):
@@ -255,11 +262,7 @@ class AgentRollouts:
         if failed:
             print(f"rlhf: {len(failed)} of {len(episodes)} agent episodes ended by their environment failing (first: "
                   f"{failed[0].failure})", file=sys.stderr, flush=True)
-        samples = [self._sample(ep) for ep in episodes]
-        if between is None:
-            for s in samples:
-                del s.extra["versions"]
-        return samples
+        return [self._sample(ep) for ep in episodes]
 
     def _reset(self, episodes: list[Episode]) -> None:
         cls = self.instance_cls
@@ -289,7 +292,8 @@ class AgentRollouts:
             if not ep.prompt_ids:
                 ep.fail(f"reset: --data.max_len {self.max_length} leaves no room for the observation")
 
-    def _act(self, active: list[Episode], seed: int, generate: Callable, version: int | None) -> None:
+    def _act(self, active: list[Episode], generate: Callable, temperature: float, seed: int, top_k: int,
+             top_p: float, version: int | None) -> None:
         """One action for each active episode, all in one engine call (the largest room left; each
         action cut to its own episode's)."""
         group = []
@@ -301,10 +305,8 @@ class AgentRollouts:
             ep.sampling.max_tokens = room
             group.append(ep)
         if group:
-            s = group[0].sampling
             budget = max(ep.sampling.max_tokens for ep in group)
-            samples = generate([ep.prompt_ids + ep.tokens for ep in group], s.temperature, budget, seed, s.top_k,
-                               s.top_p)
+            samples = generate([ep.prompt_ids + ep.tokens for ep in group], temperature, budget, seed, top_k, top_p)
             for ep, sample in zip(group, samples, strict=True):
                 ids = list(sample.token_ids[: ep.sampling.max_tokens])
                 if not ids:  # nothing sampled (no room the engine would use): the episode cannot go on
@@ -317,7 +319,7 @@ class AgentRollouts:
                 ep.last_action = self.tokenizer.decode(ids, skip_special_tokens=False)
                 ep.turns += 1
 
-    def _stepcall_env(self, ep: Episode) -> Callable[[], Awaitable]:
+    def _step_call(self, ep: Episode) -> Callable[[], Awaitable]:
         states = {"observation_text": ep.observation, "action_text": ep.last_action, "label": ep.label,
                   "sampling_params": replace(ep.sampling)}  # a copy: what the environment does to it stays there
         return lambda: call_env(ep.instance.step, states)
@@ -332,7 +334,7 @@ class AgentRollouts:
             ep.done, action_mask=mask,
             extra={"agent_reward": ep.reward, "agent_score": ep.reward if ep.score is None else ep.score,
                    "turns": ep.turns, "failed": ep.failure is not None, "agent_logs": dict(ep.extra_logs),
-                   "versions": ep.versions[: len(actions)],
+                   "versions": ep.versions[: len(actions)],  # (None each without partial rollouts)
                    "final_text": self.tokenizer.decode(last, skip_special_tokens=True)})
 
     def close(self) -> None:

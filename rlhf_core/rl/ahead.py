@@ -95,6 +95,17 @@ class RolloutsAhead:
             self._resume.wait()
 
     @contextlib.contextmanager
+    def held_for_sync(self) -> Iterator[None]:
+        """For a weight sync: the background sampling done, or with `partial` held at its next
+        segment end (and going on with the new weights after)."""
+        if self.partial:
+            with self.paused():
+                yield
+        else:
+            self.wait()
+            yield
+
+    @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The background sampling held at its next `yield_point` (or finished) for the duration."""
         thread = self._thread

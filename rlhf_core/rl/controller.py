@@ -342,13 +342,8 @@ class RLController:
         train_stats = self.train(samples, plan)
         times["train"] = time.perf_counter() - t
         t = time.perf_counter()
-        if self.ahead.partial:  # the sampling ahead stops at its next segment's end, and goes on with the new weights
-            with self.ahead.paused():
-                times["ahead_wait"] = time.perf_counter() - t
-                t = time.perf_counter()
-                self.sync_weights()
-        else:
-            times["ahead_wait"] = self.ahead.wait()  # the weights of the batches sampled ahead are kept until then
+        with self.ahead.held_for_sync():  # the weights of the batches sampled ahead are kept until then
+            times["ahead_wait"] = time.perf_counter() - t
             t = time.perf_counter()
             self.sync_weights()
         times["sync"] = time.perf_counter() - t
@@ -562,15 +557,12 @@ class RLController:
         `training`: a rollout batch (with partial rollouts: sampled in segments, its tokens' versions kept)."""
         partial = self.ahead.partial and training
         if self.agent is not None:  # with partial rollouts a weight sync may come between two turns
-            self.engines.wake_up()
             return self.agent.run(prompt_ids, indices, labels, n, temperature, seed, top_k=top_k, top_p=top_p,
-                                  generate=lambda ids, t, budget, sd, k, p: [
-                                      group[0] for group in self.generate(ids, 1, t, sd, k, p, budget)],
-                                  between=self._between_segments if partial else None)
+                                  generate=self.generate_one, between=self._between_segments if partial else None)
         if partial:
             groups = sample_in_segments(
                 prompt_ids, n, self.cfg.rollout.max_new_tokens, seed,
-                lambda ids, budget, sd: [g[0] for g in self.generate(ids, 1, temperature, sd, top_k, top_p, budget)],
+                lambda ids, budget, sd: self.generate_one(ids, temperature, budget, sd, top_k, top_p),
                 self._between_segments)
             return [RolloutSample(list(p), r.token_ids, i, torch.tensor(r.logprobs), r.finished,
                                   extra={"versions": r.versions})
@@ -583,6 +575,11 @@ class RLController:
         """Where a pending weight sync takes effect (partial rollouts); the version the next tokens get."""
         self.ahead.yield_point()
         return self.policy_version
+
+    def generate_one(self, prompt_ids: list[list[int]], temperature: float, max_new_tokens: int, seed: int,
+                     top_k: int = -1, top_p: float = 1.0) -> list:
+        """One continuation of each sequence, at most `max_new_tokens` (an agent's turn, a segment)."""
+        return [group[0] for group in self.generate(prompt_ids, 1, temperature, seed, top_k, top_p, max_new_tokens)]
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
                  top_p: float = 1.0, max_new_tokens: int | None = None):

@@ -25,6 +25,7 @@ completion (trained) and what the conversation added between two calls (not trai
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -79,7 +80,13 @@ class MicroBatcher:
         self.generate: Callable[[list[list[int]], int], list[Sample]] | None = None
         self.engine_lock = threading.Lock()  # held while the engines generate for the endpoint
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._work, name="policy-server-batcher", daemon=True).start()
+        self._thread = threading.Thread(target=self._work, name="policy-server-batcher", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stop_serving()
+        self._queue.put(None)  # ends the worker
+        self._thread.join()
 
     def stop_serving(self) -> None:
         """No more engine calls: waits for one in progress, fails the requests still queued."""
@@ -98,14 +105,18 @@ class MicroBatcher:
         return future.result()
 
     def _work(self) -> None:
-        while True:
-            batch = [self._queue.get()]
+        while (first := self._queue.get()) is not None:
+            batch = [first]
             deadline = time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
                 try:
-                    batch.append(self._queue.get(timeout=left))
+                    item = self._queue.get(timeout=left)
                 except queue.Empty:
                     break
+                if item is None:  # closing: answer what came, then stop
+                    self._queue.put(None)
+                    break
+                batch.append(item)
             try:
                 with self.engine_lock:
                     if self.generate is None:
@@ -158,6 +169,7 @@ class PolicyServer:
         self.httpd.shutdown()
         self._thread.join()
         self.httpd.server_close()
+        self.batcher.close()
 
     # -- sessions ------------------------------------------------------------------------------
     def take(self, session_id: str) -> Session | None:
@@ -214,11 +226,14 @@ class PolicyServer:
         """The completion up to and including the token that completes the first stop string. Unlike
         OpenAI's, the text returned keeps the stop string: the session continues from the tokens as
         sampled, so the conversation sent back must carry them."""
-        decode = self.tokenizer.decode
-        for k in range(1, len(call.completion_ids) + 1):
-            if any(s in decode(call.completion_ids[:k], skip_special_tokens=True) for s in stop):
-                return Call(call.prompt_ids, call.completion_ids[:k], call.logprobs[:k], True)
-        return call
+        def has_stop(k: int) -> bool:  # monotone in k: a prefix that holds a stop string, so do the longer ones
+            text = self.tokenizer.decode(call.completion_ids[:k], skip_special_tokens=True)
+            return any(s in text for s in stop)
+
+        if not has_stop(len(call.completion_ids)):
+            return call
+        k = bisect.bisect_left(range(len(call.completion_ids) + 1), True, key=has_stop)  # log-many decodes
+        return Call(call.prompt_ids, call.completion_ids[:k], call.logprobs[:k], True)
 
 
 def trace_sample(session: Session, prompt_index: int) -> RolloutSample:

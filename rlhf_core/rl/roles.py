@@ -114,10 +114,6 @@ def plain_state(module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
-def sequence_len(sample: RolloutSample) -> int:
-    return sample.sequence_len
-
-
 def all_reduce_max(value: int) -> int:
     """The largest `value` over the role's ranks (itself with one rank)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -186,7 +182,7 @@ class _Role:
         cfg = self.cfg
         if cfg.train.dynamic_batch_enable or cfg.rollout.micro_batch_size is None:
             budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
-            return [[samples[i] for i in run] for run in budget_chunks([sequence_len(s) for s in samples], budget)]
+            return [[samples[i] for i in run] for run in budget_chunks([s.sequence_len for s in samples], budget)]
         size = cfg.rollout.micro_batch_size
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
@@ -202,7 +198,7 @@ class _Role:
         steps = optimizer_steps(samples, per_rank, per_rank)
         out = []
         for (step,) in steps:
-            lengths = [sequence_len(s) for s in step]
+            lengths = [s.sequence_len for s in step]
             count = all_reduce_max(micro_batch_count(lengths, train.max_tokens_per_gpu))
             out.append([[step[i] for i in group] for group in balanced_groups(lengths, count) if group])
         return out

@@ -65,7 +65,11 @@ class ServedRollouts:
         for (ids, index, _, session_id), answer, session in zip(episodes, answers, sessions, strict=True):
             reward = score = 0.0
             logs: dict = {}
+            sample = failure = None
             try:
+                if session is None:
+                    raise EnvFailure(f"run_agent never called the policy with its session_id {session_id}")
+                sample = trace_sample(session, index)  # ValueError: calls that do not chain
                 if isinstance(answer, EnvFailure):
                     raise answer
                 if not isinstance(answer, dict) or "reward" not in answer:
@@ -73,18 +77,9 @@ class ServedRollouts:
                 reward = number(answer["reward"], "reward")
                 score = reward if answer.get("scores") is None else number(answer["scores"], "scores")
                 logs = extra_logs(answer.get("extra_logs"))
-                if session is None:
-                    raise EnvFailure(f"run_agent never called the policy with its session_id {session_id}")
-                sample = trace_sample(session, index)
-                failure = None
-            except (EnvFailure, ValueError) as e:
-                failure, reward, score, sample = str(e), 0.0, 0.0, None
+            except (EnvFailure, ValueError) as e:  # the episode's sample, if it has one, trains with reward 0
+                failure, reward, score = str(e), 0.0, 0.0
                 failures.append(failure)
-            if sample is None and session is not None and session.calls:
-                try:
-                    sample = trace_sample(session, index)
-                except ValueError:
-                    sample = None
             if sample is None:  # nothing sampled: a completion of its prompt stands for it (its group keeps its size)
                 (one,) = generate([ids], temperature, self.max_new_tokens, seed + 104729, top_k, top_p)
                 sample = RolloutSample(list(ids), list(one.token_ids), index, torch.tensor(one.logprobs), one.finished)

@@ -8,7 +8,8 @@ has a deadline: a call that runs past it gets the worker killed and a fresh one 
 tool that hangs or crashes costs its episode, never the run. A worker is also replaced every
 `CALLS_PER_WORKER` calls, so its CPU-seconds limit bounds a stretch of calls, not a whole run.
 Not isolated: the network. Tools are pure functions of their argument text defined in the
-worker's source (`TOOLS_SOURCE`); today one: `calc`, exact integer arithmetic.
+worker's source (`TOOLS_SOURCE`, registered in its `TOOLS`); today one: `calc`, exact integer
+arithmetic. `ToolSandbox(extra_source=...)` adds tools of one's own the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 
-# The worker: reads {"tool": name, "arg": text} per line, answers {"ok": value} or {"error": text}.
+# The worker's tools: functions of their argument text, by name in TOOLS.
 TOOLS_SOURCE = r'''
 import ast, json, operator, resource, sys
 
@@ -48,12 +49,11 @@ def calc(text):
         raise ValueError("not integer arithmetic: " + ast.dump(node)[:80])
     return str(value(ast.parse(text.strip(), mode="eval").body))
 
-def hang(text):  # for tests: a tool that never answers
-    while True:
-        pass
+TOOLS = {"calc": calc}
+'''
 
-TOOLS = {"calc": calc, "hang": hang}
-
+# The worker's loop: reads {"tool": name, "arg": text} per line, answers {"ok": value} or {"error": text}.
+SERVE_SOURCE = r'''
 limits(int(sys.argv[1]), int(sys.argv[2]))
 for line in sys.stdin:
     request = json.loads(line)
@@ -76,23 +76,24 @@ class ToolError(Exception):
 class ToolSandbox:
     """One worker process at a time; calls are serialised (a lock) and each has `timeout_s`."""
 
-    def __init__(self, timeout_s: float = 5.0, cpu_s: int = 600, memory_mb: int = 512):
+    def __init__(self, timeout_s: float = 5.0, cpu_s: int = 600, memory_mb: int = 512, extra_source: str = ""):
         self.timeout_s, self.cpu_s, self.memory_mb = timeout_s, cpu_s, memory_mb
+        self.source = TOOLS_SOURCE + extra_source + SERVE_SOURCE
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._calls = 0  # by the current worker
         self.restarts = 0
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-I", "-c", TOOLS_SOURCE, str(self.cpu_s), str(self.memory_mb)],
+        return subprocess.Popen([sys.executable, "-I", "-c", self.source, str(self.cpu_s), str(self.memory_mb)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, bufsize=1, env={"PATH": os.environ.get("PATH", "")}, cwd="/")
 
     def call(self, tool: str, arg: str) -> str:
         """The tool's answer; `ToolError` when it raised or ran past the deadline."""
         with self._lock:
-            if self._proc is not None and self._calls >= CALLS_PER_WORKER:
-                self.close_worker()
+            if self._calls >= CALLS_PER_WORKER:
+                self._stop_worker()
             if self._proc is None or self._proc.poll() is not None:
                 self._proc, self._calls = self._start(), 0
             self._calls += 1
@@ -103,32 +104,27 @@ class ToolSandbox:
                 proc.stdin.write(json.dumps({"tool": tool, "arg": arg}) + "\n")
                 proc.stdin.flush()
             except OSError as e:
-                self._kill()
+                self._stop_worker(restart=True)
                 raise ToolError(f"{tool}: the sandbox died ({e})") from None
             reader.start()
             reader.join(self.timeout_s)
             late = reader.is_alive()
             if late or not answer or not answer[0]:
-                self._kill()
+                self._stop_worker(restart=True)
                 raise ToolError(f"{tool}: no answer within {self.timeout_s:g} s" if late else f"{tool}: the sandbox died")
             reply = json.loads(answer[0])
         if "error" in reply:
             raise ToolError(f"{tool}: {reply['error']}")
         return reply["ok"]
 
-    def _kill(self) -> None:
+    def _stop_worker(self, restart: bool = False) -> None:
+        """The worker killed (`restart`: because it failed; the next call starts another)."""
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
-            self.restarts += 1
-
-    def close_worker(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+            self.restarts += restart
 
     def close(self) -> None:
         with self._lock:
-            self.close_worker()
+            self._stop_worker()

@@ -288,7 +288,6 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
         else:
             roles = local_roles(cfg, specs, actor_path)
-        agent = None
         if cfg.train.agent_func_path:
             from rlhf_core.rl.agents import AgentRewardSource, make_agent_rollouts
 

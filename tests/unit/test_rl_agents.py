@@ -230,6 +230,14 @@ def test_an_openrlhf_agent_file_loads_as_written_and_leaves_no_openrlhf_module_b
     assert "openrlhf" not in sys.modules and "openrlhf.utils.agent" not in sys.modules
 
 
+def test_an_agent_file_is_imported_once_per_process(tmp_path):
+    """The CLI checks the file before any model loads and the stage loads it again: one import."""
+    path = tmp_path / "counted.py"
+    path.write_text(f"open({str(tmp_path / 'imports')!r}, 'a').write('x')\n" + AGENT_FILE)
+    assert load_agent(str(path)) is load_agent(str(path))
+    assert (tmp_path / "imports").read_text() == "x"
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "no such file"),
     ("import nothing_here\n", "importing it failed: ModuleNotFoundError"),
@@ -352,7 +360,8 @@ def test_the_built_in_calculator_environment_runs_its_tool_and_scores_the_answer
 def test_a_tool_that_hangs_is_killed_at_its_deadline_and_the_sandbox_starts_again():
     from rlhf_core.rl.tools import ToolError, ToolSandbox
 
-    sandbox = ToolSandbox(timeout_s=0.5)
+    sandbox = ToolSandbox(timeout_s=0.5, extra_source="def hang(text):\n    while True:\n        pass\n"
+                                                     "TOOLS['hang'] = hang\n")
     try:
         assert sandbox.call("calc", "(2+3)*4") == "20"
         started = time.perf_counter()
@@ -362,5 +371,18 @@ def test_a_tool_that_hangs_is_killed_at_its_deadline_and_the_sandbox_starts_agai
         with pytest.raises(ToolError, match="ZeroDivisionError"):
             sandbox.call("calc", "1//0")
         assert sandbox.call("calc", "7*6") == "42" and sandbox.restarts == 1
+    finally:
+        sandbox.close()
+
+
+def test_the_sandbox_worker_is_replaced_after_its_share_of_calls(monkeypatch):
+    """Its CPU-seconds limit bounds a stretch of calls, not the whole run."""
+    from rlhf_core.rl import tools
+
+    monkeypatch.setattr(tools, "CALLS_PER_WORKER", 2)
+    sandbox = tools.ToolSandbox(extra_source="import os\nTOOLS['pid'] = lambda text: str(os.getpid())\n")
+    try:
+        pids = [sandbox.call("pid", "") for _ in range(5)]
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4] and sandbox.restarts == 0
     finally:
         sandbox.close()

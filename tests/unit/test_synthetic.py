@@ -175,3 +175,10 @@ def test_the_multiply_tasks_demonstrations_call_the_tool_in_a_quarter_of_the_row
         assert talk[1]["content"] == f"{TOOL_CALL_PREFIX}{a}*{b}" and talk[2]["content"] == talk[3]["content"]
         assert talk[3]["content"] == str(int(a) * int(b))
     assert all(r["messages"][-1]["content"] == r["response"] for r in rows)
+    # wrong demonstrations answer wrong, but the calculator's result in them is always the true product
+    rows = build_splits(get_task("multiply"), seed=0, n_train=2000, n_test=10, demo_error_rate=0.5)["sft"]["train"]
+    wrong = [r for r in rows if not r["demo_correct"] and len(r["messages"]) == 4]
+    assert wrong and all(r["messages"][-1]["content"] == r["response"] != r["messages"][2]["content"] for r in wrong)
+    for r in wrong:
+        a, b = r["messages"][1]["content"].removeprefix(TOOL_CALL_PREFIX).split("*")
+        assert r["messages"][2]["content"] == str(int(a) * int(b))
