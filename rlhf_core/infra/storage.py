@@ -525,10 +525,10 @@ def jsonl_text(rows: list[dict]) -> str:
 
 def write_text_atomic(uri: str | Path, text: str) -> None:
     """All of `text` at `uri` or nothing: locally a temporary file beside it, synced and renamed into
-    place; on S3 one object put (atomic by itself)."""
+    place; on S3 one object put (a multipart upload for a large one), which is seen only once whole.
+    The text is encoded before anything is sent: a file object's close would commit a partial write."""
     if is_remote(str(uri)):
-        with _fs(str(uri)).open(str(uri), "w", encoding="utf-8") as f:
-            f.write(text)
+        _fs(str(uri)).pipe_file(str(uri), text.encode("utf-8"))
         return
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -87,3 +87,34 @@ def test_an_output_replaces_only_its_own_earlier_files_on_s3(s3_endpoint, tmp_pa
     fs.invalidate_cache()
     assert fs.cat("s3://models/run4/notes/readme.txt") == b"keep" and fs.cat("s3://models/run4/object") == b"keep"
     assert storage.read_manifest(uri) == {"stage": "sft"}
+
+
+def test_batch_inference_writes_its_output_path_on_s3_whole_or_not_at_all(s3_endpoint, prepared, capsys):
+    """`rlhf batch_inference --output_path s3://...` (OpenRLHF's flag; a single file): generation's rows
+    land in one object, scoring reads them back from S3 as its dataset, and a run that fails after
+    reading (no prompt reaches `--min_reward`) leaves no object behind."""
+    import fsspec
+
+    from rlhf_core.cli import main
+
+    fsspec.config.conf.clear()
+    fs = fsspec.filesystem("s3")
+    generated, best, none = "s3://models/bi/gen.jsonl", "s3://models/bi/rs.jsonl", "s3://models/bi/none.jsonl"
+    common = ["--use_mlflow", "false", "--seed", "0"]
+    assert main(["batch_inference", "--eval_task", "generate", "--pretrain", prepared["base"], "--dataset",
+                 f"json@{prepared['prompts']}", "--input_key", "prompt", "--apply_chat_template", "--best_of_n", "2",
+                 "--max_new_tokens", "4", "--max_samples", "6", "--output_path", generated, *common]) == 0
+    rows = [json.loads(line) for line in storage.read_text(generated).splitlines()]
+    assert len(rows) == 12 and all({"input", "output", "answer"} <= set(r) for r in rows)
+    capsys.readouterr()
+    assert main(["batch_inference", "--eval_task", "rm", "--task", "addition", "--dataset", generated,
+                 "--post_processor", "rs", "--output_path", best, *common]) == 0
+    kept = [json.loads(line) for line in storage.read_text(best).splitlines()]
+    assert json.loads(capsys.readouterr().out)["batch_inference/rows"] == 12
+    assert len(kept) == 6 and {r["input"] for r in kept} == {r["input"] for r in rows}
+    # The random base model answers none right: a verifier's reward of 1 is reached by no prompt.
+    assert main(["batch_inference", "--eval_task", "rm", "--task", "addition", "--dataset", generated,
+                 "--post_processor", "rs", "--min_reward", "1", "--output_path", none, *common]) != 0
+    assert "no prompt's best reached --min_reward 1" in capsys.readouterr().err
+    fs.invalidate_cache()
+    assert not fs.exists(none) and storage.read_text(none) is None

@@ -224,3 +224,28 @@ def test_pairs_on_vllm_with_the_verifier(rl_setting, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(rows) >= 4 and all(r["chosen_score"] > r["rejected_score"] for r in rows)
+
+
+def test_batch_inference_generates_on_vllm_as_the_transformers_engine_does_greedily(rl_setting, tmp_path):
+    """`rlhf batch_inference --eval_task generate_vllm` (OpenRLHF's rejection-sampling scripts' first
+    step): greedy responses of the RL setting's SFT policy on vLLM are the transformers engine's,
+    row for row, and mostly right by the task's verifier; each row keeps its prompt's answer."""
+    require_vllm()
+    from rlhf_core.cli import main  # the transformers engine runs here: no vLLM in this process
+    from rlhf_core.rewards import VerifierReward
+
+    args = ["batch_inference", "--pretrain", rl_setting["sft"], "--dataset", f"json@{rl_setting['prompts']}",
+            "--input_key", "prompt", "--apply_chat_template", "--greedy_sampling", "--max_new_tokens", "24",
+            "--max_samples", "24", "--use_mlflow", "false"]
+    done = rlhf(*args, "--eval_task", "generate_vllm", "--output_path", str(tmp_path / "vllm.jsonl"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main([*args, "--eval_task", "generate", "--output_path", str(tmp_path / "hf.jsonl")]) == 0
+    on_vllm, on_hf = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+                      for name in ("vllm.jsonl", "hf.jsonl"))
+    assert len(on_vllm) == 24 and [r["input"] for r in on_vllm] == [r["input"] for r in on_hf]
+    assert [r["answer"] for r in on_vllm] == [r["answer"] for r in on_hf]
+    same = sum(v["output"] == h["output"] for v, h in zip(on_vllm, on_hf, strict=True))
+    assert same >= 22, [(v["output"], h["output"]) for v, h in zip(on_vllm, on_hf, strict=True)]
+    right = VerifierReward("sort").score([r["input"] for r in on_vllm], [r["output"] for r in on_vllm],
+                                         [r["answer"] for r in on_vllm])
+    assert sum(right) / len(right) > 0.7
