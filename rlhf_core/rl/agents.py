@@ -294,8 +294,8 @@ class AgentRollouts:
 
     def _act(self, active: list[Episode], generate: Callable, temperature: float, seed: int, top_k: int,
              top_p: float, version: int | None) -> None:
-        """One action for each active episode, all in one engine call (the largest room left; each
-        action cut to its own episode's)."""
+        """One action for each active episode, all in one engine call, each up to its own episode's
+        room left."""
         group = []
         for ep in active:
             room = self.max_length - len(ep.prompt_ids) - len(ep.tokens)
@@ -305,16 +305,16 @@ class AgentRollouts:
             ep.sampling.max_tokens = room
             group.append(ep)
         if group:
-            budget = max(ep.sampling.max_tokens for ep in group)
-            samples = generate([ep.prompt_ids + ep.tokens for ep in group], temperature, budget, seed, top_k, top_p)
+            samples = generate([ep.prompt_ids + ep.tokens for ep in group], temperature,
+                               [ep.sampling.max_tokens for ep in group], seed, top_k, top_p)
             for ep, sample in zip(group, samples, strict=True):
-                ids = list(sample.token_ids[: ep.sampling.max_tokens])
+                ids = list(sample.token_ids)
                 if not ids:  # nothing sampled (no room the engine would use): the episode cannot go on
                     ep.over = True
                     continue
                 ep.tokens += ids
                 ep.mask += [1] * len(ids)
-                ep.logprobs += list(sample.logprobs[: len(ids)])
+                ep.logprobs += list(sample.logprobs)
                 ep.versions += [version] * len(ids)
                 ep.last_action = self.tokenizer.decode(ids, skip_special_tokens=False)
                 ep.turns += 1

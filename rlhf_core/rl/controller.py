@@ -43,6 +43,7 @@ from rlhf_core.rl.ahead import Rollout, RolloutsAhead
 from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
 from rlhf_core.rl.partial import sample_in_segments, staleness_stats
 from rlhf_core.rl.plan import StepPlan
+from rlhf_core.rollout.base import Budget, budget_slice
 
 log = logging.getLogger(__name__)
 
@@ -576,21 +577,23 @@ class RLController:
         self.ahead.yield_point()
         return self.policy_version
 
-    def generate_one(self, prompt_ids: list[list[int]], temperature: float, max_new_tokens: int, seed: int,
+    def generate_one(self, prompt_ids: list[list[int]], temperature: float, max_new_tokens: Budget, seed: int,
                      top_k: int = -1, top_p: float = 1.0) -> list:
-        """One continuation of each sequence, at most `max_new_tokens` (an agent's turn, a segment)."""
+        """One continuation of each sequence, at most `max_new_tokens` (one budget, or each sequence's
+        own: an agent's turn, a segment)."""
         return [group[0] for group in self.generate(prompt_ids, 1, temperature, seed, top_k, top_p, max_new_tokens)]
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, top_k: int = -1,
-                 top_p: float = 1.0, max_new_tokens: int | None = None):
+                 top_p: float = 1.0, max_new_tokens: Budget | None = None):
         self.engines.wake_up()
         size = self.cfg.rollout.vllm_generate_batch_size or len(prompt_ids) or 1
-        budget = max_new_tokens or self.cfg.rollout.max_new_tokens
+        budget = self.cfg.rollout.max_new_tokens if max_new_tokens is None else max_new_tokens
         out = []
         for start in range(0, len(prompt_ids), size):  # `--rollout.vllm_generate_batch_size` prompts a call
             # seed + start: one vLLM engine seeds prompt i with seed + i, so a split draws what one call would
-            out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature, budget, seed + start,
-                                             top_k=top_k, top_p=top_p)
+            part = range(start, min(start + size, len(prompt_ids)))
+            out += self.engines.generate_ids(prompt_ids[start : start + size], n, temperature,
+                                             budget_slice(budget, part), seed + start, top_k=top_k, top_p=top_p)
         return out
 
     # -- reporting --------------------------------------------------------------------------

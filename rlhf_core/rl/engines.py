@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
+from rlhf_core.rollout.base import budget_slice
 from rlhf_core.rollout.weight_sync import (  # noqa: F401 (EngineSyncError, sync_timeout_s: part of this module's API)
     DEFAULT_BUCKET_MB,
     DEFAULT_SYNC_TIMEOUT_S,
@@ -239,7 +240,8 @@ class RayEngines(_Sleeping):
 
     def generate_ids(self, prompt_ids, n, temperature, max_new_tokens, seed, top_k=-1, top_p=1.0):
         shards = prompt_shards(len(prompt_ids), self.num_engines)
-        calls = [(([prompt_ids[i] for i in r], n, temperature, max_new_tokens, seed + e * ENGINE_SEED_STRIDE),
+        calls = [(([prompt_ids[i] for i in r], n, temperature, budget_slice(max_new_tokens, r),
+                   seed + e * ENGINE_SEED_STRIDE),
                   {"top_k": top_k, "top_p": top_p}) for e, r in enumerate(shards)]
         parts = self.group.call_each_async("generate_ids", calls, ranks=range(len(shards))).per_rank()
         return [group for part in parts for group in part]

@@ -47,8 +47,8 @@ def sample_in_segments(prompt_ids: list[list[int]], n: int, max_new_tokens: int,
                        between: Callable[[], int], segments: int = SEGMENTS) -> list[list[Growing]]:
     """`n` responses for each prompt, `[len(prompt_ids)][n]`, sampled in segments.
 
-    `generate(sequences, budget, seed)`: one `Sample` per sequence (its continuation, at most `budget`
-    tokens); `between()`: called before each segment (where a pending weight sync happens) and
+    `generate(sequences, budgets, seed)`: one `Sample` per sequence (its continuation, at most its
+    budget); `between()`: called before each segment (where a pending weight sync happens) and
     returns the policy version the segment is sampled with."""
     responses = [[Growing(k) for _ in range(n)] for k in range(len(prompt_ids))]
     active = [r for group in responses for r in group]
@@ -56,15 +56,14 @@ def sample_in_segments(prompt_ids: list[list[int]], n: int, max_new_tokens: int,
     round_ = 0
     while active:
         version = between()
-        budget = min(step, max_new_tokens - min(len(r.token_ids) for r in active))
-        out = generate([prompt_ids[r.prompt] + r.token_ids for r in active], budget, seed + 7919 * round_)
+        budgets = [min(step, max_new_tokens - len(r.token_ids)) for r in active]
+        out = generate([prompt_ids[r.prompt] + r.token_ids for r in active], budgets, seed + 7919 * round_)
         for r, sample in zip(active, out, strict=True):
-            room = max_new_tokens - len(r.token_ids)
-            ids = list(sample.token_ids[:room])
+            ids = list(sample.token_ids)
             r.token_ids += ids
-            r.logprobs += list(sample.logprobs[: len(ids)])
+            r.logprobs += list(sample.logprobs)
             r.versions += [version] * len(ids)
-            r.finished = sample.finished and len(ids) == len(sample.token_ids)
+            r.finished = sample.finished
             if not ids:  # the engine gave nothing: the response cannot grow (never loop on it)
                 r.finished = True
         active = [r for r in active if not r.finished and len(r.token_ids) < max_new_tokens]

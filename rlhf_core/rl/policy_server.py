@@ -73,11 +73,11 @@ class Session:
 
 class MicroBatcher:
     """`submit(ids, max_tokens)` -> a `Sample`; requests arriving within `window_s` share one
-    `generate(sequences, budget)` call (the largest budget; each answer cut to its own)."""
+    `generate(sequences, budgets)` call, each request with its own budget."""
 
     def __init__(self, window_s: float = BATCH_WINDOW_S):
         self.window_s = window_s
-        self.generate: Callable[[list[list[int]], int], list[Sample]] | None = None
+        self.generate: Callable[[list[list[int]], list[int]], list[Sample]] | None = None
         self.engine_lock = threading.Lock()  # held while the engines generate for the endpoint
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="policy-server-batcher", daemon=True)
@@ -121,10 +121,9 @@ class MicroBatcher:
                 with self.engine_lock:
                     if self.generate is None:
                         raise RuntimeError("the policy is not serving now (between rollouts)")
-                    out = self.generate([ids for ids, _, _ in batch], max(m for _, m, _ in batch))
-                for (_, m, future), sample in zip(batch, out, strict=True):
-                    cut = len(sample.token_ids) > m
-                    future.set_result(Sample(sample.token_ids[:m], sample.logprobs[:m], sample.finished and not cut))
+                    out = self.generate([ids for ids, _, _ in batch], [m for _, m, _ in batch])
+                for (_, _, future), sample in zip(batch, out, strict=True):
+                    future.set_result(sample)
             except Exception as e:  # every waiting request gets the error
                 for _, _, future in batch:
                     if not future.done():

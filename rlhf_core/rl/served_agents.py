@@ -46,7 +46,7 @@ class ServedRollouts:
             between: Callable[[], int] | None = None) -> list[RolloutSample]:
         version = between() if between is not None else None  # the endpoint serves one policy per batch
         counter = itertools.count()
-        self.server.batcher.generate = lambda seqs, budget: generate(seqs, temperature, budget,
+        self.server.batcher.generate = lambda seqs, budgets: generate(seqs, temperature, budgets,
                                                                      seed + 7919 * next(counter), top_k, top_p)
         episodes = [(ids, index, label, uuid.uuid4().hex) for ids, index, label in
                     zip(prompt_ids, indices, labels, strict=True) for _ in range(n)]

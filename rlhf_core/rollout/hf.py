@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.rollout.base import RolloutEngine, Sample, check_request, inference_device, inference_dtype
+from rlhf_core.rollout.base import (
+    Budget,
+    RolloutEngine,
+    Sample,
+    check_request,
+    inference_device,
+    inference_dtype,
+)
 from rlhf_core.rollout.sampling import sample
 
 
@@ -64,9 +71,9 @@ class TransformersEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
-                     max_new_tokens: int = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
+                     max_new_tokens: Budget = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
                      ) -> list[list[Sample]]:
-        check_request(n, temperature, max_new_tokens, top_k, top_p)
+        budgets = check_request(n, temperature, max_new_tokens, top_k, top_p, len(prompt_ids))
         greedy = temperature == 0
         per_prompt = 1 if greedy else n
         prompts_per_batch = max(1, self.batch_size // per_prompt)
@@ -75,11 +82,12 @@ class TransformersEngine(RolloutEngine):
         results: list[list[Sample]] = []
         for b, start in enumerate(range(0, len(prompt_ids), prompts_per_batch)):
             chunk = prompt_ids[start : start + prompts_per_batch]
+            limits = budgets[start : start + prompts_per_batch]
             input_ids, attention = left_pad(chunk, self.pad_id)
             generator = torch.Generator(device).manual_seed(seed + b)
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 tokens, logprobs, lengths = sample(self.model, input_ids.to(device), attention.to(device),
-                                                   max_new_tokens, temperature, self.eos_ids, self.pad_id, generator,
+                                                   limits, temperature, self.eos_ids, self.pad_id, generator,
                                                    repeats=per_prompt, top_k=top_k, top_p=top_p)
             tokens, logprobs, lengths = tokens.tolist(), logprobs.tolist(), lengths.tolist()
             for i in range(len(chunk)):

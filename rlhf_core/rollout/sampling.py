@@ -140,14 +140,16 @@ class _LeanDecoder:
 
 
 @torch.no_grad()
-def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, temperature: float,
+def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int | list[int],
+           temperature: float,
            eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1,
            top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample `repeats` continuations of each left-padded prompt.
 
     input_ids, attention_mask: `(P, L)`, padding on the left. B = P x repeats rows come back, the
     samples of prompt i in rows `i * repeats ... (i + 1) * repeats - 1`.
-    Returns `(tokens (B, N), logprobs (B, N) float32, lengths (B,))` with N <= max_new_tokens:
+    `max_new_tokens`: one budget, or one per prompt (a row stops at its own).
+    Returns `(tokens (B, N), logprobs (B, N) float32, lengths (B,))` with N <= the largest budget:
     row i's response is `tokens[i, :lengths[i]]` (its EOS included when it produced one); entries
     past a row's length are `pad_id` and 0.
     """
@@ -160,6 +162,9 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
 def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature, eos_ids, pad_id, generator, repeats,
             top_k, top_p):
     device = input_ids.device
+    budgets = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    max_new_tokens = max(budgets)
+    limits = torch.tensor(budgets, device=device).repeat_interleave(repeats)  # per output row
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     capacity = input_ids.shape[1] + max_new_tokens
@@ -192,7 +197,7 @@ def _sample(model, lean, input_ids, attention_mask, max_new_tokens, temperature,
         logprobs[rows[live], step] = logprob[live]
         lengths[rows[live]] += 1
         steps = step + 1
-        done = done | (live & torch.isin(token, eos))
+        done = done | (live & torch.isin(token, eos)) | (lengths[rows] >= limits[rows])
         if bool(done.all()) or steps == max_new_tokens:
             break
         if int(done.sum()) * 4 >= len(done):  # a quarter of the batch has ended: drop those rows

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlhf_core.rollout.base import RolloutEngine, Sample, check_request, cut_at_eos
+from rlhf_core.rollout.base import Budget, RolloutEngine, Sample, check_request, cut_at_eos
 
 # Set by Ray for an actor; vLLM's Ray executor assigns each of its workers the GPUs itself.
 VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
@@ -188,15 +188,15 @@ class VLLMEngine(RolloutEngine):
         self.eos_ids = {self.tokenizer.eos_token_id}
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
-                     max_new_tokens: int = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
+                     max_new_tokens: Budget = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
                      ) -> list[list[Sample]]:
         from vllm import SamplingParams
 
-        check_request(n, temperature, max_new_tokens, top_k, top_p)
+        budgets = check_request(n, temperature, max_new_tokens, top_k, top_p, len(prompt_ids))
         greedy = temperature == 0
         inputs = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,
-                                 top_k=max(top_k, 0), max_tokens=max_new_tokens,
+                                 top_k=max(top_k, 0), max_tokens=budgets[i],
                                  seed=seed + i, skip_special_tokens=True, repetition_penalty=1.0, logprobs=0)
                   for i in range(len(prompt_ids))]
         if torch.cuda.is_available():

@@ -138,6 +138,10 @@ def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
             for _ in first.token_ids:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert list(first.token_ids) == ids[len(prompt):len(prompt) + len(first.token_ids)]
+    # a budget per prompt (an agent's episodes in one call): each response stops at its own
+    (own,) = engine.call_all("generate_ids", PROMPTS, 1, 0.0, [1, 3, MAX_NEW], 0)
+    for (first, _), (mine,), budget in zip(greedy, own, [1, 3, MAX_NEW], strict=True):
+        assert mine.token_ids == first.token_ids[:budget]
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (-1, 0.6), (5, 0.8)])

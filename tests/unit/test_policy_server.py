@@ -37,11 +37,13 @@ def server():
     server = PolicyServer(CharTokenizer(), "policy", max_length=200, token="secret")
     calls = []
 
-    def generate(sequences, budget):
-        calls.append((len(sequences), budget))
-        # answers "ok" + the sequence's length mod 10, then EOS (a token that re-tokenizes as one)
-        return [Sample(tuple(map(ord, f"ok{len(s) % 10}")) + (EOT,), (-0.5, -0.25, -0.125, -0.0625), True)
-                for s in sequences]
+    def generate(sequences, budgets):
+        calls.append((len(sequences), budgets))
+        # answers "ok" + the sequence's length mod 10, then EOS (a token that re-tokenizes as one), within
+        # each sequence's own budget as engines do
+        answers = [tuple(map(ord, f"ok{len(s) % 10}")) + (EOT,) for s in sequences]
+        return [Sample(a[:m], (-0.5, -0.25, -0.125, -0.0625)[:m], m >= len(a))
+                for a, m in zip(answers, budgets, strict=True)]
 
     server.batcher.generate = generate
     server.calls = calls
@@ -106,7 +108,7 @@ def test_completions_models_health_and_the_token(server):
 def test_concurrent_requests_share_an_engine_call(server):
     results = []
     threads = [threading.Thread(target=lambda k=k: results.append(post(server, "/completions",
-                                                                        {"prompt": "x" * k})[0]))
+                                                                        {"prompt": "x" * k, "max_tokens": k})[0]))
                for k in range(1, 9)]
     for t in threads:
         t.start()
@@ -114,6 +116,8 @@ def test_concurrent_requests_share_an_engine_call(server):
         t.join()
     assert results == [200] * 8
     assert len(server.calls) < 8 and sum(n for n, _ in server.calls) == 8
+    # each request's own budget (its max_tokens) went to the engine, not the batch's largest
+    assert sorted(m for _, budgets in server.calls for m in budgets) == list(range(1, 9))
 
 
 def test_a_session_answers_one_call_at_a_time_and_its_calls_form_one_chain(server):

@@ -31,7 +31,7 @@ class CharTokenizer:
 
 class Script:
     """A stand-in engine: the episode of prompt "k>" answers at its turn t `replies[k][t]` (log-prob -0.5 - position/100
-    per token, so each token's log-prob is recognisable); records each call."""
+    per token, so each token's log-prob is recognisable), cut to its own budget as engines do; records each call."""
 
     def __init__(self, replies):
         self.replies, self.calls, self.turn_of = replies, [], {}
@@ -39,13 +39,15 @@ class Script:
     def __call__(self, prompt_ids, temperature, max_new_tokens, seed, top_k, top_p):
         self.calls.append({"n": len(prompt_ids), "temperature": temperature, "budget": max_new_tokens})
         out = []
-        for ids in prompt_ids:
+        for ids, budget in zip(prompt_ids, max_new_tokens, strict=True):
             text = "".join(map(chr, ids))
             k = int(text[text.index(">") - 1])  # the prompt's digit before its ">" says which episode it is
             t = self.turn_of.get(k, 0)
             self.turn_of[k] = t + 1
-            text = self.replies[k][t]
-            out.append(Sample(tuple(ord(c) for c in text), tuple(-0.5 - j / 100 for j in range(len(text))), True))
+            reply = self.replies[k][t]
+            text = reply[:budget]
+            out.append(Sample(tuple(ord(c) for c in text), tuple(-0.5 - j / 100 for j in range(len(text))),
+                              text == reply))
         return out
 
 
@@ -83,11 +85,19 @@ def test_actions_are_trained_feedback_is_not_and_rewards_add_up_over_turns():
     assert torch.allclose(s.rollout_logprobs, torch.tensor([-0.5, -0.51, -0.5]))  # both turns' own log-probs
     assert s.extra["agent_reward"] == pytest.approx(0.75) and s.extra["agent_score"] == pytest.approx(0.75)
     assert s.finished and s.extra["turns"] == 2 and s.extra["final_text"] == "x"
-    assert [c["budget"] for c in engine.calls] == [62, 59]  # the episode's remaining room each turn
+    assert [c["budget"] for c in engine.calls] == [[62], [59]]  # the episode's remaining room each turn
     rewards, scores = AgentRewardSource().score([s], ["x"])
     assert rewards.tolist() == [0.75] and scores.tolist() == [0.75]
     assert agent_stats([s]) == {"rollout/agent_turns": 2.0, "rollout/agent_failed_frac": 0.0,
                                 "rollout/agent/tries": 2.0}
+
+
+def test_episodes_in_one_engine_call_each_get_their_own_room():
+    """The turns of a batch go in one call, each episode asking for its own room left (not the
+    largest, cut afterwards): the longer prompt's episode has less."""
+    (a, b), engine = episodes(TwoTries, {0: ["ab", "x"], 1: ["x"]}, prompts=("0>", "abc1>"), labels=["x", "x"])
+    assert engine.calls[0]["budget"] == [62, 59] and engine.calls[1]["budget"] == [59]
+    assert a.extra["turns"] == 2 and b.extra["turns"] == 1
 
 
 def test_an_agent_run_of_a_task_needs_an_episode_budget():

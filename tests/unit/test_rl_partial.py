@@ -16,13 +16,14 @@ EOS = 0
 
 def counting_engine(lengths: dict[int, int]):
     """Each sequence (keyed by its first token) continues counting up from its last token until it
-    has `lengths[key]` response tokens, then writes EOS; log-prob -1 per token."""
+    has `lengths[key]` response tokens, then writes EOS, within its own budget as engines do; log-prob
+    -1 per token."""
     calls = []
 
-    def generate(sequences, budget, seed):
-        calls.append((len(sequences), budget))
+    def generate(sequences, budgets, seed):
+        calls.append((len(sequences), budgets))
         out = []
-        for seq in sequences:
+        for seq, budget in zip(sequences, budgets, strict=True):
             key, response = seq[0], seq[2:]  # prompts are two tokens here
             left = lengths[key] - len(response)
             ids = [seq[-1] + 1 + i for i in range(min(budget, left))]
@@ -45,6 +46,16 @@ def test_responses_grow_segment_by_segment_and_each_token_keeps_its_policy_versi
     assert long.token_ids == [2 + i for i in range(11)] + [EOS] and long.finished
     assert long.versions == [5] * 3 + [6] * 3 + [6] * 3 + [7] * 3  # a sync came before the 2nd and 4th segments
     assert [n for n, _ in calls] == [2, 2, 1, 1]  # a finished response leaves the next segments
+    assert [b for _, b in calls] == [[3, 3], [3, 3], [3], [3]]
+
+
+def test_the_last_segment_asks_each_response_for_what_it_may_still_grow_by():
+    """A budget of 10 in segments of 3: 3, 3, 3, then 1 for each response (the engine stops each at
+    its own budget; nothing is sampled to be cut)."""
+    generate, calls = counting_engine({10: 50, 20: 50})
+    groups = sample_in_segments([[10, 1], [20, 1]], 1, 10, 0, generate, lambda: 0)
+    assert [b for _, b in calls] == [[3, 3], [3, 3], [3, 3], [1, 1]]
+    assert all(len(g[0].token_ids) == 10 and not g[0].finished for g in groups)
 
 
 def test_a_response_cut_by_the_budget_is_not_finished():
@@ -54,7 +65,7 @@ def test_a_response_cut_by_the_budget_is_not_finished():
 
 
 def test_an_engine_that_gives_nothing_ends_the_response_instead_of_looping():
-    def empty(sequences, budget, seed):
+    def empty(sequences, budgets, seed):
         return [Sample((), (), False) for _ in sequences]
 
     (r,), = sample_in_segments([[10, 1]], 1, 8, 0, empty, lambda: 0)

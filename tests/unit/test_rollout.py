@@ -243,3 +243,33 @@ def test_rows_that_ended_leave_the_batch_without_changing_what_the_others_genera
         assert n == int(alone[2][0]) and tokens[i, :n].tolist() == alone[0][0, :n].tolist()
         assert torch.allclose(logprobs[i, :n], alone[1][0, :n], atol=1e-4)
         assert tokens[i, n:].eq(engine.pad_id).all() and logprobs[i, n:].eq(0).all()
+
+
+def test_each_prompt_may_have_its_own_budget(engine, formatted):
+    """`max_new_tokens` per prompt (an agent's episodes each have their own room left): each response
+    stops at its own budget, as the prefix of what the largest budget samples (greedy), and the rows
+    that reached theirs leave the batch; a list of the wrong length is refused."""
+    from rlhf_core.rollout.sampling import sample
+
+    ids = _token_prompts(engine, formatted)
+    budgets = [1, MAX_NEW, 2, 1, 3, 1, 1][: len(ids)]
+    full = engine.generate_ids(ids, 1, 0.0, MAX_NEW, seed=0)
+    own = engine.generate_ids(ids, 1, 0.0, budgets, seed=0)
+    for (f,), (o,), budget in zip(full, own, budgets, strict=True):
+        assert len(o.token_ids) <= budget and o.token_ids == f.token_ids[:budget]
+        assert o.logprobs == pytest.approx(f.logprobs[:budget], abs=1e-5)
+        assert o.finished == (f.finished and len(f.token_ids) <= budget)
+    rows_per_forward = []
+
+    class Counting:
+        config = engine.model.config
+
+        def __call__(self, **kw):
+            rows_per_forward.append(kw["input_ids"].shape[0])
+            return engine.model(**kw)
+
+    input_ids, mask = left_pad(ids, engine.pad_id)
+    sample(Counting(), input_ids, mask, budgets, 0.0, [-1], engine.pad_id)  # no row ends by EOS
+    assert rows_per_forward[-1] < len(ids)
+    with pytest.raises(ValueError, match="2 budgets for"):
+        engine.generate_ids(ids, 1, 0.0, [2, 3], seed=0)
