@@ -13,10 +13,18 @@ completion (trained) and what the conversation added between two calls (not trai
   text would merge them differently. A request that rewrites the conversation is refused (400).
 - Sampling follows the RL stage (`--temperature`, `--top_k`, `--top_p`): a request's own
   `temperature`/`top_p` would make the engine's log-probs disagree with the trainer's, so they are
-  not applied (said once), nor are `seed`, penalties or `logit_bias` (said once); OpenAI tool
-  calling (`tools`) is refused: calls go in the text. `max_tokens` caps a completion; the
-  session's whole sequence stays within `--data.max_len`. `stop` ends a completion at the token
-  that completes a stop string, which (unlike OpenAI) stays in the text returned.
+  not applied (said once), nor are `seed`, penalties or `logit_bias` (said once). `max_tokens`
+  caps a completion; the session's whole sequence stays within `--data.max_len`. `stop` ends a
+  completion at the token that completes a stop string, which (unlike OpenAI) stays in the text
+  returned.
+- Tool calling: a chat request's `tools` go to the chat template (which must render them), and
+  calls the policy writes in the Hermes format (`rl/tool_calls.py`) come back as `tool_calls`
+  (`finish_reason` "tool_calls"); `tool_choice` may be auto or none (sampling is not constrained,
+  so a required or named call cannot be enforced). When such an assistant message comes back in a
+  later request, it is rendered as the completion's text as sampled, so the session still extends.
+- `n` > 1 samples that many completions of a request without a session (a session is one chain
+  of calls); `stream` answers with server-sent events (the whole completion in one chunk, since
+  completions are generated whole; `stream_options.include_usage` adds the usage chunk).
 - A session answers one call at a time (a concurrent one gets 409), so its calls form one chain.
 - Concurrent requests are batched into one engine call (`MicroBatcher`: those that arrive within a
   few milliseconds of each other), so many sessions at once cost about what one batched rollout
@@ -44,12 +52,14 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
+from rlhf_core.rl.tool_calls import parse_hermes
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.005
 MAX_BODY_BYTES = 16 * 2**20
+MAX_N = 64  # completions one request may ask for
 # OpenAI request fields sampling here does not follow (said once when a request sets one)
 NOT_SERVED = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs", "response_format",
               "min_tokens", "repetition_penalty")
@@ -99,10 +109,12 @@ class MicroBatcher:
                 return
             future.set_exception(RuntimeError("the policy is not serving now (between rollouts)"))
 
-    def submit(self, ids: list[int], max_tokens: int) -> Sample:
-        future: Future = Future()
-        self._queue.put((ids, max_tokens, future))
-        return future.result()
+    def submit(self, ids: list[list[int]], max_tokens: list[int]) -> list[Sample]:
+        """One sample per sequence, each within its budget (they join the next engine call together)."""
+        futures = [Future() for _ in ids]
+        for one, budget, future in zip(ids, max_tokens, futures, strict=True):
+            self._queue.put((one, budget, future))
+        return [future.result() for future in futures]
 
     def _work(self) -> None:
         while (first := self._queue.get()) is not None:
@@ -152,6 +164,7 @@ class PolicyServer:
         self.tokenizer, self.model_name, self.max_length = tokenizer, model_name, max_length
         self.batcher = MicroBatcher()
         self.sessions: dict[str, Session] = {}
+        self.tool_texts: dict[str, str] = {}  # id of a tool call the endpoint returned -> its completion's text
         self._lock = threading.Lock()
         self.httpd = _Server((host, port), _handler(self, token.encode()))
         self.httpd.daemon_threads = True
@@ -179,6 +192,7 @@ class PolicyServer:
         """After a batch: what calls of abandoned episodes left behind."""
         with self._lock:
             self.sessions.clear()
+            self.tool_texts.clear()
 
     def _prompt_ids(self, session: Session | None, session_id: str | None, text: str) -> list[int]:
         """The token ids of `text`: the session's own tokens, then the new text's."""
@@ -190,8 +204,33 @@ class PolicyServer:
                                "(its earlier messages and completions must come back unchanged)")
         return session.ids + list(encode(text[len(session.text):], add_special_tokens=False)["input_ids"])
 
+    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The chat template's prompt text; an assistant message with tool calls this endpoint
+        returned is rendered as its completion's text as sampled (the session then extends)."""
+        rendered = []
+        for m in messages:
+            calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+            ids = [c.get("id") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+            with self._lock:
+                sampled = next((self.tool_texts[i] for i in ids if i in self.tool_texts), None)
+            rendered.append(m if sampled is None else {"role": "assistant", "content": sampled})
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def issue_tool_calls(self, calls: list[tuple[str, str]], text: str) -> list[dict]:
+        """OpenAI `tool_calls` for parsed calls, remembered with the completion's text."""
+        out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+        with self._lock:
+            self.tool_texts.update({c["id"]: text for c in out})
+        return out
+
     def complete(self, session_id: str | None, text: str, max_tokens: int | None,
-                 stop: list[str] | None = None) -> tuple[Call, str]:
+                 stop: list[str] | None = None, n: int = 1) -> list[tuple[Call, str]]:
+        """`n` completions of `text` (one within a session), each with its text to return."""
+        if session_id and n != 1:
+            raise RequestError(f"session {session_id}: a session is one chain of calls; n={n} would branch it "
+                               "(sample n completions without a session_id, or in n sessions)")
         session = None
         if session_id:
             with self._lock:
@@ -207,11 +246,12 @@ class PolicyServer:
                 raise RequestError(f"the prompt ({len(ids)} tokens) leaves no room under --data.max_len "
                                    f"{self.max_length}")
             budget = room if max_tokens is None else min(room, max_tokens)
-            sample = self.batcher.submit(ids, budget)
-            call = Call(ids, list(sample.token_ids), list(sample.logprobs), sample.finished)
+            calls = [Call(ids, list(s.token_ids), list(s.logprobs), s.finished)
+                     for s in self.batcher.submit([ids] * n, [budget] * n)]
             if stop:
-                call = self._cut_at_stop(call, stop)
+                calls = [self._cut_at_stop(call, stop) for call in calls]
             if session is not None:
+                (call,) = calls
                 with self._lock:
                     session.calls.append(call)
                     session.ids = ids + call.completion_ids
@@ -219,7 +259,7 @@ class PolicyServer:
         finally:
             if session is not None:
                 session.busy = False
-        return call, self.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+        return [(call, self.tokenizer.decode(call.completion_ids, skip_special_tokens=True)) for call in calls]
 
     def _cut_at_stop(self, call: Call, stop: list[str]) -> Call:
         """The completion up to and including the token that completes the first stop string. Unlike
@@ -259,23 +299,131 @@ def _openai_logprobs(tokenizer, call: Call) -> dict:
                         for t, lp in zip(call.completion_ids, call.logprobs, strict=True)]}
 
 
+@dataclass
+class Request:
+    """What one completions request asks, checked."""
+
+    text: str
+    session_id: str | None
+    max_tokens: int | None
+    stop: list[str] | None
+    n: int
+    stream: bool
+    include_usage: bool
+    tool_choice: str | None  # None: no tools; "auto": calls are parsed; "none": tools shown, calls not parsed
+    logprobs: bool
+
+
+def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str, chat: bool) -> tuple[dict, str]:
+    """(the choice's message or text fields, its finish_reason)."""
+    finish = "stop" if call.finished else "length"
+    if not chat:
+        return {"text": text}, finish
+    message: dict = {"role": "assistant", "content": text}
+    if request.tool_choice == "auto":
+        content, calls = parse_hermes(text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, text)}
+            finish = "tool_calls"
+    return message, finish
+
+
+def _answers(server: PolicyServer, request: Request, results: list[tuple[Call, str]], chat: bool) -> dict:
+    kind = "chat.completion" if chat else "text_completion"
+    choices = []
+    for index, (call, text) in enumerate(results):
+        fields, finish = _choice_fields(server, request, call, text, chat)
+        choice = {"index": index, "finish_reason": finish,
+                  "logprobs": _openai_logprobs(server.tokenizer, call) if request.logprobs else None}
+        choice.update({"message": fields} if chat else fields)
+        choices.append(choice)
+    prompt = len(results[0][0].prompt_ids)
+    completion = sum(len(call.completion_ids) for call, _ in results)
+    return {"id": f"rlhf-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+            "model": server.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+def stream_events(answer: dict, chat: bool, include_usage: bool) -> list[dict]:
+    """An answer as OpenAI's stream of chunks (pure): each choice whole in one chunk, then its
+    finish_reason, then (asked for) the usage with no choices."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": answer["id"], "object": kind, "created": answer["created"], "model": answer["model"]}
+    events = []
+    for choice in answer["choices"]:
+        if chat:
+            delta = {k: v for k, v in choice["message"].items() if k != "tool_calls"}
+            if choice["message"].get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(choice["message"]["tool_calls"])]
+            first = {"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+            last = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        else:
+            first = {"index": choice["index"], "text": choice["text"], "logprobs": choice["logprobs"],
+                     "finish_reason": None}
+            last = {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        events += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if include_usage:
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return events
+
+
 def _handler(server: PolicyServer, token: bytes):
     def chat_text(body: dict) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content}")
-        if getattr(server.tokenizer, "chat_template", None) is None:
+        template = getattr(server.tokenizer, "chat_template", None)
+        if template is None:
             raise RequestError("the policy's tokenizer has no chat template: use /v1/completions")
-        return server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tools = body.get("tools") or None
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise RequestError("tools must be a list of tool objects")
+            if "tools" not in template:
+                raise RequestError("tools: the policy's chat template does not render tools, so the policy would "
+                                   "never see them; describe the tools in the messages instead")
+        return server.render_chat(messages, tools)
 
     def completion_text(body: dict) -> str:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string (one prompt per request)")
+        if body.get("tools"):
+            raise RequestError("tools go with /v1/chat/completions (the chat template renders them)")
         return prompt
 
-    routes = {"/v1/chat/completions": ("chat.completion", chat_text),
-              "/v1/completions": ("text_completion", completion_text)}
+    def parse(body: dict, chat: bool) -> Request:
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise RequestError(f"n must be an integer from 1 to {MAX_N}")
+        for knob in ("temperature", "top_p", "top_k"):
+            if knob in body:
+                say_once(f"rlhf: the policy endpoint samples with the RL stage's --{knob}; a request's "
+                         f"{knob} is not applied (the trainer's log-probs must match the engine's)")
+        for knob in NOT_SERVED:
+            if body.get(knob) not in (None, [], {}, 0):
+                say_once(f"rlhf: the policy endpoint does not apply a request's {knob!r} (sampling follows "
+                         "the RL stage's settings)")
+        tool_choice = body.get("tool_choice")
+        if tool_choice not in (None, "auto", "none"):
+            raise RequestError(f"tool_choice {json.dumps(tool_choice)}: sampling is not constrained here, so a "
+                               "required or named call cannot be enforced; use auto or none")
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+            raise RequestError("stop must be a non-empty string or a list of them")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise RequestError("max_tokens must be a positive integer")
+        options = body.get("stream_options") or {}
+        text = chat_text(body) if chat else completion_text(body)
+        return Request(text, body.get("session_id"), max_tokens, stop, n, bool(body.get("stream")),
+                       bool(isinstance(options, dict) and options.get("include_usage")),
+                       (tool_choice or "auto") if chat and body.get("tools") else None, bool(body.get("logprobs")))
+
+    routes = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
 
     class Handler(BearerJsonHandler):
         server_version = "rlhf-policy"
@@ -297,6 +445,19 @@ def _handler(server: PolicyServer, token: bytes):
                                               "<token>)"}}, close=True,
                               extra={"WWW-Authenticate": 'Bearer realm="rlhf-policy"'})
 
+        def _events(self, events: list[dict]) -> None:
+            """Server-sent events, then `[DONE]`; the connection closes after them."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.close_connection = True
+            self.end_headers()
+            for event in events:
+                self.wfile.write(b"data: " + json.dumps(event, allow_nan=False).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
         def do_POST(self):
             length = self.read_length()
             if length is None:
@@ -308,50 +469,21 @@ def _handler(server: PolicyServer, token: bytes):
             if not self.authorized():
                 self.drain(length)
                 return self._unauthorized()
-            kind, text_of = routes[path]
+            chat = routes[path]
             try:
-                body = json.loads(self.rfile.read(length))
-                if not isinstance(body, dict):
-                    raise RequestError("the body must be a JSON object")
-                if body.get("n", 1) != 1 or body.get("stream"):
-                    raise RequestError("one completion per request, not streamed (n=1, stream=false)")
-                for knob in ("temperature", "top_p", "top_k"):
-                    if knob in body:
-                        say_once(f"rlhf: the policy endpoint samples with the RL stage's --{knob}; a request's "
-                                 f"{knob} is not applied (the trainer's log-probs must match the engine's)")
-                for knob in NOT_SERVED:
-                    if body.get(knob) not in (None, [], {}, 0):
-                        say_once(f"rlhf: the policy endpoint does not apply a request's {knob!r} (sampling follows "
-                                 "the RL stage's settings)")
-                if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-                    raise RequestError("OpenAI tool calling (tools, tool_choice) is not served: write calls in the "
-                                       "text and parse them in the agent")
-                stop = body.get("stop")
-                stop = [stop] if isinstance(stop, str) else stop
-                if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
-                    raise RequestError("stop must be a non-empty string or a list of them")
-                max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-                if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-                    raise RequestError("max_tokens must be a positive integer")
-                call, text = server.complete(body.get("session_id"), text_of(body), max_tokens, stop)
+                request = parse(json.loads(self.rfile.read(length)), chat)
+                results = server.complete(request.session_id, request.text, request.max_tokens, request.stop,
+                                          request.n)
+                answer = _answers(server, request, results, chat)
             except (ValueError, RequestError) as e:  # JSON errors are ValueErrors too
                 return self.reply(getattr(e, "status", 400), {"error": {"message": str(e),
                                                                        "type": "invalid_request_error"}})
             except Exception as e:
                 log.exception("policy endpoint failed")
                 return self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
-            finish = "stop" if call.finished else "length"
-            choice = {"index": 0, "finish_reason": finish,
-                      "logprobs": _openai_logprobs(server.tokenizer, call) if body.get("logprobs") else None}
-            if kind == "chat.completion":
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            self.reply(200, {"id": f"rlhf-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
-                             "model": server.model_name, "choices": [choice],
-                             "usage": {"prompt_tokens": len(call.prompt_ids),
-                                       "completion_tokens": len(call.completion_ids),
-                                       "total_tokens": len(call.prompt_ids) + len(call.completion_ids)}})
+            if request.stream:
+                return self._events(stream_events(answer, chat, request.include_usage))
+            self.reply(200, answer)
 
     Handler.token = token
     return Handler

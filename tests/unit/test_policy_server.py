@@ -96,7 +96,12 @@ def test_completions_models_health_and_the_token(server):
     assert code == 200 and answer["choices"][0]["text"] == "ok" and answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert post(server, "/completions", {"prompt": "abc"}, token="wrong")[0] == 401
-    assert post(server, "/completions", {"prompt": "abc", "n": 2})[0] == 400
+    code, answer = post(server, "/completions", {"prompt": "abc", "n": 2})  # no session: n samples
+    assert code == 200 and [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    code, answer = post(server, "/completions", {"prompt": "abc", "n": 2, "session_id": "s"})
+    assert code == 400 and "would branch it" in answer["error"]["message"]
+    assert post(server, "/completions", {"prompt": "abc", "n": 0})[0] == 400
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health") as r:
         assert json.loads(r.read()) == {"status": "ok"}
     request = urllib.request.Request(f"{server.base_url}/models", headers={"Authorization": "Bearer secret"})
@@ -139,13 +144,13 @@ def test_a_session_answers_one_call_at_a_time_and_its_calls_form_one_chain(serve
     assert len(server.take("s").calls) == 1
 
 
-def test_stop_strings_end_a_completion_and_tool_calling_fields_are_refused(server):
+def test_stop_strings_end_a_completion_and_tools_need_a_template_that_renders_them(server):
     code, answer = post(server, "/completions", {"prompt": "abc", "stop": ["k"], "session_id": "t"})
     assert code == 200 and answer["choices"][0]["text"] == "ok" and answer["choices"][0]["finish_reason"] == "stop"
     assert server.take("t").calls[0].completion_ids == [ord("o"), ord("k")]  # the tokens as sampled, up to the stop
     code, answer = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                       "tools": [{"type": "function"}]})
-    assert code == 400 and "tool calling" in answer["error"]["message"]
+    assert code == 400 and "does not render tools" in answer["error"]["message"]
 
 
 def test_a_session_whose_calls_do_not_chain_is_not_a_sample():
@@ -154,3 +159,122 @@ def test_a_session_whose_calls_do_not_chain_is_not_a_sample():
     session = Session([Call([1, 2], [3], [-1.0], True), Call([1, 9, 3, 4], [5], [-1.0], True)])
     with pytest.raises(ValueError, match="call 1 of the session does not continue"):
         trace_sample(session, 0)
+
+
+class ToolTokenizer(CharTokenizer):
+    """A chat template that renders tools, and an assistant's tool calls its own way (not as the
+    policy wrote them): a session extends only if the endpoint renders its own calls as sampled."""
+
+    chat_template = "... tools ..."
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, tools=None):
+        text = f"<tools>{','.join(t['function']['name'] for t in tools)}" if tools else ""
+        for m in messages:
+            body = m["content"] or ""
+            if m.get("tool_calls"):
+                body += "".join(f"[{c['function']['name']}]" for c in m["tool_calls"])
+            text += f"<{m['role']}>{body}" + ("\u2404" if m["role"] == "assistant" else "")
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+CALL = 'sure<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+def tool_server():
+    server = PolicyServer(ToolTokenizer(), "policy", max_length=400, token="secret")
+
+    def generate(sequences, budgets):  # calls the tool first, answers once the tool has spoken
+        texts = ["3" if "<tool>" in "".join(map(chr, s)) else CALL for s in sequences]
+        return [Sample(tuple(map(ord, t)) + (EOT,), tuple(-0.5 for _ in range(len(t) + 1)), True) for t in texts]
+
+    server.batcher.generate = generate
+    yield server
+    server.close()
+
+
+def test_tool_calls_come_back_as_openai_tool_calls_and_the_session_extends_through_them(tool_server):
+    """The policy's Hermes-format call is returned as `tool_calls` (content: the text before it);
+    the framework sends the call back in its own form with the tool's answer, and the session's
+    sample holds the call exactly as sampled (trained) and the tool's answer (not trained)."""
+    first = [{"role": "user", "content": "1+2?"}]
+    code, answer = post(tool_server, "/chat/completions", {"messages": first, "tools": [ADD], "session_id": "s"})
+    assert code == 200, answer
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "sure"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    second = [*first, choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "3"}]
+    code, answer = post(tool_server, "/chat/completions", {"messages": second, "tools": [ADD], "session_id": "s"})
+    assert code == 200, answer
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "3"}
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    sample = trace_sample(tool_server.take("s"), prompt_index=0)
+    assert "".join(map(chr, sample.prompt_ids)) == "<tools>add<user>1+2?<assistant>"
+    between = "<tool>3<assistant>"
+    assert "".join(map(chr, sample.response_ids)) == CALL + "\u2404" + between + "3\u2404"
+    assert sample.action_mask == [1] * (len(CALL) + 1) + [0] * len(between) + [1, 1]
+    # the same conversation sent back with the call rewritten is not the session's: refused
+    post(tool_server, "/chat/completions", {"messages": first, "tools": [ADD], "session_id": "t"})
+    forged = [*first, {"role": "assistant", "content": "sure", "tool_calls": [{**call, "id": "call_other"}]},
+              {"role": "tool", "tool_call_id": "call_other", "content": "3"}]
+    code, answer = post(tool_server, "/chat/completions", {"messages": forged, "tools": [ADD], "session_id": "t"})
+    assert code == 400 and "does not extend" in answer["error"]["message"]
+
+
+def test_tool_choice_none_leaves_calls_in_the_text_and_a_forced_choice_is_refused(tool_server):
+    body = {"messages": [{"role": "user", "content": "1+2?"}], "tools": [ADD]}
+    code, answer = post(tool_server, "/chat/completions", {**body, "tool_choice": "none"})
+    assert code == 200 and answer["choices"][0]["message"] == {"role": "assistant", "content": CALL}
+    code, answer = post(tool_server, "/chat/completions", {**body, "tool_choice": "required"})
+    assert code == 400 and "cannot be enforced" in answer["error"]["message"]
+
+
+def stream(server, path, body):
+    request = urllib.request.Request(f"{server.base_url}{path}", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer secret"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        lines = [line for line in response.read().decode().split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_streamed_answers_are_openai_chunks(server, tool_server):
+    events = stream(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                  "stream_options": {"include_usage": True}})
+    assert [e["object"] for e in events] == ["chat.completion.chunk"] * 5
+    assert [(c["index"], c["delta"], c["finish_reason"]) for e in events[:4] for c in e["choices"]] == [
+        (0, {"role": "assistant", "content": "ok9"}, None), (0, {}, "stop"),
+        (1, {"role": "assistant", "content": "ok9"}, None), (1, {}, "stop")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    (first, last) = stream(server, "/completions", {"prompt": "abc", "max_tokens": 2})
+    assert first["choices"][0]["text"] == "ok" and last["choices"][0]["finish_reason"] == "length"
+    first, _ = stream(tool_server, "/chat/completions", {"messages": [{"role": "user", "content": "?"}],
+                                                         "tools": [ADD]})
+    (call,) = first["choices"][0]["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "add"
+
+
+def test_the_openai_client_library_drives_a_tool_using_session(tool_server):
+    """What no one here wrote: OpenAI's own Python client (installed with vLLM's requirements) calls
+    with tools, gets the call back parsed, returns the assistant message it got with the tool's
+    answer, and streams; the session is one trained sample."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=tool_server.base_url, api_key="secret", max_retries=0)
+    messages = [{"role": "user", "content": "1+2?"}]
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[ADD],
+                                           extra_body={"session_id": "s"})
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls[0].function.name == "add"
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "3"}]
+    chunks = list(client.chat.completions.create(model="policy", messages=messages, tools=[ADD], stream=True,
+                                                 extra_body={"session_id": "s"}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "3"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    sample = trace_sample(tool_server.take("s"), prompt_index=0)
+    assert "".join(map(chr, sample.response_ids)).startswith(CALL) and sum(sample.action_mask) == len(CALL) + 3
