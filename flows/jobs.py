@@ -162,12 +162,30 @@ def _file_digest(path: str) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def prm_tokens(prm: StageOutcome, reward) -> dict:
+    """The placeholder and reward tokens a PPO stage reads the run's process reward model at: the
+    ones its stage trained with (PipelineError if the PPO section names others, or none recorded)."""
+    data = ((prm.manifest or {}).get("config") or {}).get("data") or {}
+    trained = {"placeholder_token": data.get("placeholder_token"), "reward_tokens": data.get("reward_tokens")}
+    if not trained["placeholder_token"] or not trained["reward_tokens"]:
+        raise PipelineError(f"stage {prm.name!r} records no placeholder and reward tokens: it is not a process "
+                            "reward model the PPO stage can read")
+    for name, value in trained.items():
+        given = getattr(reward, name)
+        if given is not None and (list(given) if isinstance(given, (list, tuple)) else given) != value:
+            raise PipelineError(f"ppo reward.{name} {given!r}: the run's process reward model was trained with "
+                                f"{value!r}")
+    return trained
+
+
 def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, cfg: PPOConfig, need,
             name: str = "ppo", actor_from: StageOutcome | None = None, prompts_from: StageOutcome | None = None,
             prompt_dataset: str | None = None, reference_from: StageOutcome | None = None) -> StageJob:
     """`rlhf train ppo`: actor and reference from SFT (or `actor_from`), the reward from the run's
-    reward model unless the config names a verifier task, a reward file or another model, the
-    critic from the reward model (else the actor), prompts and held-out prompts from prep.
+    reward model unless the config names a verifier task, a reward file or another model, or asks
+    for a process reward (`reward.placeholder_token` or `reward.process_enable` with no model: the
+    run's process reward model, its tokens from its stage), the critic from the reward model (else
+    the actor), prompts and held-out prompts from prep.
 
     Upstream roles (lineage tags and cache-key inputs): `model` (the actor), `reference`,
     `reward`, `critic` (its initialisation) and `data` (prep). A model the config names is an
@@ -198,7 +216,11 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
 
     reward_outcome = None
     reward_file_digest = None
-    if not cfg.reward.sources:  # nothing named: the run's reward model, normalised by its stored mean/std
+    if not cfg.reward.sources and (cfg.reward.placeholder_token is not None or cfg.reward.process_enable):
+        prm = need("prm")  # the run's process reward model, read at its own placeholder and reward tokens
+        upstream["reward"] = prm
+        values["reward"].update(model_name_or_path=prm.output_uri, **prm_tokens(prm, cfg.reward))
+    elif not cfg.reward.sources:  # nothing named: the run's reward model, normalised by its stored mean/std
         reward_outcome = need("rm")
         upstream["reward"] = reward_outcome
         values["reward"]["model_name_or_path"] = reward_outcome.output_uri
@@ -211,7 +233,7 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
             reward_file_digest = _file_digest(cfg.reward.remote_url)
 
     if cfg.uses_critic:
-        if cfg.critic.model_name_or_path is None:
+        if cfg.critic.model_name_or_path is None:  # a process reward model has no value head: the actor then
             critic = reward_outcome or (upstream.get("model") if "reward" not in external else None)
             if critic is not None:  # else the validator derives it from the named reward model or actor
                 upstream["critic"] = critic

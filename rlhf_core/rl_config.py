@@ -463,9 +463,11 @@ PROCESS_ESTIMATORS = ("gae", "reinforce", "group_norm", "dr_grpo")
 def process_reward_problems(reward: RewardConfig, estimator: AdvantageEstimator) -> list[str]:
     """What is wrong with a process reward model's flags (none given: nothing)."""
     problems = []
-    if (reward.placeholder_token is None) != (not reward.reward_tokens):
+    # With no reward named yet, a pipeline fills in its process reward model and the tokens it trained with.
+    named = bool(reward.sources)
+    if named and (reward.placeholder_token is None) != (not reward.reward_tokens):
         problems.append("--reward.placeholder_token and --reward.reward_tokens: a process reward model needs both")
-    if reward.process_enable and reward.placeholder_token is None:
+    if named and reward.process_enable and reward.placeholder_token is None:
         problems.append("--reward.process_enable: step rewards come from a process reward model "
                         "(--reward.placeholder_token, --reward.reward_tokens)")
     if reward.placeholder_token is None:

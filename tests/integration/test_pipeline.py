@@ -502,9 +502,10 @@ def test_a_killed_ppo_attempt_is_retried_from_its_checkpoint(first_run, monkeypa
 
 def test_prep_data_and_models_on_s3_and_a_process_reward_model_picks_rejection_samples(first_run, s3_endpoint):
     """Every output on S3, for the task of steps (`addition_steps`): prep writes step-labelled rows,
-    the process reward model trains from SFT on them (stage `prm`), and rejection sampling keeps the
-    samples it scores best (`reward: prm`); with no reward model in the run, the evaluation reports
-    the verifier's metrics."""
+    the process reward model trains from SFT on them (stage `prm`), rejection sampling keeps the
+    samples it scores best (`reward: prm`), and PPO takes a reward per step from it
+    (`reward.process_enable`); with no reward model in the run, the evaluation reports the
+    verifier's metrics."""
     import json
 
     import fsspec
@@ -513,10 +514,12 @@ def test_prep_data_and_models_on_s3_and_a_process_reward_model_picks_rejection_s
     from rlhf_core.infra import storage
 
     fsspec.config.conf.clear()
-    result = rlhf(**params(settings={"stages": ["prep", "sft", "prm", "rejection_sampling", "eval"],
+    result = rlhf(**params(settings={"stages": ["prep", "sft", "prm", "ppo", "rejection_sampling", "eval"],
                                      "output_root": "s3://models/pipelines", "force_stages": ["prep", "sft"],
                                      "register_models": False},
                            prep={"task": "addition_steps", "n_train": 128, "n_test": 16}, prm=STEPS,
+                           ppo={**PPO_STEPS, "reward.process_enable": True, "algo.advantage.estimator": "group_norm",
+                                "algo.kl.init_coef": 0, "train.max_steps": 1},
                            rejection_sampling={"rounds": 1, "n_prompts": 16, "best_of_n": 2, "reward": "prm"}))
     out = result["outputs"]
     prep, sft = out["prep"], out["sft"]
@@ -536,8 +539,12 @@ def test_prep_data_and_models_on_s3_and_a_process_reward_model_picks_rejection_s
     assert len(kept) == 16 and all(r["input"].startswith("<|bos|>") and "step_rewards" in r for r in kept)
     runs = child_runs(result["pipeline_run_id"])
     assert runs["rejection_sampling-score-round1"].data.tags["rlhf.upstream.reward.model_uri"] == out["prm"]
+    ppo = storage.read_manifest(out["ppo"])
+    assert ppo["config"]["reward"]["model_name_or_path"] == out["prm"] and ppo["config"]["reward"]["process_enable"]
+    assert runs["ppo"].data.tags["rlhf.upstream.reward.model_uri"] == out["prm"]
     metrics = result["evaluation"]["metrics"]
     assert "eval/rejection_sampling/sampled_accuracy" in metrics and "eval/rejection_sampling/reward" not in metrics
+    assert "eval/ppo/sampled_accuracy" in metrics
 
 
 def test_two_iterative_dpo_rounds_are_linked(first_run):

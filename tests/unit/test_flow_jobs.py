@@ -518,3 +518,42 @@ def test_a_prm_stage_trains_the_sft_model_on_prep_s_step_rows_and_rejection_samp
                                                                                           "--min_reward", "1"]
     with pytest.raises(PipelineError, match="records no placeholder"):
         scorer_args(RejectionSamplingParams(reward="prm"), outcome("prm", tmp_path), PrepParams())
+
+
+def test_ppo_rewarded_by_the_run_s_process_reward_model(tmp_path):
+    """A PPO section that asks for a process reward without naming a model (`reward.process_enable`,
+    or `reward.placeholder_token`) gets the run's PRM stage, read at the tokens that stage trained
+    with; the critic starts from SFT (a PRM has no value head); the PRM is the reward's lineage."""
+    import yaml
+
+    from flows.jobs import PipelineError, ppo_job
+    from flows.params import PipelinePPOConfig, PipelineSettings, PrepParams
+    from orchestration.stages import StageOutcome, _tags, stage_cache_key
+    from rlhf_core.rl_config import PPOConfig
+
+    ppo_job_for(tmp_path)  # writes prep's prompts
+    prm = StageOutcome("prm", "prm", str(tmp_path / "prm"), "run-prm", "key-prm", False, {},
+                       {"config": {"data": {"placeholder_token": "ки", "reward_tokens": ["+", "-"]}}})
+    upstream = {"prm": prm, **{n: outcome(n, tmp_path) for n in ("prep", "sft")}}
+
+    def job_for(values, stages=upstream):
+        ctx = flow_ctx(tmp_path)
+        job = ppo_job(ctx, PipelineSettings(), PrepParams(task="addition_steps"),
+                      PipelinePPOConfig.model_validate(values), stages.__getitem__)
+        return yaml.safe_load(job.config_yaml), _tags(ctx, job, stage_cache_key(job))
+
+    cfg, tags = job_for({"reward.process_enable": True})
+    assert cfg["reward"]["model_name_or_path"] == prm.output_uri and not cfg["reward"]["normalize_enable"]
+    assert (cfg["reward"]["placeholder_token"], cfg["reward"]["reward_tokens"]) == ("ки", ["+", "-"])
+    assert cfg["reward"]["process_enable"] and cfg["critic"]["model_name_or_path"] == str(tmp_path / "sft")
+    assert tags["rlhf.upstream.reward.run_id"] == "run-prm" and tags["rlhf.upstream.critic.run_id"] == "run-sft"
+    PPOConfig.model_validate(cfg).check_complete()
+    cfg, _ = job_for({"reward.placeholder_token": "ки"})  # the response's weakest step as its one reward
+    assert cfg["reward"]["model_name_or_path"] == prm.output_uri and not cfg["reward"]["process_enable"]
+    with pytest.raises(PipelineError, match="trained with"):
+        job_for({"reward.placeholder_token": "<s>"})
+    with pytest.raises(KeyError):  # the flow's `need` says which stage is missing (tests/unit/test_flow_pipeline.py)
+        job_for({"reward.process_enable": True}, {k: v for k, v in upstream.items() if k != "prm"})
+    bare = StageOutcome("prm", "prm", prm.output_uri, "run-prm", "key-prm", False, {}, {})
+    with pytest.raises(PipelineError, match="records no placeholder"):
+        job_for({"reward.process_enable": True}, {**upstream, "prm": bare})
