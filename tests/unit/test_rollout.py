@@ -97,6 +97,20 @@ def _token_prompts(engine, formatted):
     return [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
 
 
+def rows_counted(model):
+    """`model` as the sampler calls it, and the list of how many rows each of its forwards took."""
+    rows = []
+
+    class Counting:
+        config = model.config
+
+        def __call__(self, **kw):
+            rows.append(kw["input_ids"].shape[0])
+            return model(**kw)
+
+    return Counting(), rows
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_are_the_policys_at_the_temperature(engine, formatted, temperature):
     """Each recorded log-prob equals an exact forward pass over prompt + response at logits / T,
@@ -167,19 +181,10 @@ def test_one_prefill_per_prompt_draws_what_repeated_prompts_draw(engine, formatt
 
     ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in formatted]
     input_ids, mask = left_pad(ids, engine.pad_id)
-    calls = []
-
-    class Counting:  # the engine's model, recording the batch of every forward
-        config = engine.model.config
-
-        def __call__(self, **kw):
-            calls.append(kw["input_ids"].shape)
-            return engine.model(**kw)
-
-    model = Counting()
+    model, rows = rows_counted(engine.model)
     args = (MAX_NEW, 1.0, engine.eos_ids, engine.pad_id)
     once = sample(model, input_ids, mask, *args, torch.Generator().manual_seed(5), repeats=4)
-    assert calls[0][0] == len(ids)  # the prefill ran on each prompt once
+    assert rows[0] == len(ids)  # the prefill ran on each prompt once
     repeated = sample(engine.model, input_ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), *args,
                       torch.Generator().manual_seed(5))
     assert torch.equal(once[0], repeated[0]) and torch.equal(once[2], repeated[2])
@@ -224,16 +229,8 @@ def test_rows_that_ended_leave_the_batch_without_changing_what_the_others_genera
     input_ids, mask = left_pad(ids, engine.pad_id)
     free, _, _ = sample(engine.model, input_ids, mask, MAX_NEW, 0.0, [-1], engine.pad_id)  # no row ever ends
     stop = sorted({int(free[0, 1]), int(free[1, 1])})  # rows 0 and 1 end by step 2 at the latest
-    rows_per_forward = []
-
-    class Counting:
-        config = engine.model.config
-
-        def __call__(self, **kw):
-            rows_per_forward.append(kw["input_ids"].shape[0])
-            return engine.model(**kw)
-
-    tokens, logprobs, lengths = sample(Counting(), input_ids, mask, MAX_NEW, 0.0, stop, engine.pad_id)
+    counting, rows_per_forward = rows_counted(engine.model)
+    tokens, logprobs, lengths = sample(counting, input_ids, mask, MAX_NEW, 0.0, stop, engine.pad_id)
     assert min(rows_per_forward) < len(ids) and (lengths == MAX_NEW).any()  # rows left, others went on
     for i in range(len(ids)):
         start = int(mask[i].argmax())
@@ -259,17 +256,9 @@ def test_each_prompt_may_have_its_own_budget(engine, formatted):
         assert len(o.token_ids) <= budget and o.token_ids == f.token_ids[:budget]
         assert o.logprobs == pytest.approx(f.logprobs[:budget], abs=1e-5)
         assert o.finished == (f.finished and len(f.token_ids) <= budget)
-    rows_per_forward = []
-
-    class Counting:
-        config = engine.model.config
-
-        def __call__(self, **kw):
-            rows_per_forward.append(kw["input_ids"].shape[0])
-            return engine.model(**kw)
-
+    counting, rows_per_forward = rows_counted(engine.model)
     input_ids, mask = left_pad(ids, engine.pad_id)
-    sample(Counting(), input_ids, mask, budgets, 0.0, [-1], engine.pad_id)  # no row ends by EOS
+    sample(counting, input_ids, mask, budgets, 0.0, [-1], engine.pad_id)  # no row ends by EOS
     assert rows_per_forward[-1] < len(ids)
     with pytest.raises(ValueError, match="2 budgets for"):
         engine.generate_ids(ids, 1, 0.0, [2, 3], seed=0)
