@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "reward_pretrain": "--reward.model_name_or_path"})
             _check_reward_files(cfg.reward.remote_url)
             if cfg.train.agent_func_path:  # import it now: a broken file is a config error, before any model loads
-                from rlhf_core.rl.agents import load_agent
+                from rlhf_core.rl.agents import check_agent
 
-                load_agent(cfg.train.agent_func_path)
+                check_agent(cfg.train.agent_func_path, cfg.train.agent_turn_rewards)
             print(json.dumps(run_rl_stage(cfg), indent=2, sort_keys=True))
             return 0
         if args.command == "train":

@@ -343,6 +343,10 @@ class TrainSection(TrainLoopConfig):
     agent_timeout_s: float = Field(60.0, gt=0, description="With train.agent_func_path: seconds each environment "
                                    "call (reset, step) may take; one that misses it, or raises, ends its episode",
                                    json_schema_extra=flat("agent_timeout_s"))
+    agent_turn_rewards: bool = Field(False, description="With train.agent_func_path: each turn's reward at the turn's "
+                                     "last action token, as step rewards (estimators gae, reinforce, group_norm, "
+                                     "dr_grpo); off: their sum at the episode's last action token, as OpenRLHF",
+                                     json_schema_extra=flat("agent_turn_rewards"))
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "
@@ -626,6 +630,12 @@ class PPOConfig(TrainingStageConfig):
                 task_budget = budget if task_budget is None else max(task_budget, budget)
             except ValueError as e:
                 problems.append(f"--eval.task: {e}")
+        if train.agent_turn_rewards and not train.agent_func_path:
+            problems.append("--train.agent_turn_rewards places an agent's per-turn rewards: give "
+                            "--train.agent_func_path")
+        elif train.agent_turn_rewards and adv.estimator.value not in PROCESS_ESTIMATORS:
+            problems.append(f"--train.agent_turn_rewards: --algo.advantage.estimator {adv.estimator.value} takes one "
+                            f"reward per sample; per-turn rewards go to {', '.join(PROCESS_ESTIMATORS)}")
         if rollout.max_new_tokens is None and train.agent_func_path and task_budget is not None:
             problems.append("--train.agent_func_path (--agent_func_path): give --rollout.max_new_tokens "
                             "(--generate_max_len) or --data.max_len: an episode's budget holds every action and the "

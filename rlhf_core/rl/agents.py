@@ -83,6 +83,17 @@ def load_agent(path: str):
     return _load(path, file.resolve())
 
 
+def check_agent(path: str, turn_rewards: bool = False):
+    """`load_agent`, and whether the run's flags suit it: per-turn rewards need an environment
+    (an OpenAIAgentExecutor's run_agent returns one reward per episode). ConfigError when not."""
+    loaded = load_agent(path)
+    if turn_rewards and isinstance(loaded, agent_api.OpenAIAgentExecutor):
+        raise ConfigError(f"--train.agent_turn_rewards: {path} drives the policy's endpoint (OpenAIAgentExecutor), "
+                          "whose run_agent returns one reward per episode; per-turn rewards come from an "
+                          "environment's step() (AgentInstance)")
+    return loaded
+
+
 @functools.cache
 def _load(path: str, file: Path):
     spec = importlib.util.spec_from_file_location(f"rlhf_agent_{abs(hash(str(file.resolve())))}", file)
@@ -151,6 +162,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # the engine's, of the action tokens
     versions: list = field(default_factory=list)  # the policy version of each action token (partial rollouts)
     reward: float = 0.0
+    turn_rewards: list = field(default_factory=list)  # (index among the action tokens, reward) per answered turn
     score: float | None = None
     turns: int = 0
     done: bool = False  # the environment ended the episode
@@ -195,6 +207,7 @@ def _fold_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> Non
                  "applied; every turn samples with the RL stage's settings (the trainer's log-probs must match "
                  "the engine's)")
     ep.reward += reward
+    ep.turn_rewards.append((sum(ep.mask) - 1, reward))  # at the turn's last action token (action tokens only)
     if score is not None:
         ep.score = score
     ep.extra_logs.update(logs)
@@ -333,6 +346,7 @@ class AgentRollouts:
             ep.prompt_ids, tokens, ep.prompt_index, torch.tensor(ep.logprobs[: len(actions)], dtype=torch.float32),
             ep.done, action_mask=mask,
             extra={"agent_reward": ep.reward, "agent_score": ep.reward if ep.score is None else ep.score,
+                   "turn_rewards": list(ep.turn_rewards),
                    "turns": ep.turns, "failed": ep.failure is not None, "agent_logs": dict(ep.extra_logs),
                    "versions": ep.versions[: len(actions)],  # (None each without partial rollouts)
                    "final_text": self.tokenizer.decode(last, skip_special_tokens=True)})
@@ -364,18 +378,26 @@ def agent_stats(samples: list[RolloutSample]) -> dict[str, float]:
 
 
 class AgentRewardSource:
-    """The rewards the environment gave (summed over turns) and its scores (`scores`, default the reward)."""
+    """The rewards the environment gave (summed over turns) and its scores (`scores`, default the
+    reward). `per_turn` (`--train.agent_turn_rewards`): each episode also keeps its turns' rewards
+    as step rewards (`extra["step_rewards"]`), each at its turn's last action token."""
+
+    def __init__(self, per_turn: bool = False):
+        self.per_turn = per_turn
 
     def score(self, samples: list[RolloutSample], labels: list) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.per_turn:
+            for s in samples:
+                s.extra["step_rewards"] = list(s.extra.get("turn_rewards") or [])
         return (torch.tensor([float(s.extra["agent_reward"]) for s in samples]),
                 torch.tensor([float(s.extra["agent_score"]) for s in samples]))
 
 
 def make_agent_rollouts(path: str, tokenizer, max_length: int, max_new_tokens: int, max_turns: int,
-                        timeout_s: float, raw_prompts: dict):
+                        timeout_s: float, raw_prompts: dict, turn_rewards: bool = False):
     """The episode runner of an agent file: `AgentRollouts` for an environment, `ServedRollouts`
     (`rl/served_agents.py`) for an agent that drives the policy's HTTP endpoint."""
-    loaded = load_agent(path)
+    loaded = check_agent(path, turn_rewards)
     if isinstance(loaded, agent_api.OpenAIAgentExecutor):
         from rlhf_core.infra.not_applied import not_applied
         from rlhf_core.rl.served_agents import ServedRollouts

@@ -111,6 +111,8 @@ class RLController:
         self.actor, self.critic, self.ref, self.reward_source = actor, critic, ref, reward_source
         self.tracker, self.kl = tracker, kl_controller
         self.estimator = AdvantageEstimator(cfg.algo.advantage.estimator)
+        # rewards placed at tokens inside a response: a process reward model's steps, an agent's turns
+        self.step_rewards = cfg.reward.process_enable or cfg.train.agent_turn_rewards
         self.prompts = PromptStream(len(prompt_ids), cfg.train.seed)
         self.rollout_steps = rollout_steps
         self.step = 0
@@ -425,7 +427,7 @@ class RLController:
                                      cfg.reward.stop_properly_penalty_coef)
         for s, r, sc, before in zip(samples, rewards.tolist(), scores.tolist(), raw.tolist(), strict=True):
             s.reward, s.score = r, sc
-            if cfg.reward.process_enable:  # step rewards: the penalties go on the last token (`step_reward_matrix`)
+            if self.step_rewards:  # step rewards: the penalties go on the last token (`step_reward_matrix`)
                 s.extra["penalty"] = r - before
 
     # -- experience -------------------------------------------------------------------------
@@ -480,7 +482,7 @@ class RLController:
             kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
                                       "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
-        steps = step_reward_matrix(samples, width) if cfg.reward.process_enable else None
+        steps = step_reward_matrix(samples, width) if self.step_rewards else None
         advantages, returns = compute_advantages(
             self.estimator, torch.tensor([s.reward for s in samples]), kl, mask, kl_coef=kl_in_reward,
             n=cfg.rollout.n_samples_per_prompt, gamma=cfg.algo.advantage.gamma, lambd=cfg.algo.advantage.lambd,

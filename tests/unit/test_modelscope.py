@@ -24,7 +24,10 @@ def fake_modelscope(monkeypatch):
         module.__spec__ = types.SimpleNamespace(name=name)
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(hubs, "_PATCHED", False)
-    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    # set, then removed: monkeypatch then restores its absence, so what the test sets does not reach later
+    # tests (a vLLM engine started by one would look for ModelScope)
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "")
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE")
     return calls
 
 

@@ -100,6 +100,42 @@ def test_episodes_in_one_engine_call_each_get_their_own_room():
     assert a.extra["turns"] == 2 and b.extra["turns"] == 1
 
 
+def test_per_turn_rewards_sit_at_each_turn_s_last_action_token():
+    """`--train.agent_turn_rewards`: the turns' rewards become step rewards at their turns' last
+    action tokens (indices over action tokens, as every per-token tensor runs), so a return-based
+    estimator credits each turn with what followed it; off, OpenRLHF's sum on the last action."""
+    from rlhf_core.algos.advantages import compute_advantages
+    from rlhf_core.rl.experience import step_reward_matrix
+
+    (s,), _ = episodes(TwoTries, {0: ["ab", "x"]})  # rewards -0.25 after "ab", 1.0 after "x"
+    assert s.extra["turn_rewards"] == [(1, -0.25), (2, 1.0)]
+    AgentRewardSource().score([s], ["x"])
+    assert "step_rewards" not in s.extra
+    rewards, _ = AgentRewardSource(per_turn=True).score([s], ["x"])
+    assert rewards.tolist() == [0.75] and s.extra["step_rewards"] == [(1, -0.25), (2, 1.0)]
+    mask = torch.ones(1, s.response_len)
+    _, per_turn = compute_advantages("reinforce", rewards, torch.zeros_like(mask), mask, kl_coef=0.0, n=1,
+                                     step_rewards=step_reward_matrix([s], s.response_len))
+    _, summed = compute_advantages("reinforce", rewards, torch.zeros_like(mask), mask, kl_coef=0.0, n=1)
+    assert per_turn.tolist() == [[0.75, 0.75, 1.0]] and summed.tolist() == [[0.75, 0.75, 0.75]]  # the returns
+
+
+def test_per_turn_rewards_need_an_environment_and_an_estimator_that_takes_them():
+    from rlhf_core.rl.agents import check_agent
+    from rlhf_core.rl_config import PPOConfig
+
+    base = {"actor": {"model_name_or_path": "m"}, "data": {"prompt_dataset": "p"}, "rollout": {"max_new_tokens": 8},
+            "algo": {"advantage": {"estimator": "group_norm"}}, "rollout.n_samples_per_prompt": 2}
+    with pytest.raises(ValueError, match="give --train.agent_func_path"):
+        PPOConfig.model_validate({**base, "reward": {"task": "sort"}, "train": {"agent_turn_rewards": True}})
+    with pytest.raises(ValueError, match="estimator rloo takes one reward per sample"):
+        PPOConfig.model_validate({**base, "algo": {"advantage": {"estimator": "rloo"}},
+                                  "train": {"agent_func_path": "calculator", "agent_turn_rewards": True}})
+    assert check_agent("calculator", turn_rewards=True) is load_agent("calculator")
+    with pytest.raises(ConfigError, match="one reward per episode"):
+        check_agent("calculator-http", turn_rewards=True)
+
+
 def test_an_agent_run_of_a_task_needs_an_episode_budget():
     from rlhf_core.rl_config import PPOConfig
 
@@ -347,6 +383,24 @@ def test_an_openrlhf_style_agent_file_trains_asynchronously_with_partial_rollout
     # an untrained model rarely ends its first action before the episode's budget: one turn each mostly
     # (tests/learning/test_rl_agent_learning.py trains real multi-turn episodes)
     assert metrics["rollout/agent_turns"] >= 1.0 and "rollout/agent/dummy_scores" in metrics
+
+
+@pytest.mark.slow
+def test_a_run_with_per_turn_rewards_trains_on_them(prepared, tmp_path, capsys, one_torch_thread):
+    import json
+
+    from rlhf_core.cli import main
+
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(OPENRLHF_STYLE_FILE)
+    assert main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--agent_func_path", str(agent), "--agent_turn_rewards", "--advantage_estimator", "group_norm",
+                 "--n_samples_per_prompt", "2", "--rollout_batch_size", "8", "--train_batch_size", "16",
+                 "--micro_train_batch_size", "8", "--generate_max_len", "24", "--prompt_max_len", "16",
+                 "--param_dtype", "fp32", "--use_mlflow", "false", "--max_steps", "2",
+                 "--save_path", str(tmp_path / "out")]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    assert metrics["rollout/step_rewards_per_sample"] >= 1.0  # each answered turn's reward, placed
 
 
 def test_the_built_in_calculator_environment_runs_its_tool_and_scores_the_answer():

@@ -129,7 +129,8 @@ def _controller_parts(**cfg):
     rollout = SimpleNamespace(max_new_tokens=6, vllm_generate_batch_size=cfg.get("batch"))
     reward = SimpleNamespace(overlong_buffer_len=None, overlong_penalty_factor=1.0,
                              stop_properly_penalty_coef=cfg.get("coef"), process_enable=cfg.get("process", False))
-    return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout, reward=reward), labels=[None] * 8)
+    return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout, reward=reward), labels=[None] * 8,
+                           step_rewards=cfg.get("process", False))
 
 
 def test_generate_batch_size_splits_the_engine_calls_with_seeds_that_keep_each_prompts_own():
