@@ -162,7 +162,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # the engine's, of the action tokens
     versions: list = field(default_factory=list)  # the policy version of each action token (partial rollouts)
     reward: float = 0.0
-    turn_rewards: list = field(default_factory=list)  # (index among the action tokens, reward) per answered turn
+    step_rewards: list = field(default_factory=list)  # (index among the action tokens, reward) per answered turn
     score: float | None = None
     turns: int = 0
     done: bool = False  # the environment ended the episode
@@ -207,7 +207,7 @@ def _fold_step(ep: Episode, result, tokenize: Callable[[str], list[int]]) -> Non
                  "applied; every turn samples with the RL stage's settings (the trainer's log-probs must match "
                  "the engine's)")
     ep.reward += reward
-    ep.turn_rewards.append((sum(ep.mask) - 1, reward))  # at the turn's last action token (action tokens only)
+    ep.step_rewards.append((sum(ep.mask) - 1, reward))  # at the turn's last action token (action tokens only)
     if score is not None:
         ep.score = score
     ep.extra_logs.update(logs)
@@ -346,7 +346,8 @@ class AgentRollouts:
             ep.prompt_ids, tokens, ep.prompt_index, torch.tensor(ep.logprobs[: len(actions)], dtype=torch.float32),
             ep.done, action_mask=mask,
             extra={"agent_reward": ep.reward, "agent_score": ep.reward if ep.score is None else ep.score,
-                   "turn_rewards": list(ep.turn_rewards),
+                   # each turn's reward where it came, read with --train.agent_turn_rewards (`step_reward_matrix`)
+                   "step_rewards": list(ep.step_rewards),
                    "turns": ep.turns, "failed": ep.failure is not None, "agent_logs": dict(ep.extra_logs),
                    "versions": ep.versions[: len(actions)],  # (None each without partial rollouts)
                    "final_text": self.tokenizer.decode(last, skip_special_tokens=True)})
@@ -379,16 +380,10 @@ def agent_stats(samples: list[RolloutSample]) -> dict[str, float]:
 
 class AgentRewardSource:
     """The rewards the environment gave (summed over turns) and its scores (`scores`, default the
-    reward). `per_turn` (`--train.agent_turn_rewards`): each episode also keeps its turns' rewards
-    as step rewards (`extra["step_rewards"]`), each at its turn's last action token."""
-
-    def __init__(self, per_turn: bool = False):
-        self.per_turn = per_turn
+    reward). Each turn's own reward stays in the sample too (`extra["step_rewards"]`), for
+    `--train.agent_turn_rewards`."""
 
     def score(self, samples: list[RolloutSample], labels: list) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.per_turn:
-            for s in samples:
-                s.extra["step_rewards"] = list(s.extra.get("turn_rewards") or [])
         return (torch.tensor([float(s.extra["agent_reward"]) for s in samples]),
                 torch.tensor([float(s.extra["agent_score"]) for s in samples]))
 

@@ -3,8 +3,8 @@
 `generate_ids` takes prompt token ids and returns, per prompt, `n` `Sample`s: response ids as
 sampled (through EOS, if generated) and the engine's log-prob of each under the distribution it
 was drawn from, which RL compares with the trainer's own. `max_new_tokens` is one budget for every
-prompt or one per prompt (an agent's episodes each have their own room left; each stops at its own). `generate` is its text view (`rlhf eval`,
-`rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature,
+prompt or one per prompt (an agent's episodes each have their own room left; each stops at its
+own). `generate` is its text view (`rlhf eval`, `rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature,
 filtered by `top_k` / `top_p` where they are set (`algos/nucleus.py`: vLLM's rule, in both
 engines) and renormalised; off by default, so samples are draws from the policy itself. A policy's engine also takes
 new weights (`update_weights`) and frees its memory while the trainer runs (`sleep` / `wake_up`).
@@ -82,15 +82,15 @@ class RolloutEngine(abc.ABC):
         """Release the engine's memory (GPU memory above all) before another model loads."""
 
 
-def check_request(n: int, temperature: float, max_new_tokens: Budget, top_k: int = -1, top_p: float = 1.0,
-                  n_prompts: int = 0) -> list[int]:
+def check_request(n_prompts: int, n: int, temperature: float, max_new_tokens: Budget, top_k: int = -1,
+                  top_p: float = 1.0) -> list[int]:
     """Refuses a request no engine can answer; returns each of the `n_prompts` prompts' budget."""
     budgets = token_budgets(max_new_tokens, n_prompts)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if any(m < 1 for m in budgets) or (isinstance(max_new_tokens, int) and max_new_tokens < 1):
+    if min(budgets, default=1) < 1 or (isinstance(max_new_tokens, int) and max_new_tokens < 1):
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")

@@ -73,7 +73,7 @@ class TransformersEngine(RolloutEngine):
     def generate_ids(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 0.0,
                      max_new_tokens: Budget = 64, seed: int = 0, top_k: int = -1, top_p: float = 1.0
                      ) -> list[list[Sample]]:
-        budgets = check_request(n, temperature, max_new_tokens, top_k, top_p, len(prompt_ids))
+        budgets = check_request(len(prompt_ids), n, temperature, max_new_tokens, top_k, top_p)
         greedy = temperature == 0
         per_prompt = 1 if greedy else n
         prompts_per_batch = max(1, self.batch_size // per_prompt)

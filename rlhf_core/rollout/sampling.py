@@ -141,9 +141,8 @@ class _LeanDecoder:
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int | list[int],
-           temperature: float,
-           eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, repeats: int = 1,
-           top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           temperature: float, eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None,
+           repeats: int = 1, top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample `repeats` continuations of each left-padded prompt.
 
     input_ids, attention_mask: `(P, L)`, padding on the left. B = P x repeats rows come back, the

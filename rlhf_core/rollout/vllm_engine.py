@@ -192,7 +192,7 @@ class VLLMEngine(RolloutEngine):
                      ) -> list[list[Sample]]:
         from vllm import SamplingParams
 
-        budgets = check_request(n, temperature, max_new_tokens, top_k, top_p, len(prompt_ids))
+        budgets = check_request(len(prompt_ids), n, temperature, max_new_tokens, top_k, top_p)
         greedy = temperature == 0
         inputs = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,

@@ -108,10 +108,7 @@ def test_per_turn_rewards_sit_at_each_turn_s_last_action_token():
     from rlhf_core.rl.experience import step_reward_matrix
 
     (s,), _ = episodes(TwoTries, {0: ["ab", "x"]})  # rewards -0.25 after "ab", 1.0 after "x"
-    assert s.extra["turn_rewards"] == [(1, -0.25), (2, 1.0)]
-    AgentRewardSource().score([s], ["x"])
-    assert "step_rewards" not in s.extra
-    rewards, _ = AgentRewardSource(per_turn=True).score([s], ["x"])
+    rewards, _ = AgentRewardSource().score([s], ["x"])
     assert rewards.tolist() == [0.75] and s.extra["step_rewards"] == [(1, -0.25), (2, 1.0)]
     mask = torch.ones(1, s.response_len)
     _, per_turn = compute_advantages("reinforce", rewards, torch.zeros_like(mask), mask, kl_coef=0.0, n=1,
