@@ -91,8 +91,8 @@ def test_an_output_replaces_only_its_own_earlier_files_on_s3(s3_endpoint, tmp_pa
 
 def test_batch_inference_writes_its_output_path_on_s3_whole_or_not_at_all(s3_endpoint, prepared, capsys):
     """`rlhf batch_inference --output_path s3://...` (OpenRLHF's flag; a single file): generation's rows
-    land in one object, scoring reads them back from S3 as its dataset, and a run that fails after
-    reading (no prompt reaches `--min_reward`) leaves no object behind."""
+    land in one object, scoring reads them back from S3 as its dataset, and a run that fails (no
+    prompt reaches `--min_reward`) leaves no object behind."""
     import fsspec
 
     from rlhf_core.cli import main
@@ -118,3 +118,18 @@ def test_batch_inference_writes_its_output_path_on_s3_whole_or_not_at_all(s3_end
     assert "no prompt's best reached --min_reward 1" in capsys.readouterr().err
     fs.invalidate_cache()
     assert not fs.exists(none) and storage.read_text(none) is None
+
+
+def test_an_s3_text_file_that_fails_while_being_written_leaves_nothing(s3_endpoint):
+    """`write_text_atomic` on S3: text that cannot be encoded fails before anything is sent (through
+    a file object, the close after the failed write would have put a partial object)."""
+    import fsspec
+
+    fsspec.config.conf.clear()
+    uri = "s3://models/atomic/rows.jsonl"
+    with pytest.raises(UnicodeEncodeError):
+        storage.write_text_atomic(uri, '{"ok": 1}\n' * 1000 + "\ud800")
+    fsspec.filesystem("s3").invalidate_cache()
+    assert storage.read_text(uri) is None
+    storage.write_text_atomic(uri, '{"ok": 1}\n')
+    assert storage.read_text(uri) == '{"ok": 1}\n'

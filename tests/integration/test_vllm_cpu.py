@@ -142,6 +142,7 @@ def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
     (own,) = engine.call_all("generate_ids", PROMPTS, 1, 0.0, [1, 3, MAX_NEW], 0)
     for (first, _), (mine,), budget in zip(greedy, own, [1, 3, MAX_NEW], strict=True):
         assert mine.token_ids == first.token_ids[:budget]
+        assert len(first.token_ids) > budget or budget == MAX_NEW  # the budget binds: the base model goes on
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (-1, 0.6), (5, 0.8)])

@@ -537,9 +537,14 @@ def test_ppo_rewarded_by_the_run_s_process_reward_model(tmp_path):
     upstream = {"prm": prm, **{n: outcome(n, tmp_path) for n in ("prep", "sft")}}
 
     def job_for(values, stages=upstream):
+        def need(name):  # as the flow's: a stage not in the run is named
+            if name not in stages:
+                raise PipelineError(f"stage {name!r} is needed but not run here")
+            return stages[name]
+
         ctx = flow_ctx(tmp_path)
         job = ppo_job(ctx, PipelineSettings(), PrepParams(task="addition_steps"),
-                      PipelinePPOConfig.model_validate(values), stages.__getitem__)
+                      PipelinePPOConfig.model_validate(values), need)
         return yaml.safe_load(job.config_yaml), _tags(ctx, job, stage_cache_key(job))
 
     cfg, tags = job_for({"reward.process_enable": True})
@@ -552,7 +557,7 @@ def test_ppo_rewarded_by_the_run_s_process_reward_model(tmp_path):
     assert cfg["reward"]["model_name_or_path"] == prm.output_uri and not cfg["reward"]["process_enable"]
     with pytest.raises(PipelineError, match="trained with"):
         job_for({"reward.placeholder_token": "<s>"})
-    with pytest.raises(KeyError):  # the flow's `need` says which stage is missing (tests/unit/test_flow_pipeline.py)
+    with pytest.raises(PipelineError, match="stage 'prm' is needed"):
         job_for({"reward.process_enable": True}, {k: v for k, v in upstream.items() if k != "prm"})
     bare = StageOutcome("prm", "prm", prm.output_uri, "run-prm", "key-prm", False, {}, {})
     with pytest.raises(PipelineError, match="records no placeholder"):

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from rlhf_core.rl.policy_server import PolicyServer, trace_sample
-from rlhf_core.rollout.base import Sample
+from tests.unit.engine_stubs import within_budget
 
 
 class CharTokenizer:
@@ -42,8 +42,7 @@ def server():
         # answers "ok" + the sequence's length mod 10, then EOS (a token that re-tokenizes as one), within
         # each sequence's own budget as engines do
         answers = [tuple(map(ord, f"ok{len(s) % 10}")) + (EOT,) for s in sequences]
-        return [Sample(a[:m], (-0.5, -0.25, -0.125, -0.0625)[:m], m >= len(a))
-                for a, m in zip(answers, budgets, strict=True)]
+        return [within_budget(a, (-0.5, -0.25, -0.125, -0.0625), m) for a, m in zip(answers, budgets, strict=True)]
 
     server.batcher.generate = generate
     server.calls = calls
@@ -98,6 +97,7 @@ def test_completions_models_health_and_the_token(server):
     assert post(server, "/completions", {"prompt": "abc"}, token="wrong")[0] == 401
     code, answer = post(server, "/completions", {"prompt": "abc", "n": 2})  # no session: n samples
     assert code == 200 and [c["index"] for c in answer["choices"]] == [0, 1]
+    assert server.calls[-1] == (2, [197, 197])  # two samples of the prompt, each with the room left
     assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
     code, answer = post(server, "/completions", {"prompt": "abc", "n": 2, "session_id": "s"})
     assert code == 400 and "would branch it" in answer["error"]["message"]
@@ -187,7 +187,8 @@ def tool_server():
 
     def generate(sequences, budgets):  # calls the tool first, answers once the tool has spoken
         texts = ["3" if "<tool>" in "".join(map(chr, s)) else CALL for s in sequences]
-        return [Sample(tuple(map(ord, t)) + (EOT,), tuple(-0.5 for _ in range(len(t) + 1)), True) for t in texts]
+        return [within_budget(tuple(map(ord, t)) + (EOT,), [-0.5] * (len(t) + 1), m)
+                for t, m in zip(texts, budgets, strict=True)]
 
     server.batcher.generate = generate
     yield server

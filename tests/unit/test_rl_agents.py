@@ -16,7 +16,7 @@ from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rl import env_calls
 from rlhf_core.rl.agent_api import AgentInstanceBase
 from rlhf_core.rl.agents import AgentError, AgentRewardSource, AgentRollouts, agent_stats, load_agent
-from rlhf_core.rollout.base import Sample
+from tests.unit.engine_stubs import within_budget
 
 
 class CharTokenizer:
@@ -45,9 +45,7 @@ class Script:
             t = self.turn_of.get(k, 0)
             self.turn_of[k] = t + 1
             reply = self.replies[k][t]
-            text = reply[:budget]
-            out.append(Sample(tuple(ord(c) for c in text), tuple(-0.5 - j / 100 for j in range(len(text))),
-                              text == reply))
+            out.append(within_budget(map(ord, reply), [-0.5 - j / 100 for j in range(len(reply))], budget))
         return out
 
 
@@ -380,6 +378,7 @@ def test_an_openrlhf_style_agent_file_trains_asynchronously_with_partial_rollout
     # an untrained model rarely ends its first action before the episode's budget: one turn each mostly
     # (tests/learning/test_rl_agent_learning.py trains real multi-turn episodes)
     assert metrics["rollout/agent_turns"] >= 1.0 and "rollout/agent/dummy_scores" in metrics
+    assert "rollout/step_rewards_per_sample" not in metrics  # without --agent_turn_rewards: OpenRLHF's sum
 
 
 @pytest.mark.slow

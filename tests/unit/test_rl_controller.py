@@ -145,6 +145,28 @@ def test_generate_batch_size_splits_the_engine_calls_with_seeds_that_keep_each_p
     out = RLController.generate(parts, [[1], [2], [3], [4], [5]], 2, 1.0, seed=100)
     assert out == [[[1]], [[2]], [[3]], [[4]], [[5]]]
     assert calls == [([[1], [2], [3]], 100), ([[4], [5]], 103)]  # --vllm_generate_batch_size 3
+    budgets = []
+    parts.engines.generate_ids = lambda ids, n, t, m, seed, **kw: budgets.append(m) or [[i] for i in ids]
+    RLController.generate(parts, [[1], [2], [3], [4], [5]], 1, 1.0, seed=0, max_new_tokens=[5, 4, 3, 2, 1])
+    assert budgets == [[5, 4, 3], [2, 1]]  # a budget per prompt travels with its prompt
+
+
+def test_engines_on_ray_shard_a_budget_per_prompt_with_the_prompts():
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.engines import ENGINE_SEED_STRIDE, RayEngines
+
+    sent = []
+
+    def call_each_async(method, calls, ranks):
+        sent.extend(calls)
+        return SimpleNamespace(per_rank=lambda: [[[p] for p in args[0]] for args, _ in calls])
+
+    engines = RayEngines(SimpleNamespace(world_size=2, call_each_async=call_each_async))
+    out = engines.generate_ids([[1], [2], [3]], 1, 1.0, [7, 8, 9], 0)
+    assert out == [[[1]], [[2]], [[3]]]
+    assert [(args[0], args[3], args[4]) for args, _ in sent] == [([[1], [2]], [7, 8], 0),
+                                                                ([[3]], [9], ENGINE_SEED_STRIDE)]
 
 
 def test_scoring_applies_the_truncation_penalty_to_responses_without_eos():

@@ -50,8 +50,9 @@ def test_responses_grow_segment_by_segment_and_each_token_keeps_its_policy_versi
 
 
 def test_the_last_segment_asks_each_response_for_what_it_may_still_grow_by():
-    """A budget of 10 in segments of 3: 3, 3, 3, then 1 for each response (the engine stops each at
-    its own budget; nothing is sampled to be cut)."""
+    """A budget of 10 in segments of 3: 3, 3, 3, then 1 (the room left, not a whole segment to be
+    cut). The responses of a batch grow alike here, so this shows the room, not budgets that differ
+    per response (the agents' and the endpoint's tests show those)."""
     generate, calls = counting_engine({10: 50, 20: 50})
     groups = sample_in_segments([[10, 1], [20, 1]], 1, 10, 0, generate, lambda: 0)
     assert [b for _, b in calls] == [[3, 3], [3, 3], [3, 3], [1, 1]]

@@ -256,6 +256,11 @@ def test_each_prompt_may_have_its_own_budget(engine, formatted):
         assert len(o.token_ids) <= budget and o.token_ids == f.token_ids[:budget]
         assert o.logprobs == pytest.approx(f.logprobs[:budget], abs=1e-5)
         assert o.finished == (f.finished and len(f.token_ids) <= budget)
+    assert sum(len(f.token_ids) > b for (f,), b in zip(full, budgets, strict=True)) >= 4  # the budgets bind
+    # sampled, several per prompt, in chunks of two prompts: each row within its prompt's budget
+    small = TransformersEngine(engine.model, engine.tokenizer, batch_size=4)
+    for group, budget in zip(small.generate_ids(ids, 2, 1.0, budgets, seed=3), budgets, strict=True):
+        assert len(group) == 2 and all(1 <= len(s.token_ids) <= budget for s in group)
     counting, rows_per_forward = rows_counted(engine.model)
     input_ids, mask = left_pad(ids, engine.pad_id)
     sample(counting, input_ids, mask, budgets, 0.0, [-1], engine.pad_id)  # no row ends by EOS
