@@ -269,6 +269,29 @@ def _green_fraction(png: bytes) -> float:
     return float(((green > red + 60) & (green > blue + 40)).mean())
 
 
+def _submit_until_accepted(page, stack, tries: int = 3) -> dict:
+    """Clicks the custom-run form's Submit and returns the created flow run.
+
+    Prefect's server answers 503 "Service Unavailable" when its SQLite database was busy (a
+    deferred transaction that read the deployment lost the race to write against the stack's
+    background writers); Prefect's own clients retry such answers, and a person clicks Submit
+    again. Any other failure, or a 503 on every try, fails with the server's log.
+    """
+    for attempt in range(1, tries + 1):
+        with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/create_flow_run")) as made:
+            page.get_by_role("button", name="Submit").click()
+        if made.value.ok:
+            return made.value.json()
+        if made.value.status != 503 or attempt == tries:
+            log = Path(stack["home"]) / "stack" / "logs" / "prefect-server.log"
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no server log)"
+            pytest.fail(f"create_flow_run answered {made.value.status} on try {attempt}: {made.value.text()}\n"
+                        f"{log}:\n{tail}")
+        print(f"create_flow_run answered 503 on try {attempt}; submitting again")
+        page.wait_for_timeout(2000)
+    raise AssertionError("unreachable")
+
+
 def test_a_single_stage_rerun_submitted_from_the_prefect_ui(stack, first_run, chromium, shots):
     """Deployments -> sft -> Run -> Custom run: from_run and a new learning rate typed into the form,
     submitted; the flow run completes, trains SFT alone, and the first run's outputs are untouched."""
@@ -296,10 +319,8 @@ def test_a_single_stage_rerun_submitted_from_the_prefect_ui(stack, first_run, ch
             str(RERUN_LR))
         from_run.scroll_into_view_if_needed()
         browser.screenshot(page, shots, "prefect-custom-run-form.png")
-        with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/create_flow_run")) as made:
-            page.get_by_role("button", name="Submit").click()
-        assert made.value.ok, made.value.text()
-        flow_run_id, run_name = made.value.json()["id"], made.value.json()["name"]
+        made = _submit_until_accepted(page, stack)
+        flow_run_id, run_name = made["id"], made["name"]
         page.get_by_text(run_name).first.wait_for()  # the UI shows the new run
 
     state = _wait_for_flow_run(stack, flow_run_id, timeout=420)
