@@ -347,6 +347,10 @@ class TrainSection(TrainLoopConfig):
                                      "last action token, as step rewards (estimators gae, reinforce, group_norm, "
                                      "dr_grpo); off: their sum at the episode's last action token, as OpenRLHF",
                                      json_schema_extra=flat("agent_turn_rewards"))
+    agent_tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
+        "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
+        "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
+        "the chat template teaches, hermes if it shows none (docs/flags.md)")
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "

@@ -389,7 +389,8 @@ class AgentRewardSource:
 
 
 def make_agent_rollouts(path: str, tokenizer, max_length: int, max_new_tokens: int, max_turns: int,
-                        timeout_s: float, raw_prompts: dict, turn_rewards: bool = False):
+                        timeout_s: float, raw_prompts: dict, turn_rewards: bool = False,
+                        tool_call_parser: str = "auto"):
     """The episode runner of an agent file: `AgentRollouts` for an environment, `ServedRollouts`
     (`rl/served_agents.py`) for an agent that drives the policy's HTTP endpoint."""
     loaded = check_agent(path, turn_rewards)
@@ -400,5 +401,12 @@ def make_agent_rollouts(path: str, tokenizer, max_length: int, max_new_tokens: i
         if max_turns:
             not_applied("train.agent_max_turns", max_turns, "an environment (AgentInstance)",
                         "an OpenAIAgentExecutor's run_agent decides its calls; --data.max_len bounds the session")
-        return ServedRollouts(loaded, tokenizer, max_length, max_new_tokens, raw_prompts, timeout_s)
+        return ServedRollouts(loaded, tokenizer, max_length, max_new_tokens, raw_prompts, timeout_s,
+                              tool_call_parser=tool_call_parser)
+    if tool_call_parser != "auto":
+        from rlhf_core.infra.not_applied import not_applied
+
+        not_applied("train.agent_tool_call_parser", tool_call_parser,
+                    "an agent that drives the policy's endpoint (OpenAIAgentExecutor)",
+                    "an environment (AgentInstance) reads the policy's text itself")
     return AgentRollouts(loaded, tokenizer, max_length, max_new_tokens, max_turns, timeout_s)

@@ -18,7 +18,9 @@ completion (trained) and what the conversation added between two calls (not trai
   completion at the token that completes a stop string, which (unlike OpenAI) stays in the text
   returned.
 - Tool calling: a chat request's `tools` go to the chat template (which must render them), and
-  calls the policy writes in the Hermes format (`rl/tool_calls.py`) come back as `tool_calls`
+  calls the policy writes come back as `tool_calls`, read in the format of `tool_call_parser`
+  (`rl/tool_calls.py`: hermes, llama3_json, mistral, pythonic; auto: the one the chat template
+  teaches, hermes where it shows none)
   (`finish_reason` "tool_calls"); `tool_choice` may be auto or none (sampling is not constrained,
   so a required or named call cannot be enforced). When such an assistant message comes back in a
   later request, it is rendered as the completion's text as sampled, so the session still extends.
@@ -52,7 +54,7 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
-from rlhf_core.rl.tool_calls import parse_hermes
+from rlhf_core.rl.tool_calls import PARSERS, detect
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
@@ -158,9 +160,16 @@ class PolicyServer:
     """The endpoint; `generate` is set by the rollout that uses it (`MicroBatcher.generate`)."""
 
     def __init__(self, tokenizer, model_name: str, max_length: int, token: str, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, tool_call_parser: str = "auto"):
         if not token:
             raise ValueError("the policy server needs a token")
+        if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser {tool_call_parser!r}: one of auto, {', '.join(PARSERS)}")
+        detected = detect(getattr(tokenizer, "chat_template", None)) if tool_call_parser == "auto" else None
+        self.tool_call_format = detected or ("hermes" if tool_call_parser == "auto" else tool_call_parser)
+        self.tool_call_why = ("" if tool_call_parser != "auto" else ", which the chat template teaches" if detected
+                              else "; the chat template shows none of the known ones")
+        self.parse_tool_calls = PARSERS[self.tool_call_format]
         self.tokenizer, self.model_name, self.max_length = tokenizer, model_name, max_length
         self.batcher = MicroBatcher()
         self.sessions: dict[str, Session] = {}
@@ -321,7 +330,7 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
         return {"text": text}, finish
     message: dict = {"role": "assistant", "content": text}
     if request.tool_choice == "auto":
-        content, calls = parse_hermes(text)
+        content, calls = server.parse_tool_calls(text)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, text)}
             finish = "tool_calls"

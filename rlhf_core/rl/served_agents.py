@@ -31,14 +31,15 @@ TOKEN_ENV = "RLHF_POLICY_TOKEN"
 
 class ServedRollouts:
     def __init__(self, executor, tokenizer, max_length: int, max_new_tokens: int, raw_prompts: dict,
-                 timeout_s: float = 60.0, model_name: str = "policy"):
+                 timeout_s: float = 60.0, model_name: str = "policy", tool_call_parser: str = "auto"):
         token = os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
-        self.server = PolicyServer(tokenizer, model_name, max_length, token)
+        self.server = PolicyServer(tokenizer, model_name, max_length, token, tool_call_parser=tool_call_parser)
         executor.base_url, executor.api_key, executor.model = self.server.base_url, token, model_name
         self.executor, self.tokenizer, self.raw_prompts = executor, tokenizer, raw_prompts
         self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
         self.loops = EventLoops()
-        print(f"rlhf: the policy's OpenAI-compatible endpoint for the agent: {self.server.base_url}",
+        print(f"rlhf: the policy's OpenAI-compatible endpoint for the agent: {self.server.base_url} (tool calls "
+              f"read in the {self.server.tool_call_format} format{self.server.tool_call_why})",
               file=sys.stderr, flush=True)
 
     def run(self, prompt_ids: list[list[int]], indices: list[int], labels: list, n: int, temperature: float,

@@ -293,7 +293,8 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
 
             agent = make_agent_rollouts(cfg.train.agent_func_path, tokenizer, cfg.data.max_len,
                                         cfg.rollout.max_new_tokens, cfg.train.agent_max_turns,
-                                        cfg.train.agent_timeout_s, raw_prompts, cfg.train.agent_turn_rewards)
+                                        cfg.train.agent_timeout_s, raw_prompts, cfg.train.agent_turn_rewards,
+                                        cfg.train.agent_tool_call_parser)
             rewards = AgentRewardSource()
         elif cfg.reward.placeholder_token is not None:
             rewards = ProcessRewardSource(roles.reward_model, tokenizer, raw_prompts, cfg.reward.step_aggregate,

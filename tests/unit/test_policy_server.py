@@ -279,3 +279,34 @@ def test_the_openai_client_library_drives_a_tool_using_session(tool_server):
     assert chunks[-1].choices[0].finish_reason == "stop"
     sample = trace_sample(tool_server.take("s"), prompt_index=0)
     assert "".join(map(chr, sample.response_ids)).startswith(CALL) and sum(sample.action_mask) == len(CALL) + 3
+
+
+class MistralTokenizer(ToolTokenizer):
+    chat_template = "{{ '[AVAILABLE_TOOLS]' + tools|tojson }} {{ '[TOOL_CALLS]' }}"
+
+
+@pytest.mark.parametrize("parser, tokenizer, text, fmt", [
+    ("auto", MistralTokenizer(), 'ok[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "mistral"),
+    ("pythonic", ToolTokenizer(), "[add(a=1, b=2)]", "pythonic"),
+    ("auto", ToolTokenizer(), CALL, "hermes")])  # a template that shows no format's marker: hermes
+def test_calls_are_read_in_the_format_the_template_teaches_or_the_one_named(parser, tokenizer, text, fmt):
+    server = PolicyServer(tokenizer, "policy", max_length=400, token="secret", tool_call_parser=parser)
+    server.batcher.generate = lambda sequences, budgets: [
+        within_budget(tuple(map(ord, text)) + (EOT,), [-0.5] * (len(text) + 1), m) for m in budgets]
+    try:
+        assert server.tool_call_format == fmt
+        code, answer = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "1+2?"}],
+                                                          "tools": [ADD]})
+        assert code == 200, answer
+        (call,) = answer["choices"][0]["message"]["tool_calls"]
+        assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+        assert answer["choices"][0]["finish_reason"] == "tool_calls"
+        # the same text read as another format is no call
+        other = next(p for p in ("hermes", "pythonic") if p != fmt)
+        other_server = PolicyServer(tokenizer, "policy", max_length=400, token="secret", tool_call_parser=other)
+        other_server.close()
+        assert other_server.parse_tool_calls(text) == (text, [])
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="tool_call_parser 'qwen': one of auto, hermes"):
+        PolicyServer(tokenizer, "policy", max_length=400, token="secret", tool_call_parser="qwen")

@@ -1,7 +1,16 @@
-"""Hermes-format tool calls in a completion's text (`rl/tool_calls.py`), parsed as vLLM's `hermes`
-parser reads them."""
+"""Tool calls in a completion's text (`rl/tool_calls.py`), each format read as vLLM's parser of the
+same name reads a whole completion; a template's format found by its markers."""
 
-from rlhf_core.rl.tool_calls import parse_hermes
+import pytest
+
+from rlhf_core.rl.tool_calls import (
+    PARSERS,
+    detect,
+    parse_hermes,
+    parse_llama3_json,
+    parse_mistral,
+    parse_pythonic,
+)
 
 
 def test_calls_and_the_content_before_them():
@@ -21,3 +30,70 @@ def test_a_malformed_call_makes_the_whole_text_content():
                  '<tool_call>{"name": "f"}</tool_call><tool_call>oops</tool_call>'):
         assert parse_hermes(text) == (text, [])
     assert parse_hermes('<tool_call>{"name": "f"}</tool_call>') == (None, [("f", "{}")])
+
+
+def test_llama3_json_calls_after_the_python_tag_and_separated_by_semicolons():
+    one = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}'
+    assert parse_llama3_json(one) == (None, [("get_weather", '{"city": "Paris", "days": [1, 2]}')])
+    two = '{"name": "a", "arguments": {"x": {"y": 1}}}; {"name": "b", "parameters": {}}'
+    assert parse_llama3_json(two) == (None, [("a", '{"x": {"y": 1}}'), ("b", "{}")])
+    for text in ("The sum is 3.", "a set {1, 2} in prose", '{"name": "a"}',  # no arguments: not a call
+                 '{"name": "a", "parameters": {}} and {"oops": 1}', '{"name": 3, "parameters": {}}',
+                 '{"name": "a", "parameters": {"x": 1}'):  # never closed
+        assert parse_llama3_json(text) == (text, []), text
+
+
+def test_mistral_calls_in_both_of_its_forms():
+    listed = 'Checking.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "neg", "arguments": {"x": 2}}]'
+    assert parse_mistral(listed) == ("Checking.", [("add", '{"a": 1}'), ("neg", '{"x": 2}')])
+    newer = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]neg[ARGS]{"x": 2}'
+    assert parse_mistral(newer) == (None, [("add", '{"a": 1, "b": 2}'), ("neg", '{"x": 2}')])
+    assert parse_mistral('[TOOL_CALLS]add[ARGS]{"a": 1} sub[ARGS]{}') == (None, [("add", '{"a": 1}'), ("sub", "{}")])
+    for text in ("no calls", "[TOOL_CALLS]", "[TOOL_CALLS][]", '[TOOL_CALLS][{"arguments": {}}]',
+                 "[TOOL_CALLS]add{}", '[TOOL_CALLS]add[ARGS]{"a": ', '[TOOL_CALLS]two words[ARGS]{}'):
+        assert parse_mistral(text) == (text, []), text
+
+
+def test_pythonic_calls_take_literal_keyword_arguments_only():
+    text = '[get_weather(city="Paris", units=None, days=[1, -2]), tools.add(a=1.5, b=true, opts={"k": null})]'
+    assert parse_pythonic(text) == (None, [
+        ("get_weather", '{"city": "Paris", "units": null, "days": [1, -2]}'),
+        ("tools.add", '{"a": 1.5, "b": true, "opts": {"k": null}}')])
+    assert parse_pythonic("<|python_start|>[f()]<|python_end|>") == (None, [("f", "{}")])
+    for text in ("[1, 2]", "no calls", "[f(1)]", "[f(x=y)]", "[f(x=1)", "[f(**kw)]", "[f(x={1, 2})]",
+                 "[f(x=1), 3]", "[(lambda: 1)(x=1)]", "[]"):
+        assert parse_pythonic(text) == (text, []), text
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("{% for tool in tools %}<tools>{{ tool }}</tools>{% endfor %} <tool_call>", "hermes"),
+    ("{{ '[AVAILABLE_TOOLS]' }} ... {{ '[TOOL_CALLS]' }}", "mistral"),
+    ("<|python_start|>{{ call }}<|python_end|>", "pythonic"),
+    ("respond in the format [func_name1(params_name1=params_value1)]", "pythonic"),
+    ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    ("{{ messages }}", None), (None, None)])
+def test_a_templates_format_is_found_by_its_markers(template, expected):
+    assert detect(template) == expected
+    assert expected is None or expected in PARSERS
+
+
+
+def test_the_parser_is_the_endpoints_and_said_not_applied_to_an_environment(prepared, capsys):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rl.agents import AgentRollouts, make_agent_rollouts
+    from rlhf_core.rl.served_agents import ServedRollouts
+
+    tokenizer = AutoTokenizer.from_pretrained(prepared["base"])  # the built-in template shows no tool format
+    env = make_agent_rollouts("calculator", tokenizer, 64, 8, 2, 5.0, {}, tool_call_parser="pythonic")
+    assert isinstance(env, AgentRollouts)
+    assert "--train.agent_tool_call_parser pythonic needs an agent that drives the policy's endpoint" in \
+        capsys.readouterr().err
+    for parser, fmt, why in (("auto", "hermes", "; the chat template shows none of the known ones"),
+                             ("mistral", "mistral", "")):
+        served = make_agent_rollouts("calculator-http", tokenizer, 64, 8, 0, 5.0, {}, tool_call_parser=parser)
+        try:
+            assert isinstance(served, ServedRollouts) and served.server.tool_call_format == fmt
+            assert f"tool calls read in the {fmt} format{why})" in capsys.readouterr().err
+        finally:
+            served.server.close()
