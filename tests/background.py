@@ -1,6 +1,6 @@
 """A command run beside the tests: niced (`nice -n 19` execs it, so the PID is the command's own),
 it takes only the cores the tests leave idle. conftest starts the slow preparations this way when
-collection ends (tests/pip_dry_run.py, tests/rl_setting.py) and stops what still runs at the end."""
+collection ends (tests/pip_dry_run.py, tests/settings.py) and stops what still runs at the end."""
 
 from __future__ import annotations
 

@@ -24,33 +24,42 @@ def pytest_collection_modifyitems(config, items):
 
 GPU_DRY_RUN = pytest.StashKey()
 GPU_DRY_RUN_TEST = "test_the_gpu_profile_resolves_with_vllm"
-RL_SETTING = pytest.StashKey()
+SETTINGS = pytest.StashKey()  # name of a setting -> the PendingSettings building it
 
 
 def pytest_collection_finish(session):
     """Slow preparations start once a test that reads them is collected, and run beside the tests
     before it: the GPU profile's pip resolve (tests/pip_dry_run.py; it waits on the registry) and
-    the RL setting's SFT and reward model (tests/rl_setting.py; minutes of training, while the
-    integration tests before the first RL test mostly wait on their processes)."""
+    the learning tests' settings (tests/settings.py: minutes of training each, in one process, while
+    the integration tests before the first learning test mostly wait on their processes)."""
     if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
         from tests.pip_dry_run import PipDryRun
 
         session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
-    if any("rl_setting" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("skip")
-           for item in session.items):
-        import tempfile
-        from pathlib import Path
+    from tests.settings import BUILDERS, with_needs
 
-        from tests.rl_setting import PendingSetting
+    needed = [name for name in BUILDERS if any(name in getattr(item, "fixturenames", ())
+                                               and not item.get_closest_marker("skip") for item in session.items)]
+    if needed:
+        _start_settings(session.config, with_needs(needed))
 
-        session.config.stash[RL_SETTING] = PendingSetting(Path(tempfile.mkdtemp(prefix="rlhf-rl-setting-")))
+
+def _start_settings(config, names: list[str]):
+    import tempfile
+    from pathlib import Path
+
+    from tests.settings import PendingSettings
+
+    pending = PendingSettings(Path(tempfile.mkdtemp(prefix="rlhf-settings-")), names)
+    config.stash.setdefault(SETTINGS, {}).update(dict.fromkeys(names, pending))
+    return pending
 
 
 def pytest_unconfigure(config):
-    for key in (GPU_DRY_RUN, RL_SETTING):
-        pending = config.stash.get(key, None)
-        if pending is not None:
-            pending.stop()  # a session cut short leaves nothing running (and the setting's folder goes)
+    pending = [config.stash.get(GPU_DRY_RUN, None), *set(config.stash.get(SETTINGS, {}).values())]
+    for process in pending:
+        if process is not None:
+            process.stop()  # a session cut short leaves nothing running (and the settings' folders go)
 
 
 @pytest.fixture
@@ -118,13 +127,34 @@ def _drop_stale_build_locks(extensions_dir: str, older_than_s: float = 900) -> N
             shutil.rmtree(lock.parent, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def rl_setting(request, tmp_path_factory):
-    """Where RL has room (tests/rl_setting.py), shared by every RL test: built by a process of its
-    own, started when collection ended where a collected test needs it."""
-    from tests.rl_setting import PendingSetting
+def _setting(request, name: str) -> dict:
+    """A setting of tests/settings.py: started when collection ended where a collected test needs
+    it, else now (and stopped at the end all the same)."""
+    from tests.settings import with_needs
 
-    stash = request.config.stash
-    if RL_SETTING not in stash:  # not started at collection: now, and stopped at the end all the same
-        stash[RL_SETTING] = PendingSetting(tmp_path_factory.mktemp("rl_setting"))
-    return stash[RL_SETTING].result()
+    pending = request.config.stash.get(SETTINGS, {}).get(name) or _start_settings(request.config, with_needs([name]))
+    return pending.result(name)
+
+
+@pytest.fixture(scope="session")
+def rl_setting(request):
+    """Where RL has room (tests/rl_setting.py), shared by every RL test."""
+    return _setting(request, "rl_setting")
+
+
+@pytest.fixture(scope="session")
+def kd_setting(request):
+    """A distillation teacher trained from the RL setting's base, and its accuracy (tests/kd_setting.py)."""
+    return _setting(request, "kd_setting")
+
+
+@pytest.fixture(scope="session")
+def agent_setting(request):
+    """The tool task's SFT policy (tests/agent_setting.py)."""
+    return _setting(request, "agent_setting")
+
+
+@pytest.fixture(scope="session")
+def prm_setting(request):
+    """The column-addition task's SFT policy and process reward model (tests/prm_setting.py)."""
+    return _setting(request, "prm_setting")

@@ -3,8 +3,8 @@
 The column-addition task (`addition_steps`: a line per column, then the sum; prep makes half of
 its PRM rows err at one column, mostly a flipped carry, and labels each step `+` until the first
 wrong one). `rlhf train prm` (OpenRLHF's `train_prm` flags: `--placeholder_token ки --reward_tokens
-+ -`) trains prep's random base on them; its held-out step accuracy must beat the majority label's
-share by far. Then best-of-4: an SFT policy trained on demonstrations 30% wrong samples 4 answers
++ -`) trains from an SFT policy of the task on them (tests/prm_setting.py, built beside the tests
+before this file); its held-out step accuracy must beat the majority label's share by far. Then best-of-4: an SFT policy trained on demonstrations 30% wrong samples 4 answers
 per held-out prompt (`rlhf batch_inference --eval_task generate`), the PRM scores them
 (`--eval_task rm --placeholder_token ...`: a response's score its weakest step's) and keeps each
 prompt's best (`--post_processor rs`); the kept answers must be right more often than a random
@@ -17,58 +17,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 STEP_ACCURACY_OVER_MAJORITY = 0.2  # measured +0.36: held-out step accuracy 1.0, the majority label's share 0.64
 PICK_GAIN = 0.1  # measured +0.225: the PRM's picks 0.93 right, a random pick 0.705 (all samples 0.725, pass@4 0.995)
 RL_STEPS, RL_LR = 12, 2e-5
 RL_REWARD_GAIN = 0.02  # measured +0.04: the PRM's held-out reward 0.9225 -> 0.9625
 RL_ACCURACY_DROP = 0.02  # measured +0.0125: held-out sampled accuracy 0.9225 -> 0.935
-TRAIN = ["--max_len", "64", "--packing_samples", "--param_dtype", "fp32", "--train_batch_size", "32",
-         "--micro_train_batch_size", "32", "--max_epochs", "3", "--learning_rate", "1e-3", "--lr_warmup_ratio",
-         "0.05", "--seed", "0", "--use_mlflow", "false"]
 
 
-@pytest.fixture(scope="module")
-def steps_task(tmp_path_factory) -> dict:
-    """The column-addition task's data, tokenizer and base (4000 training rows, 30% of the
-    demonstrations wrong); an SFT policy trained on its demonstrations; a PRM trained from that
-    policy (it can add already: the PRM learns to check) on the step rows."""
-    from rlhf_core.cli import main
-    from rlhf_core.stages.prep import prepare
-
-    root = tmp_path_factory.mktemp("steps_task")
-    paths = prepare(root / "prep", task="addition_steps", n_train=4000, n_test=200, demo_error_rate=0.3)
-    policy, prm = root / "sft", root / "prm"
-    # 750 steps: greedy 1.0, sampled 0.73 (its demonstrations' errors); 375 steps left it at 0.08 sampled
-    assert main(["train", "sft", "--pretrain", paths["base"], "--dataset", f"json@{paths['sft']}",
-                 "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--save_path",
-                 str(policy), *TRAIN, "--max_epochs", "6"]) == 0
-    assert main(["train", "prm", "--pretrain", str(policy), "--dataset", f"json@{paths['prm']}",
-                 "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--save_path", str(prm), *TRAIN]) == 0
-    return {**paths, "policy": str(policy), "prm_model": str(prm), "root": root}
-
-
-def test_a_prm_learns_held_out_step_labels(steps_task):
+def test_a_prm_learns_held_out_step_labels(prm_setting):
     """Measured: held-out step accuracy 1.0 (0.36 before training); the majority label (`+`) is 0.64 of
     the steps. (Trained from prep's random base instead of the SFT policy: 0.98.)"""
-    manifest = json.loads((Path(steps_task["prm_model"]) / "stage.json").read_text())
+    manifest = json.loads((Path(prm_setting["prm_model"]) / "stage.json").read_text())
     metrics = manifest["metrics"]
-    labels = [x for line in open(steps_task["prm_test"]) for x in json.loads(line)["label"]]
+    labels = [x for line in open(prm_setting["prm_test"]) for x in json.loads(line)["label"]]
     majority = max(labels.count("+"), labels.count("-")) / len(labels)
     assert metrics["eval/acc"] >= majority + STEP_ACCURACY_OVER_MAJORITY, (metrics["eval/acc"], majority)
     assert metrics["eval/acc"] > metrics["eval_initial/acc"] + 0.2
 
 
-def test_best_of_n_with_the_prm_beats_a_random_pick(steps_task, tmp_path):
+def test_best_of_n_with_the_prm_beats_a_random_pick(prm_setting, tmp_path):
     from rlhf_core.cli import main
 
-    policy, generated, kept = steps_task["policy"], tmp_path / "generated.jsonl", tmp_path / "kept.jsonl"
+    policy, generated, kept = prm_setting["policy"], tmp_path / "generated.jsonl", tmp_path / "kept.jsonl"
     common = ["--use_mlflow", "false", "--seed", "0"]
     assert main(["batch_inference", "--eval_task", "generate", "--pretrain", str(policy), "--dataset",
-                 steps_task["prompts_test"], "--input_key", "prompt", "--apply_chat_template", "--best_of_n", "4",
+                 prm_setting["prompts_test"], "--input_key", "prompt", "--apply_chat_template", "--best_of_n", "4",
                  "--max_new_tokens", "33", "--output_path", str(generated), *common]) == 0
-    assert main(["batch_inference", "--eval_task", "rm", "--pretrain", steps_task["prm_model"], "--dataset",
+    assert main(["batch_inference", "--eval_task", "rm", "--pretrain", prm_setting["prm_model"], "--dataset",
                  str(generated), "--input_key", "prompt", "--placeholder_token", "ки", "--reward_tokens", "+", "-",
                  "--post_processor", "rs", "--output_path", str(kept), *common]) == 0
     samples = [json.loads(line) for line in generated.read_text().splitlines()]
@@ -82,17 +57,17 @@ def test_best_of_n_with_the_prm_beats_a_random_pick(steps_task, tmp_path):
     assert right(best) >= chance + PICK_GAIN, (right(best), chance, right(samples))
 
 
-def grpo_with_the_prm(steps_task, out: Path, *flags: str) -> dict:
+def grpo_with_the_prm(prm_setting, out: Path, *flags: str) -> dict:
     """`rlhf train ppo` from the SFT policy, rewarded by the PRM (GRPO, no reference), evaluated on
     the held-out prompts with the task's verifier."""
     from rlhf_core.cli import main
 
-    prompts = str(Path(steps_task["prompts_train"]).parent)
-    assert main(["train", "ppo", "--actor.model_name_or_path", steps_task["policy"],
+    prompts = str(Path(prm_setting["prompts_train"]).parent)
+    assert main(["train", "ppo", "--actor.model_name_or_path", prm_setting["policy"],
                  "--data.prompt_dataset", f"json@{prompts}", "--data.input_key", "prompt",
                  "--data.apply_chat_template", "--eval.dataset", f"json@{prompts}", "--eval.split", "test",
                  "--eval.task", "addition_steps", "--eval.n_samples_per_prompt", "2",
-                 "--reward.model_name_or_path", steps_task["prm_model"], "--reward.placeholder_token", "ки",
+                 "--reward.model_name_or_path", prm_setting["prm_model"], "--reward.placeholder_token", "ки",
                  "--reward.reward_tokens", "+", "-", "--algo.advantage.estimator", "group_norm",
                  "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32",
                  "--rollout.max_new_tokens", "33", "--train.batch_size", "128", "--train.micro_batch_size", "64",
@@ -101,7 +76,7 @@ def grpo_with_the_prm(steps_task, out: Path, *flags: str) -> dict:
     return json.loads((out / "stage.json").read_text())["metrics"]
 
 
-def test_rl_with_the_prms_step_rewards_raises_its_held_out_reward(steps_task, tmp_path):
+def test_rl_with_the_prms_step_rewards_raises_its_held_out_reward(prm_setting, tmp_path):
     """The PRM as the RL stage's reward, a reward per step (`--reward.process_enable`: each step's
     P(right) at the token that completes it, normalised over the prompt's samples' steps): the PRM's
     held-out score of the policy's samples rises, and their accuracy does not fall. With the PRM's
@@ -113,7 +88,7 @@ def test_rl_with_the_prms_step_rewards_raises_its_held_out_reward(steps_task, tm
     learnt from carry flips only and never saw a column summed wrong: pushed harder (lr 1e-4), RL
     finds those slips, the PRM's reward reaches 1.0 while accuracy falls to 0.69 (greedy 0.72), a
     reward hack the accuracy bound here would catch."""
-    metrics = grpo_with_the_prm(steps_task, tmp_path / "grpo", "--reward.process_enable")
+    metrics = grpo_with_the_prm(prm_setting, tmp_path / "grpo", "--reward.process_enable")
     # the advantages came from rewards per step (a column line or more, then the sum), not one per sample
     assert metrics["rollout/step_rewards_per_sample"] >= 2, metrics
     assert metrics["eval/sampled_reward"] >= metrics["eval_initial/sampled_reward"] + RL_REWARD_GAIN, metrics

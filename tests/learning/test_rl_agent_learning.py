@@ -20,26 +20,10 @@ from rlhf_core.cli import main
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module")
-def multiply_sft(tmp_path_factory) -> dict:
-    """The `multiply` task prepared and SFT'd on its demonstrations (a quarter call the tool)."""
-    root = tmp_path_factory.mktemp("multiply")
-    prep = root / "prep"
-    assert main(["prep", "--task", "multiply", "--out", str(prep), "--n_train", "4000", "--n_test", "200",
-                 "--seed", "0"]) == 0
-    sft = root / "sft"
-    assert main(["train", "sft", "--pretrain", str(prep / "base"), "--dataset", f"json@{prep / 'data' / 'sft'}",
-                 "--input_key", "messages", "--multiturn", "--apply_chat_template", "--max_len", "64",
-                 "--packing_samples", "--param_dtype", "fp32", "--lr_warmup_ratio", "0.05", "--seed", "0",
-                 "--use_mlflow", "false", "--learning_rate", "1e-3", "--max_epochs", "50", "--train_batch_size", "32",
-                 "--micro_train_batch_size", "32", "--max_steps", "600", "--save_path", str(sft)]) == 0
-    return {"sft": str(sft), "prompts": f"json@{prep / 'data' / 'prompts'}"}
-
-
-def rl(multiply_sft, out, agent: str, steps: int, capsys, *extra: str) -> dict:
+def rl(agent_setting, out, agent: str, steps: int, capsys, *extra: str) -> dict:
     capsys.readouterr()
-    prompts = multiply_sft["prompts"]
-    assert main(["train", "ppo", "--actor.model_name_or_path", multiply_sft["sft"], "--data.prompt_dataset", prompts,
+    prompts = agent_setting["prompts"]
+    assert main(["train", "ppo", "--actor.model_name_or_path", agent_setting["sft"], "--data.prompt_dataset", prompts,
                  "--data.apply_chat_template", "--eval.dataset", prompts, "--eval.temperature", "1.0",
                  "--eval.n_samples_per_prompt", "2", "--eval.task", "multiply", "--agent_func_path", agent,
                  "--ckpt.output_dir", str(out), "--ds.param_dtype", "fp32", "--use_mlflow", "false",
@@ -54,24 +38,24 @@ def rl(multiply_sft, out, agent: str, steps: int, capsys, *extra: str) -> dict:
     return metrics
 
 
-def test_rl_with_the_calculator_tool_raises_success_and_the_policy_learns_to_call_it(multiply_sft, tmp_path, capsys):
-    metrics = rl(multiply_sft, tmp_path / "rl", "calculator", 30, capsys)
+def test_rl_with_the_calculator_tool_raises_success_and_the_policy_learns_to_call_it(agent_setting, tmp_path, capsys):
+    metrics = rl(agent_setting, tmp_path / "rl", "calculator", 30, capsys)
     assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
     assert metrics["eval_initial/sampled_agent/used_tool"] < 0.5 < 0.9 < metrics["eval/sampled_agent/used_tool"]
     assert metrics["rollout/agent_failed_frac"] == 0.0 and metrics["rollout/agent_turns"] > 1.5
 
 
-def test_rollouts_driven_through_the_openai_endpoint_train_the_same_way(multiply_sft, tmp_path, capsys):
+def test_rollouts_driven_through_the_openai_endpoint_train_the_same_way(agent_setting, tmp_path, capsys):
     """The same episodes, written as an agent that chats with the policy over HTTP
     (`calculator-http`, an `OpenAIAgentExecutor`): the endpoint's sessions train it."""
-    metrics = rl(multiply_sft, tmp_path / "rl_http", "calculator-http", 15, capsys)
+    metrics = rl(agent_setting, tmp_path / "rl_http", "calculator-http", 15, capsys)
     assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
     assert metrics["eval/sampled_agent/used_tool"] > 0.8 and metrics["rollout/agent_failed_frac"] < 0.1
 
 
-def test_agent_episodes_on_a_vllm_engine_train_too(multiply_sft, tmp_path, capsys):
+def test_agent_episodes_on_a_vllm_engine_train_too(agent_setting, tmp_path, capsys):
     """The environment loop over vLLM (its CPU build, in a Ray actor): each episode is a request
     of its own, a batch's turns more prompt tokens than one scheduler step takes."""
-    metrics = rl(multiply_sft, tmp_path / "rl_vllm", "calculator", 15, capsys, "--vllm.num_engines", "1")
+    metrics = rl(agent_setting, tmp_path / "rl_vllm", "calculator", 15, capsys, "--vllm.num_engines", "1")
     assert metrics["eval/sampled_accuracy"] >= metrics["eval_initial/sampled_accuracy"] + 0.15
     assert metrics["eval/sampled_agent/used_tool"] > 0.8 and metrics["rollout/agent_failed_frac"] < 0.1
