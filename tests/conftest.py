@@ -127,34 +127,23 @@ def _drop_stale_build_locks(extensions_dir: str, older_than_s: float = 900) -> N
             shutil.rmtree(lock.parent, ignore_errors=True)
 
 
-def _setting(request, name: str) -> dict:
-    """A setting of tests/settings.py: started when collection ended where a collected test needs
-    it, else now (and stopped at the end all the same)."""
-    from tests.settings import with_needs
+def _setting_fixture(name: str):
+    """The session fixture of a setting of tests/settings.py (tests/<name>.py says what it holds):
+    started when collection ended where a collected test needs it, else when first asked for (and
+    stopped at the end all the same)."""
 
-    pending = request.config.stash.get(SETTINGS, {}).get(name) or _start_settings(request.config, with_needs([name]))
-    return pending.result(name)
+    @pytest.fixture(scope="session", name=name)
+    def setting(request) -> dict:
+        from tests.settings import with_needs
 
+        stash = request.config.stash.get(SETTINGS, {})
+        pending = stash.get(name) or _start_settings(request.config, with_needs([name]))
+        return pending.result(name)
 
-@pytest.fixture(scope="session")
-def rl_setting(request):
-    """Where RL has room (tests/rl_setting.py), shared by every RL test."""
-    return _setting(request, "rl_setting")
-
-
-@pytest.fixture(scope="session")
-def kd_setting(request):
-    """A distillation teacher trained from the RL setting's base, and its accuracy (tests/kd_setting.py)."""
-    return _setting(request, "kd_setting")
+    return setting
 
 
-@pytest.fixture(scope="session")
-def agent_setting(request):
-    """The tool task's SFT policy (tests/agent_setting.py)."""
-    return _setting(request, "agent_setting")
-
-
-@pytest.fixture(scope="session")
-def prm_setting(request):
-    """The column-addition task's SFT policy and process reward model (tests/prm_setting.py)."""
-    return _setting(request, "prm_setting")
+# Where RL has room (every RL test); a distillation teacher from its base; the column-addition
+# task's SFT policy and process reward model; the tool task's SFT policy.
+rl_setting, kd_setting, prm_setting, agent_setting = (
+    _setting_fixture(name) for name in ("rl_setting", "kd_setting", "prm_setting", "agent_setting"))

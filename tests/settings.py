@@ -53,19 +53,17 @@ class PendingSettings(BackgroundProcess):
                          env=env)
 
     def result(self, name: str, timeout_s: float = 1800) -> dict:
-        """The setting's paths once it is built; a failed or stopped build fails with its log."""
+        """The setting's paths once it is built; a failed build fails with its log."""
         assert name in self.names, f"{name} is not among the settings this process builds: {self.names}"
         done, deadline = self.root / name / "setting.json", time.monotonic() + timeout_s
-        while not done.exists():
-            if self.proc.poll() is not None:
-                if done.exists():
-                    break
-                self.wait(0)  # fails with the log's end when the exit was not 0
-                raise AssertionError(f"the settings' build ended without {done}:\n{self.log.read_text()[-4000:]}")
+        while not done.exists() and self.proc.poll() is None:
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"{name} not built within {timeout_s:.0f} s; see {self.log}")
             time.sleep(1.0)
+        if not done.exists():  # the build ended without it: fails with the log's end
+            self.wait(0)
+            raise AssertionError(f"the settings' build ended without {done}:\n{self.log.read_text()[-4000:]}")
         return json.loads(done.read_text())
 
     def stop(self) -> None:

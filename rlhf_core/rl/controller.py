@@ -160,7 +160,7 @@ class RLController:
 
             raise ConfigError(f"--eval.stop_on_hacking: this run of {rollout_steps} steps evaluates only before and "
                               "after training (a tenth of the run is under one step): give --eval.steps N")
-        for field_ in ("agent_max_turns", "agent_timeout_s"):
+        for field_ in ("agent_max_turns", "agent_timeout_s", "agent_tool_call_parser"):
             if field_ in cfg.train.model_fields_set and not cfg.train.agent_func_path:
                 not_applied(f"train.{field_}", getattr(cfg.train, field_), "--train.agent_func_path (--agent_func_path)",
                             "every rollout is one response a prompt")

@@ -165,10 +165,12 @@ class PolicyServer:
             raise ValueError("the policy server needs a token")
         if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser {tool_call_parser!r}: one of auto, {', '.join(PARSERS)}")
-        detected = detect(getattr(tokenizer, "chat_template", None)) if tool_call_parser == "auto" else None
-        self.tool_call_format = detected or ("hermes" if tool_call_parser == "auto" else tool_call_parser)
-        self.tool_call_why = ("" if tool_call_parser != "auto" else ", which the chat template teaches" if detected
-                              else "; the chat template shows none of the known ones")
+        self.tool_call_format, self.tool_call_why = tool_call_parser, ""
+        if tool_call_parser == "auto":
+            detected = detect(getattr(tokenizer, "chat_template", None))
+            self.tool_call_format = detected or "hermes"
+            self.tool_call_why = (", which the chat template teaches" if detected
+                                  else "; the chat template shows none of the known ones")
         self.parse_tool_calls = PARSERS[self.tool_call_format]
         self.tokenizer, self.model_name, self.max_length = tokenizer, model_name, max_length
         self.batcher = MicroBatcher()

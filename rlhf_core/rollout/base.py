@@ -4,9 +4,10 @@
 sampled (through EOS, if generated) and the engine's log-prob of each under the distribution it
 was drawn from, which RL compares with the trainer's own. `max_new_tokens` is one budget for every
 prompt or one per prompt (an agent's episodes each have their own room left; each stops at its
-own). `generate` is its text view (`rlhf eval`, `rlhf pairs`). Temperature 0 is greedy; otherwise the model's distribution at that temperature,
-filtered by `top_k` / `top_p` where they are set (`algos/nucleus.py`: vLLM's rule, in both
-engines) and renormalised; off by default, so samples are draws from the policy itself. A policy's engine also takes
+own). `generate` is its text view (`rlhf eval`, `rlhf pairs`). Temperature 0 is greedy;
+otherwise the model's distribution at that temperature, filtered by `top_k` / `top_p` where they
+are set (`algos/nucleus.py`: vLLM's rule, in both engines) and renormalised; off by default, so
+samples are draws from the policy itself. A policy's engine also takes
 new weights (`update_weights`) and frees its memory while the trainer runs (`sleep` / `wake_up`).
 """
 

@@ -446,3 +446,18 @@ def test_the_sandbox_worker_is_replaced_after_its_share_of_calls(monkeypatch):
         assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4] and sandbox.restarts == 0
     finally:
         sandbox.close()
+
+
+def test_a_tool_call_parser_without_an_agent_is_said_not_applied(prepared, tmp_path, capsys, one_torch_thread):
+    """It is the policy endpoint's, which only an agent file's OpenAIAgentExecutor starts."""
+    from rlhf_core.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kw):\n"
+                      "    return torch.zeros(len(queries))\n")
+    assert main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--remote_rm_url", str(reward), "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
+                 "--train_batch_size", "4", "--generate_max_len", "4", "--max_steps", "1", "--use_mlflow", "false",
+                 "--train.agent_tool_call_parser", "mistral", "--save_path", str(tmp_path / "out")]) == 0
+    assert ("not applied here: --train.agent_tool_call_parser mistral needs --train.agent_func_path"
+            in capsys.readouterr().err)
