@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.config import AdamConfig, DSConfig, MuonConfig, Schedule, TrainConfig
-from rlhf_core.infra.network import free_port
+from rlhf_core.infra.network import rendezvous_port
 from rlhf_core.infra.not_applied import not_applied
 from rlhf_core.infra.precision import Precision, resolve_here
 from rlhf_core.infra.settings import ConfigError
@@ -71,7 +71,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
         return
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank if local_rank is None else local_rank),
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or free_port()))
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or rendezvous_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

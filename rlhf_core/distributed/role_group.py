@@ -81,9 +81,9 @@ class RankActor:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         env = dict(_role_setup["env"])
         if "MASTER_ADDR" not in env:  # a role of one rank: the rendezvous is on its node
-            from rlhf_core.infra.network import free_port
+            from rlhf_core.infra.network import rendezvous_port
 
-            env.update(MASTER_ADDR=ray.util.get_node_ip_address(), MASTER_PORT=str(free_port()))
+            env.update(MASTER_ADDR=ray.util.get_node_ip_address(), MASTER_PORT=str(rendezvous_port()))
         os.environ.update(env)
         import torch
 
@@ -137,9 +137,9 @@ class RankActor:
 @ray.remote(num_cpus=0)
 def _rendezvous() -> tuple[str, int]:
     """This node's address and a free port on it: where a role of several ranks rendezvouses."""
-    from rlhf_core.infra.network import free_port
+    from rlhf_core.infra.network import rendezvous_port
 
-    return ray.util.get_node_ip_address(), free_port()
+    return ray.util.get_node_ip_address(), rendezvous_port()
 
 
 _ACTOR_CLASSES: dict[type, Any] = {}

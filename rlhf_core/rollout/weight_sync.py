@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -180,16 +179,17 @@ def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch
 # -- the process group ----------------------------------------------------------------------------
 
 def node_address() -> tuple[str, int]:
-    """This node's address (as Ray sees it when running under Ray) and a free port on it."""
+    """This node's address (as Ray sees it when running under Ray) and a free port on it, outside the
+    range the kernel gives outgoing connections (`infra.network.rendezvous_port`)."""
+    from rlhf_core.infra.network import rendezvous_port
+
     try:
         import ray
 
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     except Exception:  # not in a Ray worker
         host = "127.0.0.1"
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return host, s.getsockname()[1]
+    return host, rendezvous_port()
 
 
 class SyncGroup:
