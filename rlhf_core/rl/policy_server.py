@@ -19,8 +19,9 @@ completion (trained) and what the conversation added between two calls (not trai
   returned.
 - Tool calling: a chat request's `tools` go to the chat template (which must render them), and
   calls the policy writes come back as `tool_calls`, read in the format of `tool_call_parser`
-  (`rl/tool_calls.py`: hermes, llama3_json, mistral, pythonic; auto: the one the chat template
-  teaches, hermes where it shows none)
+  (`rl/tool_calls.py`: hermes, llama3_json, mistral, pythonic, qwen3_coder, deepseek_v3,
+  deepseek_v31, kimi_k2, granite; auto: the one the chat template teaches, hermes where it shows
+  none; qwen3_coder's string values typed by the request's tool schemas)
   (`finish_reason` "tool_calls"); `tool_choice` may be auto or none (sampling is not constrained,
   so a required or named call cannot be enforced). When such an assistant message comes back in a
   later request, it is rendered as the completion's text as sampled, so the session still extends.
@@ -54,7 +55,7 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
-from rlhf_core.rl.tool_calls import PARSERS, detect
+from rlhf_core.rl.tool_calls import PARSERS, detect, typed_arguments
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,15 @@ class PolicyServer:
         kwargs = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
 
+    def sampled_text(self, call: Call) -> str:
+        """A completion's text with its special tokens (DeepSeek's, Kimi's, Mistral's and Granite
+        3.0's call markers are special tokens, which the returned text skips), but without the
+        end-of-turn token it ended with (the chat template writes its own after the message)."""
+        ids = call.completion_ids
+        if call.finished and ids and not self.tokenizer.decode(ids[-1:], skip_special_tokens=True):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def issue_tool_calls(self, calls: list[tuple[str, str]], text: str) -> list[dict]:
         """OpenAI `tool_calls` for parsed calls, remembered with the completion's text."""
         out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -323,6 +333,7 @@ class Request:
     include_usage: bool
     tool_choice: str | None  # None: no tools; "auto": calls are parsed; "none": tools shown, calls not parsed
     logprobs: bool
+    tools: list[dict] | None = None
 
 
 def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str, chat: bool) -> tuple[dict, str]:
@@ -332,9 +343,12 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
         return {"text": text}, finish
     message: dict = {"role": "assistant", "content": text}
     if request.tool_choice == "auto":
-        content, calls = server.parse_tool_calls(text)
+        sampled = server.sampled_text(call)  # the markers of several formats are special tokens
+        content, calls = server.parse_tool_calls(sampled)
+        if server.tool_call_format == "qwen3_coder":  # its values are text: typed as the tools declare them
+            calls = [(name, typed_arguments(name, arguments, request.tools)) for name, arguments in calls]
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, text)}
+            message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, sampled)}
             finish = "tool_calls"
     return message, finish
 
@@ -432,7 +446,8 @@ def _handler(server: PolicyServer, token: bytes):
         text = chat_text(body) if chat else completion_text(body)
         return Request(text, body.get("session_id"), max_tokens, stop, n, bool(body.get("stream")),
                        bool(isinstance(options, dict) and options.get("include_usage")),
-                       (tool_choice or "auto") if chat and body.get("tools") else None, bool(body.get("logprobs")))
+                       (tool_choice or "auto") if chat and body.get("tools") else None, bool(body.get("logprobs")),
+                       body.get("tools") or None)
 
     routes = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
 

@@ -16,6 +16,19 @@ whole text is content.
   keyword arguments of literal values, `[get_weather(city="Paris"), add(a=1, b=2)]`, optionally
   between `<|python_start|>` and `<|python_end|>`; with calls, no content.
 
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5): XML calls, `<tool_call><function=NAME><parameter=KEY>
+  VALUE</parameter>...</function></tool_call>`; each value is a string unless the request's tools
+  declare the parameter otherwise (`typed_arguments`); the text before the first call is the content.
+- `deepseek_v3` (DeepSeek-V3, R1): between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`, each
+  call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, a newline and its arguments in a ```json
+  fence, then `<｜tool▁call▁end｜>`; `deepseek_v31` (V3.1 and later): `<｜tool▁call▁begin｜>NAME
+  <｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`; the text before the calls is the content.
+- `kimi_k2`: between `<|tool_calls_section_begin|>` and `<|tool_calls_section_end|>`, each call
+  `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>`
+  (the name is the header's last dotted part before `:INDEX`); the text before is the content.
+- `granite` (Granite 3.0/3.1): `<|tool_call|>` (3.0) or `<tool_call>` (3.1) then a JSON list of
+  call objects; the text before the marker is the content.
+
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
 """
@@ -151,13 +164,172 @@ def parse_pythonic(text: str) -> Calls:
     return None, calls
 
 
-PARSERS: dict[str, Callable[[str], Calls]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json,
-                                               "mistral": parse_mistral, "pythonic": parse_pythonic}
-# The marker each format's chat templates write, in the order they are looked for.
-_MARKERS = (("hermes", START), ("mistral", MISTRAL_CALLS), ("pythonic", "<|python_start|>"),
-            ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _one_newline_off(value: str) -> str:
+    """A value without the one newline the template writes on each side of it."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def parse_qwen3_coder(text: str) -> Calls:
+    if START not in text:
+        return text, []
+    calls = []
+    for block in _BLOCK.findall(text):
+        functions = _FUNCTION.findall(block)
+        if len(functions) != 1 or _FUNCTION.sub("", block).strip():
+            return text, []  # a call is exactly one <function=...>...</function>
+        name, body = functions[0]
+        if _PARAMETER.sub("", body).strip():
+            return text, []  # something other than parameters inside the function
+        arguments = {key.strip(): _one_newline_off(value) for key, value in _PARAMETER.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    content = text[: text.index(START)].strip()
+    return content or None, calls
+
+
+def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
+    """`qwen3_coder`'s string values as the request's tool schema types them (a number, a boolean,
+    an object or array as JSON); a value that does not read as its type stays a string."""
+    schema = next((t.get("function", {}).get("parameters") for t in tools or ()
+                   if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                   and t["function"].get("name") == name), None)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(properties, dict):
+        return arguments
+    values = json.loads(arguments)
+    for key, value in values.items():
+        kind = (properties.get(key) or {}).get("type") if isinstance(properties.get(key), dict) else None
+        kinds = set(kind) if isinstance(kind, list) else {kind}
+        if not isinstance(value, str) or "string" in kinds or not kinds & {"integer", "number", "boolean",
+                                                                            "object", "array", "null"}:
+            continue
+        try:
+            typed = json.loads(value)
+        except ValueError:
+            continue
+        if (("integer" in kinds and isinstance(typed, int) and not isinstance(typed, bool))
+                or ("number" in kinds and isinstance(typed, int | float) and not isinstance(typed, bool))
+                or ("boolean" in kinds and isinstance(typed, bool)) or ("object" in kinds and isinstance(typed, dict))
+                or ("array" in kinds and isinstance(typed, list)) or ("null" in kinds and typed is None)):
+            values[key] = typed
+    return json.dumps(values, ensure_ascii=False)
+
+
+DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+def _sections(text: str, begin: str, end: str, call: str, call_end: str) -> tuple[str | None, list[str]] | None:
+    """(the content before `begin`, each call's body between `call` and `call_end`), or None when
+    the section holds anything else (or no call at all)."""
+    content = text[: text.index(begin)].strip() or None
+    section = text[text.index(begin) + len(begin):]
+    section = section[: section.index(end)] if end in section else section
+    bodies, rest = [], section.strip()
+    while rest:
+        if not rest.startswith(call) or call_end not in rest:
+            return None
+        body, rest = rest[len(call):].split(call_end, 1)
+        bodies.append(body)
+        rest = rest.strip()
+    return (content, bodies) if bodies else None
+
+
+def _json_arguments(raw: str) -> str:
+    arguments = json.loads(raw)  # ValueError when it is not JSON
+    if not isinstance(arguments, dict):
+        raise _NotACall(raw)
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_deepseek_v3(text: str) -> Calls:
+    if DEEPSEEK_CALLS not in text or (found := _sections(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL,
+                                                         DEEPSEEK_CALL_END)) is None:
+        return text, []
+    content, calls = found[0], []
+    try:
+        for body in found[1]:
+            match = re.fullmatch(r"(\w+)" + re.escape(DEEPSEEK_SEP) + r"([^\n]+)\n```json\n(.*)\n```", body, re.DOTALL)
+            if match is None:
+                raise _NotACall(body)
+            calls.append((match[2].strip(), _json_arguments(match[3])))
+    except ValueError:
+        return text, []
+    return content, calls
+
+
+def parse_deepseek_v31(text: str) -> Calls:
+    if DEEPSEEK_CALLS not in text or (found := _sections(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL,
+                                                         DEEPSEEK_CALL_END)) is None:
+        return text, []
+    content, calls = found[0], []
+    try:
+        for body in found[1]:
+            name, sep, arguments = body.partition(DEEPSEEK_SEP)
+            if not sep or not name.strip():
+                raise _NotACall(body)
+            calls.append((name.strip(), _json_arguments(arguments)))
+    except ValueError:
+        return text, []
+    return content, calls
+
+
+KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def parse_kimi_k2(text: str) -> Calls:
+    if KIMI_CALLS not in text or (found := _sections(text, KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL,
+                                                     KIMI_CALL_END)) is None:
+        return text, []
+    content, calls = found[0], []
+    try:
+        for body in found[1]:
+            header, sep, arguments = body.partition(KIMI_ARGS)
+            match = re.fullmatch(r"(?:[\w\-]+\.)*([\w\-]+):\d+", header.strip())
+            if not sep or match is None:
+                raise _NotACall(body)
+            calls.append((match[1], _json_arguments(arguments)))
+    except ValueError:
+        return text, []
+    return content, calls
+
+
+GRANITE_MARKERS = ("<|tool_call|>", START)
+
+
+def parse_granite(text: str) -> Calls:
+    marker = next((m for m in GRANITE_MARKERS if m in text), None)
+    if marker is None:
+        return text, []
+    try:
+        listed, _ = _DECODER.raw_decode(text[text.index(marker) + len(marker):].lstrip())
+        if not isinstance(listed, list) or not listed:
+            raise _NotACall(listed)
+        calls = [_named_call(obj) for obj in listed]
+    except ValueError:
+        return text, []
+    return text[: text.index(marker)].strip() or None, calls
+
+
+PARSERS: dict[str, Callable[[str], Calls]] = {
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
+    "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
+    "kimi_k2": parse_kimi_k2, "granite": parse_granite}
+# The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
+# templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
+_MARKERS = (("qwen3_coder", "<parameter="), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS),
+            ("kimi_k2", KIMI_CALLS), ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS),
+            ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
 
 
 def detect(chat_template: str | None) -> str | None:
     """The format a chat template teaches (the first of its markers it writes), or None."""
-    return next((name for name, marker in _MARKERS if chat_template and marker in chat_template), None)
+    found = next((name for name, marker in _MARKERS if chat_template and marker in chat_template), None)
+    if found == "deepseek_v31" and "```json" in chat_template:
+        return "deepseek_v3"
+    return found

@@ -226,6 +226,48 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_the_session_extends_throu
     assert code == 400 and "does not extend" in answer["error"]["message"]
 
 
+class KimiTokenizer(ToolTokenizer):
+    """Kimi K2's call markers as special tokens (one id each, dropped from the text returned, as a
+    real tokenizer's decode skips them), and its chat template's marker."""
+
+    chat_template = "... tools ... <|tool_calls_section_begin|>"
+    SPECIAL = {0xE000 + k: marker for k, marker in enumerate(
+        ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+         "<|tool_calls_section_end|>"))}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if skip_special_tokens and (i in self.SPECIAL or i == EOT) else self.SPECIAL.get(i, chr(i))
+                       for i in ids)
+
+
+def test_calls_whose_markers_are_special_tokens_are_read_and_the_session_extends():
+    """vLLM reads such calls with special tokens kept (the text returned skips them, so a parser
+    of that text never sees a call), and the call sent back must render as sampled."""
+    mark = {marker: [i] for i, marker in KimiTokenizer.SPECIAL.items()}
+    sampled = ([*map(ord, "ok")] + mark["<|tool_calls_section_begin|>"] + mark["<|tool_call_begin|>"]
+               + [*map(ord, "functions.add:0")] + mark["<|tool_call_argument_begin|>"] + [*map(ord, '{"a": 1}')]
+               + mark["<|tool_call_end|>"] + mark["<|tool_calls_section_end|>"] + [EOT])
+    server = PolicyServer(KimiTokenizer(), "policy", max_length=400, token="secret")
+    server.batcher.generate = lambda sequences, budgets: [
+        within_budget(tuple(sampled) if len(sequences[0]) < 60 else (ord("3"), EOT), [-0.5] * len(sampled), m)
+        for m in budgets]
+    try:
+        assert server.tool_call_format == "kimi_k2"
+        messages = [{"role": "user", "content": "1+2?"}]
+        code, answer = post(server, "/chat/completions", {"messages": messages, "tools": [ADD], "session_id": "k"})
+        assert code == 200, answer
+        message = answer["choices"][0]["message"]
+        assert message["content"] == "ok" and answer["choices"][0]["finish_reason"] == "tool_calls"
+        assert [c["function"] for c in message["tool_calls"]] == [{"name": "add", "arguments": '{"a": 1}'}]
+        messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "1"}]
+        code, answer = post(server, "/chat/completions", {"messages": messages, "tools": [ADD], "session_id": "k"})
+        assert code == 200, answer  # the call came back rendered with its markers: the session extends
+        sample = trace_sample(server.take("k"), prompt_index=0)
+        assert sample.response_ids[: len(sampled)] == sampled and sum(sample.action_mask) == len(sampled) + 2
+    finally:
+        server.close()
+
+
 def test_tool_choice_none_leaves_calls_in_the_text_and_a_forced_choice_is_refused(tool_server):
     body = {"messages": [{"role": "user", "content": "1+2?"}], "tools": [ADD]}
     code, answer = post(tool_server, "/chat/completions", {**body, "tool_choice": "none"})
@@ -286,8 +328,19 @@ class MistralTokenizer(ToolTokenizer):
     chat_template = "{{ '[AVAILABLE_TOOLS]' + tools|tojson }} {{ '[TOOL_CALLS]' }}"
 
 
+class Qwen3CoderTokenizer(ToolTokenizer):
+    chat_template = "... tools ... <tool_call>\n<function=...>\n<parameter=...>"
+
+
+# Qwen3-Coder writes values as text; the tool's schema types them (a string "1" without it)
+TYPED_ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}}}}
+
+
 @pytest.mark.parametrize("parser, tokenizer, text, fmt", [
     ("auto", MistralTokenizer(), 'ok[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "mistral"),
+    ("auto", Qwen3CoderTokenizer(), "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n"
+     "</parameter>\n</function>\n</tool_call>", "qwen3_coder"),
     ("pythonic", ToolTokenizer(), "[add(a=1, b=2)]", "pythonic"),
     ("auto", ToolTokenizer(), CALL, "hermes")])  # a template that shows no format's marker: hermes
 def test_calls_are_read_in_the_format_the_template_teaches_or_the_one_named(parser, tokenizer, text, fmt):
@@ -297,7 +350,7 @@ def test_calls_are_read_in_the_format_the_template_teaches_or_the_one_named(pars
     try:
         assert server.tool_call_format == fmt
         code, answer = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "1+2?"}],
-                                                          "tools": [ADD]})
+                                                          "tools": [TYPED_ADD]})
         assert code == 200, answer
         (call,) = answer["choices"][0]["message"]["tool_calls"]
         assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}

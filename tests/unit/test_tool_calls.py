@@ -1,15 +1,23 @@
 """Tool calls in a completion's text (`rl/tool_calls.py`), each format read as vLLM's parser of the
 same name reads a whole completion; a template's format found by its markers."""
 
+import json
+
 import pytest
 
 from rlhf_core.rl.tool_calls import (
     PARSERS,
     detect,
+    parse_deepseek_v3,
+    parse_deepseek_v31,
+    parse_granite,
     parse_hermes,
+    parse_kimi_k2,
     parse_llama3_json,
     parse_mistral,
     parse_pythonic,
+    parse_qwen3_coder,
+    typed_arguments,
 )
 
 
@@ -65,8 +73,78 @@ def test_pythonic_calls_take_literal_keyword_arguments_only():
         assert parse_pythonic(text) == (text, []), text
 
 
+def test_qwen3_coder_xml_calls_with_text_values():
+    text = ("I'll add.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=note>\ntwo\nlines\n"
+            "</parameter>\n</function>\n</tool_call>\n<tool_call><function=noop></function></tool_call>")
+    assert parse_qwen3_coder(text) == ("I'll add.", [("add", '{"a": "1", "note": "two\\nlines"}'), ("noop", "{}")])
+    for bad in ("no calls", '<tool_call>{"name": "add", "arguments": {}}</tool_call>',  # Hermes' JSON: not this format
+                "<tool_call><function=f><parameter=a>1</parameter>stray</function></tool_call>",
+                "<tool_call><function=f></function><function=g></function></tool_call>",
+                "<tool_call><function=f><parameter=a>1</function></tool_call>"):  # parameter never closed
+        assert parse_qwen3_coder(bad) == (bad, []), bad
+
+
+def test_qwen3_coder_values_are_typed_by_the_requests_tool_schema():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "opts": {"type": "object"},
+        "xs": {"type": "array"}, "s": {"type": "string"}, "maybe": {"type": ["integer", "null"]}}}}}]
+    raw = json.dumps({"n": "3", "x": "2.5", "ok": "true", "opts": '{"k": 1}', "xs": "[1, 2]", "s": "42",
+                      "maybe": "null", "extra": "7"})
+    assert json.loads(typed_arguments("f", raw, tools)) == {"n": 3, "x": 2.5, "ok": True, "opts": {"k": 1},
+                                                            "xs": [1, 2], "s": "42", "maybe": None, "extra": "7"}
+    # a value that is not of its declared type stays the text written; no schema: all text
+    assert json.loads(typed_arguments("f", json.dumps({"n": "2.5", "ok": "yes"}), tools)) == {"n": "2.5", "ok": "yes"}
+    assert typed_arguments("g", raw, tools) == raw and typed_arguments("f", raw, None) == raw
+
+
+def test_deepseek_calls_in_the_v3_and_v31_forms():
+    fence = "\n```json\n{}\n```"
+    v3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
+          + fence.format('{"city": "Paris"}') + "<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add"
+          + fence.format('{"a": 1}') + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    assert parse_deepseek_v3(v3) == ("Let me check.", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')])
+    v31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
+           "<｜tool▁call▁begin｜>neg<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    assert parse_deepseek_v31(v31) == (None, [("add", '{"a": 1}'), ("neg", "{}")])
+    assert parse_deepseek_v3(v31) == (v31, []) and parse_deepseek_v31(v3) == (v3, [])  # each reads its own form
+    for bad in ("no calls", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁begin｜>stray<｜tool▁calls▁end｜>",
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": <｜tool▁call▁end｜>",
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{}"):  # never closed
+        assert parse_deepseek_v31(bad) == (bad, []), bad
+
+
+def test_kimi_k2_calls_are_named_by_their_headers():
+    text = ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Tokyo"}<|tool_call_end|>'
+            "<|tool_call_begin|>add:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+    assert parse_kimi_k2(text) == ("Checking.", [("get_weather", '{"city": "Tokyo"}'), ("add", "{}")])
+    for bad in ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}"
+                "<|tool_call_end|>",  # no index
+                "<|tool_calls_section_begin|><|tool_call_begin|>f:0{}<|tool_call_end|>",  # no argument marker
+                "<|tool_calls_section_begin|><|tool_call_begin|>f:0<|tool_call_argument_begin|>oops<|tool_call_end|>"):
+        assert parse_kimi_k2(bad) == (bad, []), bad
+
+
+def test_granite_calls_after_either_marker():
+    assert parse_granite('<|tool_call|>[{"name": "add", "arguments": {"a": 1}}]') == (None, [("add", '{"a": 1}')])
+    text = 'Sure. <tool_call> [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1]}}]'
+    assert parse_granite(text) == ("Sure.", [("a", "{}"), ("b", '{"x": [1]}')])
+    for bad in ("no calls", "<|tool_call|>[]", '<|tool_call|>{"name": "a", "arguments": {}}',
+                '<|tool_call|>[{"arguments": {}}]', '<|tool_call|>[{"name": "a"'):
+        assert parse_granite(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
     ("{% for tool in tools %}<tools>{{ tool }}</tools>{% endfor %} <tool_call>", "hermes"),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n", "qwen3_coder"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name']"
+     " + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}",
+     "deepseek_v3"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>'"
+     " + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v31"),
+    ("{{ '<|tool_calls_section_begin|>' }}", "kimi_k2"),
+    ("{{ '<|tool_call|>' + tool_calls | tojson }}", "granite"),
     ("{{ '[AVAILABLE_TOOLS]' }} ... {{ '[TOOL_CALLS]' }}", "mistral"),
     ("<|python_start|>{{ call }}<|python_end|>", "pythonic"),
     ("respond in the format [func_name1(params_name1=params_value1)]", "pythonic"),
@@ -97,3 +175,12 @@ def test_the_parser_is_the_endpoints_and_said_not_applied_to_an_environment(prep
             assert f"tool calls read in the {fmt} format{why})" in capsys.readouterr().err
         finally:
             served.server.close()
+
+
+def test_the_flag_offers_every_parser():
+    from typing import get_args
+
+    from rlhf_core.rl_config import TrainSection
+
+    choices = get_args(TrainSection.model_fields["agent_tool_call_parser"].annotation)
+    assert set(choices) == {"auto", *PARSERS}
