@@ -27,10 +27,12 @@ def aggregate(step_scores: list[float], how: str = "min") -> float:
 
 class ProcessRewardModel:
     def __init__(self, tokenizer, model, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
-                 max_len: int | None = None, forward_context=contextlib.nullcontext):
+                 max_len: int | None = None, forward_context=contextlib.nullcontext, max_tokens: int | None = None):
         """A loaded PRM (`load` loads one). `reward_tokens`: two or more (the config checks it), the
         first meaning a right step. `max_len`: longer texts keep their first tokens, and the steps
-        whose placeholder is among them. `forward_context`: entered around each forward (autocast)."""
+        whose placeholder is among them. `forward_context`: entered around each forward (autocast).
+        `max_tokens`: each forward takes consecutive texts whose padded batch (rows x the longest)
+        stays within that many tokens (a longer text alone) instead of `batch_size` texts."""
         from rlhf_core.data.examples import single_token_id
 
         self.tokenizer, self.model = tokenizer, model
@@ -38,6 +40,7 @@ class ProcessRewardModel:
         self.placeholder = single_token_id(tokenizer, placeholder_token, "--placeholder_token")
         self.reward_ids = [single_token_id(tokenizer, t, "--reward_tokens") for t in reward_tokens]
         self.batch_size, self.max_len, self.forward_context = batch_size, max_len, forward_context
+        self.max_tokens = max_tokens
 
     @classmethod
     def load(cls, path: str, placeholder_token: str, reward_tokens: list[str], batch_size: int = 32,
@@ -64,8 +67,7 @@ class ProcessRewardModel:
                 for t in self.texts(prompts, responses)]
         device = next(self.model.parameters()).device
         out: list[list[float]] = []
-        for i in range(0, len(seqs), self.batch_size):
-            chunk = seqs[i : i + self.batch_size]
+        for chunk in self.chunks(seqs):
             marks = [[int(t == self.placeholder) for t in s] for s in chunk]
             batch = pad_batch(chunk, marks, self.tokenizer.pad_token_id).to(device)
             index, mask = response_index(batch)  # each response's placeholders, in order
@@ -75,6 +77,22 @@ class ProcessRewardModel:
             for n in (sum(m) for m in marks):
                 out.append(right[:n])
                 right = right[n:]
+        return out
+
+
+    def chunks(self, seqs: list[list[int]]) -> list[list[list[int]]]:
+        """The forwards' batches, in order: `batch_size` texts, or by `max_tokens` padded tokens."""
+        if self.max_tokens is None:
+            return [seqs[i : i + self.batch_size] for i in range(0, len(seqs), self.batch_size)]
+        out: list[list[list[int]]] = []
+        longest = 0
+        for seq in seqs:
+            if out and (len(out[-1]) + 1) * max(longest, len(seq)) <= self.max_tokens:
+                out[-1].append(seq)
+                longest = max(longest, len(seq))
+            else:
+                out.append([seq])
+                longest = len(seq)
         return out
 
 

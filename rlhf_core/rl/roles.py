@@ -179,11 +179,10 @@ class _Role:
         """The experience passes' chunks (no gradients): `--rollout.micro_batch_size` samples where it
         is given (and `--train.dynamic_batch_enable` is not), otherwise consecutive runs within
         `--rollout.max_tokens_per_gpu` tokens."""
-        cfg = self.cfg
-        if cfg.train.dynamic_batch_enable or cfg.rollout.micro_batch_size is None:
-            budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+        budget = experience_budget(self.cfg)
+        if budget is not None:
             return [[samples[i] for i in run] for run in budget_chunks([s.sequence_len for s in samples], budget)]
-        size = cfg.rollout.micro_batch_size
+        size = self.cfg.rollout.micro_batch_size
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
     def _micro_batches(self, samples: list[RolloutSample]) -> list[list[list[RolloutSample]]]:
@@ -647,8 +646,9 @@ class RewardModelRole(_Role):
         self.models = [model]
         self.prm = ProcessRewardModel(load_tokenizer(path, use_fast=not cfg.data.disable_fast_tokenizer),
                                       getattr(model, "module", model), cfg.reward.placeholder_token,
-                                      cfg.reward.reward_tokens, batch_size=self.cfg.rollout.micro_batch_size or 32,
-                                      forward_context=lambda: autocast(self.precision))
+                                      cfg.reward.reward_tokens, batch_size=cfg.rollout.micro_batch_size or 32,
+                                      forward_context=lambda: autocast(self.precision),
+                                      max_tokens=experience_budget(cfg))  # as the other roles' passes
 
     def _forward_model(self) -> tuple:
         return self.models[0], self.prm is None  # a PRM is a causal LM read at its placeholders
@@ -676,6 +676,14 @@ class RewardModelRole(_Role):
                 scores = (scores - mean) / std
             total += scores
         return total.tolist()
+
+
+def experience_budget(cfg) -> int | None:
+    """Tokens per chunk of the experience passes (no gradients), or None where they go by
+    `--rollout.micro_batch_size` samples (given, and `--train.dynamic_batch_enable` off)."""
+    if cfg.train.dynamic_batch_enable or cfg.rollout.micro_batch_size is None:
+        return cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+    return None
 
 
 # The classes a role's group hosts, by role (`trainers/ppo.py` builds them in process or on Ray).

@@ -167,6 +167,28 @@ def test_the_scorer_reads_each_placeholder_as_a_whole_forward_does(steps_prep):
         pytest.approx([0.2, 0.09, 0.9, 1.6 / 3])
 
 
+def test_the_scorer_batches_by_a_token_budget_as_the_rl_roles_do(steps_prep):
+    """`max_tokens`: each forward a padded batch (rows x the longest) within the budget, a longer
+    text alone; the scores are those of batches by count."""
+    from rlhf_core.rewards.process import ProcessRewardModel
+
+    by_rows = ProcessRewardModel.load(steps_prep["base"], steps.PLACEHOLDER, ["+", "-"], batch_size=8,
+                                      device=torch.device("cpu"), dtype=torch.float32)
+    prompts = ["add 482+397=", "add 5+7=", "add 1+1=", "add 95+7=", "add 12345+67890="]
+    responses = ["2+7+0=9\n8+9+0=17\n4+3+1=8\n=879", "5+7+0=12\n=12", "1+1+0=2\n=2", "5+7+0=12\n9+0+1=10\n=102",
+                 "5+0+0=5\n4+9+0=13\n3+8+1=12\n2+7+1=10\n1+6+1=8\n=80235"]
+    seqs = [by_rows.tokenizer(t, add_special_tokens=False)["input_ids"] for t in by_rows.texts(prompts, responses)]
+    budget = 2 * max(map(len, seqs[:2]))
+    by_tokens = ProcessRewardModel(by_rows.tokenizer, by_rows.model, steps.PLACEHOLDER, ["+", "-"], batch_size=8,
+                                   max_tokens=budget)
+    chunks = by_tokens.chunks(seqs)
+    assert [s for c in chunks for s in c] == seqs and len(chunks) > 1
+    assert all(len(c) * max(map(len, c)) <= budget or len(c) == 1 for c in chunks)
+    assert by_rows.chunks(seqs) == [seqs]
+    for got, want in zip(by_tokens.step_scores(prompts, responses), by_rows.step_scores(prompts, responses), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
 def test_each_step_ends_at_the_token_that_completes_it(steps_prep):
     """Step rewards in RL sit where a step is written out: the token that writes its closing newline,
     and the response's last token (EOS included) for the last step; blank lines are no steps."""
