@@ -117,6 +117,8 @@ def broadcast_into(engine, model, bucket_bytes: int = 100_000) -> tuple[int, int
 
 
 def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
+    import ray
+
     from rlhf_core.models.loading import load_causal_lm
 
     model = load_causal_lm(prepared["base"]).float().eval()
@@ -128,6 +130,8 @@ def test_samples_carry_the_log_probs_the_trainer_computes(engine, prepared):
     # more prompt tokens than one scheduler step takes (an agent batch's turns): seeded, on CPU, in
     # calls that each fit one (vLLM's CPU sampler cannot split a seeded prefill over steps)
     many = [PROMPTS[k % 3] * 8 for k in range(160)]
+    budget = ray.get(engine.actors[0].__ray_call__.remote(lambda worker: worker.engine.prefill_budget))
+    assert sum(map(len, many)) > budget, "the prompts fit one scheduler step: nothing to split"
     groups = sample(engine, 1, 1.0, prompts=many)
     assert len(groups) == 160 and all(len(g) == 1 and g[0].token_ids for g in groups)
     greedy = sample(engine, 2, 0.0)
