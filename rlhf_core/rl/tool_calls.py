@@ -223,20 +223,25 @@ DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool�
 DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
-def _sections(text: str, begin: str, end: str, call: str, call_end: str) -> tuple[str | None, list[str]] | None:
-    """(the content before `begin`, each call's body between `call` and `call_end`), or None when
-    the section holds anything else (or no call at all)."""
-    content = text[: text.index(begin)].strip() or None
+def _sectioned(text: str, begin: str, end: str, call: str, call_end: str,
+               read: Callable[[str], tuple[str, str]]) -> Calls:
+    """Calls in a section from `begin` to `end` (or the text's end), each `call` BODY `call_end`
+    and read by `read(BODY)`; the text before `begin` is the content. Anything else in the section,
+    no call at all, or a body `read` refuses (ValueError): no call, the whole text content."""
+    if begin not in text:
+        return text, []
     section = text[text.index(begin) + len(begin):]
-    section = section[: section.index(end)] if end in section else section
-    bodies, rest = [], section.strip()
-    while rest:
-        if not rest.startswith(call) or call_end not in rest:
-            return None
-        body, rest = rest[len(call):].split(call_end, 1)
-        bodies.append(body)
-        rest = rest.strip()
-    return (content, bodies) if bodies else None
+    rest, calls = (section[: section.index(end)] if end in section else section).strip(), []
+    try:
+        while rest:
+            if not rest.startswith(call) or call_end not in rest:
+                raise _NotACall(rest)
+            body, rest = rest[len(call):].split(call_end, 1)
+            calls.append(read(body))
+            rest = rest.strip()
+    except ValueError:
+        return text, []
+    return (text[: text.index(begin)].strip() or None, calls) if calls else (text, [])
 
 
 def _json_arguments(raw: str) -> str:
@@ -246,57 +251,42 @@ def _json_arguments(raw: str) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
+def _deepseek_v3_call(body: str) -> tuple[str, str]:
+    match = re.fullmatch(r"(\w+)" + re.escape(DEEPSEEK_SEP) + r"([^\n]+)\n```json\n(.*)\n```", body, re.DOTALL)
+    if match is None:
+        raise _NotACall(body)
+    return match[2].strip(), _json_arguments(match[3])
+
+
+def _deepseek_v31_call(body: str) -> tuple[str, str]:
+    name, sep, arguments = body.partition(DEEPSEEK_SEP)
+    if not sep or not name.strip():
+        raise _NotACall(body)
+    return name.strip(), _json_arguments(arguments)
+
+
 def parse_deepseek_v3(text: str) -> Calls:
-    if DEEPSEEK_CALLS not in text or (found := _sections(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL,
-                                                         DEEPSEEK_CALL_END)) is None:
-        return text, []
-    content, calls = found[0], []
-    try:
-        for body in found[1]:
-            match = re.fullmatch(r"(\w+)" + re.escape(DEEPSEEK_SEP) + r"([^\n]+)\n```json\n(.*)\n```", body, re.DOTALL)
-            if match is None:
-                raise _NotACall(body)
-            calls.append((match[2].strip(), _json_arguments(match[3])))
-    except ValueError:
-        return text, []
-    return content, calls
+    return _sectioned(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL, DEEPSEEK_CALL_END, _deepseek_v3_call)
 
 
 def parse_deepseek_v31(text: str) -> Calls:
-    if DEEPSEEK_CALLS not in text or (found := _sections(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL,
-                                                         DEEPSEEK_CALL_END)) is None:
-        return text, []
-    content, calls = found[0], []
-    try:
-        for body in found[1]:
-            name, sep, arguments = body.partition(DEEPSEEK_SEP)
-            if not sep or not name.strip():
-                raise _NotACall(body)
-            calls.append((name.strip(), _json_arguments(arguments)))
-    except ValueError:
-        return text, []
-    return content, calls
+    return _sectioned(text, DEEPSEEK_CALLS, DEEPSEEK_CALLS_END, DEEPSEEK_CALL, DEEPSEEK_CALL_END, _deepseek_v31_call)
 
 
 KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
+def _kimi_call(body: str) -> tuple[str, str]:
+    header, sep, arguments = body.partition(KIMI_ARGS)
+    match = re.fullmatch(r"(?:[\w\-]+\.)*([\w\-]+):\d+", header.strip())
+    if not sep or match is None:
+        raise _NotACall(body)
+    return match[1], _json_arguments(arguments)
+
+
 def parse_kimi_k2(text: str) -> Calls:
-    if KIMI_CALLS not in text or (found := _sections(text, KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL,
-                                                     KIMI_CALL_END)) is None:
-        return text, []
-    content, calls = found[0], []
-    try:
-        for body in found[1]:
-            header, sep, arguments = body.partition(KIMI_ARGS)
-            match = re.fullmatch(r"(?:[\w\-]+\.)*([\w\-]+):\d+", header.strip())
-            if not sep or match is None:
-                raise _NotACall(body)
-            calls.append((match[1], _json_arguments(arguments)))
-    except ValueError:
-        return text, []
-    return content, calls
+    return _sectioned(text, KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, _kimi_call)
 
 
 GRANITE_MARKERS = ("<|tool_call|>", START)
