@@ -1,6 +1,6 @@
-"""RingAttention over gloo (`models/ring.py`): two processes, each holding half of every row's
-columns, give the loss one process gives on the whole batch, and their parameter gradients sum
-to its gradients: for packed samples, shared-prompt DPO pairs (a 4-D mask and predecessors) and
+"""RingAttention over gloo (`models/ring.py`): two (or three) processes, each holding its share of
+every row's columns, give the loss one process gives on the whole batch, and their parameter
+gradients sum to its gradients: for packed samples, shared-prompt DPO pairs (a 4-D mask and predecessors) and
 padded rows, with rows whose width the ring does not divide, grouped-query attention gathered one
 key/value head at a time, a reward model's last-token score and a critic's values, and a model
 with sliding-window attention (Mistral's) whose window is shorter than the rows."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_core.data.batching import pack_batch, pack_pairs, pad_batch
-from rlhf_core.infra.network import free_port
+from rlhf_core.infra.network import rendezvous_port
 
 VOCAB = 48
 
@@ -99,13 +99,13 @@ def _run(lm, rm, windowed, batches):
     return results
 
 
-def _ring_rank(rank: int, port: int, out):
+def _ring_rank(rank: int, size: int, port: int, out):
     from rlhf_core.models import ring
 
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        assert ring.setup(2, head_stride=1).rank == rank
+        assert ring.setup(size, head_stride=1).rank == rank
         out.put((rank, _run(*_models(ring.NAME), _batches())))
     except Exception as e:  # noqa: BLE001 (reported to the test)
         out.put((rank, repr(e)))
@@ -113,11 +113,13 @@ def _ring_rank(rank: int, port: int, out):
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ring_results():
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"ring{n}")
+def ring_results(request):
+    """Each rank's results, for a ring of 2 and one of 3 (where blocks pass through a rank that
+    neither computed nor needs them, and no row's width divides by the ring)."""
     ctx = multiprocessing.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_ring_rank, args=(r, port, out)) for r in range(2)]
+    out, port = ctx.Queue(), rendezvous_port()
+    procs = [ctx.Process(target=_ring_rank, args=(r, request.param, port, out)) for r in range(request.param)]
     for p in procs:
         p.start()
     try:
@@ -131,7 +133,7 @@ def ring_results():
     return results
 
 
-def test_two_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(ring_results):
+def test_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(ring_results):
     from rlhf_core.models.attention import register
 
     lm, rm, windowed = _models(register())
@@ -141,13 +143,14 @@ def test_two_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(rin
     assert abs(_run(lm, rm, windowed, _batches())["window/packed"][0] - whole["window/packed"][0]) > 1e-3
     assert sorted(ring_results[0]) == sorted(whole)
     for name, (loss, grads) in whole.items():
-        for rank in (0, 1):
+        ranks = sorted(ring_results)
+        for rank in ranks:
             assert ring_results[rank][name][0] == pytest.approx(loss, rel=1e-5, abs=1e-6), (name, rank)
-        shares = [ring_results[rank][name][1] for rank in (0, 1)]
-        assert set(shares[0]) == set(shares[1]) == set(grads), name
+        shares = [ring_results[rank][name][1] for rank in ranks]
+        assert all(set(share) == set(grads) for share in shares), name
         for key, grad in grads.items():
-            summed = torch.from_numpy(shares[0][key] + shares[1][key])
+            summed = torch.from_numpy(sum(share[key] for share in shares))
             assert torch.allclose(summed, torch.from_numpy(grad), rtol=1e-4, atol=1e-6), (name, key)
-        # Both ranks did part of the work: neither holds the whole gradient alone
+        # Every rank did part of the work: none holds the whole gradient alone
         embed = {"scores": "rm", "window": "window"}.get(name.split("/")[0], "lm") + ".model.embed_tokens.weight"
-        assert all(abs(shares[r][embed]).sum() > 0 for r in (0, 1)), name
+        assert all(abs(share[embed]).sum() > 0 for share in shares), name
