@@ -180,7 +180,8 @@ def prm_tokens(prm: StageOutcome, reward) -> dict:
 
 def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, cfg: PPOConfig, need,
             name: str = "ppo", actor_from: StageOutcome | None = None, prompts_from: StageOutcome | None = None,
-            prompt_dataset: str | None = None, reference_from: StageOutcome | None = None) -> StageJob:
+            prompt_dataset: str | None = None, reference_from: StageOutcome | None = None,
+            stop_on_hacking: bool = False) -> StageJob:
     """`rlhf train ppo`: actor and reference from SFT (or `actor_from`), the reward from the run's
     reward model unless the config names a verifier task, a reward file or another model, or asks
     for a process reward (`reward.placeholder_token` or `reward.process_enable` with no model: the
@@ -189,7 +190,8 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
 
     Upstream roles (lineage tags and cache-key inputs): `model` (the actor), `reference`,
     `reward`, `critic` (its initialisation) and `data` (prep). A model the config names is an
-    input by URI (`rlhf.input.<role>`) instead.
+    input by URI (`rlhf.input.<role>`) instead. `stop_on_hacking`: training stops where the
+    reward-hacking guard fires (where the guard is on; the held-out check is prep's, filled here).
     """
     import yaml
 
@@ -253,6 +255,8 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
         values["data"]["prompt_dataset"] = prompt_dataset
     if cfg.eval.task is None and cfg.reward.task is None:
         values["eval"]["task"] = prep.task  # held-out accuracy by the prep task's verifier
+    if stop_on_hacking and cfg.eval.hacking_guard_enable:
+        values["eval"]["stop_on_hacking"] = True
     if cfg.ckpt.output_dir is None:
         values["ckpt"]["output_dir"] = ctx.output(name)
     if cfg.ckpt.path is None and settings.checkpoint_steps:

@@ -5,6 +5,9 @@ reference (the KL keeps the policy near SFT however many runs continue it) and t
 model -> `rlhf eval` against SFT -> a new `rlhf-policy` version, promoted to `champion` only when
 `evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
 drawn per pipeline run unless `online.seed` pins it: fresh prompts, never the previous run's cache.
+The round stops where the reward-hacking guard fires (`online.stop_on_hacking`, default on): from
+the default pipeline's champion, a round against the run's reward model trained the held-out
+accuracy down while its reward rose (benchmarks/README.md, "Scheduled rounds from the champion").
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
     seed = online.seed if online.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     cfg = PipelinePPOConfig.model_validate(_with_seed(ppo, seed))
     trained = outcomes["ppo-online"] = run(ppo_job(ctx, settings, prep, cfg, need, name="ppo-online",
-                                                   actor_from=policy, reference_from=sft))
+                                                   actor_from=policy, reference_from=sft,
+                                                   stop_on_hacking=online.stop_on_hacking))
     evaluated = outcomes["eval-online"] = run(eval_job(ctx, prep, evaluation, prep_outcome, {"ppo": trained}, sft,
                                                        need("rm"), name="eval-online"))
     report = publish_eval_report(evaluated, evaluation.promote_metric)
     value = policy_metric(evaluated.metrics, "ppo", evaluation.promote_metric)
     version = lineage.register_once("ppo", trained.output_uri, trained.manifest.get("mlflow_run_id") or trained.run_id)
     promoted, previous = lineage.promote(version.name, version.version, evaluation.promote_metric, value)
+    stopped = trained.metrics.get("guard/stopped_step")
     return {"policy_in": policy.output_uri, "policy_out": trained.output_uri, "seed": seed,
             "metric": evaluation.promote_metric, "value": value, "previous_champion_value": previous,
-            "promoted": promoted, "version": version.version, "markdown": report["markdown"]}
+            "promoted": promoted, "version": version.version, "markdown": report["markdown"],
+            "stopped_on_hacking_at_step": None if stopped is None else int(stopped)}
 
 
 def _with_seed(ppo: PipelinePPOConfig, seed: int) -> dict:

@@ -340,6 +340,9 @@ class OnlineRLParams(StrictModel):
                             description="Continue from the registered champion policy (falls back to SFT) or SFT")
     seed: int | None = Field(None, description="Training seed: prompt order and sampling (default: drawn per "
                              "pipeline run, so every scheduled run sees fresh prompts first)")
+    stop_on_hacking: bool = Field(True, description="Stop the round where the reward-hacking guard fires (the "
+                                  "`ppo` section's eval.stop_on_hacking): a round that drives the champion off a "
+                                  "cliff ends early, the report says why, and the champion stays")
 
 
 class PipelineSettings(StrictModel):

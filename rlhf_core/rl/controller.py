@@ -155,11 +155,9 @@ class RLController:
             self.publishing = False
             not_applied("eval.publish_best", True, "an evaluated policy", "with --train.enable_ema the output is "
                         "the moving average of the weights, which no evaluation saw: the last one is published")
-        if cfg.eval.stop_on_hacking and not self.eval_every:
-            from rlhf_core.infra.settings import ConfigError
-
-            raise ConfigError(f"--eval.stop_on_hacking: this run of {rollout_steps} steps evaluates only before and "
-                              "after training (a tenth of the run is under one step): give --eval.steps N")
+        if cfg.eval.stop_on_hacking and not self.eval_every:  # e.g. the online round's default on a short run
+            not_applied("eval.stop_on_hacking", True, "evaluations during training (--eval.steps N; a tenth of "
+                        f"this run of {rollout_steps} steps is under one)", "the guard has nothing to stop on")
         for field_ in ("agent_max_turns", "agent_timeout_s", "agent_tool_call_parser"):
             if field_ in cfg.train.model_fields_set and not cfg.train.agent_func_path:
                 not_applied(f"train.{field_}", getattr(cfg.train, field_), "--train.agent_func_path (--agent_func_path)",

@@ -28,18 +28,18 @@ def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_
                                                                                (value > 0.8, 0.8)))
     monkeypatch.setattr(online_flow, "publish_eval_report", lambda *a: {"markdown": ""})
 
-    def go(value, start_from="champion", parent="parent-run"):
+    def go(value, start_from="champion", parent="parent-run", ppo_metrics=None, **online):
         jobs = []
 
         def run(job):
             jobs.append(job)
-            return outcome(job.name, tmp_path, {"eval/ppo/sampled_accuracy": value})
+            return outcome(job.name, tmp_path, {"eval/ppo/sampled_accuracy": value, **(ppo_metrics or {})})
 
         upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
         ctx = flow_ctx(tmp_path)
         ctx.parent_run_id = parent
         result = online_flow.run_online(ctx, PipelineSettings(), PrepParams(), PipelinePPOConfig(), EvalParams(),
-                                        OnlineRLParams(start_from=start_from), upstream.__getitem__, run, {})
+                                        OnlineRLParams(start_from=start_from, **online), upstream.__getitem__, run, {})
         return result, jobs
 
     result, (ppo, evaluation) = go(0.9)
@@ -53,3 +53,8 @@ def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_
     assert yaml.safe_load(other_run.config_yaml)["train"]["seed"] != cfg["train"]["seed"]  # fresh prompts
     assert other_run.config_hash != ppo.config_hash
     assert go(0.9, start_from="sft")[0]["policy_in"] == str(tmp_path / "sft")
+    # the round stops where the reward-hacking guard fires, and the summary says where
+    assert cfg["eval"]["stop_on_hacking"] and result["stopped_on_hacking_at_step"] is None
+    stopped, (job, _) = go(0.7, ppo_metrics={"guard/stopped_step": 48.0})
+    assert stopped["stopped_on_hacking_at_step"] == 48 and not stopped["promoted"]
+    assert not yaml.safe_load(go(0.9, stop_on_hacking=False)[1][0].config_yaml)["eval"]["stop_on_hacking"]
