@@ -43,16 +43,18 @@ def balanced_groups(lengths: list[int], count: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def budget_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+def budget_chunks(lengths: list[int], budget: int, padded: bool = False) -> list[list[int]]:
     """Consecutive runs of indices whose tokens fit `budget` (a longer sample alone): the no-grad
-    passes' chunks, in order, with nothing to keep in step across ranks."""
+    passes' chunks, in order, with nothing to keep in step across ranks. `padded`: a chunk costs
+    its rows x its longest row (a padded batch), not the sum of its lengths (a packed one)."""
     chunks: list[list[int]] = []
-    load = 0
+    total = longest = 0
     for i, n in enumerate(lengths):
-        if chunks and load + n <= budget:
+        cost = (len(chunks[-1]) + 1) * max(longest, n) if padded and chunks else total + n
+        if chunks and cost <= budget:
             chunks[-1].append(i)
-            load += n
+            total, longest = total + n, max(longest, n)
         else:
             chunks.append([i])
-            load = n
+            total = longest = n
     return chunks

@@ -15,6 +15,7 @@ import math
 import torch
 
 from rlhf_core.data.steps import prm_text
+from rlhf_core.data.token_budget import budget_chunks
 from rlhf_core.rollout.base import inference_device, inference_dtype
 
 AGGREGATE = {"min": min, "prod": math.prod, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}
@@ -84,16 +85,7 @@ class ProcessRewardModel:
         """The forwards' batches, in order: `batch_size` texts, or by `max_tokens` padded tokens."""
         if self.max_tokens is None:
             return [seqs[i : i + self.batch_size] for i in range(0, len(seqs), self.batch_size)]
-        out: list[list[list[int]]] = []
-        longest = 0
-        for seq in seqs:
-            if out and (len(out[-1]) + 1) * max(longest, len(seq)) <= self.max_tokens:
-                out[-1].append(seq)
-                longest = max(longest, len(seq))
-            else:
-                out.append([seq])
-                longest = len(seq)
-        return out
+        return [[seqs[i] for i in run] for run in budget_chunks(list(map(len, seqs)), self.max_tokens, padded=True)]
 
 
 def step_end_tokens(decode, response_ids: list[int]) -> list[int]:

@@ -30,3 +30,10 @@ def test_groups_cover_every_sample_once_in_order_with_near_equal_tokens():
 def test_chunks_keep_order_and_the_budget():
     assert budget_chunks([3, 3, 3, 9, 1, 1], 6) == [[0, 1], [2], [3], [4, 5]]
     assert budget_chunks([], 5) == []
+
+
+def test_padded_chunks_cost_rows_times_the_longest():
+    # packed, all four cost 10 and fit; padded, [2, 5] costs 2 x 5 = 10 and a third row makes 15
+    assert budget_chunks([2, 5, 2, 1], 10) == [[0, 1, 2, 3]]
+    assert budget_chunks([2, 5, 2, 1], 10, padded=True) == [[0, 1], [2, 3]]
+    assert budget_chunks([12, 1], 10, padded=True) == [[0], [1]]  # a longer row alone
