@@ -55,7 +55,7 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
-from rlhf_core.rl.tool_calls import PARSERS, detect, typed_arguments
+from rlhf_core.rl.tool_calls import PARSERS, detect, read_calls
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,6 @@ class PolicyServer:
             self.tool_call_format = detected or "hermes"
             self.tool_call_why = (", which the chat template teaches" if detected
                                   else "; the chat template shows none of the known ones")
-        self.parse_tool_calls = PARSERS[self.tool_call_format]
         self.tokenizer, self.model_name, self.max_length = tokenizer, model_name, max_length
         self.batcher = MicroBatcher()
         self.sessions: dict[str, Session] = {}
@@ -344,9 +343,7 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
     message: dict = {"role": "assistant", "content": text}
     if request.tool_choice == "auto":
         sampled = server.sampled_text(call)  # the markers of several formats are special tokens
-        content, calls = server.parse_tool_calls(sampled)
-        if server.tool_call_format == "qwen3_coder":  # its values are text: typed as the tools declare them
-            calls = [(name, typed_arguments(name, arguments, request.tools)) for name, arguments in calls]
+        content, calls = read_calls(server.tool_call_format, sampled, request.tools)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, sampled)}
             finish = "tool_calls"

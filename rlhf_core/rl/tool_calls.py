@@ -310,6 +310,18 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
     "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
     "kimi_k2": parse_kimi_k2, "granite": parse_granite}
+TEXT_VALUED = frozenset({"qwen3_coder"})  # formats that write every argument value as text
+
+
+def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
+    """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text
+    has them typed by the request's tool schemas (`typed_arguments`)."""
+    content, calls = PARSERS[fmt](text)
+    if fmt in TEXT_VALUED:
+        calls = [(name, typed_arguments(name, arguments, tools)) for name, arguments in calls]
+    return content, calls
+
+
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
 # templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
 _MARKERS = (("qwen3_coder", "<parameter="), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS),
