@@ -11,7 +11,6 @@ runs in and drops torch to one thread, which would slow every later test.
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -91,14 +90,13 @@ def sample(engine, n: int, temperature: float, seed: int = 0, prompts=PROMPTS, *
 def broadcast_into(engine, model, bucket_bytes: int = 100_000) -> tuple[int, int]:
     """`model`'s weights into the engine's worker over gloo, as the RL stage syncs a CPU engine (in
     a checkpoint's form: `checkpoint_state_dict`): (tensors the engine received, bytes sent)."""
+    from rlhf_core.infra.network import rendezvous_port
     from rlhf_core.models.loading import checkpoint_state_dict
     from rlhf_core.rollout.weight_sync import SyncGroup, send_broadcast
 
     state = checkpoint_state_dict(model, model.state_dict())
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     sent: dict = {}
 
     def actor_side():

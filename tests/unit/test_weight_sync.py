@@ -5,12 +5,12 @@ included. A receiver that never joins the broadcast fails the others within the 
 pure parts: which transport a config gets, buckets, packing."""
 
 import multiprocessing
-import socket
 import time
 
 import pytest
 import torch
 
+from rlhf_core.infra.network import rendezvous_port
 from rlhf_core.infra.settings import ConfigError
 from rlhf_core.rollout.weight_sync import (
     SyncBackend,
@@ -153,16 +153,10 @@ def _engine(rank, port, world_size, timeout_s, out, stuck):
     out.put((f"engine{rank}", "received", count, _plain(model.state_dict()), _tied(model)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(stuck_rank: int | None, timeout_s: float, expect: int):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port, world_size = _free_port(), 3
+    port, world_size = rendezvous_port(), 3
     procs = [ctx.Process(target=_actor, args=(port, world_size, timeout_s, out))]
     procs += [ctx.Process(target=_engine, args=(r, port, world_size, timeout_s, out, r == stuck_rank))
               for r in (1, 2)]
