@@ -90,6 +90,18 @@ def test_a_run_whose_reward_rises_while_its_held_out_check_falls_is_flagged_and_
         out, err = capsys.readouterr()
         assert code == 0, err[-3000:]
         results[name] = (json.loads(out[out.index("{"):]), err)
+    # a run that evaluates only before and after training (5 steps: a tenth is under one) cannot stop
+    # on the guard: the flag is said not applied and the run trains every step
+    code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
+                 "--remote_rm_url", str(tmp_path / "stop_reward.py"), "--advantage_estimator", "group_norm",
+                 "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
+                 "--generate_max_len", "4", "--param_dtype", "fp32", "--max_steps", "5", "--eval.task", "addition",
+                 "--eval_dataset", f"json@{prepared['prompts']}", "--mlflow_experiment", "guard",
+                 "--save_path", str(tmp_path / "short"), "--eval.stop_on_hacking"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "not applied here: --eval.stop_on_hacking True needs evaluations during training" in err
+    assert json.loads(out[out.index("{"):])["metrics"]["train/steps"] == 5
     for manifest, err in results.values():
         metrics = manifest["metrics"]
         assert metrics["guard/reward_hacking"] == 1.0 and metrics["guard/fired_step"] == 3, metrics
