@@ -519,8 +519,15 @@ def write_manifest(local_dir: str | Path, manifest: dict, flag: str = "--out") -
         _write_json_atomic(Path(local_dir) / MANIFEST, redact(manifest))
 
 
+# Characters that `str.splitlines` (and JavaScript, and some JSON-lines readers) take for a line break
+# but JSON leaves unescaped outside ASCII mode; a sampled text can hold any of them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def jsonl_text(rows: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    """JSON lines, one row per line for every reader: text stays readable (not ASCII-escaped), but the
+    Unicode line separators a row's text may hold are escaped."""
+    return "".join(json.dumps(r, ensure_ascii=False).translate(_LINE_BREAKS) + "\n" for r in rows)
 
 
 def write_text_atomic(uri: str | Path, text: str) -> None:

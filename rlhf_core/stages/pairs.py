@@ -11,7 +11,6 @@ prompts raw) and `stage.json`, published atomically, for `rlhf train dpo --datas
 
 from __future__ import annotations
 
-import json
 import sys
 
 from rlhf_core.config import PairsConfig, RewardSourceName
@@ -60,6 +59,7 @@ def reward_source(cfg: PairsConfig):
 
 def run_pairs(cfg: PairsConfig) -> dict:
     """Sample, score and pair; publish `train.jsonl` + `stage.json` to `cfg.save_path`; returns the manifest."""
+    from rlhf_core.infra import storage
     from rlhf_core.infra.publishing import publish_output
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rollout import load_prompt_set, make_engine, prompt_formatter
@@ -103,6 +103,6 @@ def run_pairs(cfg: PairsConfig) -> dict:
             raise NoPairsError(f"no preference pairs: all {n} samples of each of the {len(prompts)} prompts scored "
                                f"the same (mean reward {metrics['pairs/mean_reward']:.4f}); sample more "
                                "(--n_samples_per_prompt), raise --temperature, or use a reward model")
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        text = storage.jsonl_text(rows)
         inputs = {"pretrain": cfg.pretrain, "reward_pretrain": cfg.reward_pretrain, "datasets": prompts.sources}
         return publish_output(cfg, tracker, inputs, metrics, files={"train.jsonl": text})

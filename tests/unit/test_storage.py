@@ -387,3 +387,13 @@ def test_publish_never_renames_over_what_appeared_after_its_check(tmp_path, monk
     with pytest.raises(ConfigError, match="appeared while the output was being published"):
         storage.publish_dir(built(tmp_path), str(dest), {"stage": "sft"})
     assert tree(dest) == {"theirs.txt": "keep"}
+
+
+def test_jsonl_keeps_one_row_per_line_whatever_its_text_holds():
+    """A tiny policy's sampled text can decode to NEL or a Unicode line/paragraph separator, which JSON
+    leaves raw outside ASCII mode and `str.splitlines` (like JavaScript and some JSON-lines readers)
+    takes for a line break: a written file then read back line by line lost its rows (CI saw it)."""
+    rows = [{"output": "a\x85b\u2028c\u2029d\x1ce\nf é 中"}, {"output": "next"}]
+    text = storage.jsonl_text(rows)
+    assert [json.loads(line) for line in text.splitlines()] == rows
+    assert "é 中" in text
