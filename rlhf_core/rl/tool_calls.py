@@ -28,6 +28,11 @@ whole text is content.
   (the name is the header's last dotted part before `:INDEX`); the text before is the content.
 - `granite` (Granite 3.0/3.1): `<|tool_call|>` (3.0) or `<tool_call>` (3.1) then a JSON list of
   call objects; the text before the marker is the content.
+- `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>` (newlines allowed between the tags); `minimax_m2` (MiniMax-M2): between
+  `<minimax:tool_call>` and `</minimax:tool_call>`, each call `<invoke name="NAME"><parameter
+  name="KEY">VALUE</parameter>...</invoke>`. Both write each value as text (typed like
+  `qwen3_coder`'s) and keep it verbatim; the text before the first call is the content.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -192,7 +197,7 @@ def parse_qwen3_coder(text: str) -> Calls:
 
 
 def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
-    """`qwen3_coder`'s string values as the request's tool schema types them (a number, a boolean,
+    """A text-valued format's (TEXT_VALUED) string values as the request's tool schema types them (a number, a boolean,
     an object or array as JSON); a value that does not read as its type stays a string."""
     schema = next((t.get("function", {}).get("parameters") for t in tools or ()
                    if isinstance(t, dict) and isinstance(t.get("function"), dict)
@@ -306,11 +311,53 @@ def parse_granite(text: str) -> Calls:
     return text[: text.index(marker)].strip() or None, calls
 
 
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm45(text: str) -> Calls:
+    if START not in text:
+        return text, []
+    calls = []
+    for block in _BLOCK.findall(text):
+        name, _, body = block.partition("<arg_key>")
+        body = "<arg_key>" + body if body else ""
+        if not name.strip() or _GLM_ARGUMENT.sub("", body).strip():
+            return text, []  # no name, or something other than key/value pairs after it
+        arguments = {key.strip(): value for key, value in _GLM_ARGUMENT.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.index(START)].strip() or None, calls
+
+
+MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_NAME = r"\s*=\s*(?:\"([^\"]*)\"|'([^']*)'|([^>\s]+))\s*>"
+_INVOKE = re.compile(r"<invoke\s+name" + _NAME + r"(.*?)</invoke>", re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r"<parameter\s+name" + _NAME + r"(.*?)</parameter>", re.DOTALL)
+
+
+def parse_minimax_m2(text: str) -> Calls:
+    if MINIMAX_CALLS not in text:
+        return text, []
+    calls = []
+    for section in re.findall(re.escape(MINIMAX_CALLS) + r"(.*?)(?:" + re.escape(MINIMAX_CALLS_END) + r"|\Z)",
+                              text, re.DOTALL):
+        invokes = _INVOKE.findall(section)
+        if not invokes or _INVOKE.sub("", section).strip():
+            return text, []  # a section holds calls and nothing else
+        for *names, body in invokes:
+            name = next(n for n in names if n) if any(names) else ""
+            if not name.strip() or _MINIMAX_PARAMETER.sub("", body).strip():
+                return text, []
+            arguments = {next(n for n in key if n).strip(): value
+                         for *key, value in _MINIMAX_PARAMETER.findall(body) if any(key)}
+            calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.index(MINIMAX_CALLS)].strip() or None, calls
+
+
 PARSERS: dict[str, Callable[[str], Calls]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
     "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
-    "kimi_k2": parse_kimi_k2, "granite": parse_granite}
-TEXT_VALUED = frozenset({"qwen3_coder"})  # formats that write every argument value as text
+    "kimi_k2": parse_kimi_k2, "granite": parse_granite, "glm45": parse_glm45, "minimax_m2": parse_minimax_m2}
+TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2"})  # formats that write every argument value as text
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
@@ -323,8 +370,8 @@ def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
 
 
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
-# templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
-_MARKERS = (("qwen3_coder", "<parameter="), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS),
+# and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
+_MARKERS = (("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"), ("minimax_m2", MINIMAX_CALLS), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS),
             ("kimi_k2", KIMI_CALLS), ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
 

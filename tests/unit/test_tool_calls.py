@@ -10,13 +10,16 @@ from rlhf_core.rl.tool_calls import (
     detect,
     parse_deepseek_v3,
     parse_deepseek_v31,
+    parse_glm45,
     parse_granite,
     parse_hermes,
     parse_kimi_k2,
     parse_llama3_json,
+    parse_minimax_m2,
     parse_mistral,
     parse_pythonic,
     parse_qwen3_coder,
+    read_calls,
     typed_arguments,
 )
 
@@ -135,7 +138,43 @@ def test_granite_calls_after_either_marker():
         assert parse_granite(bad) == (bad, []), bad
 
 
+def test_glm45_calls_name_then_key_value_pairs_typed_by_the_schema():
+    """As GLM-4.5's template writes them: the name right after <tool_call>, then each argument a
+    key tag and a value tag (newlines between them or not); a call may have no arguments."""
+    text = ("I will look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+            "<tool_call>now</tool_call><tool_call>note<arg_key>text</arg_key><arg_value> two\nlines </arg_value>"
+            "</tool_call>")
+    assert parse_glm45(text) == ("I will look.", [("get_weather", '{"city": "New York", "days": "3"}'),
+                                                  ("now", "{}"), ("note", '{"text": " two\\nlines "}')])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    assert read_calls("glm45", text, tools)[1][0] == ("get_weather", '{"city": "New York", "days": 3}')
+    for bad in ("no calls", "<tool_call></tool_call>", "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                "<tool_call>f<arg_key>a</arg_key>stray<arg_value>1</arg_value></tool_call>",
+                "<tool_call>f<arg_key>a</arg_key><arg_value>1</tool_call>"):  # no name / not pairs / unclosed
+        assert parse_glm45(bad) == (bad, []), bad
+
+
+def test_minimax_m2_invokes_with_named_parameters():
+    text = ('Checking both.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Seattle'
+            '</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n<invoke name=\'now\'>\n</invoke>\n'
+            '</minimax:tool_call>')
+    assert parse_minimax_m2(text) == ("Checking both.", [("get_weather", '{"city": "Seattle", "days": "2"}'),
+                                                         ("now", "{}")])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"days": {"type": "number"}}}}}]
+    assert read_calls("minimax_m2", text, tools)[1][0] == ("get_weather", '{"city": "Seattle", "days": 2}')
+    for bad in ("no calls", "<minimax:tool_call></minimax:tool_call>", "<minimax:tool_call>text</minimax:tool_call>",
+                '<minimax:tool_call><invoke name="f">stray</invoke></minimax:tool_call>',
+                '<minimax:tool_call><invoke name="">\n</invoke></minimax:tool_call>'):
+        assert parse_minimax_m2(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
+    ("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>", "glm45"),
+    ('<minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>',
+     "minimax_m2"),
     ("{% for tool in tools %}<tools>{{ tool }}</tools>{% endfor %} <tool_call>", "hermes"),
     ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n", "qwen3_coder"),
     ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name']"
