@@ -18,7 +18,13 @@ from pathlib import Path
 from rlhf_core.infra.redaction import REDACTED, redact, redact_text
 from rlhf_core.infra.settings import artifact_root, tracking_uri
 
-__all__ = ["REDACTED", "redact", "redact_params", "Tracker"]
+__all__ = ["REDACTED", "AttemptAbandoned", "redact", "redact_params", "Tracker"]
+
+
+class AttemptAbandoned(RuntimeError):
+    """The stage's run was ended by another process while this one ran: its orchestrator gave this
+    attempt up (e.g. its Ray cluster stopped answering) and retries the stage elsewhere, so this
+    process must neither publish nor record its output."""
 
 
 def ensure_experiment(name: str) -> str:
@@ -317,7 +323,8 @@ class Tracker:
 
     def await_store(self, doing: str = "") -> None:
         """Before the output is published: every held metric sent, waiting up to RLHF_STORE_WAIT_S for the
-        store; StoreUnavailable (nothing published yet) when it stays away."""
+        store; StoreUnavailable (nothing published yet) when it stays away. AttemptAbandoned when the
+        run is no longer RUNNING: an orchestrator that gave this attempt up marked it ended."""
         if not self.enabled:
             return
         from rlhf_core.infra.reachability import StoreUnavailable, store_wait_s
@@ -328,6 +335,13 @@ class Tracker:
                                    f"last error: {self.metrics.failing}) when the stage had to record its output; "
                                    f"{doing or 'the output was not published'}; an unreachable store is an "
                                    "infrastructure failure (exit 1): a pipeline retries the stage")
+        status = self._retry("read the stage's run", lambda: self.client.get_run(self.run_id).info.status)
+        if status != "RUNNING":
+            self._published = None  # a retry may own that output by now: never withdraw it from here
+            raise AttemptAbandoned(f"the stage's MLflow run {self.run_id} was marked {status} by another process "
+                                   "while this one ran: its orchestrator gave this attempt up (for example when its "
+                                   f"Ray cluster stopped answering) and retries the stage; "
+                                   f"{doing or 'nothing was published'}")
 
     def published(self, uri: str, stage: str) -> None:
         """The output is at `uri` now; withdrawn again if its record fails before the run finishes."""

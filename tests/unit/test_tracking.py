@@ -142,3 +142,28 @@ def test_lineage_of_a_ppo_run_shows_its_changed_settings_not_its_paths():
     shown = params_off_default("ppo", redact_params(cfg.model_dump(mode="json")))
     assert shown["train.max_steps"] == "7" and shown["algo.advantage.lambd"] == "0.95"  # tuned, off the CLI default
     assert not [k for k in shown if k.endswith(("model_name_or_path", "output_dir", "prompt_dataset", "ckpt.path"))]
+
+
+def test_a_run_its_orchestrator_ended_is_not_recorded_and_its_output_is_left_to_the_retry(monkeypatch, tmp_path):
+    """A job driver that outlived its Ray cluster keeps training while the flow, which gave the attempt
+    up, marks the run FAILED and retries the stage (CI saw such a driver then mark the run FINISHED).
+    The driver must not publish or record: AttemptAbandoned, the run stays FAILED, and an output it
+    had already published is not withdrawn (by now it may be the retry's)."""
+    import mlflow
+    import pytest
+
+    from rlhf_core.infra import storage, tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    tracker = tracking.Tracker(True, "abandoned", "run", None)
+    tracker.await_store()  # still RUNNING: nothing to say
+    out = tmp_path / "sft"
+    out.mkdir()
+    storage.write_manifest(out, {"stage": "sft"})
+    tracker.published(str(out), "sft")
+    mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").set_terminated(tracker.run_id, "FAILED")
+    with pytest.raises(tracking.AttemptAbandoned, match="marked FAILED by another process"):
+        tracker.finish("FINISHED")
+    tracker.finish("FAILED")  # what a stage's error path does next
+    assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(tracker.run_id).info.status == "FAILED"
+    assert (out / storage.MANIFEST).is_file()
