@@ -251,7 +251,7 @@ def test_a_published_output_whose_run_cannot_finish_is_withdrawn(proxy, mlflow_s
     assert storage.read_manifest(str(out)) is not None
     proxy.refuse()  # gone between publishing and finishing
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=r"did not mark the run FINISHED within 1.5 s \(RLHF_STORE_WAIT_S.*was withdrawn"):
+    with pytest.raises(StoreUnavailable, match=r"did not (mark the run FINISHED|read the stage.s run) within 1.5 s \(RLHF_STORE_WAIT_S.*was withdrawn"):
         tracker.finish()
     assert time.monotonic() - started < 1.5 + 4.0  # the bound, one request (MLFLOW_HTTP_REQUEST_TIMEOUT), the withdrawal
     assert storage.read_manifest(str(out)) is None  # nothing looks finished
