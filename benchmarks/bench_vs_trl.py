@@ -82,6 +82,10 @@ VARIANTS: dict[str, dict] = {
 }
 DEFAULT_VARIANTS = {"sft": ["ours", "trl", "trl-padding-free", "trl-our-attention"], "dpo": ["ours", "trl", "trl-our-attention"]}
 LEARNING_RATE = {"sft": 1e-4, "dpo": 5e-7}
+# `--micro_train_batch_size 0` (whole processes only): each side at its defaults. Ours is given no
+# micro-batch flag (micro-batches by a token budget); TRL's per-device batch is TrainingArguments' own
+# default, accumulated up to the global batch.
+TRL_DEFAULT_MICRO = 8
 SEED = 42  # our configs' default seed; it fixes the row order both sides train on
 # Rows of a whole run (one epoch) by model size: a 100m step takes seconds on a 2-core CPU (tens of times a
 # small one's), so its whole runs train 100 SFT / 50 DPO steps of 32, still most of the process's time.
@@ -415,15 +419,15 @@ def run_whole(args, stage: str, side: str, data_root: Path, out_dir: Path, snaps
         cmd = [sys.executable, "-m", "rlhf_core.cli", "train", stage, "--pretrain", str(data_root / "base"),
                "--dataset", f"json@{data_root / 'data' / kind}", "--apply_chat_template", "--packing_samples",
                "--max_len", str(args.max_len), "--train_batch_size", str(args.train_batch_size),
-               "--micro_train_batch_size", str(args.micro_train_batch_size), "--max_epochs", "1",
-               "--max_samples", str(rows), "--learning_rate", str(LEARNING_RATE[stage]),
+               *(["--micro_train_batch_size", str(args.micro_train_batch_size)] if args.micro_train_batch_size
+                 else []), "--max_epochs", "1", "--max_samples", str(rows), "--learning_rate", str(LEARNING_RATE[stage]),
                "--param_dtype", args.precision, "--seed", str(SEED), "--save_path", str(out_dir / "model")]
     else:
         cmd = [sys.executable, str(snapshot / Path(__file__).name), "--side", "trl", "--stage", stage, "--whole",
                "--data_root", str(data_root), "--out_dir", str(out_dir), "--max_len", str(args.max_len),
                "--threads", str(args.threads), "--train_batch_size", str(args.train_batch_size),
-               "--micro_train_batch_size", str(args.micro_train_batch_size), "--precision", args.precision,
-               "--process_rows", json.dumps(args.process_rows)]
+               "--micro_train_batch_size", str(args.micro_train_batch_size or TRL_DEFAULT_MICRO),
+               "--precision", args.precision, "--process_rows", json.dumps(args.process_rows)]
     # Both sides get --threads torch threads (TRL's script also sets them; ours reads the variables).
     env = dict(os.environ, RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
@@ -453,8 +457,10 @@ def report_whole(args, stage: str, results: dict[str, list[dict]]) -> list[str]:
     ok = {side: [r for r in results[side] if not r.get("failed")] for side in ("ours", "trl")}
     unit = "pairs" if stage == "dpo" else "rows"
     fl = scale_of(args, stage, "whole")
+    micro = (f"micro batch {args.micro_train_batch_size}" if args.micro_train_batch_size else
+             f"each side's default micro-batches (ours by tokens, TRL {TRL_DEFAULT_MICRO} a device)")
     lines = [f"### {stage.upper()} whole process: {args.process_rows[stage]} {unit}, 1 epoch, global batch "
-             f"{args.train_batch_size}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
+             f"{args.train_batch_size}, {micro}, max_len {args.max_len}, {args.precision}, task {args.task}, model "
              f"{args.model_size}, medians of {args.repeats} alternating runs", ""]
     if fl:
         what = f"{fl['rows']} sequences (chosen and rejected)" if stage == "dpo" else f"{fl['rows']} rows"
@@ -631,7 +637,9 @@ def driver_main(args) -> int:
     for stage in stages:
         if stage not in DEFAULT_VARIANTS:
             raise SystemExit(f"--stages: unknown stage {stage!r} (sft, dpo)")
-    if args.train_batch_size % args.micro_train_batch_size:
+    if args.micro_train_batch_size == 0 and args.mode != "process":
+        raise SystemExit("--micro_train_batch_size 0 (each side's defaults) is for whole processes: --mode process")
+    if args.train_batch_size % (args.micro_train_batch_size or TRL_DEFAULT_MICRO):
         raise SystemExit("--train_batch_size must be a multiple of --micro_train_batch_size")
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1")
@@ -752,7 +760,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs of each setup, alternated")
     p.add_argument("--train_batch_size", type=int, default=32)
-    p.add_argument("--micro_train_batch_size", type=int, default=32)
+    p.add_argument("--micro_train_batch_size", type=int, default=32,
+                   help="0 with --mode process: each side at its defaults (ours: by tokens; TRL: "
+                        f"{TRL_DEFAULT_MICRO} a device)")
     p.add_argument("--max_len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
     p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlhf_core.data.loading import DataError
     from rlhf_core.infra.reachability import StoreUnavailable, check_config_stores, check_stage_stores
+    from rlhf_core.infra.tracking import AttemptAbandoned
     from rlhf_core.stages.launch import StageFailed, is_bad_input
 
     try:
@@ -256,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             return args.orchestration_run(args)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
-    except StoreUnavailable as e:  # MLflow or S3 did not answer in time: infrastructure, retried
+    except (StoreUnavailable, AttemptAbandoned) as e:  # infrastructure: the store away, or the attempt given up
         return _fail(str(e), EXIT_FAILED)
     except StageFailed as e:
         if is_bad_input(e.cause):
             return _fail(str(e.cause))
+        if isinstance(e.cause, AttemptAbandoned):
+            return _fail(str(e.cause), EXIT_FAILED)
         return _fail(f"stage failed: {type(e.cause).__name__}: {e.cause}", EXIT_FAILED)
     return _fail(f"unknown command {args.command}")
 

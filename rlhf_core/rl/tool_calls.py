@@ -197,8 +197,8 @@ def parse_qwen3_coder(text: str) -> Calls:
 
 
 def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
-    """A text-valued format's (TEXT_VALUED) string values as the request's tool schema types them (a number, a boolean,
-    an object or array as JSON); a value that does not read as its type stays a string."""
+    """A text-valued format's (TEXT_VALUED) string values as the request's tool schema types them (a
+    number, a boolean, an object or array as JSON); a value that does not read as its type stays a string."""
     schema = next((t.get("function", {}).get("parameters") for t in tools or ()
                    if isinstance(t, dict) and isinstance(t.get("function"), dict)
                    and t["function"].get("name") == name), None)
@@ -329,7 +329,9 @@ def parse_glm45(text: str) -> Calls:
 
 
 MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
-_NAME = r"\s*=\s*(?:\"([^\"]*)\"|'([^']*)'|([^>\s]+))\s*>"
+_MINIMAX_SECTION = re.compile(re.escape(MINIMAX_CALLS) + r"(.*?)(?:" + re.escape(MINIMAX_CALLS_END) + r"|\Z)",
+                              re.DOTALL)
+_NAME = r"\s*=\s*(?:\"([^\"]*)\"|'([^']*)'|([^>\s]+))\s*>"  # quoted either way or bare: one group matches
 _INVOKE = re.compile(r"<invoke\s+name" + _NAME + r"(.*?)</invoke>", re.DOTALL)
 _MINIMAX_PARAMETER = re.compile(r"<parameter\s+name" + _NAME + r"(.*?)</parameter>", re.DOTALL)
 
@@ -338,18 +340,17 @@ def parse_minimax_m2(text: str) -> Calls:
     if MINIMAX_CALLS not in text:
         return text, []
     calls = []
-    for section in re.findall(re.escape(MINIMAX_CALLS) + r"(.*?)(?:" + re.escape(MINIMAX_CALLS_END) + r"|\Z)",
-                              text, re.DOTALL):
+    for section in _MINIMAX_SECTION.findall(text):
         invokes = _INVOKE.findall(section)
         if not invokes or _INVOKE.sub("", section).strip():
             return text, []  # a section holds calls and nothing else
-        for *names, body in invokes:
-            name = next(n for n in names if n) if any(names) else ""
-            if not name.strip() or _MINIMAX_PARAMETER.sub("", body).strip():
+        for *name, body in invokes:
+            name = "".join(name).strip()
+            if not name or _MINIMAX_PARAMETER.sub("", body).strip():
                 return text, []
-            arguments = {next(n for n in key if n).strip(): value
-                         for *key, value in _MINIMAX_PARAMETER.findall(body) if any(key)}
-            calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+            arguments = {"".join(key).strip(): value for *key, value in _MINIMAX_PARAMETER.findall(body)
+                         if "".join(key).strip()}  # a parameter without a name is skipped, as vLLM does
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
     return text[: text.index(MINIMAX_CALLS)].strip() or None, calls
 
 
@@ -371,8 +372,8 @@ def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
 
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
 # and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
-_MARKERS = (("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"), ("minimax_m2", MINIMAX_CALLS), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS),
-            ("kimi_k2", KIMI_CALLS), ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS),
+_MARKERS = (("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"), ("minimax_m2", MINIMAX_CALLS), ("hermes", START),
+            ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS), ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
 
 

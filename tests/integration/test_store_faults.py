@@ -361,3 +361,23 @@ def test_a_stage_whose_store_stays_away_fails_after_the_bound_with_checkpoints_i
     run = _stage_run(mlflow_server, seen["tracker"].run_id)
     assert run.info.status != "FINISHED"  # the flow's cache only reuses FINISHED runs with a stage.json
     assert "rlhf.output_uri" not in run.data.tags
+
+
+def test_a_stage_whose_run_its_orchestrator_ended_stops_before_publishing(
+        proxy, mlflow_server, prepared, tmp_path, monkeypatch, capsys, one_torch_thread):
+    """A job driver that outlived its Ray cluster: the flow gave the attempt up and marked its run
+    FAILED (then retries elsewhere) while the process still trained. It must not publish or mark the
+    run FINISHED: exit 1 with one line saying why, no output, the run still FAILED."""
+    from rlhf_core.cli import main
+    from rlhf_core.infra import storage
+
+    seen = _on_step(monkeypatch, {2: lambda tracker: _client(mlflow_server).set_terminated(tracker.run_id, "FAILED")})
+    out, ckpt = tmp_path / "sft", tmp_path / "ckpt"
+    code = main(_sft_argv(prepared, out, ckpt))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    error = [line for line in err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(error) == 1 and "Traceback" not in err, err
+    assert "was marked FAILED by another process" in error[0] and f"nothing was published at {out}" in error[0]
+    assert storage.read_manifest(str(out)) is None
+    assert _stage_run(mlflow_server, seen["tracker"].run_id).info.status == "FAILED"
