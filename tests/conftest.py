@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("RLHF_NO_PROGRESS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: a torch or OpenMP pool of more than one thread per process (this
+    # one and all it starts) only contends with the other worker's (tiny models: 10-40x slower)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +36,7 @@ def pytest_collection_finish(session):
     before it: the GPU profile's pip resolve (tests/pip_dry_run.py; it waits on the registry) and
     the learning tests' settings (tests/settings.py: minutes of training each, in one process, while
     the integration tests before the first learning test mostly wait on their processes)."""
-    if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
+    if any(item.name == GPU_DRY_RUN_TEST for item in session.items) and _worker_id(session.config) in ("gw0", None):
         from tests.pip_dry_run import PipDryRun
 
         session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
@@ -45,21 +49,72 @@ def pytest_collection_finish(session):
 
 
 def _start_settings(config, names: list[str]):
+    """Starts the builds of `names`. Under pytest-xdist every worker collects the same tests and
+    asks for the same settings when collection ends: the first to claim the run's shared folder
+    builds them there, the others wait on its files (a fixture asking later builds on its own)."""
     import tempfile
     from pathlib import Path
 
-    from tests.settings import PendingSettings
+    from tests.settings import PendingSettings, SharedSettings
 
-    pending = PendingSettings(Path(tempfile.mkdtemp(prefix="rlhf-settings-")), names)
+    shared = _shared_settings_root(config)
+    if shared is not None and SETTINGS not in config.stash:
+        try:
+            shared.mkdir()
+            pending = PendingSettings(shared, names)
+        except FileExistsError:
+            pending = SharedSettings(shared, names)
+    else:
+        pending = PendingSettings(Path(tempfile.mkdtemp(prefix="rlhf-settings-")), names)
     config.stash.setdefault(SETTINGS, {}).update(dict.fromkeys(names, pending))
     return pending
 
 
+def _shared_settings_root(config):
+    """The settings' folder the workers of one pytest-xdist run share (None without xdist)."""
+    import tempfile
+    from pathlib import Path
+
+    uid = getattr(config, "workerinput", {}).get("testrunuid") or (
+        config.getoption("testrunuid", None) if _is_xdist_controller(config) else None)
+    return Path(tempfile.gettempdir()) / f"rlhf-settings-{uid}" if uid else None
+
+
+def _worker_id(config) -> str | None:
+    """This pytest-xdist worker's name (gw0, gw1, ...), None without xdist: one of them starts the
+    pip resolve when collection ends; a test of it on another starts its own."""
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def _is_xdist_controller(config) -> bool:
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if _is_xdist_controller(config) and config.getoption("testrunuid", None) is None:
+        import uuid
+
+        config.option.testrunuid = uuid.uuid4().hex  # the workers get it; so the controller knows it
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): two workers on two cores or more, none on one. The tests
+    mostly wait on their processes (a pipeline test leaves about 45% of 2 cores idle), so two
+    workers fill the idle core; more would only contend for the cores and memory of a 2-core CI."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 0
+
+
 def pytest_unconfigure(config):
+    shared = _shared_settings_root(config)
     pending = [config.stash.get(GPU_DRY_RUN, None), *set(config.stash.get(SETTINGS, {}).values())]
     for process in pending:
-        if process is not None:
+        if process is not None and getattr(process, "root", None) != shared:  # the controller's, below
             process.stop()  # a session cut short leaves nothing running (and the settings' folders go)
+    if _is_xdist_controller(config):
+        from tests.settings import stop_builder
+
+        stop_builder(shared)  # the workers' shared builds, once the last worker is done
 
 
 @pytest.fixture

@@ -52,23 +52,68 @@ class PendingSettings(BackgroundProcess):
         super().__init__([sys.executable, "-m", "tests.settings", str(root), *names], root / "build.log", cwd=REPO,
                          env=env)
 
+        (root / PID).write_text(str(self.proc.pid))
+
     def result(self, name: str, timeout_s: float = 1800) -> dict:
-        """The setting's paths once it is built; a failed build fails with its log."""
-        assert name in self.names, f"{name} is not among the settings this process builds: {self.names}"
-        done, deadline = self.root / name / "setting.json", time.monotonic() + timeout_s
-        while not done.exists() and self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{name} not built within {timeout_s:.0f} s; see {self.log}")
-            time.sleep(1.0)
-        if not done.exists():  # the build ended without it: fails with the log's end
-            self.wait(0)
-            raise AssertionError(f"the settings' build ended without {done}:\n{self.log.read_text()[-4000:]}")
-        return json.loads(done.read_text())
+        return wait_for(self.root, self.names, name, timeout_s)
 
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class SharedSettings:
+    """The same builds started by another pytest-xdist worker of this run, in the folder they share
+    (conftest): this worker only waits on their files; the run's controller stops and removes them."""
+
+    def __init__(self, root: Path, names: list[str]):
+        self.root, self.names = root, names
+
+    def result(self, name: str, timeout_s: float = 1800) -> dict:
+        return wait_for(self.root, self.names, name, timeout_s)
+
+    def stop(self) -> None:
+        pass
+
+
+PID = "builder.pid"
+
+
+def builder_running(root: Path) -> bool:
+    """Whether the build process of `root` is still at work (a zombie has ended); not yet started
+    counts as running, for a worker that asks before the one that claimed the folder started it."""
+    try:
+        pid = int((root / PID).read_text())
+    except (FileNotFoundError, ValueError):
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def stop_builder(root: Path) -> None:
+    """Kills the build process of `root` if it still runs, and removes the folder."""
+    try:
+        os.kill(int((root / PID).read_text()), 9)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for(root: Path, names: list[str], name: str, timeout_s: float) -> dict:
+    """The setting's paths once it is built; a failed build fails with its log."""
+    assert name in names, f"{name} is not among the settings this build makes: {names}"
+    done, deadline = root / name / "setting.json", time.monotonic() + timeout_s
+    while not done.exists() and builder_running(root):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not built within {timeout_s:.0f} s; see {root / 'build.log'}")
+        time.sleep(1.0)
+    if not done.exists():  # the build ended without it: fails with the log's end
+        log = root / "build.log"
+        raise AssertionError(f"the settings' build ended without {done}:\n"
+                             f"{log.read_text()[-4000:] if log.exists() else '(no log)'}")
+    return json.loads(done.read_text())
 
 
 def build_all(root: Path, names: list[str]) -> None:
