@@ -98,6 +98,7 @@ def pytest_configure(config):
         config.option.testrunuid = uuid.uuid4().hex  # the workers get it; so the controller knows it
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `-p no:xdist` runs without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two workers on two cores or more, none on one. The tests
     mostly wait on their processes (a pipeline test leaves about 45% of 2 cores idle), so two
