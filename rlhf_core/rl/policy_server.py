@@ -20,8 +20,9 @@ completion (trained) and what the conversation added between two calls (not trai
 - Tool calling: a chat request's `tools` go to the chat template (which must render them), and
   calls the policy writes come back as `tool_calls`, read in the format of `tool_call_parser`
   (`rl/tool_calls.py`: hermes, llama3_json, mistral, pythonic, qwen3_coder, deepseek_v3,
-  deepseek_v31, kimi_k2, granite, glm45, minimax_m2; auto: the one the chat template teaches,
-  hermes where it shows none; the text values of qwen3_coder, glm45 and minimax_m2 typed by the
+  deepseek_v31, kimi_k2, granite, glm45, minimax_m2, seed_oss, step3, xlam, phi4_mini_json; auto:
+  the one the chat template teaches, hermes where it shows none; the text values of qwen3_coder,
+  glm45, minimax_m2, seed_oss and step3 typed by the
   request's tool schemas)
   (`finish_reason` "tool_calls"); `tool_choice` may be auto or none (sampling is not constrained,
   so a required or named call cannot be enforced). When such an assistant message comes back in a

@@ -33,6 +33,14 @@ whole text is content.
   `<minimax:tool_call>` and `</minimax:tool_call>`, each call `<invoke name="NAME"><parameter
   name="KEY">VALUE</parameter>...</invoke>`. Both write each value as text (typed like
   `qwen3_coder`'s) and keep it verbatim; the text before the first call is the content.
+- `seed_oss` (Seed-OSS): `qwen3_coder`'s calls between `<seed:tool_call>` and `</seed:tool_call>`,
+  after any `<seed:think>...</seed:think>` (the thinking and the text before the calls are the
+  content); `step3` (Step-3): `<｜tool_calls_begin｜>`, calls `function<｜tool_sep｜><steptml:invoke
+  name="NAME">` with `<steptml:parameter name="KEY">VALUE</steptml:parameter>`, `<｜tool_calls_end｜>`
+  (the text around the section is the content). Both write values as text, typed as above.
+- `xlam` (Salesforce xLAM): a JSON list of `{"name", "arguments"}`, bare, fenced, after
+  `[TOOL_CALLS]`, in `<tool_call>` or after `</think>` (the rest is the content); `phi4_mini_json`
+  (Phi-4-mini): `functools[...]`, a JSON list of calls, no content.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -179,21 +187,53 @@ def _one_newline_off(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
+def _xml_functions(blocks: list[str]) -> list[tuple[str, str]]:
+    """The calls of blocks each holding exactly one `<function=NAME>` of `<parameter=KEY>`s
+    (values without the newline on each side); _NotACall when a block holds anything else."""
+    calls = []
+    for block in blocks:
+        functions = _FUNCTION.findall(block)
+        if len(functions) != 1 or _FUNCTION.sub("", block).strip():
+            raise _NotACall(block)  # a call is exactly one <function=...>...</function>
+        name, body = functions[0]
+        if _PARAMETER.sub("", body).strip():
+            raise _NotACall(body)  # something other than parameters inside the function
+        arguments = {key.strip(): _one_newline_off(value) for key, value in _PARAMETER.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
 def parse_qwen3_coder(text: str) -> Calls:
     if START not in text:
         return text, []
-    calls = []
-    for block in _BLOCK.findall(text):
-        functions = _FUNCTION.findall(block)
-        if len(functions) != 1 or _FUNCTION.sub("", block).strip():
-            return text, []  # a call is exactly one <function=...>...</function>
-        name, body = functions[0]
-        if _PARAMETER.sub("", body).strip():
-            return text, []  # something other than parameters inside the function
-        arguments = {key.strip(): _one_newline_off(value) for key, value in _PARAMETER.findall(body)}
-        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    try:
+        calls = _xml_functions(_BLOCK.findall(text))
+    except _NotACall:
+        return text, []
     content = text[: text.index(START)].strip()
     return content or None, calls
+
+
+SEED_CALL, SEED_CALL_END, SEED_THINK, SEED_THINK_END = ("<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
+                                                        "</seed:think>")
+_SEED_BLOCK = re.compile(re.escape(SEED_CALL) + r"(.*?)(?:" + re.escape(SEED_CALL_END) + r"|\Z)", re.DOTALL)
+
+
+def parse_seed_oss(text: str) -> Calls:
+    """Seed-OSS: Qwen3-Coder's calls between `<seed:tool_call>` and `</seed:tool_call>` (or each
+    `<function=...>` alone where no section is written, as vLLM backs off), after the thinking."""
+    thinking = text[: text.index(SEED_THINK_END) + len(SEED_THINK_END)] if (
+        SEED_THINK in text and SEED_THINK_END in text) else ""
+    answer = text[len(thinking):]
+    blocks = _SEED_BLOCK.findall(answer) if SEED_CALL in answer else [m[0] for m in _FUNCTION.finditer(answer)]
+    if not blocks:
+        return text, []
+    try:
+        calls = _xml_functions(blocks)
+    except _NotACall:
+        return text, []
+    start = answer.index(SEED_CALL) if SEED_CALL in answer else answer.index("<function=")
+    return (thinking + answer[:start]).strip() or None, calls
 
 
 def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
@@ -354,11 +394,108 @@ def parse_minimax_m2(text: str) -> Calls:
     return text[: text.index(MINIMAX_CALLS)].strip() or None, calls
 
 
+STEP3_CALLS, STEP3_CALLS_END = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
+STEP3_CALL, STEP3_SEP, STEP3_CALL_END = "<｜tool_call_begin｜>", "<｜tool_sep｜>", "<｜tool_call_end｜>"
+_STEP3_INVOKE = re.compile(r'<steptml:invoke name="([^"]+)">(.*?)</steptml:invoke>', re.DOTALL)
+_STEP3_PARAMETER = re.compile(r'<steptml:parameter name="([^"]+)">([^<]*)</steptml:parameter>')
+
+
+def parse_step3(text: str) -> Calls:
+    """Step-3: a closed `<｜tool_calls_begin｜>` ... `<｜tool_calls_end｜>` section; each call
+    `<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME"><steptml:parameter
+    name="KEY">VALUE</steptml:parameter>...</steptml:invoke><｜tool_call_end｜>`, values stripped
+    text; a call of another type than `function` is passed over, as vLLM does. The text before and
+    after the section is the content."""
+    if STEP3_CALLS not in text:
+        return text, []
+    before, rest = text.split(STEP3_CALLS, 1)
+    if STEP3_CALLS_END not in rest:
+        return text, []
+    section, after = rest.split(STEP3_CALLS_END, 1)
+    calls = []
+    for part in section.split(STEP3_CALL)[1:]:
+        kind, sep, invoke = part.split(STEP3_CALL_END, 1)[0].partition(STEP3_SEP)
+        match = _STEP3_INVOKE.search(invoke)
+        if STEP3_CALL_END not in part or not sep or kind.strip() != "function" or match is None:
+            continue
+        arguments = {key: value.strip() for key, value in _STEP3_PARAMETER.findall(match[2])}
+        calls.append((match[1], json.dumps(arguments, ensure_ascii=False)))
+    return ((before + after).strip() or None, calls) if calls else (text, [])
+
+
+THINK_END = "</think>"
+_XLAM_BLOCKS = (re.compile(r"```(?:json)?\s*([\s\S]*?)```"), re.compile(r"\[TOOL_CALLS\]([\s\S]*?)(?=\n|$)"),
+                re.compile(re.escape(START) + r"([\s\S]*?)" + re.escape(END)))
+
+
+def _xlam_listing(text: str) -> tuple[str | None, str] | None:
+    """(content, the JSON text of the calls) as xLAM writes them: the text after `</think>`, or a
+    ```json fence, a `[TOOL_CALLS]` line or a `<tool_call>` block (the first that parses), or the
+    whole completion as a JSON list; None when there is none."""
+    def parses(raw: str) -> bool:
+        try:
+            json.loads(raw)
+        except ValueError:
+            return False
+        return True
+
+    if THINK_END in text:
+        head, tail = text[: text.index(THINK_END) + len(THINK_END)], text[text.index(THINK_END) + len(THINK_END):]
+        if parses(tail.strip()):
+            return head.strip(), tail.strip()
+        for block in _XLAM_BLOCKS:
+            found = next((raw for raw in block.findall(tail.strip()) if parses(raw)), None)
+            if found is not None:
+                return head.strip(), found
+    for block in _XLAM_BLOCKS:
+        found = next((raw for raw in block.findall(text) if parses(raw)), None)
+        if found is not None:
+            return block.sub("", text).strip(), found
+    if text.strip().startswith("[") and parses(text):
+        return None, text
+    return None
+
+
+def parse_xlam(text: str) -> Calls:
+    """xLAM (Salesforce): a JSON list of `{"name", "arguments"}` objects, bare or in a ```json
+    fence, after `[TOOL_CALLS]`, in a `<tool_call>` block or after `</think>`; the text around it
+    is the content. An item without a name or arguments is passed over, as vLLM does."""
+    found = _xlam_listing(text)
+    listed = json.loads(found[1]) if found is not None else None
+    if not isinstance(listed, list):
+        return text, []
+    calls = [(item["name"], _arguments(item["arguments"])) for item in listed
+             if isinstance(item, dict) and isinstance(item.get("name"), str) and "arguments" in item]
+    return (found[0] or None, calls) if calls else (text, [])
+
+
+PHI4_CALLS = "functools"
+
+
+def parse_phi4_mini_json(text: str) -> Calls:
+    """Phi-4-mini: `functools[{"name": ..., "arguments"|"parameters": ...}, ...]`; with calls, no
+    content. The list is read as JSON to its own end, so arguments holding `]` read whole (vLLM's
+    reading stops at the first `]`)."""
+    at = text.find(PHI4_CALLS + "[")
+    if at < 0:
+        return text, []
+    try:
+        listed, _ = _DECODER.raw_decode(text[at + len(PHI4_CALLS):])
+        if not isinstance(listed, list) or not listed or any(
+                not isinstance(obj, dict) or ("arguments" not in obj and "parameters" not in obj) for obj in listed):
+            raise _NotACall(listed)
+        return None, [_named_call(obj) for obj in listed]
+    except ValueError:
+        return text, []
+
+
 PARSERS: dict[str, Callable[[str], Calls]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
     "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
-    "kimi_k2": parse_kimi_k2, "granite": parse_granite, "glm45": parse_glm45, "minimax_m2": parse_minimax_m2}
-TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2"})  # formats that write every argument value as text
+    "kimi_k2": parse_kimi_k2, "granite": parse_granite, "glm45": parse_glm45, "minimax_m2": parse_minimax_m2,
+    "seed_oss": parse_seed_oss, "step3": parse_step3, "xlam": parse_xlam, "phi4_mini_json": parse_phi4_mini_json}
+# formats that write every argument value as text
+TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2", "seed_oss", "step3"})
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
@@ -372,8 +509,9 @@ def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
 
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
 # and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
-_MARKERS = (("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"), ("minimax_m2", MINIMAX_CALLS), ("hermes", START),
-            ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS), ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS),
+_MARKERS = (("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
+            ("minimax_m2", MINIMAX_CALLS), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
+            ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS), ("phi4_mini_json", PHI4_CALLS + "["),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
 
 

@@ -17,8 +17,12 @@ from rlhf_core.rl.tool_calls import (
     parse_llama3_json,
     parse_minimax_m2,
     parse_mistral,
+    parse_phi4_mini_json,
     parse_pythonic,
     parse_qwen3_coder,
+    parse_seed_oss,
+    parse_step3,
+    parse_xlam,
     read_calls,
     typed_arguments,
 )
@@ -171,7 +175,64 @@ def test_minimax_m2_invokes_with_named_parameters():
         assert parse_minimax_m2(bad) == (bad, []), bad
 
 
+def test_seed_oss_calls_after_the_thinking_typed_by_the_schema():
+    text = ("<seed:think>Weather first.</seed:think>Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>"
+            "\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</seed:tool_call>"
+            "<seed:tool_call><function=now></function></seed:tool_call>")
+    assert parse_seed_oss(text) == ("<seed:think>Weather first.</seed:think>Sure.",
+                                    [("get_weather", '{"city": "Paris", "days": "3"}'), ("now", "{}")])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    assert read_calls("seed_oss", text, tools)[1][0] == ("get_weather", '{"city": "Paris", "days": 3}')
+    # no section written: each <function=...> alone, as vLLM backs off
+    assert parse_seed_oss("<function=now></function>") == (None, [("now", "{}")])
+    # a call inside the thinking is not a call
+    thought = "<seed:think><seed:tool_call><function=now></function></seed:tool_call></seed:think>Done."
+    for bad in ("no calls", thought, "<seed:tool_call>text</seed:tool_call>",
+                "<seed:tool_call><function=f><parameter=a>1</parameter>stray</function></seed:tool_call>"):
+        assert parse_seed_oss(bad) == (bad, []), bad
+
+
+def test_step3_calls_in_a_closed_section_with_the_text_around_as_content():
+    call = ('<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="get_weather"><steptml:parameter '
+            'name="city"> Paris </steptml:parameter><steptml:parameter name="days">3</steptml:parameter>'
+            '</steptml:invoke><｜tool_call_end｜>')
+    other = '<｜tool_call_begin｜>search<｜tool_sep｜><steptml:invoke name="web"></steptml:invoke><｜tool_call_end｜>'
+    text = f"Looking.<｜tool_calls_begin｜>{call}{other}<｜tool_calls_end｜> Done."
+    assert parse_step3(text) == ("Looking. Done.", [("get_weather", '{"city": "Paris", "days": "3"}')])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"days": {"type": "integer"}}}}}]
+    assert read_calls("step3", text, tools)[1][0] == ("get_weather", '{"city": "Paris", "days": 3}')
+    for bad in ("no calls", f"<｜tool_calls_begin｜>{call}", f"<｜tool_calls_begin｜>{other}<｜tool_calls_end｜>"):
+        assert parse_step3(bad) == (bad, []), bad
+
+
+def test_xlam_lists_bare_fenced_tagged_or_after_the_thinking():
+    listed = '[{"name": "add", "arguments": {"a": 1, "b": [2]}}, {"name": "now", "arguments": "{}"}]'
+    calls = [("add", '{"a": 1, "b": [2]}'), ("now", "{}")]
+    assert parse_xlam(listed) == (None, calls)
+    assert parse_xlam(f"Adding.\n```json\n{listed}\n```") == ("Adding.", calls)
+    assert parse_xlam(f"Adding. <tool_call>{listed}</tool_call>") == ("Adding.", calls)
+    assert parse_xlam(f"[TOOL_CALLS]{listed}\nthen more") == ("then more", calls)
+    assert parse_xlam(f"<think>sum it</think>\n{listed}") == ("<think>sum it</think>", calls)
+    # an item without arguments is passed over, as vLLM does
+    assert parse_xlam('[{"name": "add"}, {"name": "now", "arguments": {}}]') == (None, [("now", "{}")])
+    for bad in ("no calls", "[1, 2]", '{"name": "add", "arguments": {}}', "```json\n[\n```", '[{"name": "add"}]'):
+        assert parse_xlam(bad) == (bad, []), bad
+
+
+def test_phi4_mini_functools_list_read_whole():
+    text = 'functools[{"name": "pick", "arguments": {"from": [1, 2]}}, {"name": "now", "parameters": {}}]'
+    assert parse_phi4_mini_json(text) == (None, [("pick", '{"from": [1, 2]}'), ("now", "{}")])
+    assert parse_phi4_mini_json("Sure: " + text)[1] == [("pick", '{"from": [1, 2]}'), ("now", "{}")]
+    for bad in ("no calls", "functools[]", 'functools[{"name": "f"}]', "functools[{bad json}]"):
+        assert parse_phi4_mini_json(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
+    ("{{ '<seed:tool_call>' }}\n<function={{ name }}>\n<parameter={{ key }}>", "seed_oss"),
+    ("{{ '<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke' }}", "step3"),
+    ("In addition to plain text responses, you can chose to call ... functools[{...}]", "phi4_mini_json"),
     ("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>", "glm45"),
     ('<minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>',
      "minimax_m2"),
