@@ -15,7 +15,9 @@ SFT; 2e-5 held it at 78.5% (KL 0.17). Not measured in fp32 (a CPU without native
 A run starts from the `champion` (else SFT, or SFT with `start_from: sft`). Sampling is seeded per
 pipeline run unless `iterative.seed` pins it, so scheduled runs draw fresh pairs. Each round's
 stages name the previous policy as their upstream. A round that does not beat the champion ends
-the run (`iterative.stop_early`), and the summary says why (`stopped_early`).
+the run (`iterative.stop_early`), and the summary says why (`stopped_early`). So does a round whose
+samples gave no pair (every prompt's samples scored alike, e.g. a policy the verifier never finds
+right): nothing is trained or registered (with `stop_early: false` the next round samples again).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
         args = ["pairs", "--pretrain", policy.output_uri, "--dataset", paths["prompts"], "--task", prep.task,
                 "--reward", iterative.reward, "--n_samples_per_prompt", str(iterative.n_samples_per_prompt),
                 "--temperature", str(iterative.temperature), "--max_samples", str(iterative.n_prompts),
-                "--num_engines", str(iterative.num_engines),
+                "--num_engines", str(iterative.num_engines), "--allow_no_pairs",
                 "--seed", str(seed + r), "--save_path", out, "--mlflow_experiment", ctx.experiment,
                 "--mlflow_run_name", name]
         upstream = {"policy": policy, "data": prep_outcome}
@@ -67,6 +69,18 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
                                               None, paths["prompts"], upstream,
                                               num_gpus=driver_gpus(ctx, iterative.num_engines)))
 
+        if not pairs.metrics.get("pairs/num_pairs"):
+            why = (f"round {r} made no preference pair: all {iterative.n_samples_per_prompt} samples of each of its "
+                   f"{iterative.n_prompts} prompts scored alike by the {iterative.reward.replace('_', ' ')} (mean "
+                   f"reward {pairs.metrics.get('pairs/mean_reward', float('nan')):.4f}), so DPO had nothing to learn "
+                   f"from and the policy it started from stays ({policy.output_uri})")
+            rounds.append({"round": r, "policy_in": policy.output_uri, "pairs": pairs.metrics, "trained": False,
+                           "promoted": False, "skipped": why})
+            if iterative.stop_early and r < iterative.rounds:
+                stopped = (f"{why}: stopped after round {r} of {iterative.rounds} (iterative.stop_early: false samples "
+                           "again in the next round)")
+                break
+            continue
         # Sampled responses may stop at max_new_tokens without EOS, a few tokens past the
         # prep data's lengths: truncate rather than fail a scheduled round on one long sample.
         trained = outcomes[f"dpo-round{r}"] = run(train_job(

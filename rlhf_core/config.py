@@ -1064,6 +1064,9 @@ class PairsConfig(RolloutStageConfig):
     temperature: float = Field(1.0, gt=0)
     num_engines: int = Field(1, ge=1, description="Rollout engines on Ray (a local one when no cluster is given), "
                              "each sampling a contiguous share of the prompts; 1: one engine in this process")
+    allow_no_pairs: bool = Field(False, description="Where every prompt's samples score alike, publish an empty "
+                                 "train.jsonl (pairs/num_pairs 0) and exit 0 instead of failing with exit 2: an "
+                                 "iterative-DPO round then ends the run, saying why")
 
     @model_validator(mode="after")
     def _check_reward(self) -> PairsConfig:

@@ -7,6 +7,8 @@ reject empty texts, and a DPO run must not fail on data this stage wrote.
 
 The output holds `train.jsonl` (`prompt`, `chosen`, `rejected`, `chosen_score`, `rejected_score`;
 prompts raw) and `stage.json`, published atomically, for `rlhf train dpo --dataset json@<save_path>`.
+When no prompt gives a pair the stage fails (exit 2, NoPairsError), or with `--allow_no_pairs`
+publishes an empty `train.jsonl` with `pairs/num_pairs` 0, for a flow that decides what follows.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def run_pairs(cfg: PairsConfig) -> dict:
                    PAIR_FRACTION: len(rows) / len(prompts), "pairs/num_skipped_prompts": skipped,
                    "pairs/mean_response_len": sum(len(c.token_ids) for g in groups for c in g) / len(flat)}
         print(f"[pairs] {len(rows)} pairs from {len(prompts)} prompts ({skipped} skipped: equal scores), mean "
-              f"reward {metrics['pairs/mean_reward']:.4f}", file=sys.stderr, flush=True)
-        if not rows:
+              f"reward {metrics['pairs/mean_reward']:.4f}{'; published without rows (--allow_no_pairs)' if not rows else ''}",
+              file=sys.stderr, flush=True)
+        if not cfg.allow_no_pairs and not rows:  # the flag read first: every run reads each field
             raise NoPairsError(f"no preference pairs: all {n} samples of each of the {len(prompts)} prompts scored "
                                f"the same (mean reward {metrics['pairs/mean_reward']:.4f}); sample more "
                                "(--n_samples_per_prompt), raise --temperature, or use a reward model")

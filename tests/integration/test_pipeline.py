@@ -550,6 +550,40 @@ def test_prep_data_and_models_on_s3_and_a_process_reward_model_picks_rejection_s
     assert "eval/ppo/sampled_accuracy" in metrics
 
 
+def test_a_scheduled_round_from_the_champion_beats_it_or_stops_and_says_why(first_run):
+    """What the `iterative-dpo` deployment runs on its schedule (deployments/prefect.yaml: from the
+    registered champion, whichever run trained it, with that run's prompts and SFT model), at a
+    reduced size: a round either beats the champion on held-out sampled accuracy and replaces it, or
+    leaves it and ends the run, saying why with both figures (iterative.stop_early)."""
+    from flows.pipeline import rlhf
+    from orchestration.lineage import CHAMPION, POLICY_MODEL
+
+    client = mlflow_client()
+    before = client.get_model_version_by_alias(POLICY_MODEL, CHAMPION)
+    result = rlhf(**params(settings={"stages": ["iterative_dpo"], "from_run": "champion"},
+                           iterative={"start_from": "champion", "rounds": 2, "n_prompts": 16}))
+    rounds, stopped = result["iterative"]["rounds"], result["iterative"]["stopped_early"]
+    after = client.get_model_version_by_alias(POLICY_MODEL, CHAMPION)
+    first = rounds[0]
+    assert first["policy_in"] == before.tags["rlhf.output_uri"]
+    if first.get("trained") is not False:
+        assert first["metric"] == "sampled_accuracy"
+        assert first["previous_champion_value"] == float(before.tags["rlhf.eval.sampled_accuracy"])
+    if first["promoted"]:  # held-out sampled accuracy rose: the round's policy is the champion now
+        assert first["value"] > first["previous_champion_value"]
+        assert len(rounds) == 2 and rounds[1]["policy_in"] == first["policy_out"]
+        assert after.version != before.version
+        return
+    # it did not: the champion stays and the run stops after round 1, saying why
+    assert len(rounds) == 1 and after.version == before.version and "stopped after round 1 of 2" in stopped
+    if first.get("trained") is False:  # a weak champion: the verifier scored every sample alike, no pair to learn
+        assert first["pairs"]["pairs/num_pairs"] == 0 and stopped.startswith("round 1 made no preference pair")
+        assert first["skipped"] in stopped and before.tags["rlhf.output_uri"] in stopped
+    else:
+        assert f"did not beat the champion ({first['previous_champion_value']:.4f})" in stopped
+        assert f"sampled_accuracy {first['value']:.4f}" in stopped
+
+
 def test_two_iterative_dpo_rounds_are_linked(first_run):
     from flows.pipeline import rlhf
     from orchestration.lineage import CHAMPION, REGISTERED_NAMES

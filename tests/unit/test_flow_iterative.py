@@ -13,9 +13,9 @@ def pairs_keys(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run")
 
 
 def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run", promote=lambda *a: (False, None),
-               result=None, rollout_gpus: float = 0) -> list:
+               result=None, rollout_gpus: float = 0, pairs_made=lambda r: 4) -> list:
     """Every job `run_rounds` submits, each faked (`promote`: the registry's answer; `result`: a dict
-    that gets `run_rounds`' return value)."""
+    that gets `run_rounds`' return value; `pairs_made(round)`: how many pairs that round's job made)."""
     from flows import iterative as iterative_flow
     from flows.params import EvalParams, PipelineDPOConfig, PipelineSettings, PrepParams
     from orchestration import lineage
@@ -28,6 +28,9 @@ def round_jobs(tmp_path, monkeypatch, iterative, prep=None, parent="parent-run",
 
     def run(job):
         jobs.append(job)
+        if job.stage == "pairs":
+            return outcome(job.name, tmp_path, {"pairs/num_pairs": pairs_made(int(job.name.removeprefix("pairs-round"))),
+                                                "pairs/mean_reward": 0.0})
         return outcome(job.name, tmp_path, {"eval/dpo/sampled_accuracy": 1.0})
 
     upstream = {n: outcome(n, tmp_path) for n in ("prep", "sft", "rm")}
@@ -116,3 +119,25 @@ def test_a_round_that_does_not_beat_the_champion_ends_the_run_and_says_why(tmp_p
     assert names == ["dpo-round1", "dpo-round2", "dpo-round3"] and result["stopped_early"] is None
     names, result = trained(promote=lambda *a: (True, 0.5))
     assert len(names) == 3 and result["stopped_early"] is None
+
+
+def test_a_round_whose_samples_give_no_pair_trains_nothing_and_says_why(tmp_path, monkeypatch):
+    """A policy whose samples all score alike (the verifier finds none right) gives no pair: the round
+    asks its pairs job for an empty set rather than a failure, trains and registers nothing, and the
+    run stops saying why; with `stop_early: false` the next round samples again."""
+    from flows.params import IterativeDPOParams
+
+    result: dict = {}
+    jobs = round_jobs(tmp_path, monkeypatch, IterativeDPOParams(rounds=3), result=result, pairs_made=lambda r: 0)
+    assert [j.name for j in jobs] == ["pairs-round1"] and "--allow_no_pairs" in jobs[0].args
+    (first,) = result["rounds"]
+    assert first["trained"] is False and first["promoted"] is False and first["pairs"]["pairs/num_pairs"] == 0
+    assert result["stopped_early"].startswith("round 1 made no preference pair: all 4 samples of each of its 512 "
+                                              "prompts scored alike by the verifier (mean reward 0.0000)")
+    assert "stopped after round 1 of 3" in result["stopped_early"] and result["final_policy"] == first["policy_in"]
+
+    jobs = round_jobs(tmp_path, monkeypatch, IterativeDPOParams(rounds=3, stop_early=False), result=result,
+                      pairs_made=lambda r: 4 if r == 2 else 0)
+    assert [j.name for j in jobs if j.stage == "dpo"] == ["dpo-round2"] and result["stopped_early"] is None
+    assert [r.get("trained", True) for r in result["rounds"]] == [False, True, False]
+    assert "round 3 made no preference pair" in result["rounds"][2]["skipped"]

@@ -104,6 +104,13 @@ def test_no_pairs_is_a_clear_failure_that_orchestrators_do_not_retry(prepared, t
     err = capsys.readouterr().err
     assert code == 2 and "no preference pairs" in err and "--n_samples_per_prompt" in err  # 2: not retried
     assert not (tmp_path / "p").exists()
+    # what an iterative-DPO round asks for: an empty set, published whole, for the flow to stop on
+    code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"], "--task",
+                 "addition", "--n_samples_per_prompt", "2", "--max_samples", "3", "--save_path",
+                 str(tmp_path / "p"), "--use_mlflow", "false", "--allow_no_pairs"])
+    manifest = json.loads(capsys.readouterr().out)
+    assert code == 0 and manifest["metrics"]["pairs/num_pairs"] == 0 and manifest["metrics"]["pairs/mean_reward"] == 0
+    assert (tmp_path / "p" / "train.jsonl").read_text() == "" and (tmp_path / "p" / "stage.json").is_file()
 
 
 def test_verifier_needs_a_task(prepared, tmp_path, capsys):
