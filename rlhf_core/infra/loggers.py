@@ -79,8 +79,10 @@ class WandbSink(_Sink):
 
         self.wandb, self.step = wandb, 0
         mode = settings.mode or os.environ.get("WANDB_MODE") or "online"
+        # WANDB_DIR as it is now: W&B reads the environment once per process (its settings singleton),
+        # so a process that runs several stages would put every later run in the first one's folder
         common = dict(entity=settings.org, project=settings.project, group=settings.group, name=run_name,
-                      config=config, reinit="create_new")
+                      config=config, reinit="create_new", dir=os.environ.get("WANDB_DIR"))
         quiet = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True, silent=True,
                                init_timeout=float(os.environ.get("RLHF_WANDB_INIT_TIMEOUT_S", "60")))
         try:

@@ -115,3 +115,19 @@ def test_wandb_and_tensorboard_get_mlflows_metrics_and_the_key_reaches_no_record
     assert run.data.params["logger.wandb.key"] == "**********"
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert not leaks, leaks
+
+
+def test_each_stage_run_in_one_process_writes_its_wandb_run_where_wandb_dir_says_then(tmp_path, monkeypatch):
+    """W&B reads the environment once per process; stages run one after another in one process (a
+    notebook, these tests) each put their W&B run under the WANDB_DIR of their own start."""
+    from rlhf_core.config import WandbConfig
+    from rlhf_core.infra.loggers import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv("WANDB_DIR", str(tmp_path / name))
+        sink = WandbSink(WandbConfig(key=KEY).with_defaults("sft"), name, {})
+        sink.log({"train/loss": 1.0}, 1)
+        sink.close()
+        assert len(list((tmp_path / name / "wandb").glob("offline-run-*/run-*.wandb"))) == 1, name
