@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from rlhf_core.infra.redaction import REDACTED, redact, redact_text
 from rlhf_core.infra.settings import artifact_root, tracking_uri
 
 __all__ = ["REDACTED", "AttemptAbandoned", "redact", "redact_params", "Tracker"]
+
+
+STATUS_READ_S = 2.0  # how long a checkpoint waits to learn whether the attempt was given up
 
 
 class AttemptAbandoned(RuntimeError):
@@ -77,7 +81,6 @@ class MetricQueue:
 
     def __init__(self, send, capacity: int, store: str):
         import collections
-        import threading
 
         self._send, self.capacity, self.store = send, capacity, store
         self._queue: collections.deque = collections.deque()
@@ -337,11 +340,41 @@ class Tracker:
                                    "infrastructure failure (exit 1): a pipeline retries the stage")
         status = self._retry("read the stage's run", lambda: self.client.get_run(self.run_id).info.status)
         if status != "RUNNING":
-            self._published = None  # a retry may own that output by now: never withdraw it from here
-            raise AttemptAbandoned(f"the stage's MLflow run {self.run_id} was marked {status} by another process "
-                                   "while this one ran: its orchestrator gave this attempt up (for example when its "
-                                   f"Ray cluster stopped answering) and retries the stage; "
-                                   f"{doing or 'nothing was published'}")
+            raise self.abandoned(status, doing or "nothing was published")
+
+    def ended_elsewhere(self, wait_s: float = STATUS_READ_S) -> str | None:
+        """The run's status when another process ended it (its orchestrator gave this attempt up), else
+        None: RUNNING, tracking off, or the store not answering within `wait_s` (training goes on; the
+        check before publishing waits for the store). Asked before each checkpoint, so an abandoned
+        attempt stops writing into the checkpoint folder its retry resumes from."""
+        if not self.enabled:
+            return None
+        answer: dict[str, str] = {}
+
+        def read() -> None:
+            try:
+                answer["status"] = self.client.get_run(self.run_id).info.status
+            except Exception:  # noqa: BLE001 - the store away: not known now, never a reason to stop training
+                pass
+
+        reading = threading.Thread(target=read, name="rlhf-run-status", daemon=True)
+        reading.start()
+        reading.join(wait_s)  # a store that hangs delays a checkpoint this long at most
+        status = answer.get("status")
+        return None if status in (None, "RUNNING") else status
+
+    def abandoned(self, status: str, doing: str) -> AttemptAbandoned:
+        """The error for a run another process ended with `status`, saying `doing`."""
+        self._published = None  # a retry may own that output by now: never withdraw it from here
+        return AttemptAbandoned(f"the stage's MLflow run {self.run_id} was marked {status} by another process while "
+                                "this one ran: its orchestrator gave this attempt up (for example when its Ray "
+                                f"cluster stopped answering) and retries the stage; {doing}")
+
+    def stop_if_ended_elsewhere(self, doing: str) -> None:
+        """AttemptAbandoned (saying `doing`) when another process ended the run (`ended_elsewhere`)."""
+        status = self.ended_elsewhere()
+        if status is not None:
+            raise self.abandoned(status, doing)
 
     def published(self, uri: str, stage: str) -> None:
         """The output is at `uri` now; withdrawn again if its record fails before the run finishes."""

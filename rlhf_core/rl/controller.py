@@ -205,6 +205,9 @@ class RLController:
             # after the evaluation: the checkpoint holds what it changed (the best, the guard's window)
             if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:
                 self.ahead.wait()  # partial rollouts: the batch being sampled is saved whole
+                # an attempt its orchestrator gave up writes nothing more where its retry resumes from
+                self.tracker.stop_if_ended_elsewhere(f"it stopped at step {self.step}: its checkpoint was not "
+                                                     "written and nothing was published")
                 self.checkpoint_run = checkpoint.save(self, cfg.ckpt.path, self.checkpoint_run)
         self.ahead.wait()
         if self.stopped_by_guard is None or evaluated is None:  # else just evaluated: the guard stopped there

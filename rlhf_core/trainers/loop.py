@@ -165,6 +165,7 @@ class TrainLoop:
         updates `latest` and rotates. A full disk removes the partial folder and raises DiskFullError.
         On s3:// each rank uploads its own part and rank 0 writes `latest` after all have (`_save_remote`)."""
         from rlhf_core.infra import storage
+        self._stop_if_abandoned()
         if checkpoints.is_remote(self.cfg.ckpt.path):
             self._save_remote()
             self._record_and_rotate(self.cfg.ckpt.path, f"global_step{self.step}")
@@ -196,6 +197,21 @@ class TrainLoop:
             if self.rank == 0:
                 checkpoints.commit(ckpt, tag, resumable=not self.cfg.ckpt.disable_ds)
         self._record_and_rotate(ckpt, tag)
+
+    def _stop_if_abandoned(self) -> None:
+        """Before a checkpoint: every rank stops (AttemptAbandoned) when rank 0 finds the stage's run
+        ended by another process, so an attempt its orchestrator gave up and retries writes and rotates
+        nothing more in the checkpoint folder the retry resumes from."""
+        from rlhf_core.infra.tracking import AttemptAbandoned
+
+        status = self.tracker.ended_elsewhere() if self.rank == 0 else None
+        if all_reduce_sum(torch.tensor(float(status is not None))).item() == 0:
+            return
+        doing = (f"it stopped at step {self.step} of {self.total_steps}: checkpoint global_step{self.step} was not "
+                 "written and nothing was published")
+        if self.rank == 0:
+            raise self.tracker.abandoned(status, doing)
+        raise AttemptAbandoned(f"rank 0 found the stage's MLflow run ended by another process; {doing}")
 
     def _save_hf(self, folder: Path) -> None:
         """`--ckpt.save_hf`: the model in Hugging Face format at `folder/hf` (every rank gathers, rank 0 writes)."""

@@ -366,8 +366,9 @@ def test_a_stage_whose_store_stays_away_fails_after_the_bound_with_checkpoints_i
 def test_a_stage_whose_run_its_orchestrator_ended_stops_before_publishing(
         proxy, mlflow_server, prepared, tmp_path, monkeypatch, capsys, one_torch_thread):
     """A job driver that outlived its Ray cluster: the flow gave the attempt up and marked its run
-    FAILED (then retries elsewhere) while the process still trained. It must not publish or mark the
-    run FINISHED: exit 1 with one line saying why, no output, the run still FAILED."""
+    FAILED (then retries elsewhere) while the process still trained. It stops at its next checkpoint
+    (writing nothing more where the retry resumes from), never publishes or marks the run FINISHED:
+    exit 1 with one line saying why, no output, the run still FAILED."""
     from rlhf_core.cli import main
     from rlhf_core.infra import storage
 
@@ -378,6 +379,7 @@ def test_a_stage_whose_run_its_orchestrator_ended_stops_before_publishing(
     assert code == 1, err
     error = [line for line in err.splitlines() if line.startswith("rlhf: error:")]
     assert len(error) == 1 and "Traceback" not in err, err
-    assert "was marked FAILED by another process" in error[0] and f"nothing was published at {out}" in error[0]
-    assert storage.read_manifest(str(out)) is None
+    assert "was marked FAILED by another process" in error[0]
+    assert f"it stopped at step 2 of {STEPS}: checkpoint global_step2 was not written" in error[0]
+    assert storage.read_manifest(str(out)) is None and not list(ckpt.glob("global_step*"))
     assert _stage_run(mlflow_server, seen["tracker"].run_id).info.status == "FAILED"

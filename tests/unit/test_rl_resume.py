@@ -28,11 +28,20 @@ import torch
 COUNTER = Path(__file__).with_suffix(".calls")
 KILL_AT = int(os.environ.get("TEST_KILL_AT_CALL", "0"))
 
+ABANDON_AT = int(os.environ.get("TEST_ABANDON_AT_CALL", "0"))
+
 def reward_func(queries, prompts, labels, **kwargs):
     calls = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
     COUNTER.write_text(str(calls))
     if calls == KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
+    if calls == ABANDON_AT:  # what an orchestrator that gave this attempt up does: marks its run FAILED
+        from mlflow import MlflowClient
+        from rlhf_core.infra.settings import tracking_uri
+        client = MlflowClient(tracking_uri())
+        experiment = client.get_experiment_by_name(os.environ["MLFLOW_EXPERIMENT_NAME"]).experiment_id
+        for found in client.search_runs([experiment], "attributes.status = 'RUNNING'"):
+            client.set_terminated(found.info.run_id, "FAILED")
     out = []
     for query, prompt, label in zip(queries, prompts, labels):
         response = query[len(prompt):].replace("<|eos|>", "").strip()
@@ -41,7 +50,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-def run(prepared, tmp_path: Path, name: str, *extra, kill_at: int = 0) -> subprocess.CompletedProcess:
+def run(prepared, tmp_path: Path, name: str, *extra, kill_at: int = 0, env=None) -> subprocess.CompletedProcess:
     reward = tmp_path / f"{name}_reward.py"
     if not reward.exists():
         reward.write_text(REWARD_FILE)
@@ -54,7 +63,7 @@ def run(prepared, tmp_path: Path, name: str, *extra, kill_at: int = 0) -> subpro
             "--critic_learning_rate", "1e-3", "--param_dtype", "fp32", "--use_mlflow", "false", "--seed", "3",
             "--max_steps", "4", "--save_steps", "2", "--ckpt_path", str(tmp_path / f"{name}_ckpt"),
             "--save_path", str(tmp_path / f"{name}_out"), *extra]
-    env = {**os.environ, "TEST_KILL_AT_CALL": str(kill_at), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TEST_KILL_AT_CALL": str(kill_at), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -117,3 +126,18 @@ def test_an_async_run_trains_on_batches_sampled_ahead_and_a_killed_one_resumes_t
     assert (tmp_path / "async_split_reward.calls").read_text() == "5"  # batch 3 only
     b = weights(tmp_path / "async_split_out")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_attempt_its_orchestrator_gave_up_writes_no_further_checkpoint(prepared, tmp_path):
+    """A driver that outlived its attempt (the flow marked its run FAILED and retries): at its next
+    checkpoint it stops, exit 1 with one line, so it writes and rotates nothing more in the folder
+    the retry resumes from, and publishes nothing. Here the run is ended during step 2's rollout."""
+    experiment = "abandoned-rl"
+    done = run(prepared, tmp_path, "abandoned", "--use_mlflow", "true", "--mlflow_experiment", experiment,
+               "--save_steps", "1", env={"TEST_ABANDON_AT_CALL": "2", "MLFLOW_EXPERIMENT_NAME": experiment})
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert "was marked FAILED by another process" in errors[0] and "it stopped at step 2" in errors[0]
+    assert (tmp_path / "abandoned_ckpt" / "latest").read_text() == "global_step1"  # step 2's never written
+    assert (tmp_path / "abandoned_reward.calls").read_text() == "2"  # no step 3
+    assert not (tmp_path / "abandoned_out" / "stage.json").exists()

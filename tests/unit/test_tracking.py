@@ -167,3 +167,23 @@ def test_a_run_its_orchestrator_ended_is_not_recorded_and_its_output_is_left_to_
     tracker.finish("FAILED")  # what a stage's error path does next
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(tracker.run_id).info.status == "FAILED"
     assert (out / storage.MANIFEST).is_file()
+
+
+def test_a_checkpoint_learns_of_an_ended_run_at_once_and_never_waits_long_on_the_store(monkeypatch, tmp_path):
+    """`ended_elsewhere` (asked before each checkpoint): the status of a run another process ended,
+    None while it runs, and None within its bound when the store hangs (training goes on)."""
+    import time
+
+    import mlflow
+
+    from rlhf_core.infra import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    tracker = tracking.Tracker(True, "checkpoints", "run", None)
+    assert tracker.ended_elsewhere() is None
+    mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").set_terminated(tracker.run_id, "KILLED")
+    assert tracker.ended_elsewhere() == "KILLED"
+    monkeypatch.setattr(tracker.client, "get_run", lambda run_id: time.sleep(30))  # a store that hangs
+    started = time.monotonic()
+    assert tracker.ended_elsewhere(wait_s=0.5) is None and time.monotonic() - started < 2
+    assert tracking.Tracker(False, "checkpoints", "off", None).ended_elsewhere() is None
