@@ -204,7 +204,7 @@ class TrainLoop:
         nothing more in the checkpoint folder the retry resumes from."""
         from rlhf_core.infra.tracking import AttemptAbandoned
 
-        status = self.tracker.ended_elsewhere() if self.rank == 0 else None
+        status = self.tracker.ended_elsewhere() if self.rank == 0 and self.tracker is not None else None
         if all_reduce_sum(torch.tensor(float(status is not None))).item() == 0:
             return
         doing = (f"it stopped at step {self.step} of {self.total_steps}: checkpoint global_step{self.step} was not "
