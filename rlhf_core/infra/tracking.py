@@ -364,7 +364,8 @@ class Tracker:
         return None if status in (None, "RUNNING") else status
 
     def abandoned(self, status: str, doing: str) -> AttemptAbandoned:
-        """The error for a run another process ended with `status`, saying `doing`."""
+        """The error for a run another process ended with `status`, saying `doing`; from here on this
+        process never withdraws the output it published (a retry may own it by now)."""
         self._published = None  # a retry may own that output by now: never withdraw it from here
         return AttemptAbandoned(f"the stage's MLflow run {self.run_id} was marked {status} by another process while "
                                 "this one ran: its orchestrator gave this attempt up (for example when its Ray "

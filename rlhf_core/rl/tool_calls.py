@@ -428,45 +428,48 @@ _XLAM_BLOCKS = (re.compile(r"```(?:json)?\s*([\s\S]*?)```"), re.compile(r"\[TOOL
                 re.compile(re.escape(START) + r"([\s\S]*?)" + re.escape(END)))
 
 
-def _xlam_listing(text: str) -> tuple[str | None, str] | None:
-    """(content, the JSON text of the calls) as xLAM writes them: the text after `</think>`, or a
-    ```json fence, a `[TOOL_CALLS]` line or a `<tool_call>` block (the first that parses), or the
-    whole completion as a JSON list; None when there is none."""
-    def parses(raw: str) -> bool:
-        try:
-            json.loads(raw)
-        except ValueError:
-            return False
-        return True
+_UNPARSED = object()
 
+
+def _json_or_unparsed(raw: str):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return _UNPARSED
+
+
+def _first_json(raws) -> object:
+    return next((v for v in map(_json_or_unparsed, raws) if v is not _UNPARSED), _UNPARSED)
+
+
+def _xlam_listing(text: str) -> tuple[str | None, object]:
+    """(content, the parsed JSON of the calls) as xLAM writes them: the text after `</think>`, or a
+    ```json fence, a `[TOOL_CALLS]` line or a `<tool_call>` block (the first that parses), or the
+    whole completion as a JSON list; (text, _UNPARSED) when there is none. Each candidate is parsed once."""
     if THINK_END in text:
-        head, tail = text[: text.index(THINK_END) + len(THINK_END)], text[text.index(THINK_END) + len(THINK_END):]
-        if parses(tail.strip()):
-            return head.strip(), tail.strip()
-        for block in _XLAM_BLOCKS:
-            found = next((raw for raw in block.findall(tail.strip()) if parses(raw)), None)
-            if found is not None:
-                return head.strip(), found
+        cut = text.index(THINK_END) + len(THINK_END)
+        head, tail = text[:cut].strip(), text[cut:].strip()
+        for candidates in ([tail], *(block.findall(tail) for block in _XLAM_BLOCKS)):
+            found = _first_json(candidates)
+            if found is not _UNPARSED:
+                return head, found
     for block in _XLAM_BLOCKS:
-        found = next((raw for raw in block.findall(text) if parses(raw)), None)
-        if found is not None:
+        found = _first_json(block.findall(text))
+        if found is not _UNPARSED:
             return block.sub("", text).strip(), found
-    if text.strip().startswith("[") and parses(text):
-        return None, text
-    return None
+    return None, _json_or_unparsed(text) if text.strip().startswith("[") else _UNPARSED
 
 
 def parse_xlam(text: str) -> Calls:
     """xLAM (Salesforce): a JSON list of `{"name", "arguments"}` objects, bare or in a ```json
     fence, after `[TOOL_CALLS]`, in a `<tool_call>` block or after `</think>`; the text around it
     is the content. An item without a name or arguments is passed over, as vLLM does."""
-    found = _xlam_listing(text)
-    listed = json.loads(found[1]) if found is not None else None
+    content, listed = _xlam_listing(text)
     if not isinstance(listed, list):
         return text, []
     calls = [(item["name"], _arguments(item["arguments"])) for item in listed
              if isinstance(item, dict) and isinstance(item.get("name"), str) and "arguments" in item]
-    return (found[0] or None, calls) if calls else (text, [])
+    return (content or None, calls) if calls else (text, [])
 
 
 PHI4_CALLS = "functools"
