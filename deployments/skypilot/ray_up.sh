@@ -14,7 +14,9 @@
 
 source "$HOME/rlhf-venv/bin/activate"
 export RLHF_HOME="$HOME/rlhf-home" RAY_AUTH_MODE=token
-RAY_HEAD_IP=$(echo "$SKYPILOT_NODE_IPS" | head -n1)
+# the first line, without a pipe: under the tasks' `set -o pipefail`, `echo | head -n1` fails with
+# SIGPIPE (exit 141) whenever head exits before echo has written (seen in the suite under load)
+RAY_HEAD_IP=${SKYPILOT_NODE_IPS%%$'\n'*}
 RAY_RUNNING_HERE=$(pgrep -f 'rlhf-venv/.*/raylet/raylet' || true)
 if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
   if [ -z "$RAY_RUNNING_HERE" ]; then
