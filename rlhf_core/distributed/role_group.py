@@ -166,7 +166,8 @@ def start_together(groups: Sequence[RoleGroup]) -> None:
     try:
         for group in groups:
             group._start_ranks()
-        infos = gather_all([group.call_all_async("_role_info") for group in groups])  # every rank constructed
+        infos = gather_all([group.call_all_async("_role_info") for group in groups],  # every rank constructed
+                           timeout_s=max(group.start_timeout_s for group in groups))
         for group, info in zip(groups, infos, strict=True):
             group._started(info)
     except BaseException:
@@ -266,6 +267,10 @@ class RoleGroup:
     the worker's `__init__`, on the rank's node: e.g. remote model URIs replaced by that node's
     downloads (`trainers/ppo.models_on_this_node`).
 
+    `timeout_s` bounds every call; `start_timeout_s` (default: `timeout_s`) bounds the start: the
+    placement, rank 0's address, and every rank constructed (a process that imports torch and the
+    model code, which under load can take far longer than a call should).
+
     `wait=False`: return as soon as rank 0 is asked for, and let `start_together(groups)` finish
     several groups at once, so that their processes start side by side."""
 
@@ -274,19 +279,22 @@ class RoleGroup:
                  kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
                  devices: ClusterDevices | None = None, bundles_per_rank: int = 1, prepare_args=None,
-                 wait: bool = True, duplicates: int = 1):
-        if timeout_s is None or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+                 wait: bool = True, duplicates: int = 1, start_timeout_s: float | None = None):
+        start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
+        for field, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            if value is None or value <= 0:
+                raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
         if duplicates < 1 or world_size % duplicates:
             raise ValueError(f"rings of {duplicates} ranks do not divide {world_size} ranks")
         self.name = name or worker_cls.__name__
         self.world_size, self.timeout_s, self.duplicates = world_size, timeout_s, duplicates
+        self.start_timeout_s = start_timeout_s
         self.actors: list = []
         self._owns_pool = pool is None
         if pool is None:
             layout = plan_layout({self.name: world_size}, devices=devices or detect_devices(),
                                  bundles_per_rank={self.name: bundles_per_rank})
-            pool = ResourcePool.from_spec(layout.pools[self.name], timeout_s=timeout_s)
+            pool = ResourcePool.from_spec(layout.pools[self.name], timeout_s=start_timeout_s)
         self.pool = pool
         self._claimed = False
         try:
@@ -335,9 +343,9 @@ class RoleGroup:
         if self.world_size == 1:
             return
         try:
-            self.master_addr, self.master_port = ray.get(self._rendezvous, timeout=self.timeout_s)
+            self.master_addr, self.master_port = ray.get(self._rendezvous, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise RoleTimeoutError(self.name, [0], "rendezvous", f"no node for rank 0 within {self.timeout_s:g} s "
+            raise RoleTimeoutError(self.name, [0], "rendezvous", f"no node for rank 0 within {self.start_timeout_s:g} s "
                                    "(its placement bundle was never scheduled)") from e
         except ray.exceptions.RayError as e:
             raise RoleError(self.name, [0], "rendezvous", f"picking rank 0's address failed: {e}") from e

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.integration
 class ToyWorker:
     """Holds a tensor; knows its rank from the environment the group set."""
 
-    def __init__(self, value: float = 0.0, meet: tuple[str, int] | None = None):
+    def __init__(self, value: float = 0.0, meet: tuple[str, int] | None = None, delay: float = 0.0):
+        time.sleep(delay)  # a slow start: a model to load
         self.value = torch.tensor([value])
         self.rank = int(os.environ["RANK"])
         if meet is not None:  # (folder, n): wait in __init__ until n ranks are in theirs
@@ -196,7 +197,8 @@ def test_a_follow_on_error_is_reported_as_the_failure_that_caused_it(roles):
 @pytest.fixture
 def critic(pools):
     layout, made = pools
-    group = RoleGroup(ToyWorker, 2, made["critic"], name="critic", timeout_s=5)
+    # calls within 5 s; the start (processes importing torch, slower on a loaded machine) may take longer
+    group = RoleGroup(ToyWorker, 2, made["critic"], name="critic", timeout_s=5, start_timeout_s=120)
     yield group
     group.shutdown()
 
@@ -214,3 +216,22 @@ def test_a_stuck_role_times_out_naming_its_ranks(critic):
     with pytest.raises(RoleTimeoutError, match="role 'critic' ranks \\[0, 1\\]: no answer to sleep\\(\\) within 5 s"):
         critic.call_all("sleep", 120)
     assert time.monotonic() - start < 10
+
+
+def test_a_start_slower_than_a_call_may_be_has_a_deadline_of_its_own(pools):
+    """Ranks 3 s in `__init__`, calls bounded by 1 s: with `start_timeout_s` the group starts and a
+    call still times out at 1 s; without it the start itself is held to the call's 1 s and fails."""
+    _, made = pools
+    group = RoleGroup(ToyWorker, 2, made["critic"], name="critic", timeout_s=1, start_timeout_s=120,
+                      kwargs={"delay": 3.0})
+    try:
+        start = time.monotonic()
+        with pytest.raises(RoleTimeoutError, match=r"no answer to sleep\(\) within 1 s"):
+            group.call_all("sleep", 3)
+        assert time.monotonic() - start < 2.5
+    finally:
+        group.shutdown()
+    with pytest.raises(RoleTimeoutError, match=r"role 'critic' ranks \[0, 1\]: no answer to _role_info\(\) within 1 s"):
+        RoleGroup(ToyWorker, 2, made["critic"], name="critic", timeout_s=1, kwargs={"delay": 3.0})
+    with pytest.raises(ValueError, match="start_timeout_s must be a positive number"):
+        RoleGroup(ToyWorker, 2, made["critic"], name="critic", start_timeout_s=0)
