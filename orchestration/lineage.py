@@ -26,9 +26,10 @@ import time
 from mlflow.exceptions import MlflowException
 
 from rlhf_core.infra import reachability, storage
+from rlhf_core.infra.mlflow_ops import ensure_experiment
 from rlhf_core.infra.redaction import redact, redact_text
 from rlhf_core.infra.settings import tracking_uri
-from rlhf_core.infra.tracking import ensure_experiment, redact_params
+from rlhf_core.infra.tracking import redact_params
 
 POLICY_MODEL = "rlhf-policy"  # every policy stage (DPO, PPO, iterative rounds) registers here
 STUDENT_MODEL = "rlhf-student"  # a smaller policy distilled from the run's policy (stage distill)

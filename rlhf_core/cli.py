@@ -287,13 +287,27 @@ def _add_orchestration_commands(sub) -> None:
         parser.set_defaults(orchestration_run=command.run)
 
 
+def _tracks_here(argv: list[str]) -> bool:
+    """Whether this command may open an MLflow run in its own process: a training stage, on rank 0
+    (or no launcher's rank), with MLflow not turned off on the command line and no dry run. A guess
+    from the words alone: a wrong yes costs an idle process, a wrong no MLflow in this process."""
+    words = [w.lower() for w in argv]
+    if not words or words[0] != "train" or os.environ.get("RANK", "0") != "0":
+        return False
+    off = {"--dry_run", "-h", "--help", "--use_mlflow=false", "--no-use_mlflow", "--no_use_mlflow"}
+    return not off.intersection(words) and not any(
+        a == "--use_mlflow" and b in ("false", "0", "no") for a, b in zip(words, words[1:], strict=False))
+
+
 def entry() -> None:
     """The `rlhf` command: `main` in a process of its own, whose heap is frozen when it has finished
     (no final collector pass over it on the way out: rlhf_core/infra/heap.py)."""
     import gc
 
-    from rlhf_core.infra import heap
+    from rlhf_core.infra import heap, mlflow_side
 
+    if _tracks_here(sys.argv[1:]):
+        mlflow_side.start()  # MLflow imports on another core while the stage imports torch (mlflow_side.py)
     heap.own_process()
     code = main()
     gc.freeze()

@@ -19,6 +19,7 @@ stage. A wrong host name is retried too: cheaper than never retrying a briefly-d
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from rlhf_core.infra.redaction import redact_text
@@ -149,11 +150,10 @@ ANSWERS = frozenset({"RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVA
 
 def is_store_failure(error: BaseException) -> bool:
     """A failure to reach or hear the store (retried), not an answer of it or a bug of ours (raised at once)."""
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(error, MlflowException):
+    exceptions = sys.modules.get("mlflow.exceptions")  # an MlflowException means MLflow is loaded: never import it here
+    if exceptions is not None and isinstance(error, exceptions.MlflowException):
         return error.error_code not in ANSWERS
-    return isinstance(error, OSError)  # connection errors, timeouts (requests' exceptions are OSErrors)
+    return isinstance(error, OSError)  # mlflow_side.StoreFailure too  # connection errors, timeouts (requests' exceptions are OSErrors)
 
 
 def retry(call, what: str, store: str, seconds: float, setting: str):
@@ -178,16 +178,17 @@ def retry(call, what: str, store: str, seconds: float, setting: str):
 REQUEST_TAG = "rlhf.request_id"  # a run's creation request, so a retried create finds what it made
 
 
-def create_run_once(client, run_name: str | None, tags: dict):
+def create_run_once(client, run_name: str | None, tags: dict, request: str | None = None, owner: str | None = None):
     """`call(experiment_id)` creating one run however often it is retried: the run carries a request
-    id, and every later try looks for it first (a create whose answer was lost may have made it; a
-    blind second create would leave a run RUNNING forever)."""
+    id (`request`, default a new one), and every later try looks for it first (a create whose answer
+    was lost may have made it; a blind second create would leave a run RUNNING forever). `owner`:
+    the `rlhf.owner` of the process the run belongs to (default this one)."""
     import uuid
 
     from rlhf_core.infra.owner import OWNER_TAG, owner_tag
 
-    request = uuid.uuid4().hex
-    owner = owner_tag()  # this process: a later one can tell a run left RUNNING by a killed owner (owner.py)
+    request = request or uuid.uuid4().hex
+    owner = owner or owner_tag()  # a later process can tell a run left RUNNING by a killed owner (owner.py)
     tags = {**tags, REQUEST_TAG: request, **({OWNER_TAG: owner} if owner else {})}
     tried = False
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rlhf_core.infra.redaction import REDACTED, redact, redact_text
-from rlhf_core.infra.settings import artifact_root, tracking_uri
+from rlhf_core.infra.settings import tracking_uri
 
 __all__ = ["REDACTED", "AttemptAbandoned", "redact", "redact_params", "Tracker"]
 
@@ -29,26 +29,6 @@ class AttemptAbandoned(RuntimeError):
     """The stage's run was ended by another process while this one ran: its orchestrator gave this
     attempt up (e.g. its Ray cluster stopped answering) and retries the stage elsewhere, so this
     process must neither publish nor record its output."""
-
-
-def ensure_experiment(name: str) -> str:
-    import mlflow
-
-    # A tracking server keeps artifacts where it was told to; a database file has no artifact root
-    # of its own (MLflow would write to ./mlruns in whatever folder the run started from).
-    server = os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http://", "https://", "databricks"))
-    mlflow.set_tracking_uri(tracking_uri())
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = None if server and not os.environ.get("RLHF_ARTIFACT_ROOT") else f"{artifact_root().rstrip('/')}/{name}"
-    try:
-        return mlflow.create_experiment(name, artifact_location=location)
-    except mlflow.exceptions.MlflowException:  # created concurrently by another process
-        exp = mlflow.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
 
 
 def redact_params(values: dict, prefix: str = "") -> dict[str, str]:
@@ -208,7 +188,9 @@ class Tracker:
     `RLHF_STORE_CHECK_S`; metrics never raise into training; recording the output (`await_store`,
     `set_tags`, `log_artifact`, `finish`) waits at most `RLHF_STORE_WAIT_S`, then `StoreUnavailable`,
     and an output published before its record failed is withdrawn (`storage.withdraw`). Every call
-    names its run (`MlflowClient`, no fluent active run), so a background thread can send.
+    names its run (no fluent active run), so a background thread can send. The calls go to MLflow in
+    this process (`mlflow_ops.DirectOps`), or in the `rlhf` command to its MLflow process
+    (`mlflow_side`), whose failures come back classified the same way.
     """
 
     def __init__(self, enabled: bool, experiment: str, run_name: str | None, parent_run_id: str | None,
@@ -219,45 +201,30 @@ class Tracker:
         self._published: tuple[str, str] | None = None  # (uri, stage) published before the run finished
         if not enabled:
             return
-        from mlflow import MlflowClient
+        import uuid
 
+        from rlhf_core.infra import mlflow_side
+        from rlhf_core.infra.owner import owner_tag
         from rlhf_core.infra.reachability import bound_mlflow_requests, metrics_buffer, store_check_s
 
         bound_mlflow_requests()
         uri = tracking_uri()
         self.store = redact_text(uri)
-        self.client = MlflowClient(tracking_uri=uri)
+        if (ops := mlflow_side.ops_for(uri)) is None:
+            from rlhf_core.infra.mlflow_ops import DirectOps
+
+            ops = DirectOps(uri)
+        self.ops = ops
         self.metrics = MetricQueue(self._send_metrics, metrics_buffer(), self.store)
         all_tags = dict(tags or {})
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         all_tags = {k: redact_text(str(v)) for k, v in all_tags.items()}
         given = os.environ.get("MLFLOW_RUN_ID") or None
-        create = None
-
-        def open_run() -> str:
-            nonlocal create
-            from mlflow.entities import RunTag
-
-            if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
-                from rlhf_core.infra.owner import OWNER_TAG, owner_tag
-
-                self.client.get_run(given)
-                self.client.update_run(given, status="RUNNING")
-                owner = owner_tag()  # this process runs it now (owner.py), not the one that created it
-                tags = {**all_tags, **({OWNER_TAG: owner} if owner else {})}
-                if tags:
-                    self.client.log_batch(given, tags=[RunTag(k, v) for k, v in tags.items()])
-                return given
-            from mlflow.tracking.context.registry import resolve_tags
-
-            from rlhf_core.infra.reachability import create_run_once
-
-            experiment_id = ensure_experiment(experiment)
-            create = create or create_run_once(self.client, run_name, resolve_tags(all_tags))
-            return create(experiment_id).info.run_id
-
-        self.run_id = self._retry("open the stage's run", open_run, store_check_s(), "RLHF_STORE_CHECK_S")
+        request, owner = uuid.uuid4().hex, owner_tag()  # one creation however often it is tried; this process owns it
+        self.run_id = self._retry("open the stage's run",
+                                  lambda: ops.open_run(experiment, run_name, all_tags, given, request, owner),
+                                  store_check_s(), "RLHF_STORE_CHECK_S")
 
     def _retry(self, what: str, call, seconds: float | None = None, setting: str = "RLHF_STORE_WAIT_S"):
         """`call()`, retried with backoff for up to `seconds` (RLHF_STORE_WAIT_S), then StoreUnavailable."""
@@ -291,13 +258,10 @@ class Tracker:
 
     def log_params(self, params: dict) -> None:
         if self.enabled:
-            from mlflow.entities import Param
-
             items = list(redact_params(params).items())
             for i in range(0, len(items), 100):
-                batch = [Param(k, v) for k, v in items[i : i + 100]]
-                self._retry("take the stage's params", lambda batch=batch: self.client.log_batch(self.run_id,
-                                                                                                  params=batch))
+                batch = items[i : i + 100]
+                self._retry("take the stage's params", lambda batch=batch: self.ops.log_batch(self.run_id, params=batch))
 
     def attach_sinks(self, sinks) -> None:
         """Send every metric to `sinks` too (`loggers.MetricSinks`), MLflow on or off; closed by `finish`."""
@@ -308,13 +272,11 @@ class Tracker:
         if self.sinks is not None and metrics:
             self.sinks.log(metrics, step)
         if self.enabled and metrics:
-            from mlflow.entities import Metric
-
             now = int(time.time() * 1000)
-            self.metrics.add([Metric(k, float(v), now, step) for k, v in metrics.items()])
+            self.metrics.add([(k, float(v), now, step) for k, v in metrics.items()])
 
     def _send_metrics(self, batch: list) -> None:
-        self.client.log_batch(self.run_id, metrics=batch)
+        self.ops.log_batch(self.run_id, metrics=batch)
 
     def flush(self, seconds: float | None = None) -> bool:
         """Send the held metrics now (waiting up to `seconds`, default RLHF_STORE_WAIT_S); True when all went."""
@@ -338,7 +300,7 @@ class Tracker:
                                    f"last error: {self.metrics.failing}) when the stage had to record its output; "
                                    f"{doing or 'the output was not published'}; an unreachable store is an "
                                    "infrastructure failure (exit 1): a pipeline retries the stage")
-        status = self._retry("read the stage's run", lambda: self.client.get_run(self.run_id).info.status)
+        status = self._retry("read the stage's run", lambda: self.ops.run_status(self.run_id))
         if status != "RUNNING":
             raise self.abandoned(status, doing or "nothing was published")
 
@@ -353,7 +315,7 @@ class Tracker:
 
         def read() -> None:
             try:
-                answer["status"] = self.client.get_run(self.run_id).info.status
+                answer["status"] = self.ops.run_status(self.run_id)
             except Exception:  # noqa: BLE001 - the store away: not known now, never a reason to stop training
                 pass
 
@@ -385,41 +347,30 @@ class Tracker:
     def log_datasets(self, described: list[dict], context: str) -> None:
         if not self.enabled:
             return
-        from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.data.sources import LocalArtifactDatasetSource
-        from mlflow.entities import DatasetInput, InputTag
-        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-        inputs = []
+        inputs = []  # (name, digest, local path or None, hub URL or None, context): mlflow_ops.DirectOps.log_inputs
         for d in described:
             spec = redact_text(d["spec"])
-            source = LocalArtifactDatasetSource(redact_text(d["path"])) if Path(d["path"]).exists() else None
-            if source is None:
-                from mlflow.data.http_dataset_source import HTTPDatasetSource
-
-                source = HTTPDatasetSource(url=f"https://huggingface.co/datasets/{spec}")
-            ds = MetaDataset(source=source, name=f"{spec}[{d['split']}]", digest=d["digest"][-32:])
-            inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+            local = Path(d["path"]).exists()
+            inputs.append((f"{spec}[{d['split']}]", d["digest"][-32:], redact_text(d["path"]) if local else None,
+                           None if local else f"https://huggingface.co/datasets/{spec}", context))
         if inputs:
-            self._retry("take the stage's datasets", lambda: self.client.log_inputs(self.run_id, datasets=inputs))
+            self._retry("take the stage's datasets", lambda: self.ops.log_inputs(self.run_id, inputs))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:
-            from mlflow.entities import RunTag
-
-            batch = [RunTag(k, redact_text(str(v))) for k, v in tags.items()]
-            self._record("take the stage's tags", lambda: self.client.log_batch(self.run_id, tags=batch))
+            batch = [(k, redact_text(str(v))) for k, v in tags.items()]
+            self._record("take the stage's tags", lambda: self.ops.log_batch(self.run_id, tags=batch))
 
     def log_artifact(self, path: str) -> None:
         """Log a file; a text file (json, yaml, md, txt, log) is logged with its credentials redacted."""
         if self.enabled:
             source = Path(path)
             if source.suffix not in TEXT_ARTIFACTS:
-                self._record(f"take the artifact {source.name}", lambda: self.client.log_artifact(self.run_id, path))
+                self._record(f"take the artifact {source.name}", lambda: self.ops.log_artifact(self.run_id, path))
                 return
             text = redact_text(source.read_text(encoding="utf-8"))
             self._record(f"take the artifact {source.name}",
-                         lambda: self.client.log_text(self.run_id, text, source.name))
+                         lambda: self.ops.log_text(self.run_id, text, source.name))
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run. FINISHED: metrics and status recorded within RLHF_STORE_WAIT_S, else
@@ -442,7 +393,7 @@ class Tracker:
             seconds = min(FAILED_STATUS_WAIT_S, store_wait_s())
             self.metrics.drain(seconds)  # a crashed stage keeps what it measured, if the store is there
             try:
-                self._retry(f"mark the run {status}", lambda: self.client.set_terminated(self.run_id, status), seconds)
+                self._retry(f"mark the run {status}", lambda: self.ops.set_terminated(self.run_id, status), seconds)
             except Exception as e:  # noqa: BLE001 - a refusal too (e.g. INVALID_STATE): never hide the stage's error
                 _warn(str(e) if isinstance(e, StoreUnavailable)
                       else f"MLflow at {self.store} did not mark the run {status}: {type(e).__name__}: "
@@ -454,5 +405,5 @@ class Tracker:
             raise StoreUnavailable(f"{e}{self._withdraw()}") from None
         if self.metrics.dropped:
             self.set_tags({"rlhf.metrics_dropped": str(self.metrics.dropped)})
-        self._record("mark the run FINISHED", lambda: self.client.set_terminated(self.run_id, status))
+        self._record("mark the run FINISHED", lambda: self.ops.set_terminated(self.run_id, status))
         self._published = None

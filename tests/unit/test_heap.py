@@ -36,3 +36,11 @@ def test_the_rlhf_entry_point_freezes_the_heap_before_the_interpreter_exits():
     assert "--keep_last must be >= 0" in out.stderr
     frozen = int(out.stdout.split("frozen", 1)[1])
     assert frozen > 10_000, out.stdout
+
+
+def test_full_passes_are_rarer_only_while_the_command_starts():
+    code = ("import gc; from rlhf_core.infra import heap; own = gc.get_threshold(); heap.own_process(); "
+            "start = gc.get_threshold(); heap.settle(); print(own[2], start[2], gc.get_threshold() == own)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.split() == ["10", str(heap.START_FULL_PASS_EVERY), "True"]
+    assert gc.get_threshold()[2] == 10  # this process never owned: untouched

@@ -47,7 +47,7 @@ def store(tmp_path, monkeypatch):
     before = mlflow.get_tracking_uri()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    from rlhf_core.infra.tracking import ensure_experiment
+    from rlhf_core.infra.mlflow_ops import ensure_experiment
 
     experiment = f"owner-{uuid.uuid4().hex[:8]}"
     yield {"uri": uri, "experiment": experiment, "experiment_id": ensure_experiment(experiment)}

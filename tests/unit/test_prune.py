@@ -52,8 +52,8 @@ def tree(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
 
     from rlhf_core.infra.manifests import code_version
+    from rlhf_core.infra.mlflow_ops import ensure_experiment
     from rlhf_core.infra.settings import tracking_uri
-    from rlhf_core.infra.tracking import ensure_experiment
 
     client = MlflowClient(tracking_uri())
     experiment = ensure_experiment(f"prune-{uuid.uuid4().hex[:8]}")

@@ -74,12 +74,12 @@ def test_metrics_are_buffered_and_reach_mlflow_on_flush_and_on_finish(monkeypatc
 def test_a_tracking_database_of_the_users_keeps_artifacts_under_the_state_dir_not_the_working_dir(monkeypatch, tmp_path):
     import mlflow
 
-    from rlhf_core.infra import tracking
+    from rlhf_core.infra import mlflow_ops
 
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/users.db")
     monkeypatch.chdir(tmp_path)
-    experiment = tracking.ensure_experiment("artifacts-where")
+    experiment = mlflow_ops.ensure_experiment("artifacts-where")
     location = mlflow.MlflowClient(f"sqlite:///{tmp_path}/users.db").get_experiment(experiment).artifact_location
     assert location == f"{(tmp_path / 'home' / 'mlartifacts').as_uri()}/artifacts-where"
     assert not (tmp_path / "mlruns").exists()
@@ -183,7 +183,7 @@ def test_a_checkpoint_learns_of_an_ended_run_at_once_and_never_waits_long_on_the
     assert tracker.ended_elsewhere() is None
     mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").set_terminated(tracker.run_id, "KILLED")
     assert tracker.ended_elsewhere() == "KILLED"
-    monkeypatch.setattr(tracker.client, "get_run", lambda run_id: time.sleep(30))  # a store that hangs
+    monkeypatch.setattr(tracker.ops.client, "get_run", lambda run_id: time.sleep(30))  # a store that hangs
     started = time.monotonic()
     assert tracker.ended_elsewhere(wait_s=0.5) is None and time.monotonic() - started < 2
     assert tracking.Tracker(False, "checkpoints", "off", None).ended_elsewhere() is None
