@@ -41,6 +41,14 @@ whole text is content.
 - `xlam` (Salesforce xLAM): a JSON list of `{"name", "arguments"}`, bare, fenced, after
   `[TOOL_CALLS]`, in `<tool_call>` or after `</think>` (the rest is the content); `phi4_mini_json`
   (Phi-4-mini): `functools[...]`, a JSON list of calls, no content.
+- `internlm2`: one call, `<|action_start|><|plugin|>{"name": ..., "parameters": ...}<|action_end|>`;
+  `longcat` (LongCat-Flash): Hermes' calls in `<longcat_tool_call>`; `ernie45` (ERNIE-4.5): JSON
+  call objects in `<tool_call>` (blocks holding no object passed over). The text before is the content.
+- `jamba`: the first closed `<tool_calls>...</tool_calls>`, a JSON list of call objects;
+  `hunyuan_a13b`: the same section, the first outside `<think>...</think>` holding JSON. The text
+  before it is the content.
+- `olmo3` (Olmo 3): pythonic calls one a line, in `<function_calls>...</function_calls>` or the
+  whole completion; no content.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -76,15 +84,51 @@ def _named_call(obj) -> tuple[str, str]:
     return obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {})))
 
 
-def parse_hermes(text: str) -> Calls:
-    if START not in text:
+def _json_blocks(text: str, start: str, block: re.Pattern) -> Calls:
+    """Calls each a JSON call object in a `block` opened by `start` (the last may be left open);
+    the text before the first is the content."""
+    if start not in text:
         return text, []
     try:
-        calls = [_named_call(json.loads(body)) for body in _BLOCK.findall(text)]
+        calls = [_named_call(json.loads(body)) for body in block.findall(text)]
     except ValueError:  # not JSON, or not a call (_NotACall is a ValueError)
         return text, []
-    content = text[: text.index(START)].strip()
+    content = text[: text.index(start)].strip()
     return content or None, calls
+
+
+def parse_hermes(text: str) -> Calls:
+    return _json_blocks(text, START, _BLOCK)
+
+
+LONGCAT_CALL, LONGCAT_CALL_END = "<longcat_tool_call>", "</longcat_tool_call>"
+_LONGCAT_BLOCK = re.compile(re.escape(LONGCAT_CALL) + r"(.*?)(?:" + re.escape(LONGCAT_CALL_END) + r"|\Z)", re.DOTALL)
+
+
+def parse_longcat(text: str) -> Calls:
+    """LongCat-Flash: Hermes' calls between `<longcat_tool_call>` and `</longcat_tool_call>`."""
+    return _json_blocks(text, LONGCAT_CALL, _LONGCAT_BLOCK)
+
+
+_ERNIE_CALL = re.compile(re.escape(START) + r"\s*(\{.*?\})\s*" + re.escape(END), re.DOTALL)
+
+
+def parse_ernie45(text: str) -> Calls:
+    """ERNIE-4.5: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (one not closed,
+    or not holding an object, is passed over, as vLLM does); the text before the first
+    `<tool_call>` is the content. A call without a name is malformed (vLLM names it "")."""
+    if START not in text:
+        return text, []
+    calls = []
+    try:
+        for body in _ERNIE_CALL.findall(text):
+            obj = json.loads(body)
+            if not isinstance(obj.get("name"), str) or not obj["name"]:
+                raise _NotACall(obj)
+            calls.append((obj["name"], _arguments(obj.get("arguments", {}))))
+    except ValueError:
+        return text, []
+    return (text[: text.index(START)].strip() or None, calls) if calls else (text, [])
 
 
 def parse_llama3_json(text: str) -> Calls:
@@ -158,23 +202,47 @@ def _dotted(node: ast.expr) -> str:
     raise _NotACall(node)
 
 
+_NOT_PYTHON_CALLS = (SyntaxError, ValueError, TypeError, RecursionError)
+
+
+def _python_calls(listing: str) -> list[tuple[str, str]]:
+    """The calls of a Python list of calls with literal keyword arguments; one of
+    _NOT_PYTHON_CALLS for anything else."""
+    tree = ast.parse(listing, mode="eval").body
+    if not isinstance(tree, ast.List) or not tree.elts:
+        raise _NotACall(listing)
+    calls = []
+    for call in tree.elts:
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            raise _NotACall(listing)  # keyword arguments only, as the format has it
+        arguments = {k.arg: _literal(k.value) for k in call.keywords}
+        calls.append((_dotted(call.func), json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
 def parse_pythonic(text: str) -> Calls:
     body = text.replace("<|python_start|>", "").replace("<|python_end|>", "").strip()
     if not (body.startswith("[") and body.endswith("]") and "(" in body):
         return text, []
     try:
-        tree = ast.parse(body, mode="eval").body
-        if not isinstance(tree, ast.List) or not tree.elts:
-            raise _NotACall(body)
-        calls = []
-        for call in tree.elts:
-            if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
-                raise _NotACall(body)  # keyword arguments only, as the format has it
-            arguments = {k.arg: _literal(k.value) for k in call.keywords}
-            calls.append((_dotted(call.func), json.dumps(arguments, ensure_ascii=False)))
-    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None, _python_calls(body)
+    except _NOT_PYTHON_CALLS:
         return text, []
-    return None, calls
+
+
+OLMO3_CALLS, OLMO3_CALLS_END = "<function_calls>", "</function_calls>"
+_OLMO3_SECTION = re.compile(re.escape(OLMO3_CALLS) + r"(.*?)" + re.escape(OLMO3_CALLS_END), re.DOTALL)
+
+
+def parse_olmo3(text: str) -> Calls:
+    """Olmo 3: pythonic calls one a line, inside the first `<function_calls>...</function_calls>`
+    (the text outside it dropped, as vLLM does) or making up the whole completion; no content."""
+    section = _OLMO3_SECTION.search(text)
+    lines = [line.strip() for line in (section[1] if section else text).splitlines() if line.strip()]
+    try:
+        return None, _python_calls("[" + ", ".join(lines) + "]")
+    except _NOT_PYTHON_CALLS:
+        return text, []
 
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
@@ -351,6 +419,80 @@ def parse_granite(text: str) -> Calls:
     return text[: text.index(marker)].strip() or None, calls
 
 
+TOOL_CALLS, TOOL_CALLS_END = "<tool_calls>", "</tool_calls>"
+_TOOL_CALLS_SECTION = re.compile(re.escape(TOOL_CALLS) + r"(.*?)" + re.escape(TOOL_CALLS_END), re.DOTALL)
+
+
+def parse_jamba(text: str) -> Calls:
+    """Jamba: the first closed `<tool_calls>...</tool_calls>`, a JSON list of `{"name", "arguments"}`
+    objects, every one a call; the text before it is the content."""
+    section = _TOOL_CALLS_SECTION.search(text)
+    if section is None:
+        return text, []
+    try:
+        listed = json.loads(section[1])
+        if not isinstance(listed, list) or not listed or any(
+                not isinstance(obj, dict) or "arguments" not in obj for obj in listed):
+            raise _NotACall(listed)
+        calls = [_named_call(obj) for obj in listed]
+    except ValueError:
+        return text, []
+    return text[: section.start()].strip() or None, calls
+
+
+_THINKING = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def _hunyuan_listing(text: str) -> tuple[int, object]:
+    """(where it starts, its JSON) of the first closed `<tool_calls>` section that is not inside a
+    `<think>...</think>` and holds JSON; (-1, _UNPARSED) when there is none."""
+    thinking = [m.span() for m in _THINKING.finditer(text)]
+    for section in _TOOL_CALLS_SECTION.finditer(text):
+        if any(begin < section.start() and section.end() < end for begin, end in thinking):
+            continue
+        found = _json_or_unparsed(section[1])
+        if found is not _UNPARSED:
+            return section.start(), found
+    return -1, _UNPARSED
+
+
+def parse_hunyuan_a13b(text: str) -> Calls:
+    """Hunyuan-A13B: `<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>`, the first
+    such section outside the thinking whose text is JSON; an item without a name or arguments is
+    passed over, as vLLM does. The text before the section (the thinking with it) is the content."""
+    start, listed = _hunyuan_listing(text)
+    if not isinstance(listed, list):
+        return text, []
+    calls = []
+    for item in listed:
+        if not isinstance(item, dict) or "name" not in item or "arguments" not in item:
+            continue
+        if not isinstance(item["name"], str) or not isinstance(item["arguments"], dict | str):
+            return text, []  # vLLM's call would not validate: all content
+        calls.append((item["name"], _arguments(item["arguments"])))
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+INTERNLM_CALL, INTERNLM_CALL_END = "<|action_start|><|plugin|>", "<|action_end|>"
+
+
+def parse_internlm2(text: str) -> Calls:
+    """InternLM2: one call, `<|action_start|><|plugin|>` then a JSON object `{"name": ...,
+    "parameters"|"arguments": ...}` up to `<|action_end|>` (or the end); the text before is the
+    content. A second call is malformed (vLLM reads only one)."""
+    if text.count(INTERNLM_CALL) != 1:
+        return text, []
+    before, action = text.split(INTERNLM_CALL)
+    action = action.split(INTERNLM_CALL_END)[0]
+    try:
+        obj = json.loads(action[action.index("{"):])  # what comes before the object is passed over
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise _NotACall(obj)
+    except ValueError:
+        return text, []
+    return before.strip() or None, [(obj["name"], _arguments(obj.get("parameters", obj.get("arguments", {}))))]
+
+
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
@@ -496,7 +638,9 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
     "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
     "kimi_k2": parse_kimi_k2, "granite": parse_granite, "glm45": parse_glm45, "minimax_m2": parse_minimax_m2,
-    "seed_oss": parse_seed_oss, "step3": parse_step3, "xlam": parse_xlam, "phi4_mini_json": parse_phi4_mini_json}
+    "seed_oss": parse_seed_oss, "step3": parse_step3, "xlam": parse_xlam, "phi4_mini_json": parse_phi4_mini_json,
+    "internlm2": parse_internlm2, "jamba": parse_jamba, "hunyuan_a13b": parse_hunyuan_a13b, "longcat": parse_longcat,
+    "olmo3": parse_olmo3, "ernie45": parse_ernie45}
 # formats that write every argument value as text
 TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2", "seed_oss", "step3"})
 
@@ -511,9 +655,13 @@ def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
 
 
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
-# and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence).
+# and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence;
+# Jamba's write <tool_calls> as Hunyuan-A13B's do, found by their <tool_definitions>; a template
+# writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>.
 _MARKERS = (("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
-            ("minimax_m2", MINIMAX_CALLS), ("hermes", START), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
+            ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),
+            ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),
+            ("olmo3", OLMO3_CALLS), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
             ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS), ("phi4_mini_json", PHI4_CALLS + "["),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
 

@@ -10,13 +10,19 @@ from rlhf_core.rl.tool_calls import (
     detect,
     parse_deepseek_v3,
     parse_deepseek_v31,
+    parse_ernie45,
     parse_glm45,
     parse_granite,
     parse_hermes,
+    parse_hunyuan_a13b,
+    parse_internlm2,
+    parse_jamba,
     parse_kimi_k2,
     parse_llama3_json,
+    parse_longcat,
     parse_minimax_m2,
     parse_mistral,
+    parse_olmo3,
     parse_phi4_mini_json,
     parse_pythonic,
     parse_qwen3_coder,
@@ -229,6 +235,71 @@ def test_phi4_mini_functools_list_read_whole():
         assert parse_phi4_mini_json(bad) == (bad, []), bad
 
 
+def test_internlm2_reads_one_call_after_the_plugin_action():
+    text = 'Adding.<|action_start|><|plugin|>\n{"name": "add", "parameters": {"a": 1, "b": "é"}}<|action_end|>'
+    assert parse_internlm2(text) == ("Adding.", [("add", '{"a": 1, "b": "é"}')])
+    assert parse_internlm2('<|action_start|><|plugin|>{"name": "now", "arguments": {}}') == (None, [("now", "{}")])
+    twice = '<|action_start|><|plugin|>{"name": "a"}<|action_end|><|action_start|><|plugin|>{"name": "b"}<|action_end|>'
+    for bad in ("no calls", "<|action_start|><|plugin|>oops<|action_end|>",  # vLLM raises on these
+                '<|action_start|><|plugin|>{"arguments": {}}<|action_end|>', twice):  # one call only
+        assert parse_internlm2(bad) == (bad, []), bad
+
+
+def test_jamba_reads_the_first_closed_tool_calls_list():
+    text = ('Checking. <tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "now", "arguments": {}}]</tool_calls>')
+    assert parse_jamba(text) == ("Checking.", [("get_weather", '{"city": "Paris"}'), ("now", "{}")])
+    for bad in ("no calls", '<tool_calls>[{"name": "a", "arguments": {}}]',  # never closed
+                '<tool_calls>{"name": "a", "arguments": {}}</tool_calls>', "<tool_calls>[]</tool_calls>",
+                '<tool_calls>[{"name": "a", "arguments": {}}, {"name": "b"}]</tool_calls>'):  # b has no arguments
+        assert parse_jamba(bad) == (bad, []), bad
+
+
+def test_hunyuan_a13b_reads_the_first_json_section_outside_the_thinking():
+    # the text before the section read is the content: the thinking, and a section that is not JSON
+    before = ('<think>Maybe <tool_calls>[{"name": "no", "arguments": {}}]</tool_calls> first.</think>\nSure.'
+              '<tool_calls>oops</tool_calls>')
+    text = (before + '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "skipped"}, '
+            '{"name": "add", "arguments": "{\\"a\\": 1}"}]</tool_calls>')
+    assert parse_hunyuan_a13b(text) == (before, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')])
+    for bad in ("助手：no calls", '<tool_calls>{"name": "a", "arguments": {}}</tool_calls>',
+                '<tool_calls>[{"name": "a", "arguments": [1]}]</tool_calls>',  # arguments neither object nor text
+                '<tool_calls>[{"name": "a"}]</tool_calls>',
+                '<think><tool_calls>[{"name": "a", "arguments": {}}]</tool_calls></think>'):
+        assert parse_hunyuan_a13b(bad) == (bad, []), bad
+
+
+def test_longcat_reads_hermes_calls_in_its_own_tags():
+    text = ('Let me add.<longcat_tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</longcat_tool_call>'
+            '<longcat_tool_call>{"name": "now", "arguments": {}}')  # the last may be left open
+    assert parse_longcat(text) == ("Let me add.", [("add", '{"a": 1}'), ("now", "{}")])
+    for bad in ("no calls", '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+                "<longcat_tool_call>oops</longcat_tool_call>"):
+        assert parse_longcat(bad) == (bad, []), bad
+
+
+def test_olmo3_reads_pythonic_calls_one_a_line():
+    text = ("I'll check.\n<function_calls>\nget_weather(city='New York', units=null)\nadd(a=1, b=true)\n"
+            "</function_calls>")
+    assert parse_olmo3(text) == (None, [("get_weather", '{"city": "New York", "units": null}'),
+                                        ("add", '{"a": 1, "b": true}')])
+    assert parse_olmo3('now()\nget_weather(city="Paris")') == (None, [("now", "{}"), ("get_weather", '{"city": "Paris"}')])
+    for bad in ("Hello world", "<function_calls>\nf(x=1)\n", "<function_calls>\n[f(x=1)]\n</function_calls>",
+                "<function_calls>\nf(x=[1,\n2])\n</function_calls>", "<function_calls></function_calls>",
+                "<function_calls>\nf(1)\n</function_calls>"):
+        assert parse_olmo3(bad) == (bad, []), bad
+
+
+def test_ernie45_reads_json_calls_and_passes_over_blocks_without_one():
+    text = ('Thinking.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"where": {"city": "Paris"}}}\n'
+            '</tool_call>\n<tool_call>oops</tool_call><tool_call>{"name": "now"}</tool_call>')
+    assert parse_ernie45(text) == ("Thinking.\n</think>", [("get_weather", '{"where": {"city": "Paris"}}'),
+                                                           ("now", "{}")])
+    for bad in ("no calls", '<tool_call>{"name": "a", "arguments": {}</tool_call>', "<tool_call>{bad}</tool_call>",
+                "<tool_call>oops</tool_call>", '<tool_call>{"arguments": {}}</tool_call>'):
+        assert parse_ernie45(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
     ("{{ '<seed:tool_call>' }}\n<function={{ name }}>\n<parameter={{ key }}>", "seed_oss"),
     ("{{ '<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke' }}", "step3"),
@@ -249,6 +320,12 @@ def test_phi4_mini_functools_list_read_whole():
     ("<|python_start|>{{ call }}<|python_end|>", "pythonic"),
     ("respond in the format [func_name1(params_name1=params_value1)]", "pythonic"),
     ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    ('{{- "<|action_start|><|plugin|>\\n" }}{{- \'{"name": "\' + function.name }}', "internlm2"),
+    ("<|bom|><|system|> {{ '<tool_definitions>' }} ... {{ '<tool_calls>' + calls | tojson + '</tool_calls>' }}", "jamba"),
+    ('格式化为<tool_calls>[{"name": "func_name1", "arguments": {"argument1": "value1"}},...]</tool_calls>', "hunyuan_a13b"),
+    ("{{ '<longcat_tool_call>' + call | tojson + '</longcat_tool_call>' }}", "longcat"),
+    ("respond with a pythonic function call wrapped in <function_calls></function_calls> XML tags", "olmo3"),
+    ("{{ '<tool_call>' + call | tojson + '</tool_call>' }} {{ '<tool_calls>' }}", "hermes"),  # Hermes' stays Hermes'
     ("{{ messages }}", None), (None, None)])
 def test_a_templates_format_is_found_by_its_markers(template, expected):
     assert detect(template) == expected
