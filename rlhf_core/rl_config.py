@@ -350,7 +350,8 @@ class TrainSection(TrainLoopConfig):
     agent_tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3",
                                     "deepseek_v31", "kimi_k2", "granite", "glm45", "minimax_m2", "seed_oss", "step3",
                                     "xlam", "phi4_mini_json", "internlm2", "jamba", "hunyuan_a13b", "longcat",
-                                    "olmo3", "ernie45"] = Field(
+                                    "olmo3", "ernie45", "openai", "granite4", "lfm2", "apertus",
+                                    "cohere_command3", "cohere_command4"] = Field(
         "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
         "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
         "the chat template teaches, hermes if it shows none (docs/flags.md)")

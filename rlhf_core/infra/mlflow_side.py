@@ -145,20 +145,6 @@ def ops_for(uri: str) -> SideOps | None:
     return SideOps(_side, _side.call(None, "connect", dict(os.environ), list(sys.argv), uri))
 
 
-def stop() -> None:
-    """End the side process (tests; the command's exit ends it too)."""
-    global _side
-    if _side is None:
-        return
-    side, _side = _side, None
-    side.conn.close()
-    try:
-        side.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        side.proc.kill()
-        side.proc.wait()
-
-
 # -- the side process ------------------------------------------------------------------------
 
 def _reply(error: Exception) -> tuple:

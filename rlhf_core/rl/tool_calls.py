@@ -49,6 +49,19 @@ whole text is content.
   before it is the content.
 - `olmo3` (Olmo 3): pythonic calls one a line, in `<function_calls>...</function_calls>` or the
   whole completion; no content.
+- `openai` (gpt-oss's harmony format, from the text decoded with its special tokens): each message
+  to a function, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>`
+  (after `<|start|>assistant` but the first), is a call; the final channel's text and the commentary
+  channel's without a recipient are the content (not the analysis channel's).
+- `granite4` (Granite 4): Hermes' closed `<tool_call>` blocks; all the text outside them is the content.
+- `lfm2` (LFM2/LFM2.5): a pythonic list between `<|tool_call_start|>` and `<|tool_call_end|>`; the
+  text before and after it is the content.
+- `apertus` (Apertus): `<|tools_prefix|>[{"NAME": {ARGUMENTS}}, ...]<|tools_suffix|>`; the text
+  around it is the content.
+- `cohere_command3` (Command A) and `cohere_command4` (Command A Reasoning, Vision): in
+  `<|START_ACTION|>...<|END_ACTION|>`, a JSON list of `{"tool_call_id", "tool_name", "parameters"}`;
+  the content is the answer (outside the thinking, in `<|START_RESPONSE|>`, or cmd4's `<|START_TEXT|>`),
+  citations unwrapped.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -634,13 +647,290 @@ def parse_phi4_mini_json(text: str) -> Calls:
         return text, []
 
 
+_TAGS = re.compile(re.escape(START) + "|" + re.escape(END))
+GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each role
+
+
+def parse_granite4(text: str) -> Calls:
+    """Granite 4: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, each closed and
+    holding a call object with both keys; the text outside them (before, between and after) is the
+    content. A block opened twice, closed unopened or left open is malformed, as in vLLM."""
+    outside, calls, at, inside = [], [], 0, False
+    try:
+        for tag in _TAGS.finditer(text):
+            if (tag[0] == START) == inside:
+                raise _NotACall(text)
+            if inside:
+                obj = json.loads(text[at:tag.start()])
+                if not isinstance(obj, dict) or obj.get("arguments") is None:
+                    raise _NotACall(obj)
+                calls.append(_named_call(obj))
+            else:
+                outside.append(text[at:tag.start()])
+            inside, at = not inside, tag.end()
+        if inside:
+            raise _NotACall(text)
+    except ValueError:
+        return text, []
+    return ("".join(outside + [text[at:]]).strip() or None, calls) if calls else (text, [])
+
+
+LFM2_CALL, LFM2_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+_ESCAPED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_controls_in_strings(code: str) -> str:
+    """Python source with the raw newlines, carriage returns and tabs inside its string literals
+    escaped (what they mean kept; the rest of the source unchanged)."""
+    out, quote, at = [], None, 0
+    while at < len(code):
+        char = code[at]
+        if quote is None:
+            quote = char if char in "'\"" else None
+        elif char == "\\":
+            out.append(code[at: at + 2])
+            at += 2
+            continue
+        elif char == quote:
+            quote = None
+        else:
+            char = _ESCAPED.get(char, char)
+        out.append(char)
+        at += 1
+    return "".join(out)
+
+
+def parse_lfm2(text: str) -> Calls:
+    """LFM2/LFM2.5 (Liquid AI): a pythonic list of calls between `<|tool_call_start|>` and
+    `<|tool_call_end|>` (or the end); raw newlines or tabs inside its strings are read as escaped,
+    as vLLM does. The text before and after the block, one line apart, is the content; after the
+    block, text up to a last stray `<|tool_call_end|>` (the model echoing its call) is dropped, as
+    vLLM does. Read like `pythonic` calls: a positional argument (vLLM passes it over) is malformed."""
+    if LFM2_CALL not in text:
+        return text, []
+    before, rest = text.split(LFM2_CALL, 1)
+    listing, _, after = rest.partition(LFM2_CALL_END)
+    listing = listing.strip()
+    if not (listing.startswith("[") and listing.endswith("]")):
+        return text, []
+    try:
+        calls = _python_calls(listing)
+    except _NOT_PYTHON_CALLS:
+        try:
+            calls = _python_calls(_escape_controls_in_strings(listing))
+        except _NOT_PYTHON_CALLS:
+            return text, []
+    parts = (before.strip(), after.rpartition(LFM2_CALL_END)[2].strip())
+    return "\n".join(part for part in parts if part) or None, calls
+
+
+APERTUS_CALLS, APERTUS_CALLS_END = "<|tools_prefix|>", "<|tools_suffix|>"
+
+
+def parse_apertus(text: str) -> Calls:
+    """Apertus: after the first `<|tools_prefix|>`, a JSON list of one-key objects `{"NAME":
+    ARGUMENTS}` (or one such object) up to `<|tools_suffix|>` or the end; an item that is not a
+    non-empty object is passed over, and any value is its arguments, as vLLM does. The content is
+    the text before, any text after the JSON inside the section, and the text after the section,
+    one line apart. Cut-off JSON is malformed (vLLM reads what it can of it)."""
+    if APERTUS_CALLS not in text:
+        return text, []
+    before, rest = text.split(APERTUS_CALLS, 1)
+    section, _, after = rest.partition(APERTUS_CALLS_END)
+    try:
+        listed, length = _DECODER.raw_decode(section.lstrip())
+    except ValueError:
+        return text, []
+    items = listed if isinstance(listed, list) else [listed] if listed else []
+    calls = [(name, json.dumps(arguments, ensure_ascii=False))
+             for item in items if isinstance(item, dict) and item for name, arguments in [next(iter(item.items()))]]
+    parts = (before.strip(), section.lstrip()[length:].strip(), after.replace(APERTUS_CALLS_END, "").strip())
+    return ("\n".join(part for part in parts if part) or None, calls) if calls else (text, [])
+
+
+COHERE_THINKING, COHERE_THINKING_END = "<|START_THINKING|>", "<|END_THINKING|>"
+COHERE_ACTION, COHERE_ACTION_END = "<|START_ACTION|>", "<|END_ACTION|>"
+COHERE_RESPONSE, COHERE_RESPONSE_END = "<|START_RESPONSE|>", "<|END_RESPONSE|>"
+COHERE_TEXT, COHERE_TEXT_END = "<|START_TEXT|>", "<|END_TEXT|>"
+_CITATION = re.compile(r"<co(?::[^>]*)?>(.*?)</co:[^>]*>", re.DOTALL)
+
+
+def _stretches(text: str, opens: dict[str, str], first: str) -> list[tuple[str, str]]:
+    """(kind, text) of each stretch of `text` between its markers, `opens` naming the kind of
+    stretch each marker opens (`first` the kind of the text before any)."""
+    stretches, kind, at = [], first, 0
+    for marker in re.finditer("|".join(map(re.escape, opens)), text):
+        stretches.append((kind, text[at:marker.start()]))
+        kind, at = opens[marker[0]], marker.end()
+    return stretches + [(kind, text[at:])]
+
+
+def _cohere_call(item) -> tuple[str, str]:
+    if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("tool_call_id", "tool_name")):
+        raise _NotACall(item)
+    parameters = item.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise _NotACall(item)
+    return item["tool_name"], json.dumps(parameters, ensure_ascii=False)
+
+
+def _cohere_command(text: str, answer: tuple[str, ...], answer_end: tuple[str, ...], first: str) -> Calls:
+    """Cohere Command's calls and answer as cohere_melody's filter reads them (vLLM's parser): each
+    `<|START_ACTION|>` section a JSON list of `{"tool_call_id": str, "tool_name": str, "parameters":
+    {...}}` (or one such object); the content is the answer's text (`first` being the kind of the
+    text before any marker), citations `<co>SPAN</co: ...>` unwrapped, not the thinking nor the text
+    after an action or answer ends. A section that is not such JSON is malformed (melody's streaming
+    reader takes what it finds in it); parameters left out are `{}` (melody gives no text)."""
+    if COHERE_ACTION not in text:
+        return text, []
+    opens = {COHERE_THINKING: "thinking", COHERE_THINKING_END: "answer", COHERE_ACTION: "action",
+             COHERE_ACTION_END: "after", **dict.fromkeys(answer, "answer"), **dict.fromkeys(answer_end, "after")}
+    stretches, calls = _stretches(text, opens, first), []
+    try:
+        for kind, body in stretches:
+            if kind == "action":
+                listed = json.loads(body)
+                calls += [_cohere_call(item) for item in (listed if isinstance(listed, list) else [listed])]
+    except ValueError:
+        return text, []
+    content = _CITATION.sub(r"\1", "".join(body for kind, body in stretches if kind == "answer")).strip()
+    return (content or None, calls) if calls else (text, [])
+
+
+def parse_cohere_command3(text: str) -> Calls:
+    """Command A (melody's cmd3): the answer is the text outside other sections and in
+    `<|START_RESPONSE|>...<|END_RESPONSE|>`."""
+    return _cohere_command(text, (COHERE_RESPONSE,), (COHERE_RESPONSE_END,), "answer")
+
+
+def parse_cohere_command4(text: str) -> Calls:
+    """Command A Reasoning/Vision (melody's cmd4): the completion opens thinking; the answer is in
+    `<|START_TEXT|>` or `<|START_RESPONSE|>` sections and after `<|END_THINKING|>`."""
+    return _cohere_command(text, (COHERE_TEXT, COHERE_RESPONSE), (COHERE_TEXT_END, COHERE_RESPONSE_END), "thinking")
+
+
+HARMONY_START, HARMONY_MESSAGE, HARMONY_CHANNEL, HARMONY_CONSTRAIN = ("<|start|>", "<|message|>", "<|channel|>",
+                                                                      "<|constrain|>")
+_HARMONY_STOP = re.compile(r"<\|(?:end|call|return)\|>")
+_HARMONY_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_HARMONY_BUILT_IN = frozenset({"python", "browser", "container"})  # tools that are not the request's functions
+Header = tuple[str, str | None, str | None, str | None]  # role, channel, recipient, content type
+
+
+def _harmony_header(header: str, role: str | None) -> Header:
+    """A harmony message header as openai_harmony reads it: `<|channel|>CHANNEL` anywhere, then
+    (unless `role` is known) the role, a recipient (`to=NAME`) and a content type (`json`,
+    `<|constrain|>json`); _NotACall for one it refuses."""
+    channel = None
+    if HARMONY_CHANNEL in header:
+        before, _, after = header.partition(HARMONY_CHANNEL)
+        channel = re.match(r"[^\s<]*", after)[0]
+        if not channel:
+            raise _NotACall(header)
+        header = before + after[len(channel):]
+    parts = re.findall(r"[^ \t\n\r\f]+", header.replace(HARMONY_CONSTRAIN, " " + HARMONY_CONSTRAIN))
+    if role is None:
+        if parts and parts[0] in _HARMONY_ROLES:
+            role = parts[0]
+        elif len(parts) > 1 or (parts and parts[0].startswith("to=")):
+            role = "tool"  # an unknown role before a recipient: a tool's message
+            parts.pop(0)
+        else:
+            raise _NotACall(header)
+    if parts and parts[0] == role:
+        parts.pop(0)
+    recipient = content_type = None
+    if parts:
+        last = parts.pop()
+        if last.startswith("to=") or not parts:
+            recipient = last.removeprefix("to=")
+        else:
+            content_type, recipient = last, parts.pop().removeprefix("to=")
+    if parts:
+        raise _NotACall(header)
+    if recipient is not None:  # vLLM cuts a constrained format that older harmony left in it
+        recipient = recipient.split(HARMONY_CONSTRAIN)[0].rstrip() or None
+    return role, channel, recipient, content_type
+
+
+def _harmony_messages(text: str) -> tuple[list[tuple[Header, str]], str]:
+    """(each message's header and text, the raw text of a header the completion ends in) of a
+    completion whose first message's role, assistant, its prompt wrote. A message ends at
+    `<|end|>`, `<|call|>`, `<|return|>` or the end; the text from there to the next `<|start|>` is
+    passed over, and so is a message whose header is refused (its header's text kept with the
+    unfinished one, as vLLM's token buffer keeps it)."""
+    messages, unread, at, head, role = [], "", 0, 0, "assistant"
+    while True:
+        mark = text.find(HARMONY_MESSAGE, head)
+        if mark < 0:
+            return messages, unread + text[at:]
+        body = mark + len(HARMONY_MESSAGE)
+        try:
+            header = _harmony_header(text[head:mark], role)
+        except _NotACall:
+            unread += text[at:mark]
+        else:
+            stop = _HARMONY_STOP.search(text, body)
+            messages.append((header, text[body: stop.start() if stop else len(text)]))
+            if stop is None:
+                return messages, ""
+            unread, body = "", stop.end()
+        at = text.find(HARMONY_START, body)
+        if at < 0:
+            return messages, ""
+        head, role = at + len(HARMONY_START), None
+
+
+def _harmony_function(recipient: str) -> bool:
+    """Whether a recipient is one of the request's functions (`functions.NAME`, or a bare name
+    that is not a built-in tool's), as vLLM tells."""
+    if recipient.startswith("<|") or recipient == "assistant":
+        return False
+    if recipient.startswith("functions."):
+        return len(recipient) > len("functions.")
+    return recipient.split(".", 1)[0] not in _HARMONY_BUILT_IN
+
+
+def _harmony_arguments(text: str, content_type: str | None) -> str:
+    if content_type is not None and "json" not in content_type:
+        return text
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return text  # vLLM passes arguments that are not JSON on as written
+
+
+def parse_openai(text: str) -> Calls:
+    """gpt-oss's harmony format, read from the completion decoded with its special tokens. vLLM
+    reads the token ids with openai_harmony's StreamableParser (its prompt ends `<|start|>assistant`);
+    this reads the same messages from their text: a message to a function (`<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>`) is a call (arguments as JSON
+    when they read as JSON and the content type is JSON or none, else as written); the final
+    channel's text and the commentary channel's without a recipient are the content, one line
+    apart (the analysis channel is reasoning, not content), and so is the raw text of a header the
+    completion ends in, as vLLM recovers it."""
+    messages, unfinished = _harmony_messages(text)
+    calls, content = [], []
+    for (role, channel, recipient, content_type), body in messages:
+        if role != "assistant":
+            continue
+        if recipient is not None and _harmony_function(recipient):
+            calls.append((recipient.removeprefix("functions."), _harmony_arguments(body, content_type)))
+        elif body and (channel == "final" or (channel == "commentary" and recipient is None)):
+            content.append(body)
+    content += [unfinished] if unfinished else []
+    return ("\n".join(content).strip() or None, calls) if calls else (text, [])
+
+
 PARSERS: dict[str, Callable[[str], Calls]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
     "qwen3_coder": parse_qwen3_coder, "deepseek_v3": parse_deepseek_v3, "deepseek_v31": parse_deepseek_v31,
     "kimi_k2": parse_kimi_k2, "granite": parse_granite, "glm45": parse_glm45, "minimax_m2": parse_minimax_m2,
     "seed_oss": parse_seed_oss, "step3": parse_step3, "xlam": parse_xlam, "phi4_mini_json": parse_phi4_mini_json,
     "internlm2": parse_internlm2, "jamba": parse_jamba, "hunyuan_a13b": parse_hunyuan_a13b, "longcat": parse_longcat,
-    "olmo3": parse_olmo3, "ernie45": parse_ernie45}
+    "olmo3": parse_olmo3, "ernie45": parse_ernie45, "openai": parse_openai, "granite4": parse_granite4,
+    "lfm2": parse_lfm2, "apertus": parse_apertus, "cohere_command3": parse_cohere_command3,
+    "cohere_command4": parse_cohere_command4}
 # formats that write every argument value as text
 TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2", "seed_oss", "step3"})
 
@@ -657,10 +947,13 @@ def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
 # The marker each format's chat templates write, in the order they are looked for (Qwen3-Coder's
 # and GLM's templates write <tool_call> too; DeepSeek-V3's write V3.1's markers and a ```json fence;
 # Jamba's write <tool_calls> as Hunyuan-A13B's do, found by their <tool_definitions>; a template
-# writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>.
+# writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>;
+# Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
+# <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
 _MARKERS = (("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
             ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),
-            ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),
+            ("openai", HARMONY_CHANNEL), ("lfm2", "<|tool_list_start|>"), ("apertus", APERTUS_CALLS),
+            ("cohere_command4", COHERE_TEXT), ("cohere_command3", COHERE_ACTION), ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),
             ("olmo3", OLMO3_CALLS), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
             ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS), ("phi4_mini_json", PHI4_CALLS + "["),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
@@ -671,4 +964,6 @@ def detect(chat_template: str | None) -> str | None:
     found = next((name for name, marker in _MARKERS if chat_template and marker in chat_template), None)
     if found == "deepseek_v31" and "```json" in chat_template:
         return "deepseek_v3"
+    if found == "hermes" and GRANITE_ROLE in chat_template:
+        return "granite4"
     return found

@@ -8,21 +8,27 @@ import pytest
 from rlhf_core.rl.tool_calls import (
     PARSERS,
     detect,
+    parse_apertus,
+    parse_cohere_command3,
+    parse_cohere_command4,
     parse_deepseek_v3,
     parse_deepseek_v31,
     parse_ernie45,
     parse_glm45,
     parse_granite,
+    parse_granite4,
     parse_hermes,
     parse_hunyuan_a13b,
     parse_internlm2,
     parse_jamba,
     parse_kimi_k2,
+    parse_lfm2,
     parse_llama3_json,
     parse_longcat,
     parse_minimax_m2,
     parse_mistral,
     parse_olmo3,
+    parse_openai,
     parse_phi4_mini_json,
     parse_pythonic,
     parse_qwen3_coder,
@@ -300,6 +306,76 @@ def test_ernie45_reads_json_calls_and_passes_over_blocks_without_one():
         assert parse_ernie45(bad) == (bad, []), bad
 
 
+def test_openai_harmony_messages_to_functions_are_calls():
+    text = ("<|channel|>analysis<|message|>Need the weather and a sum.<|end|><|start|>assistant<|channel|>commentary"
+            "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>"
+            'json<|message|>{"city":"Paris"}<|call|><|start|>assistant to=functions.add<|channel|>commentary json'
+            '<|message|>{"a": 1, "b": "é"}')  # the last call's <|call|> ends the completion: not in its text
+    assert parse_openai(text) == ("Checking.", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": "é"}')])
+    final = ('<|channel|>commentary to=functions.run code<|message|>print(1)<|call|><|start|>assistant<|channel|>'
+             "final<|message|>Done.<|return|>")
+    assert parse_openai(final) == ("Done.", [("run", "print(1)")])  # not JSON by its content type: as written
+    assert parse_openai("<|channel|>commentary to=functions.f<|message|>{oops<|call|>") == (None, [("f", "{oops")])
+    for bad in ("plain text", "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>Hi",
+                '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": 1}<|call|>',  # built in
+                "<|channel|>commentary to=functions.f json extra<|message|>{}<|call|>",  # a header harmony refuses
+                "<|channel|>commentary to=functions.f <|constrain|>json"):  # the header never ends
+        assert parse_openai(bad) == (bad, []), bad
+
+
+def test_granite4_reads_closed_blocks_and_all_the_text_around_them():
+    text = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>\nThen sum.')
+    assert parse_granite4(text) == ("I will check.\n\n\nThen sum.", [("get_weather", '{"city": "Paris"}'),
+                                                                   ("add", '{"a": 1}')])
+    for bad in ("no calls", '<tool_call>{"name": "f", "arguments": {}}',  # left open
+                '<tool_call>{"name": "f"}</tool_call>', '<tool_call>[{"name": "f", "arguments": {}}]</tool_call>',
+                '<tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>', "</tool_call>",
+                '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>oops</tool_call>'):
+        assert parse_granite4(bad) == (bad, []), bad
+
+
+def test_lfm2_reads_a_pythonic_list_between_its_markers():
+    text = ('Let me check.<|tool_call_start|>[get_weather(city="Paris"), tools.add(a=1, b=-2.5)]<|tool_call_end|>'
+            "Checking now.")
+    assert parse_lfm2(text) == ("Let me check.\nChecking now.", [("get_weather", '{"city": "Paris"}'),
+                                                                ("tools.add", '{"a": 1, "b": -2.5}')])
+    echoed = '<|tool_call_start|>[run(cmd="ls\n-l")]<|tool_call_end|>[run(cmd="ls")]<|tool_call_end|> Sure.'
+    assert parse_lfm2(echoed) == ("Sure.", [("run", '{"cmd": "ls\\n-l"}')])  # a raw newline in a string read
+    assert parse_lfm2("<|tool_call_start|>[now()]") == (None, [("now", "{}")])
+    for bad in ("[now()]", "<|tool_call_start|>now()<|tool_call_end|>", "<|tool_call_start|>[]<|tool_call_end|>",
+                "<|tool_call_start|>[f(x=y)]<|tool_call_end|>", "<|tool_call_start|>[f(1)]<|tool_call_end|>"):
+        assert parse_lfm2(bad) == (bad, []), bad
+
+
+def test_apertus_reads_one_key_objects_after_its_prefix():
+    text = ('I will check. <|tools_prefix|>[{"get_weather": {"city": "Zürich"}}, {"now": {}}, 3]<|tools_suffix|>'
+            " Then more.")
+    assert parse_apertus(text) == ("I will check.\nThen more.", [("get_weather", '{"city": "Zürich"}'), ("now", "{}")])
+    assert parse_apertus('<|tools_prefix|>{"f": {"a": 1}} and text') == ("and text", [("f", '{"a": 1}')])
+    for bad in ('[{"f": {}}]', "<|tools_prefix|>not json<|tools_suffix|>", "<|tools_prefix|>[]<|tools_suffix|>",
+                '<|tools_prefix|>[{"f": {"a": 1}}, {"g": '):  # cut off (vLLM reads what it can)
+        assert parse_apertus(bad) == (bad, []), bad
+
+
+def test_cohere_command_reads_actions_and_the_answer_without_the_thinking():
+    text = ('<|START_THINKING|>I will look it up.<|END_THINKING|>Sure, <co>Paris</co: 0:[1]>.<|START_ACTION|>[\n'
+            '    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}},\n'
+            '    {"tool_call_id": "1", "tool_name": "now"}\n]<|END_ACTION|>')
+    calls = [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    assert parse_cohere_command3(text) == ("Sure, Paris.", calls)
+    assert parse_cohere_command4(text) == ("Sure, Paris.", calls)
+    one = '<|START_ACTION|>{"tool_call_id": "0", "tool_name": "f", "parameters": {}}<|END_ACTION|>'
+    assert parse_cohere_command3("Before." + one + "<|START_RESPONSE|>After.<|END_RESPONSE|>ignored") == (
+        "Before.After.", [("f", "{}")])
+    assert parse_cohere_command4("Planning." + one + "<|START_TEXT|>Answer.<|END_TEXT|>") == ("Answer.", [("f", "{}")])
+    for bad in ("<|START_RESPONSE|>no calls<|END_RESPONSE|>", "<|START_ACTION|>[]<|END_ACTION|>",
+                '<|START_ACTION|>[{"tool_name": "f", "parameters": {}}]<|END_ACTION|>',  # no tool_call_id
+                '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": "x"}]<|END_ACTION|>',
+                '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {"a": 1}<|END_ACTION|>'):
+        assert parse_cohere_command3(bad) == (bad, []) and parse_cohere_command4(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
     ("{{ '<seed:tool_call>' }}\n<function={{ name }}>\n<parameter={{ key }}>", "seed_oss"),
     ("{{ '<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke' }}", "step3"),
@@ -326,6 +402,13 @@ def test_ernie45_reads_json_calls_and_passes_over_blocks_without_one():
     ("{{ '<longcat_tool_call>' + call | tojson + '</longcat_tool_call>' }}", "longcat"),
     ("respond with a pythonic function call wrapped in <function_calls></function_calls> XML tags", "olmo3"),
     ("{{ '<tool_call>' + call | tojson + '</tool_call>' }} {{ '<tool_calls>' }}", "hermes"),  # Hermes' stays Hermes'
+    ("{{- '<|start|>assistant to=' + 'functions.' + call.name + '<|channel|>commentary json<|message|>' }}", "openai"),
+    ("{{- '<|start_of_role|>assistant<|end_of_role|>' }}{{- '<tool_call>\n' + call | tojson + '\n</tool_call>' }}",
+     "granite4"),
+    ('{{- "List of tools: <|tool_list_start|>[" }}{{ tools | tojson }}{{ "]<|tool_list_end|>" }}', "lfm2"),
+    ("{{- '<|tools_prefix|>' + calls | tojson + '<|tools_suffix|>' }}", "apertus"),
+    ("<|START_RESPONSE|>{{ content }}<|END_RESPONSE|> <|START_ACTION|>{{ calls }}<|END_ACTION|>", "cohere_command3"),
+    ("<|START_TEXT|>{{ content }}<|END_TEXT|> <|START_ACTION|>{{ calls }}<|END_ACTION|>", "cohere_command4"),
     ("{{ messages }}", None), (None, None)])
 def test_a_templates_format_is_found_by_its_markers(template, expected):
     assert detect(template) == expected
