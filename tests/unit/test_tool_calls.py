@@ -1,42 +1,39 @@
-"""Tool calls in a completion's text (`rl/tool_calls.py`), each format read as vLLM's parser of the
-same name reads a whole completion; a template's format found by its markers."""
+"""Tool calls in a completion's text (`rl/tool_calls.py`, the parsers in `rl/tool_formats/`), each
+format read as vLLM's parser of the same name reads a whole completion; a template's format found
+by its markers."""
 
 import json
 
 import pytest
 
-from rlhf_core.rl.tool_calls import (
-    PARSERS,
-    detect,
+from rlhf_core.rl.tool_calls import PARSERS, detect, read_calls, typed_arguments
+from rlhf_core.rl.tool_formats.cohere import parse_cohere_command3, parse_cohere_command4
+from rlhf_core.rl.tool_formats.harmony import parse_openai
+from rlhf_core.rl.tool_formats.json_lists import (
     parse_apertus,
-    parse_cohere_command3,
-    parse_cohere_command4,
-    parse_deepseek_v3,
-    parse_deepseek_v31,
-    parse_ernie45,
-    parse_glm45,
     parse_granite,
+    parse_hunyuan_a13b,
+    parse_jamba,
+    parse_mistral,
+    parse_phi4_mini_json,
+    parse_xlam,
+)
+from rlhf_core.rl.tool_formats.json_objects import (
+    parse_ernie45,
     parse_granite4,
     parse_hermes,
-    parse_hunyuan_a13b,
     parse_internlm2,
-    parse_jamba,
-    parse_kimi_k2,
-    parse_lfm2,
     parse_llama3_json,
     parse_longcat,
+)
+from rlhf_core.rl.tool_formats.python_calls import parse_lfm2, parse_olmo3, parse_pythonic
+from rlhf_core.rl.tool_formats.sectioned import parse_deepseek_v3, parse_deepseek_v31, parse_kimi_k2
+from rlhf_core.rl.tool_formats.xml_calls import (
+    parse_glm45,
     parse_minimax_m2,
-    parse_mistral,
-    parse_olmo3,
-    parse_openai,
-    parse_phi4_mini_json,
-    parse_pythonic,
     parse_qwen3_coder,
     parse_seed_oss,
     parse_step3,
-    parse_xlam,
-    read_calls,
-    typed_arguments,
 )
 
 

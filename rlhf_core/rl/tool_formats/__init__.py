@@ -1,0 +1,17 @@
+"""The tool-call formats chat templates teach, one parser each, grouped by how their calls are
+written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the code reads them through.
+
+- `common`: what every format shares (`Calls`, the error for a text that is no call, Hermes'
+  `<tool_call>` block, reading a JSON call object).
+- `json_objects`: each call one JSON object, in or after a marker (hermes, longcat, ernie45, granite4,
+  internlm2, llama3_json).
+- `json_lists`: the calls a JSON list after or inside a marker (mistral, granite, jamba, hunyuan_a13b,
+  xlam, phi4_mini_json, apertus).
+- `python_calls`: Python-list calls with literal keyword arguments (pythonic, olmo3, lfm2).
+- `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45,
+  minimax_m2, step3).
+- `sectioned`: a section of calls, each between its own begin and end tokens (deepseek_v3,
+  deepseek_v31, kimi_k2).
+- `harmony`: gpt-oss's harmony messages (openai).
+- `cohere`: Cohere Command's action sections (cohere_command3, cohere_command4).
+"""

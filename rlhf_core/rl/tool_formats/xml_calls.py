@@ -1,0 +1,154 @@
+"""Formats whose calls are XML-like tags, each argument value written as text (pure); `read_calls`
+types the values by the request's tool schemas (`TEXT_VALUED`, `typed_arguments`).
+
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5): XML calls, `<tool_call><function=NAME><parameter=KEY>
+  VALUE</parameter>...</function></tool_call>`; each value is a string unless the request's tools
+  declare the parameter otherwise (`typed_arguments`); the text before the first call is the content.
+- `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>` (newlines allowed between the tags); `minimax_m2` (MiniMax-M2): between
+  `<minimax:tool_call>` and `</minimax:tool_call>`, each call `<invoke name="NAME"><parameter
+  name="KEY">VALUE</parameter>...</invoke>`. Both write each value as text (typed like
+  `qwen3_coder`'s) and keep it verbatim; the text before the first call is the content.
+- `seed_oss` (Seed-OSS): `qwen3_coder`'s calls between `<seed:tool_call>` and `</seed:tool_call>`,
+  after any `<seed:think>...</seed:think>` (the thinking and the text before the calls are the
+  content); `step3` (Step-3): `<｜tool_calls_begin｜>`, calls `function<｜tool_sep｜><steptml:invoke
+  name="NAME">` with `<steptml:parameter name="KEY">VALUE</steptml:parameter>`, `<｜tool_calls_end｜>`
+  (the text around the section is the content). Both write values as text, typed as above.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from rlhf_core.rl.tool_formats.common import _BLOCK, START, Calls, _NotACall
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _one_newline_off(value: str) -> str:
+    """A value without the one newline the template writes on each side of it."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _xml_functions(blocks: list[str]) -> list[tuple[str, str]]:
+    """The calls of blocks each holding exactly one `<function=NAME>` of `<parameter=KEY>`s
+    (values without the newline on each side); _NotACall when a block holds anything else."""
+    calls = []
+    for block in blocks:
+        functions = _FUNCTION.findall(block)
+        if len(functions) != 1 or _FUNCTION.sub("", block).strip():
+            raise _NotACall(block)  # a call is exactly one <function=...>...</function>
+        name, body = functions[0]
+        if _PARAMETER.sub("", body).strip():
+            raise _NotACall(body)  # something other than parameters inside the function
+        arguments = {key.strip(): _one_newline_off(value) for key, value in _PARAMETER.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def parse_qwen3_coder(text: str) -> Calls:
+    if START not in text:
+        return text, []
+    try:
+        calls = _xml_functions(_BLOCK.findall(text))
+    except _NotACall:
+        return text, []
+    content = text[: text.index(START)].strip()
+    return content or None, calls
+
+
+SEED_CALL, SEED_CALL_END, SEED_THINK, SEED_THINK_END = ("<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
+                                                        "</seed:think>")
+_SEED_BLOCK = re.compile(re.escape(SEED_CALL) + r"(.*?)(?:" + re.escape(SEED_CALL_END) + r"|\Z)", re.DOTALL)
+
+
+def parse_seed_oss(text: str) -> Calls:
+    """Seed-OSS: Qwen3-Coder's calls between `<seed:tool_call>` and `</seed:tool_call>` (or each
+    `<function=...>` alone where no section is written, as vLLM backs off), after the thinking."""
+    thinking = text[: text.index(SEED_THINK_END) + len(SEED_THINK_END)] if (
+        SEED_THINK in text and SEED_THINK_END in text) else ""
+    answer = text[len(thinking):]
+    blocks = _SEED_BLOCK.findall(answer) if SEED_CALL in answer else [m[0] for m in _FUNCTION.finditer(answer)]
+    if not blocks:
+        return text, []
+    try:
+        calls = _xml_functions(blocks)
+    except _NotACall:
+        return text, []
+    start = answer.index(SEED_CALL) if SEED_CALL in answer else answer.index("<function=")
+    return (thinking + answer[:start]).strip() or None, calls
+
+
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm45(text: str) -> Calls:
+    if START not in text:
+        return text, []
+    calls = []
+    for block in _BLOCK.findall(text):
+        name, _, body = block.partition("<arg_key>")
+        body = "<arg_key>" + body if body else ""
+        if not name.strip() or _GLM_ARGUMENT.sub("", body).strip():
+            return text, []  # no name, or something other than key/value pairs after it
+        arguments = {key.strip(): value for key, value in _GLM_ARGUMENT.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.index(START)].strip() or None, calls
+
+
+MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_MINIMAX_SECTION = re.compile(re.escape(MINIMAX_CALLS) + r"(.*?)(?:" + re.escape(MINIMAX_CALLS_END) + r"|\Z)",
+                              re.DOTALL)
+_NAME = r"\s*=\s*(?:\"([^\"]*)\"|'([^']*)'|([^>\s]+))\s*>"  # quoted either way or bare: one group matches
+_INVOKE = re.compile(r"<invoke\s+name" + _NAME + r"(.*?)</invoke>", re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r"<parameter\s+name" + _NAME + r"(.*?)</parameter>", re.DOTALL)
+
+
+def parse_minimax_m2(text: str) -> Calls:
+    if MINIMAX_CALLS not in text:
+        return text, []
+    calls = []
+    for section in _MINIMAX_SECTION.findall(text):
+        invokes = _INVOKE.findall(section)
+        if not invokes or _INVOKE.sub("", section).strip():
+            return text, []  # a section holds calls and nothing else
+        for *name, body in invokes:
+            name = "".join(name).strip()
+            if not name or _MINIMAX_PARAMETER.sub("", body).strip():
+                return text, []
+            arguments = {"".join(key).strip(): value for *key, value in _MINIMAX_PARAMETER.findall(body)
+                         if "".join(key).strip()}  # a parameter without a name is skipped, as vLLM does
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.index(MINIMAX_CALLS)].strip() or None, calls
+
+
+STEP3_CALLS, STEP3_CALLS_END = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
+STEP3_CALL, STEP3_SEP, STEP3_CALL_END = "<｜tool_call_begin｜>", "<｜tool_sep｜>", "<｜tool_call_end｜>"
+_STEP3_INVOKE = re.compile(r'<steptml:invoke name="([^"]+)">(.*?)</steptml:invoke>', re.DOTALL)
+_STEP3_PARAMETER = re.compile(r'<steptml:parameter name="([^"]+)">([^<]*)</steptml:parameter>')
+
+
+def parse_step3(text: str) -> Calls:
+    """Step-3: a closed `<｜tool_calls_begin｜>` ... `<｜tool_calls_end｜>` section; each call
+    `<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME"><steptml:parameter
+    name="KEY">VALUE</steptml:parameter>...</steptml:invoke><｜tool_call_end｜>`, values stripped
+    text; a call of another type than `function` is passed over, as vLLM does. The text before and
+    after the section is the content."""
+    if STEP3_CALLS not in text:
+        return text, []
+    before, rest = text.split(STEP3_CALLS, 1)
+    if STEP3_CALLS_END not in rest:
+        return text, []
+    section, after = rest.split(STEP3_CALLS_END, 1)
+    calls = []
+    for part in section.split(STEP3_CALL)[1:]:
+        kind, sep, invoke = part.split(STEP3_CALL_END, 1)[0].partition(STEP3_SEP)
+        match = _STEP3_INVOKE.search(invoke)
+        if STEP3_CALL_END not in part or not sep or kind.strip() != "function" or match is None:
+            continue
+        arguments = {key: value.strip() for key, value in _STEP3_PARAMETER.findall(match[2])}
+        calls.append((match[1], json.dumps(arguments, ensure_ascii=False)))
+    return ((before + after).strip() or None, calls) if calls else (text, [])
