@@ -53,7 +53,8 @@ def test_the_load_balancing_loss_spreads_the_tokens_over_the_experts(tmp_path, m
                      "--aux_loss_coef", coef]) == 0
         balance[coef] = held_out_balance(str(out), rows, paths["tokenizer"])
         run_id = json.loads((out / "stage.json").read_text())["mlflow_run_id"]
-        logged[coef] = [m.value for m in MlflowClient().get_metric_history(run_id, "train/aux_loss")]
+        logged[coef] = [m.value for m in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(
+            run_id, "train/aux_loss")]
     base = held_out_balance(paths["base"], rows, paths["tokenizer"])
     print(f"held-out load-balancing loss: base {base:.4f}, after SFT {balance}")
     assert logged["0"] == [] and len(logged["0.5"]) >= 10 and 1.9 < min(logged["0.5"]) < 2.2, logged

@@ -118,7 +118,7 @@ def test_the_tracker_redacts_params_tags_and_text_artifacts(tmp_path, monkeypatc
     tracker.log_artifact(str(tmp_path / "stage.json"))
     tracker.log_artifact(str(tmp_path / "weights.bin"))
     tracker.finish()
-    run = mlflow.MlflowClient().get_run(tracker.run_id)
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(tracker.run_id)
     assert run.data.params == {"reward.remote_url": "http://***@h/r?api_key=***", "hf_token": REDACTED}
     assert run.data.tags["rlhf.input.model"] == "s3://***@b/m" and run.data.tags["note"] == f"tok {REDACTED}"
     artifacts = tmp_path / "artifacts"
