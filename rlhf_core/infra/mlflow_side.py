@@ -15,7 +15,9 @@ not reach the store comes back as `StoreFailure` (an OSError, so retried like a 
 the store's own refusal as `StoreAnswer` with its error code (never retried), anything else as
 `SideError` with the side's traceback. If the process is gone, every call is a `StoreFailure`
 that says so (a stage then fails after its store bound, as with a store that went away). The
-process ends when the command's end of the socket closes (the command exited or was killed).
+process ends when the command's end of the socket closes (the command exited or was killed); it
+runs in a session of its own, so the signals that stop the command (a Ctrl-C, a job stop) leave it
+to record the run's end.
 """
 
 from __future__ import annotations
@@ -121,7 +123,10 @@ def start() -> None:
     try:
         proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.infra.mlflow_side", str(theirs.fileno()),
                                  json.dumps(sys.argv)],
-                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2)
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2,
+                                # out of the command's process group: a Ctrl-C or a job stop signals the
+                                # command, which then marks its run FAILED through this process
+                                start_new_session=True)
     except OSError as e:
         ours.close()
         print(f"rlhf: MLflow runs in this process (its own process did not start: {e})", file=sys.stderr)
@@ -164,8 +169,10 @@ def serve(fd: int, argv: list[str]) -> None:
     """Answer the command's calls until it closes its end. First, what its first call would wait
     for: MLflow's imports, the embedded database's store and its first query, the run's source
     tags (git's too)."""
+    import signal
     from multiprocessing.connection import Connection
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends when the command has made its last call
     conn = Connection(fd)
     sys.argv = argv  # the command's: MLflow names a run's source after it
     from mlflow.tracking.context.registry import resolve_tags

@@ -126,3 +126,39 @@ def test_the_command_starts_the_side_process_only_where_it_may_track(argv, env, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert _tracks_here(argv) is expected
+
+
+INTERRUPTED = """
+import sys, time
+from rlhf_core.infra import mlflow_side
+mlflow_side.start()
+from rlhf_core.infra.tracking import Tracker
+t = Tracker(True, "side", "sft", None)
+print(t.run_id, flush=True)
+try:
+    time.sleep(120)  # training
+except KeyboardInterrupt:  # as a stage does on any BaseException
+    t.finish("FAILED")
+    print("marked", flush=True)
+"""
+
+
+def test_a_ctrl_c_to_the_command_leaves_the_side_process_to_mark_the_run_failed(tmp_path):
+    """A terminal's Ctrl-C signals the whole foreground process group: the side process must not
+    die of it before the command has recorded its run's end."""
+    import signal
+
+    env = {**os.environ, "RLHF_HOME": str(tmp_path / "home"), "MLFLOW_EXPERIMENT_NAME": "side"}
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "RLHF_MLFLOW_IN_PROCESS"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # its own group, as a shell's job
+    try:
+        run_id = proc.stdout.readline().strip()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "marked" in out, err[-2000:]
+    assert store(tmp_path).get_run(run_id).info.status == "FAILED"
