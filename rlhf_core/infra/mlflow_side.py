@@ -100,7 +100,7 @@ class SideOps:
         self._call("set_terminated", run_id, status)
 
     def log_artifact(self, run_id, path) -> None:
-        self._call("log_artifact", run_id, path)
+        self._call("log_artifact", run_id, os.path.abspath(path))  # the side's working directory may differ
 
     def log_text(self, run_id, text, name) -> None:
         self._call("log_text", run_id, text, name)
