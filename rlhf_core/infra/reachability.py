@@ -178,17 +178,23 @@ def retry(call, what: str, store: str, seconds: float, setting: str):
 REQUEST_TAG = "rlhf.request_id"  # a run's creation request, so a retried create finds what it made
 
 
-def create_run_once(client, run_name: str | None, tags: dict, request: str | None = None, owner: str | None = None):
+THIS_PROCESS = "this process"  # create_run_once's default owner
+
+
+def create_run_once(client, run_name: str | None, tags: dict, request: str | None = None,
+                    owner: str | None = THIS_PROCESS):
     """`call(experiment_id)` creating one run however often it is retried: the run carries a request
     id (`request`, default a new one), and every later try looks for it first (a create whose answer
     was lost may have made it; a blind second create would leave a run RUNNING forever). `owner`:
-    the `rlhf.owner` of the process the run belongs to (default this one)."""
+    the `rlhf.owner` of the process the run belongs to (default this one; None: not known, no tag,
+    as where `owner_tag()` cannot tell; never the caller's own in its place: the MLflow process
+    creates runs its command owns)."""
     import uuid
 
     from rlhf_core.infra.owner import OWNER_TAG, owner_tag
 
     request = request or uuid.uuid4().hex
-    owner = owner or owner_tag()  # a later process can tell a run left RUNNING by a killed owner (owner.py)
+    owner = owner_tag() if owner == THIS_PROCESS else owner  # a killed owner's RUNNING run is told (owner.py)
     tags = {**tags, REQUEST_TAG: request, **({OWNER_TAG: owner} if owner else {})}
     tried = False
 

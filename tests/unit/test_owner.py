@@ -138,3 +138,18 @@ def test_prune_counts_a_killed_runs_folder_as_ended_and_yes_marks_it_killed(stor
     assert not (root / killed / "checkpoints" / "ppo").exists()
     assert (root / live / "checkpoints" / "ppo" / "rlhf-checkpoints.json").exists()
     assert client.get_run(live).info.status == "RUNNING"
+
+
+def test_a_run_created_for_another_process_carries_its_owner_or_none_never_the_creators(store):
+    """The MLflow process creates the runs its command owns: the owner it is given is recorded, and
+    an owner nobody could tell (None) leaves no tag rather than the creator's own."""
+    from mlflow import MlflowClient
+
+    from rlhf_core.infra.owner import OWNER_TAG, owner_tag
+    from rlhf_core.infra.reachability import create_run_once
+
+    client = MlflowClient(store["uri"])
+    tags = {name: client.get_run(create_run_once(client, name, {}, owner=owner)(store["experiment_id"]).info.run_id)
+            .data.tags.get(OWNER_TAG) for name, owner in (("given", "elsewhere|1|2"), ("unknown", None))}
+    default = create_run_once(client, "default", {})(store["experiment_id"]).data.tags.get(OWNER_TAG)
+    assert tags == {"given": "elsewhere|1|2", "unknown": None} and default == owner_tag()
