@@ -20,7 +20,8 @@ START_FULL_PASS_EVERY = 1000  # second-generation passes per full pass while the
 def own_process() -> None:
     """This process ends when the command does: `settle` may freeze its heap. Until it does, the
     heap is mostly modules being imported, which no full pass frees: full passes come 100x less often
-    (a stage's start did seven, 0.6 s of its 5 s on a 2-core CPU; benchmarks/README.md, "Start-up")."""
+    (a stage's start did seven, 0.6 s of its 5 s on a 2-core AMD EPYC, Zen 4 class; benchmarks/README.md,
+    "Start-up")."""
     global _OWNED, _THRESHOLDS
     _OWNED = True
     if _THRESHOLDS is None:

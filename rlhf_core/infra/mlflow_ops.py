@@ -16,7 +16,7 @@ from rlhf_core.infra.settings import artifact_root, tracking_uri
 def ensure_experiment(name: str, client=None) -> str:
     """The id of experiment `name` in the tracking store, created when missing (through `client`,
     default one for `tracking_uri()`; not MLflow's fluent API, whose `set_tracking_uri` resets its
-    tracing and imports OpenTelemetry, 0.15 s of a stage's start)."""
+    tracing and imports OpenTelemetry: 0.15 s of a stage's start on a 2-core AMD EPYC, Zen 4 class)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 

@@ -2,7 +2,7 @@
 
 On a small machine a stage's start is mostly imports, one after the other: torch, transformers,
 DeepSpeed, and MLflow with its SQLAlchemy store, then the run to open, its params and datasets to
-send. The MLflow part (about 1 s of a 2-core CPU; benchmarks/README.md, "Start-up") needs nothing
+send. The MLflow part (about 1 s on a 2-core AMD EPYC, Zen 4 class; benchmarks/README.md, "Start-up") needs nothing
 the stage computes, so the `rlhf` command starts this process first thing (`start()`): it imports
 MLflow on another core while the stage imports torch, and the stage's `Tracker` sends its calls here
 (`SideOps`, the calls of `mlflow_ops.DirectOps` in plain data) instead of importing MLflow itself.
@@ -192,7 +192,8 @@ def serve(fd: int, argv: list[str]) -> None:
     from rlhf_core.infra import heap
 
     heap.own_process()
-    heap.settle()  # the libraries' objects: no full collector pass over them during a call (0.1 s each)
+    heap.settle()  # the libraries' objects: no full collector pass over them during a call
+    # (0.14 s for the first on a 2-core AMD EPYC, Zen 4 class)
     ops: dict[int, DirectOps] = {}
     while True:
         try:
