@@ -56,7 +56,7 @@ class DirectOps:
         from rlhf_core.infra.owner import OWNER_TAG
 
         if given:  # the orchestrator's run: resume it, as mlflow.start_run(run_id=...) does
-            self.client.get_run(given)
+            self._orchestrators_run(given)
             self.client.update_run(given, status="RUNNING")
             tags = {**tags, **({OWNER_TAG: owner} if owner else {})}  # this process runs it now (owner.py)
             if tags:
@@ -70,6 +70,25 @@ class DirectOps:
         if request not in self._creates:
             self._creates[request] = create_run_once(self.client, run_name, resolve_tags(tags), request, owner)
         return self._creates[request](experiment_id).info.run_id
+
+    def _orchestrators_run(self, run_id: str) -> None:
+        """The run an orchestrator handed over (`MLFLOW_RUN_ID`); missing, an error that says where
+        this process looked, and the usual cause: a store the orchestrator does not share."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+        from rlhf_core.infra.redaction import redact_text
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise MlflowException(
+                f"MLFLOW_RUN_ID {run_id} is not in the MLflow store at {redact_text(self.client.tracking_uri)}: the "
+                f"orchestrator that made it records elsewhere. A job on another machine needs the orchestrator's "
+                f"store, a tracking server both reach (MLFLOW_TRACKING_URI=http://...), not a database file",
+                error_code=RESOURCE_DOES_NOT_EXIST) from None
 
     def log_batch(self, run_id: str, metrics=(), params=(), tags=()) -> None:
         """`metrics` as (key, value, timestamp ms, step), `params` and `tags` as (key, value)."""

@@ -88,6 +88,9 @@ def test_a_refusal_of_the_store_comes_back_at_once_with_its_error_code(tmp_path)
     the 60 s store check."""
     out, seconds = run_stage(tmp_path, MLFLOW_RUN_ID="0" * 32, RLHF_STORE_CHECK_S="60")
     assert out["error"].startswith("StoreAnswer: ") and "RESOURCE_DOES_NOT_EXIST" in out["error"], out
+    # where the stage looked and the usual cause (a job on a machine that does not share the store)
+    assert f"is not in the MLflow store at sqlite:///{tmp_path / 'home' / 'mlflow.db'}" in out["error"], out
+    assert "tracking server" in out["error"]
     assert seconds < 45 and out["mlflow_imported"] is False
 
 

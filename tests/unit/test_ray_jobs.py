@@ -65,9 +65,15 @@ def test_a_cluster_of_its_own_gets_no_path_of_this_machine(monkeypatch):
     monkeypatch.setenv("RLHF_HOME", "/state")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/state/ext")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3:9000")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     env = job_env()
     assert "RLHF_HOME" not in env and "TORCH_EXTENSIONS_DIR" not in env
     assert env["AWS_ENDPOINT_URL"] == "http://s3:9000"
+    # ...except the store the job's run is in: this process's, whose default is a file under its
+    # state directory (the nodes' own would not hold the run; docs/multinode.md: a server for many machines)
+    assert env["MLFLOW_TRACKING_URI"] == "sqlite:////state/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert job_env()["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
 
 
 def test_the_jobs_on_a_flows_own_local_ray_may_keep_one_rank_per_role_in_their_driver(monkeypatch):

@@ -193,7 +193,10 @@ def test_a_receiver_that_never_joins_fails_the_others_within_the_deadline():
     results = _run(stuck_rank=2, timeout_s=4, expect=2)  # the actor and engine 1 report; engine 2 hangs
     for who in ("actor", "engine1"):  # the sender waits on engine 2; engine 1 waits on the sender: no hang
         status, error, elapsed, _ = results[who]
-        assert status == "error" and "imed out" in error, (who, error)
+        # Engine 1 times out too, or, when the sender timed out first and its process ended, hears
+        # the connection close: a failure within the bound either way.
+        ended = "imed out" in error or (who == "engine1" and "Connection closed by peer" in error)
+        assert status == "error" and ended, (who, error)
         assert elapsed < 4 + 10, (who, elapsed)
 
 
