@@ -138,6 +138,19 @@ def _no_vllm_in_the_test_process():
     assert "vllm" not in sys.modules, "this test imported vLLM into the test process"
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_uri_kept_to_its_test():
+    """`mlflow.set_tracking_uri` (some unit tests call it) also exports MLFLOW_TRACKING_URI, which
+    every later test of the worker, and every process it starts, would inherit: a test passing or
+    failing by which tests ran before it. Each test ends with the variable as it found it."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _state_dir(tmp_path_factory):
     """MLflow store, compiled DeepSpeed ops and caches under a per-session state directory."""
