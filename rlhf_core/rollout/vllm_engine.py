@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import os
 from collections.abc import Iterable
 
@@ -142,6 +143,31 @@ def prefill_batches(lengths: list[int], budget: int) -> list[range]:
     return out
 
 
+class ExpectedReloadLines(logging.Filter):
+    """vLLM's log lines that every weight update of ours produces and that say nothing wrong: the
+    layerwise reload's `RotaryEmbedding: Failed to load weights` (the rotary table is computed, not a
+    weight: no Hugging Face state dict holds it, so no update brings it, and vLLM keeps its own, as
+    the log-probs that match the trainer's show) and the prefix cache's reset we ask for after each
+    update. Left in, a run logs a warning and a line per engine per step. A layer of any other kind
+    that fails to load still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            return not str(record.args[0]).endswith("RotaryEmbedding")
+        return record.msg != "Successfully reset prefix cache"
+
+
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool")
+
+
+def quiet_expected_reload_lines() -> None:
+    """Installs `ExpectedReloadLines` on the loggers that emit them in this process (idempotent)."""
+    for name in RELOAD_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, ExpectedReloadLines) for f in log.filters):
+            log.addFilter(ExpectedReloadLines())
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, add_special_tokens: bool = False, gpu_memory_utilization: float = 0.4,
                  dtype: str = "auto", enforce_eager: bool = False, seed: int = 0, enable_sleep: bool = False,
@@ -183,6 +209,7 @@ class VLLMEngine(RolloutEngine):
                        **({} if enable_prefix_caching is None else {"enable_prefix_caching": enable_prefix_caching}),
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension")
+        quiet_expected_reload_lines()  # the prefix cache is reset here (the layers reload in the workers)
         self.tensor_parallel_size = tensor_parallel_size
         self.prefill_budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         self.eos_ids = {self.tokenizer.eos_token_id}
@@ -323,6 +350,7 @@ class WeightSyncExtension:
             raise ConfigError(MOE_ON_CPU)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        quiet_expected_reload_lines()  # in each worker's process, where the layers reload
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 

@@ -271,3 +271,26 @@ def test_a_cpu_engine_kv_cache_is_sized_for_the_model_and_too_little_memory_name
     assert cpu_kv_cache_bytes(config, 4, 10 * 2**20, 0.5) == 5 * 2**20  # capped by memory
     with pytest.raises(ConfigError, match=r"--vllm.gpu_memory_utilization 0.01: .* needs 0.5 MiB.* gives 0.1 MiB"):
         cpu_kv_cache_bytes(config, 4, 10 * 2**20, 0.01)
+
+
+def test_the_lines_every_weight_update_logs_are_dropped_and_a_real_failure_still_warns(caplog):
+    """vLLM warns `RotaryEmbedding: Failed to load weights` at every update (its rotary table is
+    computed, no state dict holds it) and logs the prefix-cache reset we ask for: both dropped; a
+    layer of another kind that loads nothing still warns, and other lines pass."""
+    import logging
+
+    from rlhf_core.rollout.vllm_engine import RELOAD_LOGGERS, quiet_expected_reload_lines
+
+    quiet_expected_reload_lines()
+    quiet_expected_reload_lines()  # idempotent: one filter per logger
+    layerwise, blocks = (logging.getLogger(name) for name in RELOAD_LOGGERS)
+    assert len(layerwise.filters) == len(blocks.filters) == 1
+    with caplog.at_level(logging.INFO):
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+        layerwise.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")
+        blocks.info("Successfully reset prefix cache")
+        layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
+        blocks.info("Failed to reset prefix cache because some blocks (3) are not freed yet")
+    assert [r.getMessage() for r in caplog.records] == [
+        "QKVParallelLinear: Failed to load weights",
+        "Failed to reset prefix cache because some blocks (3) are not freed yet"]
