@@ -351,7 +351,8 @@ class TrainSection(TrainLoopConfig):
                                     "deepseek_v31", "kimi_k2", "granite", "glm45", "minimax_m2", "seed_oss", "step3",
                                     "xlam", "phi4_mini_json", "internlm2", "jamba", "hunyuan_a13b", "longcat",
                                     "olmo3", "ernie45", "openai", "granite4", "lfm2", "apertus",
-                                    "cohere_command3", "cohere_command4"] = Field(
+                                    "cohere_command3", "cohere_command4", "glm47", "deepseek_v32", "deepseek_v4",
+                                    "kimi_k3", "gemma4", "qwen3_xml"] = Field(
         "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
         "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
         "the chat template teaches, hermes if it shows none (docs/flags.md)")

@@ -6,7 +6,8 @@ written; its module's docstring describes it.
 
 Each parser returns `(content, [(name, arguments as a JSON string), ...])`, read as vLLM's parser
 of the same name reads a whole completion: if any call is malformed, nothing is a call and the
-whole text is content.
+whole text is content. DeepSeek's DSML formats (`TYPED_AS_READ`) are given the typing as they read,
+since only the values they mark as not strings are typed.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -24,6 +25,7 @@ from rlhf_core.rl.tool_formats.cohere import (
     parse_cohere_command4,
 )
 from rlhf_core.rl.tool_formats.common import START, Calls
+from rlhf_core.rl.tool_formats.gemma import GEMMA_CALL, parse_gemma4
 from rlhf_core.rl.tool_formats.harmony import HARMONY_CHANNEL, parse_openai
 from rlhf_core.rl.tool_formats.json_lists import (
     APERTUS_CALLS,
@@ -59,15 +61,23 @@ from rlhf_core.rl.tool_formats.sectioned import (
     parse_kimi_k2,
 )
 from rlhf_core.rl.tool_formats.xml_calls import (
+    DSML_FUNCTION_CALLS,
+    DSML_TOOL_CALLS,
     MINIMAX_CALLS,
     SEED_CALL,
     STEP3_CALLS,
+    Typing,
+    parse_deepseek_v4,
+    parse_deepseek_v32,
     parse_glm45,
+    parse_glm47,
     parse_minimax_m2,
     parse_qwen3_coder,
     parse_seed_oss,
     parse_step3,
+    read_dsml,
 )
+from rlhf_core.rl.tool_formats.xtml import XTML_OPEN, parse_kimi_k3
 
 
 def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
@@ -106,14 +116,24 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "internlm2": parse_internlm2, "jamba": parse_jamba, "hunyuan_a13b": parse_hunyuan_a13b, "longcat": parse_longcat,
     "olmo3": parse_olmo3, "ernie45": parse_ernie45, "openai": parse_openai, "granite4": parse_granite4,
     "lfm2": parse_lfm2, "apertus": parse_apertus, "cohere_command3": parse_cohere_command3,
-    "cohere_command4": parse_cohere_command4}
+    "cohere_command4": parse_cohere_command4, "glm47": parse_glm47, "deepseek_v32": parse_deepseek_v32,
+    "deepseek_v4": parse_deepseek_v4, "kimi_k3": parse_kimi_k3, "gemma4": parse_gemma4,
+    # vLLM's qwen3_xml reads Qwen3-Coder's calls (with an XML reader of its own): the same syntax
+    "qwen3_xml": parse_qwen3_coder}
 # formats that write every argument value as text
-TEXT_VALUED = frozenset({"qwen3_coder", "glm45", "minimax_m2", "seed_oss", "step3"})
+TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "glm45", "glm47", "minimax_m2", "seed_oss", "step3"})
+# formats that mark which values are strings: read with the typing of the others (`read_dsml`)
+TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
+    "deepseek_v32": lambda text, typed: read_dsml(text, DSML_FUNCTION_CALLS, typed),
+    "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed)}
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
     """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text
-    has them typed by the request's tool schemas (`typed_arguments`)."""
+    has them typed by the request's tool schemas (`typed_arguments`), all of them (TEXT_VALUED) or
+    those it does not mark as strings (TYPED_AS_READ)."""
+    if fmt in TYPED_AS_READ:
+        return TYPED_AS_READ[fmt](text, lambda name, arguments: typed_arguments(name, arguments, tools))
     content, calls = PARSERS[fmt](text)
     if fmt in TEXT_VALUED:
         calls = [(name, typed_arguments(name, arguments, tools)) for name, arguments in calls]
@@ -128,7 +148,11 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>;
 # Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
 # <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
-_MARKERS = (("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
+# DeepSeek-V3.2's and V4's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
+# their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml).
+_MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("gemma4", GEMMA_CALL),
+            ("kimi_k3", XTML_OPEN),
+            ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
             ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),
             ("openai", HARMONY_CHANNEL), ("lfm2", "<|tool_list_start|>"), ("apertus", APERTUS_CALLS),
             ("cohere_command4", COHERE_TEXT), ("cohere_command3", COHERE_ACTION), ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),

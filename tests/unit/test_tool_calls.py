@@ -8,6 +8,7 @@ import pytest
 
 from rlhf_core.rl.tool_calls import PARSERS, detect, read_calls, typed_arguments
 from rlhf_core.rl.tool_formats.cohere import parse_cohere_command3, parse_cohere_command4
+from rlhf_core.rl.tool_formats.gemma import parse_gemma4
 from rlhf_core.rl.tool_formats.harmony import parse_openai
 from rlhf_core.rl.tool_formats.json_lists import (
     parse_apertus,
@@ -29,12 +30,16 @@ from rlhf_core.rl.tool_formats.json_objects import (
 from rlhf_core.rl.tool_formats.python_calls import parse_lfm2, parse_olmo3, parse_pythonic
 from rlhf_core.rl.tool_formats.sectioned import parse_deepseek_v3, parse_deepseek_v31, parse_kimi_k2
 from rlhf_core.rl.tool_formats.xml_calls import (
+    parse_deepseek_v4,
+    parse_deepseek_v32,
     parse_glm45,
+    parse_glm47,
     parse_minimax_m2,
     parse_qwen3_coder,
     parse_seed_oss,
     parse_step3,
 )
+from rlhf_core.rl.tool_formats.xtml import parse_kimi_k3
 
 
 def test_calls_and_the_content_before_them():
@@ -373,6 +378,102 @@ def test_cohere_command_reads_actions_and_the_answer_without_the_thinking():
         assert parse_cohere_command3(bad) == (bad, []) and parse_cohere_command4(bad) == (bad, []), bad
 
 
+def test_glm47_reads_glm45s_calls_and_a_literal_newline_between_key_and_value():
+    text = ("Looking it up.<tool_call>get_weather<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value></tool_call><tool_call>now</tool_call>")
+    calls = [("get_weather", '{"city": "Paris", "days": "2"}'), ("now", "{}")]
+    assert parse_glm47(text) == ("Looking it up.", calls)
+    one = "<tool_call>f<arg_key>a</arg_key>\\n<arg_value>1</arg_value></tool_call>"
+    assert parse_glm47(one) == (None, [("f", '{"a": "1"}')])
+    assert parse_glm45(one) == (one, [])  # GLM-4.5's reading allows only whitespace there
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"days": {"type": "integer"}}}}}]
+    assert read_calls("glm47", text, tools)[1][0] == ("get_weather", '{"city": "Paris", "days": 2}')
+    for bad in ("no calls", "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                "<tool_call>f<arg_key>a</arg_key>x<arg_value>1</arg_value></tool_call>"):
+        assert parse_glm47(bad) == (bad, []), bad
+
+
+def test_qwen3_xml_is_qwen3_coders_syntax_typed_by_the_schema():
+    text = "Adding.<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    assert PARSERS["qwen3_xml"](text) == ("Adding.", [("add", '{"a": "1"}')])
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "number"}}}}}]
+    assert read_calls("qwen3_xml", text, tools) == ("Adding.", [("add", '{"a": 1}')])
+    bad = "<tool_call><function=f><parameter=a>1</function></tool_call>"
+    assert PARSERS["qwen3_xml"]("no calls") == ("no calls", []) and PARSERS["qwen3_xml"](bad) == (bad, [])
+
+
+D = "｜DSML｜"
+
+
+def dsml_call(name: str, *parameters: tuple[str, bool, str]) -> str:
+    """One DSML invoke as DeepSeek-V3.2's encoding writes it, each parameter (key, is a string, value)."""
+    written = "".join(f'<{D}parameter name="{key}" string="{str(as_string).lower()}">{value}</{D}parameter>\n'
+                      for key, as_string, value in parameters)
+    return f'<{D}invoke name="{name}">\n{written}</{D}invoke>\n'
+
+
+def test_deepseek_v32_and_v4_read_dsml_invokes_in_their_own_sections():
+    calls = (dsml_call("get_weather", ("city", True, "Hangzhou"), ("days", False, "3"), ("note", True, "42"))
+             + dsml_call("now"))
+    v32 = f"<think>Weather first.</think>Let me check.\n\n<{D}function_calls>\n{calls}</{D}function_calls>"
+    v4 = f"Let me check.<{D}tool_calls>\n{calls}</{D}tool_calls>"
+    read = [("get_weather", '{"city": "Hangzhou", "days": "3", "note": "42"}'), ("now", "{}")]
+    assert parse_deepseek_v32(v32) == ("<think>Weather first.</think>Let me check.", read)
+    assert parse_deepseek_v4(v4) == ("Let me check.", read)
+    assert parse_deepseek_v32(v4) == (v4, []) and parse_deepseek_v4(v32) == (v32, [])  # each reads its own section
+    # string="false" values are typed by the schema; string="true" ones stay strings, whatever it declares
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": {
+        "days": {"type": "integer"}, "note": {"type": "integer"}}}}}]
+    typed = [("get_weather", '{"city": "Hangzhou", "days": 3, "note": "42"}'), ("now", "{}")]
+    assert read_calls("deepseek_v32", v32, tools) == ("<think>Weather first.</think>Let me check.", typed)
+    assert read_calls("deepseek_v4", v4, tools) == ("Let me check.", typed)
+    obj = f"<{D}tool_calls>" + dsml_call("f", ("opts", False, '{"k": [1, 2]}')) + f"</{D}tool_calls>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"opts": {"type": "object"}}}}}]
+    assert read_calls("deepseek_v4", obj, tools) == (None, [("f", '{"opts": {"k": [1, 2]}}')])
+    for bad in ("no calls", f"<{D}tool_calls>\n{calls}",  # never closed: passed over, as vLLM does
+                f"<{D}tool_calls>stray{calls}</{D}tool_calls>", f"<{D}tool_calls></{D}tool_calls>",
+                f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">1</{D}parameter></{D}invoke></{D}tool_calls>',
+                f'<{D}tool_calls><{D}invoke name="f">text</{D}invoke></{D}tool_calls>'):
+        assert parse_deepseek_v4(bad) == (bad, []) and read_calls("deepseek_v4", bad, tools) == (bad, []), bad
+
+
+def test_kimi_k3_reads_the_tools_channel_typed_by_each_arguments_type():
+    call = ('<|open|>call tool="run" index="1"<|sep|>\n<|open|>argument key="code" type="string"<|sep|>print(1)\n'
+            '<|close|>argument<|sep|>\n<|open|>argument key="opts" type="object"<|sep|>{"a": 1}<|close|>argument<|sep|>'
+            '\n<|open|>argument key="n" type="integer"<|sep|>7<|close|>argument<|sep|>\n<|close|>call<|sep|>')
+    other = '<|open|>call tool="say &quot;hi&quot;" index="2"<|sep|><|close|>call<|sep|>'
+    text = (f"<|open|>response<|sep|>Running it.<|close|>response<|sep|><|open|>tools<|sep|>\n{call}\n{other}\n"
+            "<|close|>tools<|sep|><|close|>message<|sep|>")
+    calls = [("run", '{"code": "print(1)\\n", "opts": {"a": 1}, "n": 7}'), ('say "hi"', "{}")]
+    assert parse_kimi_k3(text) == ("Running it.", calls)
+    # the prompt wrote the response channel's opening: the text before the tools, its closing dropped
+    assert parse_kimi_k3(f"Sure.<|close|>response<|sep|><|open|>tools<|sep|>{call}") == ("Sure.", calls[:1])
+    assert parse_kimi_k3(f"<|open|>tools<|sep|>{other}<|close|>tools<|sep|>") == (None, [('say "hi"', "{}")])
+    for bad in ("no calls", "<|open|>response<|sep|>Hi<|close|>response<|sep|>", "<|open|>tools<|sep|><|close|>tools<|sep|>",
+                f"<|open|>tools<|sep|>stray{call}<|close|>tools<|sep|>",
+                '<|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|>',  # no tool name
+                '<|open|>tools<|sep|><|open|>call tool="f"<|sep|>text<|close|>call<|sep|>',
+                '<|open|>tools<|sep|><|open|>call tool="f"<|sep|><|open|>argument key="a"<|sep|>1<|close|>call<|sep|>'):
+        assert parse_kimi_k3(bad) == (bad, []), bad
+
+
+def test_gemma4_reads_its_own_notation_of_arguments():
+    q = '<|"|>'
+    text = (f"Checking.<|tool_call>call:get_weather{{location:{q}Paris, FR{q},days:3,metric:true,"
+            f"ratio:0.5,since:null,where:{{lat:48.8,tags:[{q}a{q},{q}b}}{q}]}},none:[]}}<tool_call|>"
+            "<|tool_call>call:tools.now{}<tool_call|>")
+    assert parse_gemma4(text) == ("Checking.", [
+        ("get_weather", '{"location": "Paris, FR", "days": 3, "metric": true, "ratio": 0.5, "since": null, '
+                        '"where": {"lat": 48.8, "tags": ["a", "b}"]}, "none": []}'),
+        ("tools.now", "{}")])
+    for bad in ("no calls", f"<|tool_call>call:f{{a:{q}never closed}}<tool_call|>", "<|tool_call>call:f{a:[1, 2}<tool_call|>",
+                f"<|tool_call>call:f{{a:{q}x{q}y}}<tool_call|>", "<|tool_call>f{}<tool_call|>",  # no call: prefix
+                "<|tool_call>call:f{a:1}", "<|tool_call>call:f{just text}<tool_call|>",
+                "<|tool_call>call:f{}<tool_call|><|tool_call>oops"):
+        assert parse_gemma4(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
     ("{{ '<seed:tool_call>' }}\n<function={{ name }}>\n<parameter={{ key }}>", "seed_oss"),
     ("{{ '<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke' }}", "step3"),
@@ -406,6 +507,10 @@ def test_cohere_command_reads_actions_and_the_answer_without_the_thinking():
     ("{{- '<|tools_prefix|>' + calls | tojson + '<|tools_suffix|>' }}", "apertus"),
     ("<|START_RESPONSE|>{{ content }}<|END_RESPONSE|> <|START_ACTION|>{{ calls }}<|END_ACTION|>", "cohere_command3"),
     ("<|START_TEXT|>{{ content }}<|END_TEXT|> <|START_ACTION|>{{ calls }}<|END_ACTION|>", "cohere_command4"),
+    ("{{- '<｜DSML｜function_calls>' }}{{- '<｜DSML｜invoke name=\"' + name + '\">' }}", "deepseek_v32"),
+    ("{{- '<｜DSML｜tool_calls>' }}{{- '<｜DSML｜invoke name=\"' + name + '\">' }}", "deepseek_v4"),
+    ("{{- '<|tool_call>call:' + name + '{' }}{{- key + ':<|\"|>' + value + '<|\"|>' }}{{- '}<tool_call|>' }}", "gemma4"),
+    ("{{- '<|open|>tools<|sep|>' }}{{- '<|open|>call tool=\"' + name + '\"<|sep|>' }}", "kimi_k3"),
     ("{{ messages }}", None), (None, None)])
 def test_a_templates_format_is_found_by_its_markers(template, expected):
     assert detect(template) == expected

@@ -8,10 +8,12 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `json_lists`: the calls a JSON list after or inside a marker (mistral, granite, jamba, hunyuan_a13b,
   xlam, phi4_mini_json, apertus).
 - `python_calls`: Python-list calls with literal keyword arguments (pythonic, olmo3, lfm2).
-- `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45,
-  minimax_m2, step3).
+- `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45, glm47,
+  minimax_m2, step3, and DeepSeek's DSML: deepseek_v32, deepseek_v4).
 - `sectioned`: a section of calls, each between its own begin and end tokens (deepseek_v3,
   deepseek_v31, kimi_k2).
 - `harmony`: gpt-oss's harmony messages (openai).
 - `cohere`: Cohere Command's action sections (cohere_command3, cohere_command4).
+- `xtml`: Kimi K3's channels, the calls its `tools` channel's (kimi_k3).
+- `gemma`: Gemma 4's `call:NAME{...}` calls in its own notation of values (gemma4).
 """

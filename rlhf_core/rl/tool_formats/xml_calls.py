@@ -4,22 +4,30 @@ types the values by the request's tool schemas (`TEXT_VALUED`, `typed_arguments`
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5): XML calls, `<tool_call><function=NAME><parameter=KEY>
   VALUE</parameter>...</function></tool_call>`; each value is a string unless the request's tools
   declare the parameter otherwise (`typed_arguments`); the text before the first call is the content.
-- `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
-  </tool_call>` (newlines allowed between the tags); `minimax_m2` (MiniMax-M2): between
+- `glm45` (GLM-4.5, 4.6): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>` (newlines allowed between the tags); `glm47` (GLM-4.7): the same calls, a literal
+  `\n` (backslash, n) also allowed between a key and its value; `minimax_m2` (MiniMax-M2): between
   `<minimax:tool_call>` and `</minimax:tool_call>`, each call `<invoke name="NAME"><parameter
-  name="KEY">VALUE</parameter>...</invoke>`. Both write each value as text (typed like
+  name="KEY">VALUE</parameter>...</invoke>`. All write each value as text (typed like
   `qwen3_coder`'s) and keep it verbatim; the text before the first call is the content.
 - `seed_oss` (Seed-OSS): `qwen3_coder`'s calls between `<seed:tool_call>` and `</seed:tool_call>`,
   after any `<seed:think>...</seed:think>` (the thinking and the text before the calls are the
   content); `step3` (Step-3): `<｜tool_calls_begin｜>`, calls `function<｜tool_sep｜><steptml:invoke
   name="NAME">` with `<steptml:parameter name="KEY">VALUE</steptml:parameter>`, `<｜tool_calls_end｜>`
   (the text around the section is the content). Both write values as text, typed as above.
+- `deepseek_v32` (DeepSeek-V3.2's DSML): between `<｜DSML｜function_calls>` and `</｜DSML｜function_calls>`,
+  each call `<｜DSML｜invoke name="NAME">` with `<｜DSML｜parameter name="KEY" string="true|false">VALUE
+  </｜DSML｜parameter>`s, `</｜DSML｜invoke>`; `deepseek_v4` (DeepSeek-V4): the same calls between
+  `<｜DSML｜tool_calls>` and `</｜DSML｜tool_calls>`. A `string="true"` value is a string as written; a
+  `string="false"` one (the template writes it as JSON) is text typed by the request's tool schema,
+  as above (`read_dsml`, which `read_calls` gives the typing). The text before the calls is the content.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 from rlhf_core.rl.tool_formats.common import _BLOCK, START, Calls, _NotACall
 
@@ -83,20 +91,31 @@ def parse_seed_oss(text: str) -> Calls:
 
 
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# GLM-4.7's: a literal backslash-n may stand between a key and its value, as vLLM's glm47 reads it
+_GLM47_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def parse_glm45(text: str) -> Calls:
+def _glm(text: str, argument: re.Pattern) -> Calls:
+    """GLM's `<tool_call>NAME` then key/value pairs (each matched by `argument`) `</tool_call>` calls."""
     if START not in text:
         return text, []
     calls = []
     for block in _BLOCK.findall(text):
         name, _, body = block.partition("<arg_key>")
         body = "<arg_key>" + body if body else ""
-        if not name.strip() or _GLM_ARGUMENT.sub("", body).strip():
+        if not name.strip() or argument.sub("", body).strip():
             return text, []  # no name, or something other than key/value pairs after it
-        arguments = {key.strip(): value for key, value in _GLM_ARGUMENT.findall(body)}
+        arguments = {key.strip(): value for key, value in argument.findall(body)}
         calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
     return text[: text.index(START)].strip() or None, calls
+
+
+def parse_glm45(text: str) -> Calls:
+    return _glm(text, _GLM_ARGUMENT)
+
+
+def parse_glm47(text: str) -> Calls:
+    return _glm(text, _GLM47_ARGUMENT)
 
 
 MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -152,3 +171,51 @@ def parse_step3(text: str) -> Calls:
         arguments = {key: value.strip() for key, value in _STEP3_PARAMETER.findall(match[2])}
         calls.append((match[1], json.dumps(arguments, ensure_ascii=False)))
     return ((before + after).strip() or None, calls) if calls else (text, [])
+
+
+DSML = "｜DSML｜"  # fullwidth bars, as DeepSeek's markup writes them
+DSML_FUNCTION_CALLS, DSML_TOOL_CALLS = f"<{DSML}function_calls>", f"<{DSML}tool_calls>"
+_DSML_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]+)"\s*>(.*?)</{DSML}invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(rf'<{DSML}parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>',
+                             re.DOTALL)
+Typing = Callable[[str, str], str]  # (name, arguments as JSON) -> the arguments typed by the request's schema
+
+
+def _dsml_call(name: str, body: str, typed: Typing | None) -> tuple[str, str]:
+    """An invoke's (name, arguments): `string="true"` values as written; the others, text, typed by
+    `typed` where it is given. Anything but parameters in the body: _NotACall."""
+    if _DSML_PARAMETER.sub("", body).strip():
+        raise _NotACall(body)
+    written = [(key, as_string == "true", value) for key, as_string, value in _DSML_PARAMETER.findall(body)]
+    strings = {key: value for key, as_string, value in written if as_string}
+    others = {key: value for key, as_string, value in written if not as_string}
+    if typed is not None and others:
+        others = json.loads(typed(name, json.dumps(others, ensure_ascii=False)))
+    arguments = {key: strings[key] if key in strings else others[key] for key, _, _ in written}
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def read_dsml(text: str, begin: str, typed: Typing | None = None) -> Calls:
+    """DeepSeek's DSML calls in each closed section from `begin` (`<｜DSML｜function_calls>` or
+    `<｜DSML｜tool_calls>`) to its closing tag, a section left open passed over, as vLLM does; each
+    section holds invokes and nothing else, each invoke `<｜DSML｜parameter>`s (a parameter without
+    its `string` attribute is malformed: vLLM drops it). The text before the first section is the content."""
+    end = "</" + begin[1:]
+    sections = re.findall(re.escape(begin) + "(.*?)" + re.escape(end), text, re.DOTALL)
+    calls = []
+    try:
+        for section in sections:
+            if _DSML_INVOKE.sub("", section).strip():
+                raise _NotACall(section)  # a section holds calls and nothing else
+            calls += [_dsml_call(name.strip(), body, typed) for name, body in _DSML_INVOKE.findall(section)]
+    except ValueError:
+        return text, []
+    return (text[: text.index(begin)].strip() or None, calls) if calls else (text, [])
+
+
+def parse_deepseek_v32(text: str) -> Calls:
+    return read_dsml(text, DSML_FUNCTION_CALLS)
+
+
+def parse_deepseek_v4(text: str) -> Calls:
+    return read_dsml(text, DSML_TOOL_CALLS)
