@@ -352,7 +352,9 @@ class TrainSection(TrainLoopConfig):
                                     "xlam", "phi4_mini_json", "internlm2", "jamba", "hunyuan_a13b", "longcat",
                                     "olmo3", "ernie45", "openai", "granite4", "lfm2", "apertus",
                                     "cohere_command3", "cohere_command4", "glm47", "deepseek_v32", "deepseek_v4",
-                                    "kimi_k3", "gemma4", "qwen3_xml"] = Field(
+                                    "kimi_k3", "gemma4", "qwen3_xml", "llama4_pythonic", "minimax",
+                                    "qwen2_5_coder", "step3p5", "hy_v3", "hy_v4", "functiongemma", "mimo",
+                                    "dots", "gigachat3"] = Field(
         "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
         "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
         "the chat template teaches, hermes if it shows none (docs/flags.md)")

@@ -6,8 +6,8 @@ written; its module's docstring describes it.
 
 Each parser returns `(content, [(name, arguments as a JSON string), ...])`, read as vLLM's parser
 of the same name reads a whole completion: if any call is malformed, nothing is a call and the
-whole text is content. DeepSeek's DSML formats (`TYPED_AS_READ`) are given the typing as they read,
-since only the values they mark as not strings are typed.
+whole text is content. DeepSeek's DSML formats and dots.llm's (`TYPED_AS_READ`) are given the typing
+as they read, since only the values they mark as not strings (dots: those of its XML calls) are typed.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -25,7 +25,7 @@ from rlhf_core.rl.tool_formats.cohere import (
     parse_cohere_command4,
 )
 from rlhf_core.rl.tool_formats.common import START, Calls
-from rlhf_core.rl.tool_formats.gemma import GEMMA_CALL, parse_gemma4
+from rlhf_core.rl.tool_formats.gemma import FUNCTIONGEMMA_CALL, GEMMA_CALL, parse_functiongemma, parse_gemma4
 from rlhf_core.rl.tool_formats.harmony import HARMONY_CHANNEL, parse_openai
 from rlhf_core.rl.tool_formats.json_lists import (
     APERTUS_CALLS,
@@ -37,8 +37,10 @@ from rlhf_core.rl.tool_formats.json_lists import (
     parse_granite,
     parse_hunyuan_a13b,
     parse_jamba,
+    parse_minimax,
     parse_mistral,
     parse_phi4_mini_json,
+    parse_qwen2_5_coder,
     parse_xlam,
 )
 from rlhf_core.rl.tool_formats.json_objects import (
@@ -46,6 +48,7 @@ from rlhf_core.rl.tool_formats.json_objects import (
     LONGCAT_CALL,
     PYTHON_TAG,
     parse_ernie45,
+    parse_gigachat3,
     parse_granite4,
     parse_hermes,
     parse_internlm2,
@@ -61,20 +64,26 @@ from rlhf_core.rl.tool_formats.sectioned import (
     parse_kimi_k2,
 )
 from rlhf_core.rl.tool_formats.xml_calls import (
+    DOTS_CALLS,
     DSML_FUNCTION_CALLS,
     DSML_TOOL_CALLS,
+    HY_SEP,
     MINIMAX_CALLS,
     SEED_CALL,
     STEP3_CALLS,
     Typing,
     parse_deepseek_v4,
     parse_deepseek_v32,
+    parse_dots,
     parse_glm45,
     parse_glm47,
+    parse_hy_v3,
+    parse_hy_v4,
     parse_minimax_m2,
     parse_qwen3_coder,
     parse_seed_oss,
     parse_step3,
+    read_dots,
     read_dsml,
 )
 from rlhf_core.rl.tool_formats.xtml import XTML_OPEN, parse_kimi_k3
@@ -118,14 +127,22 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "lfm2": parse_lfm2, "apertus": parse_apertus, "cohere_command3": parse_cohere_command3,
     "cohere_command4": parse_cohere_command4, "glm47": parse_glm47, "deepseek_v32": parse_deepseek_v32,
     "deepseek_v4": parse_deepseek_v4, "kimi_k3": parse_kimi_k3, "gemma4": parse_gemma4,
+    "minimax": parse_minimax, "qwen2_5_coder": parse_qwen2_5_coder, "hy_v3": parse_hy_v3, "hy_v4": parse_hy_v4,
+    "functiongemma": parse_functiongemma, "dots": parse_dots, "gigachat3": parse_gigachat3,
     # vLLM's qwen3_xml reads Qwen3-Coder's calls (with an XML reader of its own): the same syntax
-    "qwen3_xml": parse_qwen3_coder}
+    "qwen3_xml": parse_qwen3_coder,
+    # aliases: vLLM's step3p5 (Step-3.5, qwen3_xml's reader) and mimo (MiMo, the reader of qwen3_coder)
+    # read Qwen3-Coder's XML calls; llama4_pythonic reads pythonic's calls, `<|python_start|>`
+    # ... `<|python_end|>` wrapping dropped (which `parse_pythonic` drops too)
+    "step3p5": parse_qwen3_coder, "mimo": parse_qwen3_coder, "llama4_pythonic": parse_pythonic}
 # formats that write every argument value as text
-TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "glm45", "glm47", "minimax_m2", "seed_oss", "step3"})
+TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "minimax_m2", "seed_oss",
+                         "step3", "hy_v3", "hy_v4"})
 # formats that mark which values are strings: read with the typing of the others (`read_dsml`)
 TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
     "deepseek_v32": lambda text, typed: read_dsml(text, DSML_FUNCTION_CALLS, typed),
-    "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed)}
+    "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed),
+    "dots": read_dots}  # its invokes' values are text, its JSON calls' typed as written
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
@@ -149,10 +166,16 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
 # <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
 # DeepSeek-V3.2's and V4's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
-# their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml).
+# their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml),
+# as are FunctionGemma's <start_function_call>, dots.llm's <dots_function_call> and Hy3's <tool_sep>
+# (found before GLM's <arg_key>, which it writes too). Step-3.5's and MiMo's templates read as
+# qwen3_coder's, Llama 4's as pythonic's (the same calls); MiniMax-M1's <tool_calls>, Qwen2.5-Coder's
+# <tools>, Hunyuan v4's and GigaChat 3's markers are not their own: name minimax, qwen2_5_coder,
+# hy_v4 or gigachat3.
 _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("gemma4", GEMMA_CALL),
-            ("kimi_k3", XTML_OPEN),
-            ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("glm45", "<arg_key>"),
+            ("kimi_k3", XTML_OPEN), ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
+            ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("hy_v3", HY_SEP),
+            ("glm45", "<arg_key>"),
             ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),
             ("openai", HARMONY_CHANNEL), ("lfm2", "<|tool_list_start|>"), ("apertus", APERTUS_CALLS),
             ("cohere_command4", COHERE_TEXT), ("cohere_command3", COHERE_ACTION), ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),

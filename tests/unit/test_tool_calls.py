@@ -8,19 +8,22 @@ import pytest
 
 from rlhf_core.rl.tool_calls import PARSERS, detect, read_calls, typed_arguments
 from rlhf_core.rl.tool_formats.cohere import parse_cohere_command3, parse_cohere_command4
-from rlhf_core.rl.tool_formats.gemma import parse_gemma4
+from rlhf_core.rl.tool_formats.gemma import parse_functiongemma, parse_gemma4
 from rlhf_core.rl.tool_formats.harmony import parse_openai
 from rlhf_core.rl.tool_formats.json_lists import (
     parse_apertus,
     parse_granite,
     parse_hunyuan_a13b,
     parse_jamba,
+    parse_minimax,
     parse_mistral,
     parse_phi4_mini_json,
+    parse_qwen2_5_coder,
     parse_xlam,
 )
 from rlhf_core.rl.tool_formats.json_objects import (
     parse_ernie45,
+    parse_gigachat3,
     parse_granite4,
     parse_hermes,
     parse_internlm2,
@@ -32,8 +35,11 @@ from rlhf_core.rl.tool_formats.sectioned import parse_deepseek_v3, parse_deepsee
 from rlhf_core.rl.tool_formats.xml_calls import (
     parse_deepseek_v4,
     parse_deepseek_v32,
+    parse_dots,
     parse_glm45,
     parse_glm47,
+    parse_hy_v3,
+    parse_hy_v4,
     parse_minimax_m2,
     parse_qwen3_coder,
     parse_seed_oss,
@@ -474,6 +480,138 @@ def test_gemma4_reads_its_own_notation_of_arguments():
         assert parse_gemma4(bad) == (bad, []), bad
 
 
+def test_aliases_read_the_syntax_they_share():
+    """llama4_pythonic is pythonic's reading (Llama 4's <|python_start|> wrapping dropped); step3p5 and
+    mimo read Qwen3-Coder's XML calls, values typed by the request's schema."""
+    wrapped = '<|python_start|>[get_weather(city="Paris", days=[1, 2]), now()]<|python_end|>'
+    assert PARSERS["llama4_pythonic"](wrapped) == (None, [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+                                                          ("now", "{}")])
+    for bad in ("The answer is 3.", "[f(1)]", "<|python_start|>[f(x=y)]<|python_end|>"):
+        assert PARSERS["llama4_pythonic"](bad) == (bad, []), bad
+    text = "Adding.<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    for fmt in ("step3p5", "mimo"):
+        assert PARSERS[fmt](text) == ("Adding.", [("add", '{"a": "1"}')])
+        assert read_calls(fmt, text, tools) == ("Adding.", [("add", '{"a": 1}')])
+        bad = "<tool_call><function=f><parameter=a>1</function></tool_call>"
+        assert PARSERS[fmt]("no calls") == ("no calls", []) and PARSERS[fmt](bad) == (bad, [])
+
+
+def test_minimax_m1_reads_json_lines_outside_the_thinking():
+    text = ('<think>Maybe <tool_calls>\n{"name": "no", "arguments": {}}\n</tool_calls> first.</think>\nChecking.\n'
+            '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\nnot json\n'
+            '{"name": "now", "arguments": {}}\n</tool_calls>')
+    assert parse_minimax(text) == (
+        '<think>Maybe <tool_calls>\n{"name": "no", "arguments": {}}\n</tool_calls> first.</think>\nChecking.',
+        [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}")])
+    assert parse_minimax('<tool_calls>\n{"name": "now", "arguments": {}}') == (None, [("now", "{}")])  # left open
+    for bad in ("no calls", '<tool_calls>\n{"name": "f", "arguments": \n</tool_calls>',  # cut off: no call
+                '<tool_calls>\n{"name": "f"}\n</tool_calls>', '<tool_calls>\n{"name": 3, "arguments": {}}\n</tool_calls>',
+                '<think><tool_calls>\n{"name": "f", "arguments": {}}\n</tool_calls></think>'):
+        assert parse_minimax(bad) == (bad, []), bad
+
+
+def test_qwen2_5_coder_reads_json_in_tools_blocks():
+    text = ('Let me check.\n<tools>\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+            '{"name": "now", "arguments": {}}]\n</tools>\nThen more.')
+    assert parse_qwen2_5_coder(text) == ("Let me check.\n\nThen more.",
+                                         [("get_weather", '{"city": "Paris", "days": 2}'), ("now", "{}")])
+    lines = '<tools>\n{"name": "a", "arguments": {"x": [1]}},\n{"name": "b", "parameters": {"y": true}}\n</tools>'
+    assert parse_qwen2_5_coder(lines) == (None, [("a", '{"x": [1]}'), ("b", '{"y": true}')])
+    doubled = '<tools>{"name": "say", "arguments": {"text": "a \\\\"quote\\\\""}}'  # doubled escapes, left open
+    assert parse_qwen2_5_coder(doubled) == (None, [("say", '{"text": "a \\"quote\\""}')])
+    for bad in ("no calls", '<tools>\n{"name": "f", "arguments": {oops}\n</tools>', "<tools>[1, 2]</tools>",
+                '<tools>{"arguments": {}}</tools>'):
+        assert parse_qwen2_5_coder(bad) == (bad, []), bad
+
+
+def test_hy_v3_reads_name_separator_and_pairs_typed_by_the_schema():
+    text = ("Checking.<tool_calls><tool_call>get_weather<tool_sep><arg_key>city</arg_key>\n<arg_value>Paris"
+            "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call><tool_call>now<tool_sep>"
+            "</tool_call></tool_calls>")
+    calls = [("get_weather", '{"city": "Paris", "days": "3"}'), ("now", "{}")]
+    assert parse_hy_v3(text) == ("Checking.", calls)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    assert read_calls("hy_v3", text, tools)[1][0] == ("get_weather", '{"city": "Paris", "days": 3}')
+    assert parse_hy_v3("<tool_calls><tool_call>now<tool_sep>") == (None, [("now", "{}")])  # left open
+    for bad in ("no calls", "<tool_calls></tool_calls>", "<tool_calls><tool_call>now</tool_call></tool_calls>",
+                "<tool_calls><tool_call><tool_sep></tool_call></tool_calls>",
+                "<tool_calls><tool_call>f<tool_sep><arg_key>a</arg_key>x<arg_value>1</arg_value></tool_call></tool_calls>",
+                "<tool_calls>stray<tool_call>now<tool_sep></tool_call></tool_calls>"):
+        assert parse_hy_v3(bad) == (bad, []), bad
+
+
+def test_hy_v4_reads_a_closed_section_its_tags_suffixed_or_not():
+    def tag(name, suffix=":opensource"):
+        return f"<{name}{suffix}>", f"</{name}{suffix}>"
+
+    for suffix in (":opensource", ""):
+        (calls, calls_end), (call, call_end), (key, key_end), (value, value_end) = (
+            tag(name, suffix) for name in ("tool_calls", "tool_call", "arg_key", "arg_value"))
+        pairs = f"{key}city{key_end}{value}北京{value_end}\n{key}days{key_end}{value}3{value_end}"
+        text = f"Sure!{calls}{call}get_weather{pairs}{call_end}\n{call}get_current_date{call_end}{calls_end}"
+        assert parse_hy_v4(text) == ("Sure!", [("get_weather", '{"city": "北京", "days": "3"}'),
+                                               ("get_current_date", "{}")])
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "properties": {"days": {"type": "integer"}}}}}]
+        assert read_calls("hy_v4", text, tools)[1][0] == ("get_weather", '{"city": "北京", "days": 3}')
+        for bad in ("no calls", f"{calls}{call}now{call_end}",  # never closed
+                    f"{calls}{call}get_weather{key}city{key_end}{calls_end}",  # a call never closed
+                    f"{calls}{call}{call_end}{calls_end}", f"{calls}{calls_end}",
+                    f"{calls}{call}f{key}a{key_end}{value}1{value_end}JUNK{call_end}{calls_end}",
+                    f"{calls}{call}f{key}a{key_end}\n{value}1{value_end}{call_end}{calls_end}",  # nothing between
+                    f"{calls_end}{call}now{call_end}{calls}"):
+            assert parse_hy_v4(bad) == (bad, []), bad
+
+
+def test_functiongemma_reads_gemmas_notation_with_escape_marks():
+    e = "<escape>"
+    text = (f"Sure.<start_function_call>call:get_weather{{city:{e}Paris, FR{e},days:3,metric:true,"
+            f"where:{{lat:48.8}},tags:[{e}a{e}]}}<end_function_call><start_function_response>response:get_weather"
+            f"{{temperature:26}}<end_function_response><start_function_call>call:now{{}}")  # the last left open
+    assert parse_functiongemma(text) == ("Sure.", [
+        ("get_weather", '{"city": "Paris, FR", "days": 3, "metric": true, "where": {"lat": 48.8}, "tags": ["a"]}'),
+        ("now", "{}")])
+    for bad in ("no calls", f"<start_function_call>call:f{{a:{e}never closed}}<end_function_call>",
+                "<start_function_call>f{}<end_function_call>", "<start_function_call>call:f{a:[1, 2}<end_function_call>",
+                "<start_function_call>call:f{just text}<end_function_call>",
+                "<start_function_call>call:f{}<end_function_call><start_function_call>oops"):
+        assert parse_functiongemma(bad) == (bad, []), bad
+
+
+def test_dots_reads_invokes_typed_by_the_schema_and_json_calls_as_written():
+    text = ('Searching.\n<dots_function_call>\n<invoke name="search">\n<parameter name="query"> weather in Shanghai '
+            '</parameter>\n<parameter name="limit">5</parameter>\n</invoke>\n<invoke name=now>\n</invoke>\n'
+            '</dots_function_call>\n<dots_function_call>{"name": "add", "arguments": {"a": "1"}}</dots_function_call>'
+            "<dots_function_call>not json</dots_function_call>")
+    calls = [("search", '{"query": "weather in Shanghai", "limit": "5"}'), ("now", "{}"), ("add", '{"a": "1"}')]
+    assert parse_dots(text) == ("Searching.", calls)
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {
+        "properties": {"limit": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    assert read_calls("dots", text, tools)[1] == [("search", '{"query": "weather in Shanghai", "limit": 5}'),
+                                                  ("now", "{}"), ("add", '{"a": "1"}')]  # JSON: as written
+    for bad in ("no calls", "<dots_function_call>not json</dots_function_call>",
+                '<dots_function_call>\n<invoke name="f">', '<dots_function_call>["f"]</dots_function_call>',
+                '<dots_function_call>{"name": "f", "arguments": [1]}</dots_function_call>'):
+        assert parse_dots(bad) == (bad, []) and read_calls("dots", bad, tools) == (bad, []), bad
+
+
+def test_gigachat3_reads_one_call_after_either_header():
+    call = '{"name": "manage_memory", "arguments": {"action": "create", "content": {"short": true}}}'
+    read = [("manage_memory", '{"action": "create", "content": {"short": true}}')]
+    assert parse_gigachat3(f"I'll check.<|message_sep|>\n\nfunction call<|role_sep|>\n{call}</s>") == (
+        "I'll check.", read)
+    assert parse_gigachat3(f"I'll check.<|function_call|>{call}") == ("I'll check.", read)
+    assert parse_gigachat3('<|function_call|>{"name": "say", "arguments": {"text": "two\nlines"}}') == (
+        None, [("say", '{"text": "two\\nlines"}')])  # a raw newline in a string read
+    for bad in ("How can I help?", '<|function_call|>{"name": "f", "arguments": {}', "<|function_call|>oops",
+                '<|function_call|>{"name": "f", "arguments": "{}"}', '<|function_call|>{"name": "f"}',
+                '<|function_call|>{"name": "f", "arguments": {}} and more'):
+        assert parse_gigachat3(bad) == (bad, []), bad
+
+
 @pytest.mark.parametrize("template, expected", [
     ("{{ '<seed:tool_call>' }}\n<function={{ name }}>\n<parameter={{ key }}>", "seed_oss"),
     ("{{ '<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke' }}", "step3"),
@@ -511,6 +649,9 @@ def test_gemma4_reads_its_own_notation_of_arguments():
     ("{{- '<｜DSML｜tool_calls>' }}{{- '<｜DSML｜invoke name=\"' + name + '\">' }}", "deepseek_v4"),
     ("{{- '<|tool_call>call:' + name + '{' }}{{- key + ':<|\"|>' + value + '<|\"|>' }}{{- '}<tool_call|>' }}", "gemma4"),
     ("{{- '<|open|>tools<|sep|>' }}{{- '<|open|>call tool=\"' + name + '\"<|sep|>' }}", "kimi_k3"),
+    ("{{- '<start_function_call>call:' + name + '{' }}{{- key + ':<escape>' + value + '<escape>' }}", "functiongemma"),
+    ("{{- '<dots_function_call>\n<invoke name=\"' + name + '\">' }}", "dots"),
+    ("{{- '<tool_calls><tool_call>' + name + '<tool_sep>' }}{{- '<arg_key>' + key + '</arg_key>' }}", "hy_v3"),
     ("{{ messages }}", None), (None, None)])
 def test_a_templates_format_is_found_by_its_markers(template, expected):
     assert detect(template) == expected

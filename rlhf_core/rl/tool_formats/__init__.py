@@ -2,18 +2,20 @@
 written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the code reads them through.
 
 - `common`: what every format shares (`Calls`, the error for a text that is no call, Hermes'
-  `<tool_call>` block, reading a JSON call object).
+  `<tool_call>` block, the `<tool_calls>` section's markers, reading a JSON call object).
 - `json_objects`: each call one JSON object, in or after a marker (hermes, longcat, ernie45, granite4,
-  internlm2, llama3_json).
+  internlm2, llama3_json, gigachat3).
 - `json_lists`: the calls a JSON list after or inside a marker (mistral, granite, jamba, hunyuan_a13b,
-  xlam, phi4_mini_json, apertus).
+  xlam, phi4_mini_json, apertus, minimax, qwen2_5_coder).
 - `python_calls`: Python-list calls with literal keyword arguments (pythonic, olmo3, lfm2).
 - `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45, glm47,
-  minimax_m2, step3, and DeepSeek's DSML: deepseek_v32, deepseek_v4).
+  minimax_m2, step3, hy_v3, hy_v4, dots, and DeepSeek's DSML: deepseek_v32, deepseek_v4).
 - `sectioned`: a section of calls, each between its own begin and end tokens (deepseek_v3,
   deepseek_v31, kimi_k2).
 - `harmony`: gpt-oss's harmony messages (openai).
 - `cohere`: Cohere Command's action sections (cohere_command3, cohere_command4).
 - `xtml`: Kimi K3's channels, the calls its `tools` channel's (kimi_k3).
-- `gemma`: Gemma 4's `call:NAME{...}` calls in its own notation of values (gemma4).
+- `gemma`: Gemma's `call:NAME{...}` calls in its own notation of values (gemma4, functiongemma).
+- Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's
+  calls, llama4_pythonic pythonic's.
 """

@@ -1,6 +1,6 @@
 """What the tool-call formats share (pure): the `Calls` a parser returns, the error that makes a
-text no call, Hermes' `<tool_call>` block (which several formats reuse) and the reading of a JSON
-call object `{"name": ..., "arguments"|"parameters": ...}`."""
+text no call, Hermes' `<tool_call>` block and the `<tool_calls>` section's markers (which several
+formats reuse) and the reading of a JSON call object `{"name": ..., "arguments"|"parameters": ...}`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 
 Calls = tuple[str | None, list[tuple[str, str]]]
 START, END = "<tool_call>", "</tool_call>"
+TOOL_CALLS, TOOL_CALLS_END = "<tool_calls>", "</tool_calls>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.DOTALL)
 _DECODER = json.JSONDecoder()
 

@@ -12,6 +12,9 @@
   (Phi-4-mini): `functools[...]`, a JSON list of calls, no content.
 - `apertus` (Apertus): `<|tools_prefix|>[{"NAME": {ARGUMENTS}}, ...]<|tools_suffix|>`; the text
   around it is the content.
+- `minimax` (MiniMax-M1): call objects one a line in `<tool_calls>...</tool_calls>` outside the
+  thinking; the text before is the content. `qwen2_5_coder` (Qwen2.5-Coder): a call object, a JSON
+  list of them or one a line in `<tools>...</tools>`; the text outside the blocks is the content.
 """
 
 from __future__ import annotations
@@ -19,7 +22,17 @@ from __future__ import annotations
 import json
 import re
 
-from rlhf_core.rl.tool_formats.common import _DECODER, END, START, Calls, _arguments, _named_call, _NotACall
+from rlhf_core.rl.tool_formats.common import (
+    _DECODER,
+    END,
+    START,
+    TOOL_CALLS,
+    TOOL_CALLS_END,
+    Calls,
+    _arguments,
+    _named_call,
+    _NotACall,
+)
 
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -81,7 +94,6 @@ def _first_json(raws) -> object:
     return next((v for v in map(_json_or_unparsed, raws) if v is not _UNPARSED), _UNPARSED)
 
 
-TOOL_CALLS, TOOL_CALLS_END = "<tool_calls>", "</tool_calls>"
 _TOOL_CALLS_SECTION = re.compile(re.escape(TOOL_CALLS) + r"(.*?)" + re.escape(TOOL_CALLS_END), re.DOTALL)
 
 
@@ -212,3 +224,69 @@ def parse_apertus(text: str) -> Calls:
              for item in items if isinstance(item, dict) and item for name, arguments in [next(iter(item.items()))]]
     parts = (before.strip(), section.lstrip()[length:].strip(), after.replace(APERTUS_CALLS_END, "").strip())
     return ("\n".join(part for part in parts if part) or None, calls) if calls else (text, [])
+
+
+_MINIMAX_M1_SECTION = re.compile(re.escape(TOOL_CALLS) + r"(.*?)(?:" + re.escape(TOOL_CALLS_END) + r"|\Z)", re.DOTALL)
+
+
+def parse_minimax(text: str) -> Calls:
+    """MiniMax-M1: `<tool_calls>...</tool_calls>` sections (the last may be left open), each holding
+    calls one a line, `{"name": ..., "arguments": {...}}`; a section inside the thinking
+    (`<think>...</think>`) is not read, and a line that is no such object is passed over, as vLLM does
+    (a name that is not text is malformed: vLLM's call would not validate). The text before the first
+    section read is the content (the thinking with it)."""
+    thinking = [m.span() for m in _THINKING.finditer(text)]
+    sections = [section for section in _MINIMAX_M1_SECTION.finditer(text)
+                if not any(begin < section.start() and section.end() <= end for begin, end in thinking)]
+    calls = []
+    for section in sections:
+        for line in section[1].splitlines():
+            line = line.strip()
+            item = _json_or_unparsed(line) if line.startswith("{") and line.endswith("}") else None
+            if not isinstance(item, dict) or "name" not in item or "arguments" not in item:
+                continue
+            if not isinstance(item["name"], str):
+                return text, []
+            calls.append((item["name"], _arguments(item["arguments"])))
+    return (text[: sections[0].start()].strip() or None, calls) if calls else (text, [])
+
+
+QWEN25_CALLS, QWEN25_CALLS_END = "<tools>", "</tools>"
+_QWEN25_BLOCK = re.compile(re.escape(QWEN25_CALLS) + r"\s*(.*?)\s*(?:" + re.escape(QWEN25_CALLS_END) + r"|\Z)",
+                           re.DOTALL)
+
+
+def _named(items: list) -> list:
+    return [item for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
+
+
+def _qwen25_items(body: str) -> list:
+    """The call objects a `<tools>` block holds, read as vLLM's qwen2_5_coder reads them: one JSON
+    object or list; else one object a line (a trailing comma allowed); else objects separated by
+    commas. Items without a name are passed over."""
+    whole = _json_or_unparsed(body)
+    if whole is not _UNPARSED:
+        return _named(whole if isinstance(whole, list) else [whole])
+    lines = [line.strip().rstrip(",") for line in body.splitlines()]
+    items = _named([_json_or_unparsed(line) for line in lines if line])
+    if items:
+        return items
+    wrapped = _json_or_unparsed("[" + body + "]")
+    return _named(wrapped) if isinstance(wrapped, list) else []
+
+
+def parse_qwen2_5_coder(text: str) -> Calls:
+    """Qwen2.5-Coder (as its few-shot template teaches): `<tools>` blocks (the last may be left open),
+    each a JSON call object `{"name": ..., "arguments": {...}}`, a JSON list of them or one a line;
+    a block holding none is passed over, as vLLM does, and so is its JSON written with doubled
+    escapes (`\\\\"`) read again with them undone. All the text outside the blocks is the content."""
+    if QWEN25_CALLS not in text:
+        return text, []
+    calls, outside, at = [], [], 0
+    for block in _QWEN25_BLOCK.finditer(text):
+        outside.append(text[at: block.start()])
+        at = block.end()
+        body = block[1]
+        items = _qwen25_items(body) or (_qwen25_items(body.replace('\\\\"', '\\"')) if "\\" in body else [])
+        calls += [_named_call(item) for item in items]
+    return ("".join(outside + [text[at:]]).strip() or None, calls) if calls else (text, [])

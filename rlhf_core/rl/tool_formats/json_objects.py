@@ -11,6 +11,8 @@ or after a marker (pure).
   `longcat` (LongCat-Flash): Hermes' calls in `<longcat_tool_call>`; `ernie45` (ERNIE-4.5): JSON
   call objects in `<tool_call>` (blocks holding no object passed over). The text before is the content.
 - `granite4` (Granite 4): Hermes' closed `<tool_call>` blocks; all the text outside them is the content.
+- `gigachat3` (GigaChat 3, 3.1): one call object, the rest of the completion after `function
+  call<|role_sep|>` (3) or `<|function_call|>` (3.1); the text before is the content.
 """
 
 from __future__ import annotations
@@ -143,3 +145,31 @@ def parse_granite4(text: str) -> Calls:
     except ValueError:
         return text, []
     return ("".join(outside + [text[at:]]).strip() or None, calls) if calls else (text, [])
+
+
+GIGACHAT_CALL, GIGACHAT3_CALL, GIGACHAT_MESSAGE_SEP = "<|function_call|>", "function call<|role_sep|>\n", "<|message_sep|>"
+_GIGACHAT_CALL = re.compile("(?:" + re.escape(GIGACHAT3_CALL) + "|" + re.escape(GIGACHAT_CALL) + ")(.*)", re.DOTALL)
+_GIGACHAT_CONTENT_END = re.compile(re.escape(GIGACHAT_MESSAGE_SEP) + "|" + re.escape(GIGACHAT_CALL))
+GIGACHAT_EOS = "</s>"
+
+
+def parse_gigachat3(text: str) -> Calls:
+    """GigaChat 3 (and 3.1): one call, the rest of the completion after `function call<|role_sep|>`
+    and a newline (3; after a `<|message_sep|>`) or after `<|function_call|>` (3.1), a JSON object
+    `{"name": ..., "arguments": {...}}` (raw control characters allowed in its strings; a final
+    `</s>` dropped). Arguments that are not an object, or text after the object, are malformed. The
+    text before the first `<|message_sep|>` or `<|function_call|>` (or before the call) is the content."""
+    body = text.rstrip()
+    body = body[: -len(GIGACHAT_EOS)] if body.endswith(GIGACHAT_EOS) else text
+    call = _GIGACHAT_CALL.search(body)
+    if call is None:
+        return text, []
+    try:
+        obj = json.loads(call[1], strict=False)
+    except ValueError:
+        return text, []
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+        return text, []
+    end = _GIGACHAT_CONTENT_END.search(body)
+    content = body[: end.start() if end else call.start()].strip() or None
+    return content, [(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))]

@@ -21,6 +21,14 @@ types the values by the request's tool schemas (`TEXT_VALUED`, `typed_arguments`
   `<｜DSML｜tool_calls>` and `</｜DSML｜tool_calls>`. A `string="true"` value is a string as written; a
   `string="false"` one (the template writes it as JSON) is text typed by the request's tool schema,
   as above (`read_dsml`, which `read_calls` gives the typing). The text before the calls is the content.
+- `hy_v3` (Hy3, Hunyuan v3): in `<tool_calls>`, each call `<tool_call>NAME<tool_sep>` then GLM's
+  `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs, `</tool_call>`; `hy_v4` (Hunyuan v4):
+  `<tool_calls>` then GLM-4.5's calls, `<tool_call>NAME<arg_key>...</tool_call>`, `</tool_calls>`
+  (each tag may carry the checkpoint's suffix, `<tool_calls:SUFFIX>`). Values are text, typed as
+  above; the text before `<tool_calls>` is the content.
+- `dots` (dots.llm): `<dots_function_call>` blocks, each MiniMax-M2's `<invoke name="NAME"><parameter
+  name="KEY">VALUE</parameter></invoke>`s (values stripped text, typed as above: `read_dots`) or one
+  JSON call object; the text before the first block is the content.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import json
 import re
 from collections.abc import Callable
 
-from rlhf_core.rl.tool_formats.common import _BLOCK, START, Calls, _NotACall
+from rlhf_core.rl.tool_formats.common import _BLOCK, START, TOOL_CALLS, TOOL_CALLS_END, Calls, _NotACall
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -219,3 +227,111 @@ def parse_deepseek_v32(text: str) -> Calls:
 
 def parse_deepseek_v4(text: str) -> Calls:
     return read_dsml(text, DSML_TOOL_CALLS)
+
+
+HY_SEP = "<tool_sep>"
+
+
+def parse_hy_v3(text: str) -> Calls:
+    """Hy3: in the first `<tool_calls>` (to `</tool_calls>` or the end), calls and nothing else, each
+    `<tool_call>NAME<tool_sep>` then key/value pairs (whitespace between a key and its value) up to
+    `</tool_call>` (the last may be left open, as vLLM reads it); values kept verbatim. A call
+    without a name or separator, or with anything but pairs after it, is malformed. The text before
+    `<tool_calls>` is the content."""
+    if TOOL_CALLS not in text:
+        return text, []
+    section = text.split(TOOL_CALLS, 1)[1].split(TOOL_CALLS_END, 1)[0]
+    blocks = _BLOCK.findall(section)
+    if not blocks or _BLOCK.sub("", section).strip():
+        return text, []
+    calls = []
+    for block in blocks:
+        name, sep, body = block.partition(HY_SEP)
+        if not sep or not name.strip() or _GLM_ARGUMENT.sub("", body).strip():
+            return text, []
+        arguments = {key.strip(): value for key, value in _GLM_ARGUMENT.findall(body)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.index(TOOL_CALLS)].strip() or None, calls
+
+
+_HY4_CALLS = re.compile(r"<tool_calls(:[^\s>]+)?>")
+
+
+def _hy4_tags(suffix: str, *names: str) -> list[str]:
+    return [tag for name in names for tag in (f"<{name}{suffix}>", f"</{name}{suffix}>")]
+
+
+def parse_hy_v4(text: str) -> Calls:
+    """Hunyuan v4, as vLLM's strict reading takes it: a closed `<tool_calls>...</tool_calls>`
+    section (its tags, and all the others, carrying the suffix its opening tag has, if any) whose
+    `<tool_call>` tags all pair with their ends, each call `<tool_call>NAME` then pairs
+    `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` (nothing between a key and its value;
+    whitespace between pairs) and `</tool_call>`, values verbatim. A call without a name, or with
+    anything but pairs after it, is malformed, as is a section without calls. The text before the
+    section is the content."""
+    opening = _HY4_CALLS.search(text)
+    if opening is None:
+        return text, []
+    suffix = opening[1] or ""
+    _, calls_end, call, call_end, key, key_end, value, value_end = _hy4_tags(
+        suffix, "tool_calls", "tool_call", "arg_key", "arg_value")
+    end = text.find(calls_end, opening.end())
+    if end < 0:
+        return text, []
+    section = text[opening.end(): end]
+    bodies = re.findall(re.escape(call) + "(.*?)" + re.escape(call_end), section, re.DOTALL)
+    if not bodies or section.count(call) != len(bodies) or section.count(call_end) != len(bodies):
+        return text, []
+    argument = re.compile("".join(re.escape(tag) + "(.*?)" if tag in (key, value) else re.escape(tag)
+                                  for tag in (key, key_end, value, value_end)), re.DOTALL)
+    calls = []
+    for body in bodies:
+        name, sep, pairs = body.partition(key)
+        pairs = sep + pairs
+        if not name.strip() or argument.sub("", pairs).strip():
+            return text, []
+        arguments = {k.strip(): v for k, v in argument.findall(pairs)}
+        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    return text[: opening.start()].strip() or None, calls
+
+
+DOTS_CALLS, DOTS_CALLS_END = "<dots_function_call>", "</dots_function_call>"
+_DOTS_BLOCK = re.compile(re.escape(DOTS_CALLS) + r"\s*(.*?)\s*" + re.escape(DOTS_CALLS_END), re.DOTALL)
+
+
+def _dots_json_call(block: str) -> list[tuple[str, str]]:
+    """A block's JSON call object `{"name": ..., "arguments"|"parameters": {...}}` as a call; none
+    where it is not one (vLLM passes it over)."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return []
+    arguments = obj.get("arguments", obj.get("parameters", {})) or {}
+    return [(obj["name"], json.dumps(arguments, ensure_ascii=False))] if isinstance(arguments, dict) else []
+
+
+def read_dots(text: str, typed: Typing | None = None) -> Calls:
+    """dots.llm's calls: each closed `<dots_function_call>` block, invokes (their values stripped
+    text, typed by `typed` where it is given) or a JSON call object; a block or invoke that reads as
+    no call (not JSON, no name) is passed over, as vLLM does. vLLM also drops a call to a tool the
+    request does not declare; this reads it. The text before the first block is the content."""
+    if DOTS_CALLS not in text:
+        return text, []
+    calls = []
+    for block in _DOTS_BLOCK.findall(text):
+        if not block.startswith("<invoke"):
+            calls += _dots_json_call(block)
+            continue
+        for *name, body in _INVOKE.findall(block):
+            name = "".join(name).strip()
+            arguments = json.dumps({"".join(key).strip(): value.strip()
+                                    for *key, value in _MINIMAX_PARAMETER.findall(body)}, ensure_ascii=False)
+            if name:
+                calls.append((name, typed(name, arguments) if typed is not None else arguments))
+    return (text[: text.index(DOTS_CALLS)].strip() or None, calls) if calls else (text, [])
+
+
+def parse_dots(text: str) -> Calls:
+    return read_dots(text)
