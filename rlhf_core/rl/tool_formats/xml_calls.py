@@ -103,19 +103,30 @@ _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_va
 _GLM47_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
+def _pairs_call(name: str, pairs: str, argument: re.Pattern) -> tuple[str, str]:
+    """A call of GLM's kind (GLM, Hunyuan): `name`, then key/value pairs each matched by `argument`
+    (groups: key, value; values verbatim). _NotACall for no name, or anything but pairs after it."""
+    if not name.strip() or argument.sub("", pairs).strip():
+        raise _NotACall(pairs)
+    arguments = {key.strip(): value for key, value in argument.findall(pairs)}
+    return name.strip(), json.dumps(arguments, ensure_ascii=False)
+
+
 def _glm(text: str, argument: re.Pattern) -> Calls:
     """GLM's `<tool_call>NAME` then key/value pairs (each matched by `argument`) `</tool_call>` calls."""
     if START not in text:
         return text, []
-    calls = []
-    for block in _BLOCK.findall(text):
-        name, _, body = block.partition("<arg_key>")
-        body = "<arg_key>" + body if body else ""
-        if not name.strip() or argument.sub("", body).strip():
-            return text, []  # no name, or something other than key/value pairs after it
-        arguments = {key.strip(): value for key, value in argument.findall(body)}
-        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    try:
+        calls = [_pairs_call(*_split_at(block, "<arg_key>"), argument) for block in _BLOCK.findall(text)]
+    except _NotACall:
+        return text, []
     return text[: text.index(START)].strip() or None, calls
+
+
+def _split_at(block: str, key_tag: str) -> tuple[str, str]:
+    """`(name, pairs)`: the text before the first `key_tag`, and the rest from it."""
+    name, tag, pairs = block.partition(key_tag)
+    return name, tag + pairs
 
 
 def parse_glm45(text: str) -> Calls:
@@ -244,13 +255,12 @@ def parse_hy_v3(text: str) -> Calls:
     blocks = _BLOCK.findall(section)
     if not blocks or _BLOCK.sub("", section).strip():
         return text, []
-    calls = []
-    for block in blocks:
-        name, sep, body = block.partition(HY_SEP)
-        if not sep or not name.strip() or _GLM_ARGUMENT.sub("", body).strip():
-            return text, []
-        arguments = {key.strip(): value for key, value in _GLM_ARGUMENT.findall(body)}
-        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    if any(HY_SEP not in block for block in blocks):
+        return text, []
+    try:
+        calls = [_pairs_call(*block.split(HY_SEP, 1), _GLM_ARGUMENT) for block in blocks]
+    except _NotACall:
+        return text, []
     return text[: text.index(TOOL_CALLS)].strip() or None, calls
 
 
@@ -284,14 +294,10 @@ def parse_hy_v4(text: str) -> Calls:
         return text, []
     argument = re.compile("".join(re.escape(tag) + "(.*?)" if tag in (key, value) else re.escape(tag)
                                   for tag in (key, key_end, value, value_end)), re.DOTALL)
-    calls = []
-    for body in bodies:
-        name, sep, pairs = body.partition(key)
-        pairs = sep + pairs
-        if not name.strip() or argument.sub("", pairs).strip():
-            return text, []
-        arguments = {k.strip(): v for k, v in argument.findall(pairs)}
-        calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
+    try:
+        calls = [_pairs_call(*_split_at(body, key), argument) for body in bodies]
+    except _NotACall:
+        return text, []
     return text[: opening.start()].strip() or None, calls
 
 
