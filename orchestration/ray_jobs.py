@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from rlhf_core.distributed.cluster import RANKS_ON_RAY_ENV, check_no_other_checkout_here, forwarded_env
 from rlhf_core.infra.redaction import redact_text
-from rlhf_core.infra.settings import EXIT_CONFIG, env_number, tracking_uri
+from rlhf_core.infra.settings import EXIT_CONFIG, env_number
 
 TAIL_LINES = 30
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -149,11 +149,6 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # The job's driver and ranks exit once the cluster's GCS has been gone this long, instead of
     # reconnecting while nobody waits for them (Ray would allow 60 s, or what the cluster says).
     env.setdefault(GCS_RECONNECT_ENV, str(max(1, round(unreachable_s()))))
-    # The run the job logs into is in this process's store. Without MLFLOW_TRACKING_URI that is the
-    # state directory's SQLite file, which a job on a cluster (RAY_ADDRESS: its nodes keep state
-    # directories of their own) would not find: name it. (On machines without this disk a server is
-    # needed; the job then says its run is missing: `mlflow_ops.DirectOps.open_run`.)
-    env.setdefault("MLFLOW_TRACKING_URI", tracking_uri())
     env.update(extra or {})
     return env
 

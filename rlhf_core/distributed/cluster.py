@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.infra.settings import ConfigError, state_dir
+from rlhf_core.infra.settings import ConfigError, state_dir, tracking_uri
 
 FORWARDED_ENV = ("RLHF_HOME", "RLHF_ARTIFACT_ROOT", "RLHF_NO_PROGRESS", "RLHF_PROGRESS_SECONDS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID",
                  "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
@@ -35,10 +35,14 @@ FORWARDED_ENV += (RANKS_ON_RAY_ENV,)
 def forwarded_env() -> dict[str, str]:
     """The allow-listed settings of this process that its jobs and ranks get (`FORWARDED_ENV`, never
     secrets). With `RAY_ADDRESS` (a cluster of its own, perhaps of many machines) this machine's
-    disk paths (`NODE_LOCAL_ENV`) stay here: each node uses the ones it was started with."""
+    disk paths (`NODE_LOCAL_ENV`) stay here: each node uses the ones it was started with. The
+    MLflow store is named in any case (`MLFLOW_TRACKING_URI`; by default this state directory's
+    SQLite file): the runs this process made or hands over are there, not in a node's own state
+    directory (a store on no shared disk: the job says its run is missing, `mlflow_ops`)."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if os.environ.get("RAY_ADDRESS"):
         env = {k: v for k, v in env.items() if k not in NODE_LOCAL_ENV}
+    env.setdefault("MLFLOW_TRACKING_URI", tracking_uri())
     return env
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestration.ray_jobs import RayJobRunner, StageConfigError, StageJobError, job_command, job_env
+from rlhf_core.distributed.cluster import forwarded_env
 
 
 def test_job_command_uses_this_interpreter_locally_and_the_installed_cli_on_a_cluster(monkeypatch):
@@ -70,10 +71,11 @@ def test_a_cluster_of_its_own_gets_no_path_of_this_machine(monkeypatch):
     assert "RLHF_HOME" not in env and "TORCH_EXTENSIONS_DIR" not in env
     assert env["AWS_ENDPOINT_URL"] == "http://s3:9000"
     # ...except the store the job's run is in: this process's, whose default is a file under its
-    # state directory (the nodes' own would not hold the run; docs/multinode.md: a server for many machines)
-    assert env["MLFLOW_TRACKING_URI"] == "sqlite:////state/mlflow.db"
+    # state directory (the nodes' own would not hold the run; docs/multinode.md: a server for many
+    # machines). The ranks a driver joined to the cluster starts get the same (`ensure_ray`).
+    assert env["MLFLOW_TRACKING_URI"] == forwarded_env()["MLFLOW_TRACKING_URI"] == "sqlite:////state/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    assert job_env()["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert job_env()["MLFLOW_TRACKING_URI"] == forwarded_env()["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
 
 
 def test_the_jobs_on_a_flows_own_local_ray_may_keep_one_rank_per_role_in_their_driver(monkeypatch):
