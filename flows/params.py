@@ -148,7 +148,13 @@ class PipelinePPOConfig(PPOConfig):
         `DERIVED_PPO_FIELDS` are derived from the actor, reward and task, which the flow fills in
         later. Derived from nothing now, they would be frozen (1024 new tokens, no critic) by every
         JSON dump of the parameters (Prefect stores deployments' so) and never derived again.
+
+        Prefect also validates a flow's parameters when it calls the flow, and is given the instance
+        itself: its fields are read as given values here, never validated in place (the checks after
+        validation would derive, into the caller's instance, what is still open).
         """
+        if isinstance(values, PPOConfig):
+            values = values.model_dump()
         spellings = spellings_of(cls)
         given = {k for k, v in spellings.to_paths(values, "ppo").items() if v is not None} \
             if isinstance(values, dict) else None

@@ -36,10 +36,8 @@ def pytest_collection_finish(session):
     before it: the GPU profile's pip resolve (tests/pip_dry_run.py; it waits on the registry) and
     the learning tests' settings (tests/settings.py: minutes of training each, in one process, while
     the integration tests before the first learning test mostly wait on their processes)."""
-    if any(item.name == GPU_DRY_RUN_TEST for item in session.items) and _worker_id(session.config) in ("gw0", None):
-        from tests.pip_dry_run import PipDryRun
-
-        session.config.stash[GPU_DRY_RUN] = PipDryRun("gpu")
+    if any(item.name == GPU_DRY_RUN_TEST for item in session.items):
+        session.config.stash[GPU_DRY_RUN] = _start_dry_run(session.config)
     from tests.settings import BUILDERS, with_needs
 
     needed = [name for name in BUILDERS if any(name in getattr(item, "fixturenames", ())
@@ -68,6 +66,26 @@ def _start_settings(config, names: list[str]):
         pending = PendingSettings(Path(tempfile.mkdtemp(prefix="rlhf-settings-")), names)
     config.stash.setdefault(SETTINGS, {}).update(dict.fromkeys(names, pending))
     return pending
+
+
+def _start_dry_run(config):
+    """The GPU profile's pip resolve: under pytest-xdist the first worker to claim the run's
+    dry-run folder starts it, the others wait on its files (any worker may get its test)."""
+    from tests.pip_dry_run import PipDryRun, SharedDryRun
+
+    folder = _shared_dry_run_folder(config)
+    if folder is None:
+        return PipDryRun("gpu")
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return SharedDryRun(folder)
+    return PipDryRun("gpu", folder)
+
+
+def _shared_dry_run_folder(config):
+    shared = _shared_settings_root(config)
+    return None if shared is None else shared.with_name(shared.name + "-pip-gpu")
 
 
 def _shared_settings_root(config):
@@ -109,23 +127,24 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_unconfigure(config):
     shared = _shared_settings_root(config)
     pending = [config.stash.get(GPU_DRY_RUN, None), *set(config.stash.get(SETTINGS, {}).values())]
+    dry_run = _shared_dry_run_folder(config)
     for process in pending:
-        if process is not None and getattr(process, "root", None) != shared:  # the controller's, below
+        if process is not None and getattr(process, "root", getattr(process, "folder", None)) not in (shared, dry_run):
             process.stop()  # a session cut short leaves nothing running (and the settings' folders go)
     if _is_xdist_controller(config):
+        from tests.pip_dry_run import PID
         from tests.settings import stop_builder
 
         stop_builder(shared)  # the workers' shared builds, once the last worker is done
+        stop_builder(dry_run, PID)
 
 
 @pytest.fixture
 def gpu_profile_dry_run(request):
     """The GPU profile's dry run (started when collection ended, or now)."""
-    from tests.pip_dry_run import PipDryRun
-
     stash = request.config.stash
     if GPU_DRY_RUN not in stash:
-        stash[GPU_DRY_RUN] = PipDryRun("gpu")
+        stash[GPU_DRY_RUN] = _start_dry_run(request.config)
     return stash[GPU_DRY_RUN]
 
 

@@ -36,6 +36,15 @@ def test_pipeline_ppo_section_reads_every_spelling_and_keeps_derived_fields_open
     again = PipelinePPOConfig.model_validate(ppo.model_dump(mode="json"))
     assert again.rollout.max_new_tokens is None and again.critic.model_name_or_path is None
     assert ppo_job_for(tmp_path, again.model_dump(mode="json"))[3]["rollout"]["max_new_tokens"] == 16
+    # and validates the instance itself when it calls the flow: nothing derived there either, nor
+    # written into the instance it was given (it derived 1024 new tokens, 2048 for data.max_len)
+    from flows.pipeline import rlhf
+
+    called = rlhf.validate_parameters({"ppo": ppo})["ppo"]
+    for cfg in (called, ppo):
+        assert (cfg.rollout.max_new_tokens, cfg.data.max_len, cfg.critic.model_name_or_path) == (None, None, None)
+    assert called.train.max_steps == 3
+    assert ppo_job_for(tmp_path, called.model_dump(mode="json"))[3]["rollout"]["max_new_tokens"] == 16
     with pytest.raises(ConfigError, match=r"(?s)section ppo.*--actor.adam.lr"):
         flow_parameters({"ppo": {"actor.adam.lr": -1}})
 
