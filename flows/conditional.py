@@ -2,8 +2,10 @@
 (arXiv:2308.12050, SteerLM-style) as two jobs.
 
 `rlhf batch_inference --eval_task rm --post_processor csft` scores the SFT rows (prep's, or the `sft`
-section's dataset) with the run's reward model and writes each row's score into its prompt through
-the reward template (`{input} <rm_score>: {reward} `, z-scored by default) -> `rlhf train sft` of the
+section's dataset) with the run's reward model, or with prep's task verifier (`reward: verifier`:
+each row's response against its `answer`, which prep's SFT rows carry), and writes each row's score
+into its prompt through the reward template (`{input} <rm_score>: {reward} `, z-scored by default:
+with a verifier, two values, the right rows' above the wrong ones') -> `rlhf train sft` of the
 base model on those rows (the `sft` section's recipe; this stage's learning rate and epochs where
 given), as OpenRLHF's script trains from the base.
 
@@ -74,8 +76,12 @@ def run_conditional_sft(ctx: PipelineContext, settings: PipelineSettings, prep: 
                             "nothing could ask the trained model for a high score at generation")
     if STAGE in ctx.force:  # forcing the stage rescores as well
         ctx.force = [*ctx.force, SCORE]
-    reward = need("rm")
-    upstream: dict[str, StageOutcome] = {"reward": reward}
+    upstream: dict[str, StageOutcome] = {}
+    if params.reward == "verifier":
+        scorer = ["--task", prep.task, "--label_key", "answer"]
+    else:
+        upstream["reward"] = need("rm")
+        scorer = ["--pretrain", upstream["reward"].output_uri]
     dataset = sft.data.dataset
     if dataset is None:
         upstream["data"] = need("prep")
@@ -88,7 +94,7 @@ def run_conditional_sft(ctx: PipelineContext, settings: PipelineSettings, prep: 
                       output_key=data.output_key, max_samples=data.max_samples, dataset_probs=data.dataset_probs)
     scored = outcomes[SCORE] = run(StageJob(
         "batch_inference", SCORE,
-        ["batch_inference", "--eval_task", "rm", "--pretrain", reward.output_uri, "--dataset", dataset, *probs,
+        ["batch_inference", "--eval_task", "rm", *scorer, "--dataset", dataset, *probs,
          "--input_key", data.input_key, "--output_key", data.output_key, "--apply_chat_template",
          "--post_processor", "csft", *(["--normalize_reward"] if params.normalize_reward else []),
          "--reward_template", params.reward_template, "--max_samples", str(data.max_samples),

@@ -316,9 +316,13 @@ class RejectionSamplingParams(StrictModel):
 
 class ConditionalSFTParams(StrictModel):
     """Conditional SFT (stage `conditional_sft`, OpenRLHF's script, arXiv:2308.12050): the run's reward
-    model scores prep's SFT rows, each row's score is written into its prompt, the base model learns
-    on them (the `sft` section's recipe), and the model saved asks, at generation, for a high score."""
+    model (or the task's verifier) scores prep's SFT rows, each row's score is written into its
+    prompt, the base model learns on them (the `sft` section's recipe), and the model saved asks, at
+    generation, for a high score."""
 
+    reward: str = Field("reward_model", pattern="^(reward_model|verifier)$",
+                        description="Who scores the rows: the run's reward model, or prep's task verifier (each "
+                        "row's response against its `answer` column: 1 right, 0 wrong)")
     normalize_reward: bool = Field(True, description="Write z-scores (over all rows) rather than raw rewards")
     reward_template: str = Field("{input} <rm_score>: {reward} ", description="Where the prompt and its score go; "
                                  "starts with {input}, so the condition follows the prompt")

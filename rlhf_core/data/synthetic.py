@@ -254,9 +254,10 @@ def build_splits(
 
     Returns ``{"sft": {...}, "preference": {...}, "prompts": {...}}``, each ``{"train": rows,
     "test": rows}`` over the same prompts:
-    sft rows ``{prompt, response}``, preference rows ``{prompt, chosen, rejected}`` (chosen is the
-    right answer, rejected a near miss), prompt rows ``{prompt, answer}``. Prompts are raw task
-    text; stages apply the chat template themselves.
+    sft rows ``{prompt, response, answer}`` (the answer: what a verifier checks the demonstration
+    against, e.g. conditional SFT scoring the rows), preference rows ``{prompt, chosen, rejected}``
+    (chosen is the right answer, rejected a near miss), prompt rows ``{prompt, answer}``. Prompts are
+    raw task text; stages apply the chat template themselves.
 
     ``demo_error_rate`` makes that fraction of the *training* demonstrations near misses (own
     stream), so a sampled SFT policy errs about that often and RL has room; the verifier, the
@@ -291,7 +292,7 @@ def build_splits(
 
     splits: dict[str, dict[str, list[dict]]] = {"sft": {}, "preference": {}, "prompts": {}}
     for split, examples in (("train", train), ("test", test)):
-        splits["sft"][split] = [{"prompt": p, **(d := demonstration(a, split)), **conversation(p, d)}
+        splits["sft"][split] = [{"prompt": p, **(d := demonstration(a, split)), "answer": a, **conversation(p, d)}
                                 for p, a in examples]
         splits["preference"][split] = [
             {"prompt": p, "chosen": a, "rejected": task.near_miss(a, miss_rng)} for p, a in examples

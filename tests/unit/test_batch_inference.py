@@ -187,6 +187,28 @@ def test_generate_then_score_and_post_process_on_the_cli(prepared, tmp_path, cap
     assert metrics["batch_inference/rows"] == 16 and metrics["batch_inference/kept_rows"] == 5
 
 
+def test_the_verifier_scores_preps_sft_rows_for_conditional_sft_right_above_wrong(tmp_path, capsys):
+    """The `conditional_sft` stage's scoring job with `reward: verifier`, on prep's SFT rows (30% of
+    the demonstrations wrong, each row with its answer): every right row gets the one higher
+    z-score, every wrong row the lower, written into its prompt."""
+    from rlhf_core.stages.prep import prepare
+
+    paths = prepare(tmp_path / "prep", task="sort", seed=0, model_size="tiny", n_train=200, n_test=10,
+                    demo_error_rate=0.3)
+    assert main(["batch_inference", "--eval_task", "rm", "--task", "sort", "--label_key", "answer", "--dataset",
+                 f"json@{paths['sft']}", "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
+                 "--post_processor", "csft", "--normalize_reward", "--save_path", str(tmp_path / "csft"),
+                 "--use_mlflow", "false"]) == 0
+    capsys.readouterr()
+    source = [json.loads(line) for line in open(paths["sft_train"])]
+    rows = [json.loads(line) for line in (tmp_path / "csft" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == len(source) == 200
+    right = {r["reward"] for r, s in zip(rows, source, strict=True) if s["demo_correct"]}
+    wrong = {r["reward"] for r, s in zip(rows, source, strict=True) if not s["demo_correct"]}
+    assert len(right) == len(wrong) == 1 and right.pop() > 0 > wrong.pop()
+    assert all(r["input"].endswith(f" <rm_score>: {r['reward']:.2f} ") for r in rows)
+
+
 def test_a_reward_model_scores_rows_as_the_reward_source_does_less_its_stored_mean(prepared, tmp_path):
     """`--eval_task rm` with a reward model: the score of input + output, normalised by the mean and
     std the model stores; a head saved under OpenRLHF's `value_head` name is read from there."""

@@ -473,6 +473,15 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
     assert SCORE in forced.force  # forcing the stage rescores too
     (score4, _), _ = flow(sft=PipelineSFTConfig.model_validate({"max_samples": 1000}))
     assert stage_cache_key(score4) != stage_cache_key(score)  # other rows scored: scored again
+    # The task's verifier scores instead (each row's response against its answer): no reward model needed
+    rm = upstream.pop("rm")
+    (score5, train5), _ = flow(ConditionalSFTParams(reward="verifier"))
+    upstream["rm"] = rm
+    assert "--pretrain" not in score5.args and set(score5.upstream) == {"data"}
+    assert score5.args[score5.args.index("--task") + 1] == PrepParams().task
+    assert score5.args[score5.args.index("--label_key") + 1] == "answer"
+    assert stage_cache_key(score5) != stage_cache_key(score)
+    assert yaml.safe_load(train5.config_yaml)["data"]["dataset"] == f"json@{tmp_path / SCORE}"
 
     with pytest.raises(PipelineError, match="applies no chat template"):
         flow(sft=PipelineSFTConfig.model_validate({"apply_chat_template": False}))

@@ -42,7 +42,7 @@ def test_prepare_writes_every_artifact(prepared):
     expected_keys |= {f"{k}_{s}" for k in ("sft", "preference", "prompts") for s in ("train", "test")}
     assert set(paths) == expected_keys
     columns = {
-        "sft": {"prompt", "response"},
+        "sft": {"prompt", "response", "answer"},
         "preference": {"prompt", "chosen", "rejected"},
         "prompts": {"prompt", "answer"},
     }

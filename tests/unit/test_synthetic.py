@@ -99,11 +99,11 @@ def test_splits_have_three_views_of_the_same_prompts():
     for split, n in (("train", 300), ("test", 50)):
         sft, pref, prompts = (splits[k][split] for k in ("sft", "preference", "prompts"))
         assert len(sft) == len(pref) == len(prompts) == n
-        assert set(sft[0]) == {"prompt", "response"}
+        assert set(sft[0]) == {"prompt", "response", "answer"}
         assert set(pref[0]) == {"prompt", "chosen", "rejected"}
         assert set(prompts[0]) == {"prompt", "answer"}
         for s, p, q in zip(sft, pref, prompts, strict=True):
-            assert s["prompt"] == p["prompt"] == q["prompt"]
+            assert s["prompt"] == p["prompt"] == q["prompt"] and s["answer"] == q["answer"]
             assert s["response"] == p["chosen"] == q["answer"] == _solve(q["prompt"])
             assert p["rejected"] != p["chosen"]
 
