@@ -77,8 +77,9 @@ def run_conditional_sft(ctx: PipelineContext, settings: PipelineSettings, prep: 
     if STAGE in ctx.force:  # forcing the stage rescores as well
         ctx.force = [*ctx.force, SCORE]
     upstream: dict[str, StageOutcome] = {}
-    if params.reward == "verifier":
-        scorer = ["--task", prep.task, "--label_key", "answer"]
+    base = sft.pretrain or prep_paths(need("prep"))["base"]
+    if params.reward == "verifier":  # the base's tokenizer writes the prompts (its chat template)
+        scorer = ["--task", prep.task, "--label_key", "answer", "--pretrain", base]
     else:
         upstream["reward"] = need("rm")
         scorer = ["--pretrain", upstream["reward"].output_uri]
@@ -101,7 +102,6 @@ def run_conditional_sft(ctx: PipelineContext, settings: PipelineSettings, prep: 
          "--save_path", out, "--mlflow_run_name", SCORE, "--mlflow_experiment", ctx.experiment],
         out, key, None, dataset, upstream, num_gpus=ctx.rollout_gpus))
 
-    base = sft.pretrain or prep_paths(need("prep"))["base"]
     template = sft.data.tokenizer_chat_template or stored_chat_template(base)
     if template is None:
         raise PipelineError(f"{STAGE}: the base model {base} stores no chat template; give one in the `sft` "

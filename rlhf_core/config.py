@@ -1114,7 +1114,8 @@ class BatchInferenceConfig(StageConfig):
     label_key: str = Field("answer", description="Reference answers (kept with generated rows; --task's verifier "
                            "reads them)")
     task: str | None = Field(None, description="rm: score with this built-in task's verifier against --label_key "
-                             "instead of a reward model (no --pretrain)")
+                             "instead of a reward model (--pretrain then names only the tokenizer whose chat "
+                             "template --apply_chat_template writes the prompts with)")
     apply_chat_template: bool = False
     input_template: str | None = Field(None, description="Python format string with one {} for the prompt (empty: "
                                        "none)")
@@ -1208,6 +1209,9 @@ class BatchInferenceConfig(StageConfig):
         if not (self.eval_task == EvalTask.RM and self.task is not None):
             needs.append("pretrain")
         missing = [f"--{name}: required" for name in needs if getattr(self, name) is None]
+        if self.eval_task == EvalTask.RM and self.task is not None and self.apply_chat_template and not self.pretrain:
+            missing.append("--apply_chat_template with --task: give --pretrain, a model whose tokenizer's chat "
+                           "template writes the prompts (a verifier reads no model)")
         if (self.output_path is None) == (self.save_path is None):
             missing.append("--output_path (a file) or --save_path (a stage folder): give one")
         if self.min_reward is not None and self.post_processor != PostProcessor.RS:

@@ -322,7 +322,7 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
         if not all(isinstance(p, str) for p in inputs):
             raise DataError(f"--dataset {cfg.dataset}: --task scores rows whose {cfg.input_key!r} is text; these hold "
                             "chat messages (score them with a reward model and --apply_chat_template)")
-        texts, rewards = inputs, VerifierReward(cfg.task).score(inputs, outputs, answers)
+        texts, rewards = verifier_prompts(cfg, inputs), VerifierReward(cfg.task).score(inputs, outputs, answers)
     else:
         rm = reward_model(cfg)
         texts = [rm.formatter.prompt_text(p) if cfg.apply_chat_template
@@ -334,6 +334,22 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
     if answers is not None:
         rows = [{**row, cfg.label_key: a} for row, a in zip(rows, answers, strict=True)]
     return rows, sources, blank
+
+
+def verifier_prompts(cfg: BatchInferenceConfig, inputs: list[str]) -> list[str]:
+    """The prompts a verifier's rows are written with, formatted as a reward model's rows are: the
+    chat template of `--pretrain`'s tokenizer (a verifier reads no model: `--pretrain` names the
+    tokenizer), else `--input_template`, else as they are (rows generated here hold the prompt as
+    generation wrote it)."""
+    if cfg.apply_chat_template:
+        from rlhf_core.models.loading import load_tokenizer
+        from rlhf_core.rollout.prompts import prompt_formatter
+        from rlhf_core.trainers.common import local_model_path
+
+        fmt = prompt_formatter(load_tokenizer(local_model_path(cfg.pretrain), use_fast=not cfg.disable_fast_tokenizer),
+                               True)
+        return [fmt.prompt_text(p) for p in inputs]
+    return [cfg.input_template.format(p) for p in inputs] if cfg.input_template else inputs
 
 
 def reward_model(cfg: BatchInferenceConfig):

@@ -195,10 +195,13 @@ def test_the_verifier_scores_preps_sft_rows_for_conditional_sft_right_above_wron
 
     paths = prepare(tmp_path / "prep", task="sort", seed=0, model_size="tiny", n_train=200, n_test=10,
                     demo_error_rate=0.3)
-    assert main(["batch_inference", "--eval_task", "rm", "--task", "sort", "--label_key", "answer", "--dataset",
-                 f"json@{paths['sft']}", "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
-                 "--post_processor", "csft", "--normalize_reward", "--save_path", str(tmp_path / "csft"),
-                 "--use_mlflow", "false"]) == 0
+    args = ["batch_inference", "--eval_task", "rm", "--task", "sort", "--label_key", "answer", "--dataset",
+            f"json@{paths['sft']}", "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
+            "--post_processor", "csft", "--normalize_reward", "--save_path", str(tmp_path / "csft"), "--use_mlflow",
+            "false"]
+    assert main(args) == 2  # a chat template needs a tokenizer
+    assert "--apply_chat_template with --task: give --pretrain" in capsys.readouterr().err
+    assert main([*args, "--pretrain", paths["base"]]) == 0
     capsys.readouterr()
     source = [json.loads(line) for line in open(paths["sft_train"])]
     rows = [json.loads(line) for line in (tmp_path / "csft" / "train.jsonl").read_text().splitlines()]
@@ -206,7 +209,9 @@ def test_the_verifier_scores_preps_sft_rows_for_conditional_sft_right_above_wron
     right = {r["reward"] for r, s in zip(rows, source, strict=True) if s["demo_correct"]}
     wrong = {r["reward"] for r, s in zip(rows, source, strict=True) if not s["demo_correct"]}
     assert len(right) == len(wrong) == 1 and right.pop() > 0 > wrong.pop()
-    assert all(r["input"].endswith(f" <rm_score>: {r['reward']:.2f} ") for r in rows)
+    # the prompt as the base's chat template writes it, as a reward model's rows have it
+    assert all(r["input"] == f"<|bos|><|user|>{s['prompt']}<|assistant|> <rm_score>: {r['reward']:.2f} "
+               for r, s in zip(rows, source, strict=True))
 
 
 def test_a_reward_model_scores_rows_as_the_reward_source_does_less_its_stored_mean(prepared, tmp_path):

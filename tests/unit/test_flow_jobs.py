@@ -477,7 +477,8 @@ def test_conditional_sft_scores_the_sft_rows_then_trains_the_base_asking_for_the
     rm = upstream.pop("rm")
     (score5, train5), _ = flow(ConditionalSFTParams(reward="verifier"))
     upstream["rm"] = rm
-    assert "--pretrain" not in score5.args and set(score5.upstream) == {"data"}
+    assert set(score5.upstream) == {"data"}  # the base's tokenizer writes the prompts:
+    assert score5.args[score5.args.index("--pretrain") + 1] == f"{upstream['prep'].output_uri}/base"
     assert score5.args[score5.args.index("--task") + 1] == PrepParams().task
     assert score5.args[score5.args.index("--label_key") + 1] == "answer"
     assert stage_cache_key(score5) != stage_cache_key(score)
