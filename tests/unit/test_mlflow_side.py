@@ -132,7 +132,8 @@ def test_the_command_starts_the_side_process_only_where_it_may_track(argv, env, 
 
 
 INTERRUPTED = """
-import sys, time
+import faulthandler, sys, time
+faulthandler.enable()
 from rlhf_core.infra import mlflow_side
 mlflow_side.start()
 from rlhf_core.infra.tracking import Tracker
@@ -154,12 +155,20 @@ def test_a_ctrl_c_to_the_command_leaves_the_side_process_to_mark_the_run_failed(
     env = {**os.environ, "RLHF_HOME": str(tmp_path / "home"), "MLFLOW_EXPERIMENT_NAME": "side"}
     for name in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "RLHF_MLFLOW_IN_PROCESS"):
         env.pop(name, None)
+    # its own group, as a shell's job, with SIGINT's default disposition as a terminal starts it: a
+    # disposition of SIG_IGN is inherited, and a library an earlier test of this worker ran may have
+    # set it here (Python then never raises KeyboardInterrupt: the command slept through the Ctrl-C)
     proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # its own group, as a shell's job
+                            text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         run_id = proc.stdout.readline().strip()
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # what it was doing, from its own stacks (faulthandler on SIGABRT)
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the command had not ended 60 s after its Ctrl-C; its stacks:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
