@@ -92,6 +92,8 @@ def preference_pairs(rows: list[dict]) -> tuple[list[dict], int]:
 def unread_flags(cfg: BatchInferenceConfig) -> list[str]:
     """The flags given that the task does not read (OpenRLHF ignores them unsaid)."""
     unread = SCORING_ONLY if cfg.eval_task != EvalTask.RM else GENERATION_ONLY
+    if cfg.eval_task == EvalTask.RM and cfg.task is not None and not cfg.apply_chat_template:
+        unread += ("pretrain",)  # a verifier scores: only a chat template would read its tokenizer
     return [name for name in unread if name in cfg.model_fields_set]
 
 
@@ -322,11 +324,11 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
         if not all(isinstance(p, str) for p in inputs):
             raise DataError(f"--dataset {cfg.dataset}: --task scores rows whose {cfg.input_key!r} is text; these hold "
                             "chat messages (score them with a reward model and --apply_chat_template)")
-        texts, rewards = verifier_prompts(cfg, inputs), VerifierReward(cfg.task).score(inputs, outputs, answers)
+        texts = written_prompts(cfg, inputs, lambda: verifier_formatter(cfg))
+        rewards = VerifierReward(cfg.task).score(inputs, outputs, answers)
     else:
         rm = reward_model(cfg)
-        texts = [rm.formatter.prompt_text(p) if cfg.apply_chat_template
-                 else cfg.input_template.format(p) if cfg.input_template else p for p in inputs]
+        texts = written_prompts(cfg, inputs, lambda: rm.formatter)
         rewards = rm.score_sequences([s[: cfg.max_len] for s in rm.sequences_from_text(texts, outputs)])
     rows = [{"input": t, "output": o, "reward": float(r)} for t, o, r in zip(texts, outputs, rewards, strict=True)]
     if steps is not None:
@@ -336,20 +338,25 @@ def score(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict], int]:
     return rows, sources, blank
 
 
-def verifier_prompts(cfg: BatchInferenceConfig, inputs: list[str]) -> list[str]:
-    """The prompts a verifier's rows are written with, formatted as a reward model's rows are: the
-    chat template of `--pretrain`'s tokenizer (a verifier reads no model: `--pretrain` names the
-    tokenizer), else `--input_template`, else as they are (rows generated here hold the prompt as
-    generation wrote it)."""
+def written_prompts(cfg: BatchInferenceConfig, inputs: list[str], formatter) -> list[str]:
+    """The prompts scored rows are written with, whoever scores them: the chat template (of
+    `formatter()`'s tokenizer), else `--input_template`, else as they are (rows generated here
+    hold the prompt as generation wrote it)."""
     if cfg.apply_chat_template:
-        from rlhf_core.models.loading import load_tokenizer
-        from rlhf_core.rollout.prompts import prompt_formatter
-        from rlhf_core.trainers.common import local_model_path
-
-        fmt = prompt_formatter(load_tokenizer(local_model_path(cfg.pretrain), use_fast=not cfg.disable_fast_tokenizer),
-                               True)
+        fmt = formatter()
         return [fmt.prompt_text(p) for p in inputs]
     return [cfg.input_template.format(p) for p in inputs] if cfg.input_template else inputs
+
+
+def verifier_formatter(cfg: BatchInferenceConfig):
+    """A verifier reads no model: `--pretrain` names the tokenizer whose chat template writes the
+    prompts (only its tokenizer is loaded)."""
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rollout.prompts import prompt_formatter
+    from rlhf_core.trainers.common import local_model_path
+
+    return prompt_formatter(load_tokenizer(local_model_path(cfg.pretrain), use_fast=not cfg.disable_fast_tokenizer),
+                            True)
 
 
 def reward_model(cfg: BatchInferenceConfig):

@@ -293,6 +293,10 @@ def test_a_flag_the_task_does_not_read_is_said_to_be_not_applied(tmp_path, capsy
     say_what_is_not_read(score)
     err = capsys.readouterr().err
     assert "not applied here: --best_of_n is not read by --eval_task rm" in err and "--post_processor" not in err
+    # a verifier reads --pretrain's tokenizer only for a chat template
+    verifier = {"eval_task": "rm", "task": "sort", "pretrain": "m"}
+    assert unread_flags(BatchInferenceConfig.model_validate(verifier)) == ["pretrain"]
+    assert unread_flags(BatchInferenceConfig.model_validate({**verifier, "apply_chat_template": True})) == []
 
 
 @pytest.mark.slow
