@@ -129,14 +129,13 @@ def pytest_unconfigure(config):
     pending = [config.stash.get(GPU_DRY_RUN, None), *set(config.stash.get(SETTINGS, {}).values())]
     dry_run = _shared_dry_run_folder(config)
     for process in pending:
-        if process is not None and getattr(process, "root", getattr(process, "folder", None)) not in (shared, dry_run):
+        if process is not None and getattr(process, "root", None) not in (shared, dry_run):
             process.stop()  # a session cut short leaves nothing running (and the settings' folders go)
     if _is_xdist_controller(config):
-        from tests.pip_dry_run import PID
         from tests.settings import stop_builder
 
-        stop_builder(shared)  # the workers' shared builds, once the last worker is done
-        stop_builder(dry_run, PID)
+        stop_builder(shared)  # the workers' shared builds and dry run, once the last worker is done
+        stop_builder(dry_run)
 
 
 @pytest.fixture

@@ -16,27 +16,27 @@ import time
 from pathlib import Path
 
 from tests.background import BackgroundProcess
+from tests.settings import PID, builder_running
 
 REPO = Path(__file__).resolve().parents[1]
-PID = "pip.pid"
 
 
 class PipDryRun(BackgroundProcess):
-    def __init__(self, extra: str, folder: Path | None = None):
+    def __init__(self, extra: str, root: Path | None = None):
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
             from pip._vendor import tomli as tomllib
 
         project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]  # as checked out
-        self.folder = folder or Path(tempfile.mkdtemp(prefix=f"rlhf-dry-run-{extra}-"))
-        (self.folder / "requirements.txt").write_text("\n".join(project["dependencies"]
+        self.root = root or Path(tempfile.mkdtemp(prefix=f"rlhf-dry-run-{extra}-"))
+        (self.root / "requirements.txt").write_text("\n".join(project["dependencies"]
                                                                 + project["optional-dependencies"][extra]))
-        self.report = self.folder / "report.json"
+        self.report = self.root / "report.json"
         super().__init__([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                          "--report", str(self.report), "-r", str(self.folder / "requirements.txt")],
-                         self.folder / "pip.log", cwd=REPO)
-        (self.folder / PID).write_text(str(self.proc.pid))
+                          "--report", str(self.report), "-r", str(self.root / "requirements.txt")],
+                         self.root / "pip.log", cwd=REPO)
+        (self.root / PID).write_text(str(self.proc.pid))  # for the other workers (tests/settings.py's convention)
 
     def result(self, timeout_s: float = 600) -> dict[str, str]:
         """Name -> version of everything it would install, this package aside (waits for pip)."""
@@ -47,19 +47,17 @@ class PipDryRun(BackgroundProcess):
 class SharedDryRun:
     """The same dry run started by another pytest-xdist worker in the folder they share."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, root: Path):
+        self.root = root
 
     def result(self, timeout_s: float = 600) -> dict[str, str]:
-        from tests.settings import process_running
-
         deadline = time.monotonic() + timeout_s
-        while process_running(self.folder / PID):
+        while builder_running(self.root):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pip's dry run did not end within {timeout_s:.0f} s; see {self.folder / 'pip.log'}")
+                raise TimeoutError(f"pip's dry run did not end within {timeout_s:.0f} s; see {self.root / 'pip.log'}")
             time.sleep(1.0)
-        report = self.folder / "report.json"
-        assert report.exists(), f"pip's dry run ended without a report:\n{(self.folder / 'pip.log').read_text()[-4000:]}"
+        report = self.root / "report.json"
+        assert report.exists(), f"pip's dry run ended without a report:\n{(self.root / 'pip.log').read_text()[-4000:]}"
         return read_report(report)
 
     def stop(self) -> None:

@@ -80,16 +80,10 @@ PID = "builder.pid"
 
 
 def builder_running(root: Path) -> bool:
-    """Whether the build process of `root` is still at work."""
-    return process_running(root / PID)
-
-
-def process_running(pid_file: Path) -> bool:
-    """Whether the process whose PID `pid_file` holds is still at work (a zombie has ended); not
-    yet started counts as running, for a worker that asks before the one that claimed the folder
-    started it."""
+    """Whether the build process of `root` is still at work (a zombie has ended); not yet started
+    counts as running, for a worker that asks before the one that claimed the folder started it."""
     try:
-        pid = int(pid_file.read_text())
+        pid = int((root / PID).read_text())
     except (FileNotFoundError, ValueError):
         return True
     try:
@@ -98,10 +92,10 @@ def process_running(pid_file: Path) -> bool:
         return False
 
 
-def stop_builder(root: Path, pid_file: str = PID) -> None:
-    """Kills the process whose PID `root / pid_file` holds if it still runs, and removes the folder."""
+def stop_builder(root: Path) -> None:
+    """Kills the build process of `root` if it still runs, and removes the folder."""
     try:
-        os.kill(int((root / pid_file).read_text()), 9)
+        os.kill(int((root / PID).read_text()), 9)
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass
     shutil.rmtree(root, ignore_errors=True)
