@@ -479,24 +479,18 @@ class RingAttention(StrictModel):
                                        json_schema_extra=flat("ring_head_stride"))
 
 
-class TrainerDSConfig(DSConfig, RingAttention):
-    packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
-                                  json_schema_extra=flat("packing_samples"))
+class TensorParallel(StrictModel):
+    """DeepSpeed's AutoTP (`--ds.tensor_parallel_size`, OpenRLHF's `--ds_tensor_parallel_size`) for the
+    trained models; with ring attention (`RingAttention`) and LoRA (`lora`) beside it in a DS section."""
+
     tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP: each linear layer's weights split "
                                       "over this many ranks, which see the same batches (the data-parallel ranks "
                                       "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
                                           "ds_tensor_parallel_size"))
-    lora: LoraConfig = Field(default_factory=LoraConfig)
 
-    @property
-    def duplicates(self) -> int:
-        """How many ranks see each batch: a tensor-parallel group's times a ring's."""
-        return self.tensor_parallel_size * self.ring_attn_size
-
-    def problems(self) -> list[str]:
-        """DSConfig's, what DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1), and
-        ring attention's."""
-        found = super().problems()
+    def tensor_parallel_problems(self) -> list[str]:
+        """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1), ring attention too."""
+        found = []
         if self.ring_attn_size > 1 and self.tensor_parallel_size > 1:
             found.append("--ds.ring_attn_size (--ring_attn_size) with --ds.tensor_parallel_size "
                          "(--ds_tensor_parallel_size): not built together; use one")
@@ -511,6 +505,20 @@ class TrainerDSConfig(DSConfig, RingAttention):
             found.append(f"{flag}: universal checkpoints of tensor-parallel slices are not converted here; leave out "
                          "--ds.use_universal_ckpt")
         return found
+
+
+class TrainerDSConfig(DSConfig, RingAttention, TensorParallel):
+    packing_samples: bool = Field(False, description="Pack several examples into one row (no padding)",
+                                  json_schema_extra=flat("packing_samples"))
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @property
+    def duplicates(self) -> int:
+        """How many ranks see each batch: a tensor-parallel group's times a ring's."""
+        return self.tensor_parallel_size * self.ring_attn_size
+
+    def problems(self) -> list[str]:
+        return super().problems() + self.tensor_parallel_problems()
 
 
 class RMDSConfig(TrainerDSConfig, ValueHead):

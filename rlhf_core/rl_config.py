@@ -42,6 +42,7 @@ from rlhf_core.config import (
     RolloutBackend,
     Schedule,
     StrictModel,
+    TensorParallel,
     TokenizingOptions,
     TrainingStageConfig,
     TrainLoopConfig,
@@ -56,6 +57,9 @@ from rlhf_core.config import (
 )
 from rlhf_core.flags import flat
 from rlhf_core.infra.manifests import NOT_SEMANTIC
+
+# The roles DeepSpeed trains (`--ds.tensor_parallel_size` splits their layers; the frozen ones run whole)
+TRAINED_ROLES = ("actor", "critic")
 
 
 class Placement(StrictModel):
@@ -397,7 +401,7 @@ class EvalSection(StrictModel):
                                "is not the last one; needs eval.selection_fraction > 0")
 
 
-class RLDSConfig(DSConfig, ValueHead, RingAttention):
+class RLDSConfig(DSConfig, ValueHead, RingAttention, TensorParallel):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the actor and the critic "
                              "(the critic's value head trained whole); merged into the weights the engines get and "
                              "the output")
@@ -540,6 +544,14 @@ class PPOConfig(TrainingStageConfig):
     def uses_ref(self) -> bool:
         return self.algo.kl.init_coef > 0 or self.algo.kl.use_loss
 
+    def duplicates(self, role: str) -> int:
+        """How many of `role`'s ranks take the same samples: a ring's, and for a trained role (AutoTP
+        splits only what DeepSpeed trains) a tensor-parallel group's; a role of one rank has neither."""
+        placement = {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward}[role]
+        if placement.world_size == 1:
+            return 1
+        return self.ds.ring_attn_size * (self.ds.tensor_parallel_size if role in TRAINED_ROLES else 1)
+
     @model_validator(mode="after")
     def _resolve_and_check(self) -> PPOConfig:
         problems: list[str] = []
@@ -676,18 +688,23 @@ class PPOConfig(TrainingStageConfig):
         if self.data.max_len is None and rollout.max_new_tokens is not None:
             set_(self.data, "max_len", self.data.prompt_max_len + rollout.max_new_tokens)
 
-        # Ring attention: every model role's ranks in rings (given alone, a ring of ranks per role).
-        ring = self.ds.ring_attn_size
+        # Ring attention: every model role's ranks in rings; tensor parallelism: the trained roles'
+        # ranks in groups that split each linear layer (the frozen ones run whole, data-parallel, on
+        # as many ranks). Given alone, a ring's or a group's ranks per role.
+        ring, tp = self.ds.ring_attn_size, self.ds.tensor_parallel_size
         models = {"actor": actor, "critic": critic if self.uses_critic else None,
                   "ref": self.ref if self.uses_ref else None, "reward": reward if reward.model_name_or_path else None}
         for role, placement in models.items():
-            if ring == 1 or placement is None:
+            if placement is None or ring * tp == 1:
                 continue
             if placement.world_size == 1 and "num_gpus_per_node" not in placement.model_fields_set:
-                set_(placement, "num_gpus_per_node", ring)
+                set_(placement, "num_gpus_per_node", ring * tp)
             if placement.world_size % ring:
                 problems.append(f"--ds.ring_attn_size (--ring_attn_size) {ring} must divide the {role} ranks "
                                 f"({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
+            if role in TRAINED_ROLES and placement.world_size % tp:
+                problems.append(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp} must divide the {role} "
+                                f"ranks ({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
         if ring > 1 and actor.aux_loss_coef > 0:
             problems.append("--ds.ring_attn_size (--ring_attn_size) with --actor.aux_loss_coef (--aux_loss_coef): "
                             "each rank of a ring sees part of every row, so its router statistics are not the "
@@ -701,9 +718,11 @@ class PPOConfig(TrainingStageConfig):
                             f"({train.batch_size})")
         trained = [("actor", actor)] + ([("critic", critic)] if self.uses_critic else [])
         for role, placement in trained:
-            data_parallel = max(1, placement.world_size // ring)  # a ring's ranks take the same samples
+            # a ring's ranks, and a tensor-parallel group's, take the same samples
+            data_parallel = max(1, placement.world_size // (ring * tp))
             per_step = (train.micro_batch_size or 1) * data_parallel
-            ranks = f"{role} ranks" + (f" / --ds.ring_attn_size {ring}" if ring > 1 else "")
+            ranks = f"{role} ranks" + (f" / --ds.ring_attn_size {ring}" if ring > 1 else "") + \
+                (f" / --ds.tensor_parallel_size {tp}" if tp > 1 else "")
             if train.batch_size % per_step and train.micro_batch_size is None:
                 problems.append(f"--train.batch_size ({train.batch_size}) must be a multiple of the {ranks} "
                                 f"({data_parallel}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
@@ -749,7 +768,7 @@ class PPOConfig(TrainingStageConfig):
             problems.append(f"--rollout.backend transformers contradicts --vllm.num_engines {vllm.num_engines}: "
                             "give one of them")
 
-        problems += self.ckpt.problems() + self.ds.problems()
+        problems += self.ckpt.problems() + self.ds.problems() + self.ds.tensor_parallel_problems()
 
         if problems:
             raise ValueError("\n  ".join(problems))
@@ -792,8 +811,6 @@ PPOConfig.ALIASES = {
 }
 PPOConfig.DEFERRED = {
     **NOT_BUILT_FLAGS,
-    **_deferred("tensor parallelism of the RL roles (the supervised stages have it; --vllm.tensor_parallel_size "
-                "splits the rollout engines)", "ds_tensor_parallel_size", "ds.tensor_parallel_size"),
     **_deferred("vision-language RL is not planned yet", "data.image_key", "data.max_images_per_prompt",
                 "actor.freeze_visual_encoder"),
 }

@@ -385,27 +385,35 @@ def _gathered_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def _tensor_parallel_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
+def _tensor_parallel_state_dict(module, rank: int, every_rank: bool = False, device: torch.device | None = None
+                                ) -> dict[str, torch.Tensor] | None:
     """Full fp32 CPU state dict of a model whose layers DeepSpeed's AutoTP sharded, on rank 0 (None
     elsewhere): each module's slices gathered over its tensor-parallel group in turn. Every rank
-    must call this."""
+    must call this. `every_rank`: the whole state dict on every rank, on `device` in the weights'
+    own dtype (each rank feeding the rollout engine on its own GPU)."""
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
-    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    keeps = every_rank or rank == 0
+    state: dict[str, torch.Tensor] | None = {} if keeps else None
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if every_rank:
+            return tensor.detach().to(device or tensor.device, copy=True)
+        return tensor.detach().to("cpu", torch.float32).clone()
 
     def visit(owner, prefix: str) -> None:
         params = list(owner.named_parameters(recurse=False))
         with GatherReplacedLayerParams([p for _, p in params], owner, enabled=True):
-            if rank == 0:
+            if keeps:
                 for name, param in params:
-                    state[prefix + name] = param.detach().to("cpu", torch.float32).clone()
+                    state[prefix + name] = copy(param)
         for name, child in owner.named_children():
             visit(child, f"{prefix}{name}.")
 
     visit(module, "")
-    if rank == 0:  # buffers, and tied weights under every name state_dict() gives them
+    if keeps:  # buffers, and tied weights under every name state_dict() gives them
         for name, tensor in module.state_dict(keep_vars=True).items():
-            state.setdefault(name, tensor.detach().to("cpu").clone())
+            state.setdefault(name, tensor.detach().to(device or "cpu") if every_rank else tensor.detach().to("cpu").clone())
     return state
 
 

@@ -50,7 +50,7 @@ from rlhf_core.distributed.engine import (
 from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
-from rlhf_core.models.lean import forward_report, lean_model, partitioned
+from rlhf_core.models.lean import forward_report, lean_model, partitioned, tensor_parallel
 from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
@@ -59,18 +59,27 @@ from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
 
-def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0) -> EngineSettings:
-    """One trainable role's engine: its `adam` and schedule (the actor's or the critic's section)."""
+def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0, trained: bool = True
+                    ) -> EngineSettings:
+    """A role's engine: its `adam` and schedule (the actor's or the critic's section); `trained`: a
+    role DeepSpeed trains, whose layers `--ds.tensor_parallel_size` splits (a frozen one runs whole)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
-    ring = ring_size(cfg, world_size)
-    micro = cfg.train.micro_batch_size or cfg.train.batch_size // (world_size // ring)
+    ring, tp = ring_size(cfg, world_size), tensor_parallel_size(cfg, world_size, trained)
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size // (world_size // (ring * tp))
     return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
-                          section.muon if section.optim == "muon" else None, aux_loss_coef, ring=ring)
+                          section.muon if section.optim == "muon" else None, aux_loss_coef, tensor_parallel=tp,
+                          ring=ring)
 
 
 def ring_size(cfg, world_size: int) -> int:
     """The ranks of a role's ring (`--ds.ring_attn_size`; a role of one rank has none)."""
     return cfg.ds.ring_attn_size if world_size > 1 else 1
+
+
+def tensor_parallel_size(cfg, world_size: int, trained: bool) -> int:
+    """The ranks of a trained role's tensor-parallel groups (`--ds.tensor_parallel_size`: DeepSpeed's
+    AutoTP splits what it trains; a frozen role, or one of one rank, has none)."""
+    return cfg.ds.tensor_parallel_size if trained and world_size > 1 else 1
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -132,6 +141,8 @@ def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list
 class _Role:
     """Loading, batching and no-grad forward passes every role shares."""
 
+    trained = False  # DeepSpeed trains it: `--ds.tensor_parallel_size` splits its layers
+
     def __init__(self, cfg, pad_id: int, rank: int = 0, world_size: int = 1):
         self.cfg, self.pad_id, self.rank, self.world_size = cfg, pad_id, rank, world_size
         use_modelscope(cfg.use_ms)  # a Ray rank's own process loads its model by name
@@ -153,6 +164,12 @@ class _Role:
         # A ring's ranks split each row (models/ring.py); its groups form before any model loads.
         self.ring_size = ring_size(self.cfg, self.world_size)
         ring.setup(self.ring_size, self.cfg.ds.ring_attn_head_stride)
+        # A tensor-parallel group's ranks split each linear layer (DeepSpeed forms its groups). The
+        # ranks of a ring or of a group take the same samples; DeepSpeed averages the gradients
+        # over the data-parallel ranks, the ring's among them, a group's ranks apart.
+        self.tensor_parallel = tensor_parallel_size(self.cfg, self.world_size, self.trained)
+        self.duplicates = self.ring_size * self.tensor_parallel
+        self.averaged_over = self.world_size // self.tensor_parallel
         self.device = device()
         self._build()
         line = forward_report(self.name, *self._forward_model())[1]
@@ -191,7 +208,7 @@ class _Role:
         `--train.max_tokens_per_gpu` tokens, every rank of the role in as many micro-batches as the one
         that needs most."""
         train = self.cfg.train
-        per_rank = train.batch_size // (self.world_size // self.ring_size)
+        per_rank = train.batch_size // (self.world_size // self.duplicates)
         if not train.dynamic_batch_enable and train.micro_batch_size is not None:
             return optimizer_steps(samples, per_rank, train.micro_batch_size)
         steps = optimizer_steps(samples, per_rank, per_rank)
@@ -280,6 +297,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     weights (and, on Ray, sends them to the rollout engines: `WeightSender`)."""
 
     name = "actor"
+    trained = True
 
     def __init__(self, cfg, pad_id: int, total_optimizer_steps: int, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
@@ -313,35 +331,41 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             moving_average(self.ema, current, self.cfg.train.ema_beta)
 
     def export(self) -> dict[str, torch.Tensor] | None:
-        """The output's weights: the moving average with `--train.enable_ema`, else the policy's."""
-        if self.ema is None:
+        """The output's weights: the moving average with `--train.enable_ema` (rank 0 holds it; no
+        rank gathers), else the policy's (every rank takes part in the gather of split weights)."""
+        if not self.cfg.train.enable_ema:
             return super().export()
         return {k: v.clone() for k, v in self.ema.items()} if self.rank == 0 else None
 
     # `--eval.publish_best`: the policy of the best evaluation so far, put back at the end of the run
     def keep_best(self) -> None:
-        """Remember the policy's weights, on CPU: under ZeRO-3 each rank its own partition, else rank
-        0 the whole model (`restore_best` broadcasts it)."""
+        """Remember the policy's weights, on CPU: under ZeRO-3 each rank its own partition, under
+        tensor parallelism its own slices, else rank 0 the whole model (`restore_best` broadcasts it)."""
         module = self.engine.module
         if partitioned(module):
             self._best = {n: p.ds_tensor.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
-        else:
+        else:  # AutoTP's slices: each rank its own
             self._best = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()} \
-                if self.rank == 0 else {}
+                if self.rank == 0 or tensor_parallel(module) else {}
 
     def has_best(self) -> bool:
         """Whether this rank holds its part of kept weights (a rank other than 0 holds none of a
         whole model)."""
         kept = bool(getattr(self, "_best", None))
-        return kept or (not partitioned(self.engine.module) and self.rank != 0)
+        return kept or (not self._split_weights() and self.rank != 0)
+
+    def _split_weights(self) -> bool:
+        """Whether each rank holds its own part of the weights (ZeRO-3's partitions, AutoTP's slices)."""
+        module = self.engine.module
+        return partitioned(module) or tensor_parallel(module)
 
     @torch.no_grad()
     def restore_best(self) -> None:
         """Put the kept weights back into the model (every rank; the optimizer is done with)."""
         module = self.engine.module
-        split = partitioned(module)
+        split, zero3 = self._split_weights(), partitioned(module)
         for name, param in module.named_parameters():
-            target = param.ds_tensor if split else param.data
+            target = param.ds_tensor if zero3 else param.data
             if split or self.rank == 0:
                 target.copy_(self._best[name].to(target.device, target.dtype))
             if not split and self.world_size > 1:
@@ -438,7 +462,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         totals: dict[str, float] = {}
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
-                                            self.world_size, self.precision, duplicates=self.ring_size)
+                                            self.averaged_over, self.precision, duplicates=self.duplicates)
             if self.cfg.train.enable_ema:  # every rank: a ZeRO-3 gather
                 self._update_ema()
             tokens = max(1.0, float(sums["tokens"]))
@@ -463,11 +487,13 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     def weights(self, checkpoint_format: bool = False) -> dict[str, torch.Tensor]:
         """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU; with
         `checkpoint_format`, named and laid out as a saved checkpoint holds them (vLLM's form)."""
-        from rlhf_core.models.loading import _gathered_state_dict
+        from rlhf_core.models.loading import _gathered_state_dict, _tensor_parallel_state_dict
 
         module = self.engine.module
         if partitioned(module):
             state = _gathered_state_dict(module, self.rank) or {}
+        elif tensor_parallel(module):
+            state = _tensor_parallel_state_dict(module, self.rank) or {}
         else:
             state = plain_state(module) if self.rank == 0 else {}
         return self._as_checkpoint(state) if checkpoint_format and state else state
@@ -485,6 +511,10 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     def _sync_state_local(self) -> dict[str, torch.Tensor]:
         """The full weights on this rank's own device (each rank feeds the engine on its GPU)."""
         module = self.engine.module
+        if tensor_parallel(module):
+            from rlhf_core.models.loading import _tensor_parallel_state_dict
+
+            return _tensor_parallel_state_dict(module, self.rank, every_rank=True, device=self.device)
         if not partitioned(module):
             return plain_state(module)
         import deepspeed
@@ -507,6 +537,7 @@ class CriticRole(_Checkpointed, _Role):
     """The value model: values before each response token, trained towards the returns (clipped)."""
 
     name = "critic"
+    trained = True
 
     def __init__(self, cfg, pad_id: int, model_path: str, total_optimizer_steps: int, rank: int = 0,
                  world_size: int = 1):
@@ -566,7 +597,7 @@ class CriticRole(_Checkpointed, _Role):
         losses, means, aux = [], [], []
         for micro in self._micro_batches(samples):
             sums, units, _ = optimizer_step(self.engine, micro, lambda c: units_of(c, mode), micro_step,
-                                            self.world_size, self.precision, duplicates=self.ring_size)
+                                            self.averaged_over, self.precision, duplicates=self.duplicates)
             losses.append(float(sums["value_loss"] / units))
             means.append(float(sums["value_tokens"]) / max(1.0, float(sums["tokens"])))
             if "aux_loss" in sums:  # an MoE critic's load balancing (--aux_loss_coef)
@@ -591,7 +622,7 @@ class ReferenceRole(_Role):
         from rlhf_core.models.loading import load_causal_lm, model_options
 
         self.model = initialize_frozen(load_causal_lm(self.model_path, **model_options(self.cfg.ds)),
-                                       engine_settings(self.cfg, self.cfg.actor, self.world_size),
+                                       engine_settings(self.cfg, self.cfg.actor, self.world_size, trained=False),
                                        offload=self.cfg.ref.offload)
 
     def _forward_model(self) -> tuple:
@@ -624,8 +655,8 @@ class RewardModelRole(_Role):
             model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
                                path))
-            self.models.append(initialize_frozen(model, engine_settings(cfg, cfg.actor, self.world_size),
-                                                 offload=cfg.reward.offload, flag="reward.offload"))
+            settings = engine_settings(cfg, cfg.actor, self.world_size, trained=False)
+            self.models.append(initialize_frozen(model, settings, offload=cfg.reward.offload, flag="reward.offload"))
         if cfg.reward.normalize_enable:
             missing = [p for mean, std, p in self.stats if mean is None or not std]
             if missing:
@@ -641,8 +672,8 @@ class RewardModelRole(_Role):
 
         cfg, (path,) = self.cfg, self.model_paths
         model = initialize_frozen(load_causal_lm(path, **model_options(cfg.ds)),
-                                  engine_settings(cfg, cfg.actor, self.world_size), offload=cfg.reward.offload,
-                                  flag="reward.offload")
+                                  engine_settings(cfg, cfg.actor, self.world_size, trained=False),
+                                  offload=cfg.reward.offload, flag="reward.offload")
         self.models = [model]
         self.prm = ProcessRewardModel(load_tokenizer(path, use_fast=not cfg.data.disable_fast_tokenizer),
                                       getattr(model, "module", model), cfg.reward.placeholder_token,

@@ -86,11 +86,11 @@ def build_reward_fn(cfg):
 
 
 def runs_on_ray(cfg) -> bool:
-    """Roles as Ray role groups when a role has several ranks (a ring's too), vLLM engines are
-    asked for, or a cluster is joined (`RAY_ADDRESS`, as in a pipeline's Ray job) unless its one
-    CPU node may hold them (`cluster.ranks_stay_in_driver`, `RLHF_RANKS_ON_RAY=0`); otherwise every
-    role is in this process (one CPU rank needs no Ray actor, as one `deepspeed` process needs no
-    launcher)."""
+    """Roles as Ray role groups when a role has several ranks (a ring's or a tensor-parallel group's
+    too), vLLM engines are asked for, or a cluster is joined (`RAY_ADDRESS`, as in a pipeline's Ray
+    job) unless its one CPU node may hold them (`cluster.ranks_stay_in_driver`,
+    `RLHF_RANKS_ON_RAY=0`); otherwise every role is in this process (one CPU rank needs no Ray
+    actor, as one `deepspeed` process needs no launcher)."""
     roles = [cfg.actor, cfg.critic, cfg.ref, cfg.reward]
     ranks = max(role.world_size for role in roles)
     if cfg.vllm.num_engines > 0 or ranks > 1:
@@ -215,7 +215,7 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list
             made[kind] = RoleGroup(worker, place.world_size, pools[place.pool], name=kind, share=place.share,
                                    args=worker_args, timeout_s=stage_timeout_s(),
                                    bundles_per_rank=place.bundles_per_rank, prepare_args=models_on_this_node,
-                                   wait=False, duplicates=cfg.ds.ring_attn_size if args is not None else 1)
+                                   wait=False, duplicates=cfg.duplicates(kind) if args is not None else 1)
         start_together(list(made.values()))  # the roles' processes start (import torch, ...) side by side
         # Models load in parallel; a model role's ranks first join its process group.
         reports = gather_all([group.call_all_async("setup", join=True) if kind in specs

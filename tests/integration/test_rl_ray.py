@@ -5,8 +5,9 @@
   the actor, reference and critic split each row's tokens, `models/ring.py`) make the same first
   step (losses, KL, rewards) and weights;
 - 2 actor ranks (gloo all-reduce, each its half of every optimizer step) make the same updates as 1,
-  and so do rings of 2 ranks (`--ring_attn_size 2`: actor and reference split each row's tokens,
-  `models/ring.py`);
+  and so do rings of 2 ranks (`--ring_attn_size 2`: the actor splits each row's tokens,
+  `models/ring.py`) and 2 tensor-parallel ranks (`--ds_tensor_parallel_size 2`: DeepSpeed's AutoTP
+  splits the actor's layers; the engine gets the gathered weights);
 - a run whose reward function raises fails with the file named; resumed from its checkpoint on
   Ray, it ends with exactly the weights of an uninterrupted run;
 - a weight sync to an engine that hangs or dies fails with `EngineSyncError` naming the engine.
@@ -125,7 +126,11 @@ def test_colocated_and_separate_roles_make_the_same_first_step(cluster, prepared
 
 
 def test_two_actor_ranks_or_rings_of_two_make_the_same_updates_as_one(cluster, prepared, tmp_path, capsys):
-    grpo = ("--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+    # No KL term: where a prompt's samples are alike, their advantages are then exactly zero on every
+    # layout. (With one, the actor's tensor-parallel forward and the whole reference's differ in the
+    # last bits, so such a micro-batch gets a gradient of ~1e-9 where one rank gets none, and Adam's
+    # first step makes that a step of the learning rate's size.)
+    grpo = ("--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
             "--max_steps", "2")
     code, one, err = ppo(prepared, tmp_path, "one", *grpo, capsys=capsys)
     assert code == 0, err[-3000:]
@@ -135,8 +140,12 @@ def test_two_actor_ranks_or_rings_of_two_make_the_same_updates_as_one(cluster, p
     # A ring attends by matmul over gathered keys where one rank runs the lean forward's SDPA: Adam's
     # first steps amplify the rounding where gradients are near zero (1.5e-5 on a v_proj, a 2-core
     # Intel Xeon with AMX, fp32)
+    # Tensor parallelism: the actor's layers split over 2 ranks (all-reduced sums in another order,
+    # 3.6e-5 apart after Adam's steps on an AMD EPYC, Zen 4 class, fp32); the rollout of step 2 is
+    # sampled by the weights gathered from the slices, the output saved whole from them.
     for name, flags, says, atol in [("two", ("--actor_num_gpus_per_node", "2"), "actor: 2 x", 1e-5),
-                                    ("ring", ("--ring_attn_size", "2"), "with ring attention (2 ranks", 5e-5)]:
+                                    ("ring", ("--ring_attn_size", "2"), "with ring attention (2 ranks", 5e-5),
+                                    ("tp", ("--ds_tensor_parallel_size", "2"), "tensor-parallel layers", 5e-5)]:
         code, run, err = ppo(prepared, tmp_path, name, *grpo, *flags, capsys=capsys)
         assert code == 0, err[-3000:]
         assert says in err

@@ -226,6 +226,37 @@ def test_ring_attention_puts_every_model_role_in_rings_of_ranks_that_share_sampl
             _ppo(f"{base} {flags}")
 
 
+
+
+def test_tensor_parallelism_splits_the_trained_roles_and_runs_the_frozen_ones_whole():
+    """`--ds_tensor_parallel_size 2` (`--ds.tensor_parallel_size`, OpenRLHF v0.9's PPO flag): the
+    actor's and critic's ranks in groups of 2 that take the same samples (DeepSpeed's AutoTP splits
+    what it trains); the reference and reward model get as many ranks, each running the model whole
+    on its own samples; the batches count data-parallel ranks; what AutoTP cannot do is refused."""
+    from rlhf_core.distributed.engine import deepspeed_config
+    from rlhf_core.rl.roles import engine_settings
+
+    base = "--pretrain m --prompt_data p --save_path o --reward_pretrain r --advantage_estimator gae"
+    cfg = _ppo(f"{base} --ds_tensor_parallel_size 2 --train_batch_size 8 --micro_train_batch_size 4")
+    assert cfg.ds.tensor_parallel_size == 2 and _ppo(f"{base} --ds.tensor_parallel_size 2").ds.tensor_parallel_size == 2
+    assert [getattr(cfg, r).world_size for r in ("actor", "critic", "ref", "reward")] == [2, 2, 2, 2]
+    assert [cfg.duplicates(r) for r in ("actor", "critic", "ref", "reward")] == [2, 2, 1, 1]
+    settings = engine_settings(cfg, cfg.actor, 2)
+    assert settings.data_parallel_size == 1 and settings.accumulation_steps == 2
+    ds = deepspeed_config(settings)
+    assert ds["tensor_parallel"]["autotp_size"] == 2 and ds["train_batch_size"] == 16
+    frozen = engine_settings(cfg, cfg.actor, 2, trained=False)  # the reference: two data-parallel ranks
+    assert frozen.data_parallel_size == 2 and "tensor_parallel" not in deepspeed_config(frozen, train=False)
+    for flags, says in [("--ds_tensor_parallel_size 2 --actor_num_gpus_per_node 3",
+                         r"--ds_tensor_parallel_size\) 2 must divide the actor ranks \(3"),
+                        ("--ds_tensor_parallel_size 2 --zero_stage 3", "does not shard its layers under ZeRO-3"),
+                        ("--ds_tensor_parallel_size 2 --lora_rank 4", "AutoTP replaces the linear layers LoRA adapts"),
+                        ("--ds_tensor_parallel_size 2 --ring_attn_size 2", "not built together"),
+                        ("--ds_tensor_parallel_size 2 --actor_num_gpus_per_node 4 --critic_num_gpus_per_node 4 "
+                         "--train_batch_size 8 --micro_train_batch_size 8",
+                         r"--train.micro_batch_size x actor ranks / --ds.tensor_parallel_size 2 \(8 x 2")]:
+        with pytest.raises(ConfigError, match=says):
+            _ppo(f"{base} {flags}")
 def test_yaml_nested_dotted_and_flat_give_one_config():
     nested = yaml.safe_load("""
 actor: {model_name_or_path: m, adam: {lr: 5.0e-7, betas: [0.9, 0.98]}}

@@ -151,6 +151,25 @@ def test_moving_average_is_openrlhfs_ema():
     assert torch.allclose(ema["w"], torch.tensor([1.5, 3.0]))
 
 
+def test_with_ema_no_rank_takes_part_in_a_gather_of_the_policy_at_export(monkeypatch):
+    """With `--enable_ema` the output is rank 0's average: a rank that holds none (every rank but 0)
+    must not enter the collective gather of split weights (ZeRO-3's or tensor parallelism's) that
+    exporting the policy would be, or it waits for rank 0 forever (found with 2 tensor-parallel ranks)."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rl import roles
+
+    gathers = []
+    monkeypatch.setattr(roles._Checkpointed, "export", lambda self: gathers.append(self.rank) or {"policy": 1})
+    for rank, ema in ((0, {"w": torch.ones(1)}), (1, None)):
+        role = object.__new__(roles.PolicyRole)
+        role.cfg, role.rank, role.ema = SimpleNamespace(train=SimpleNamespace(enable_ema=True)), rank, ema
+        assert (role.export() is None) == (rank != 0)
+    assert gathers == []
+    role.cfg.train.enable_ema = False  # without it every rank exports (gathers) the policy
+    assert role.export() == {"policy": 1} and gathers == [1]
+
+
 @pytest.mark.slow
 def test_with_ema_the_output_is_the_moving_average_not_the_policy(prepared, tmp_path, capsys):
     """`--enable_ema --ema_beta 1`: the average never leaves the starting weights, so the output is
