@@ -566,8 +566,6 @@ NOT_BUILT_FLAGS = {
 }
 
 
-# The supervised stages DeepSpeed's AutoTP trains here (tests/integration/test_parallel_training.py).
-TENSOR_PARALLEL_STAGES = ("sft", "rm", "dpo", "kto", "kd")
 # The supervised stages ring attention trains here (tests/integration/test_parallel_training.py), as
 # OpenRLHF's (its kto, kd and prm never had it); the RL stage's model roles have it too (rl_config.py).
 RING_ATTENTION_STAGES = ("sft", "rm", "dpo")
@@ -604,10 +602,6 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
         if ring > 1 and self.model.aux_loss_coef > 0:
             raise ValueError("--ds.ring_attn_size (--ring_attn_size) with --aux_loss_coef: each rank of a ring "
                              "sees part of every row, so its router statistics are not the batch's; not built")
-        if tp > 1 and self.stage not in TENSOR_PARALLEL_STAGES:
-            raise ValueError(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}: not built yet for `rlhf "
-                             f"train {self.stage}` (tensor parallelism is tested for "
-                             f"{', '.join(TENSOR_PARALLEL_STAGES)})")
         if tp * ring > self.world_size and "num_gpus_per_node" not in self.train.model_fields_set:
             # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
             # a tensor-parallel (or ring) size alone asks for one group of that many per node

@@ -3,7 +3,8 @@ the same packed batches:
 
 - DeepSpeed AutoTP (`--ds_tensor_parallel_size`, OpenRLHF's flag; `--ds.tensor_parallel_size`):
   the ranks split every linear layer of the model, see the same batches, and take the steps one
-  rank takes; a checkpoint of their slices resumes to the same weights. DeepSpeed's CPU accelerator
+  rank takes (SFT, DPO, the reward model, a process reward model); a checkpoint of their slices
+  resumes to the same weights. DeepSpeed's CPU accelerator
   runs AutoTP with ZeRO 0-2 (ZeRO-3 is refused by name).
 - Ring attention (`--ring_attn_size`, `--ring_head_stride`; `--ds.ring_attn_size`,
   `--ds.ring_attn_head_stride`; `models/ring.py`): the ranks split each row's tokens and gather
@@ -111,6 +112,24 @@ def test_two_tensor_parallel_ranks_train_as_one_and_resume_to_the_same_weights(p
     assert sorted(p.name for p in step2.glob("mp_rank_*_model_states.pt")) == [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # each rank's slices
     resume_from_step2(prepared, tmp_path, "sft", TP2, tmp_path / "ckpt", tmp_path / "tp2")
+
+
+def test_two_tensor_parallel_ranks_train_a_process_reward_model_as_one(tmp_path, monkeypatch, capfd):
+    """`rlhf train prm` (the reward tokens' logits read at each step's placeholder) with its causal
+    LM split over two ranks: one rank's steps."""
+    from rlhf_core.stages.prep import prepare
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    steps = prepare(tmp_path / "steps", task="addition_steps", n_train=64, n_test=16)
+    prm = ["train", "prm", "--pretrain", steps["base"], "--dataset", f"json@{steps['prm']}", "--placeholder_token",
+           "ки", "--reward_tokens", "+", "-", *COMMON[3:], "--lr_warmup_ratio", "0", "--max_steps", "3"]
+    # (rows read as written: no chat template, the stage's own max_len)
+    assert main([*prm, "--save_path", str(tmp_path / "one")]) == 0
+    capfd.readouterr()
+    assert main([*prm, *TP2, "--save_path", str(tmp_path / "tp2")]) == 0
+    assert "tensor-parallel layers (--ds.tensor_parallel_size)" in capfd.readouterr().err  # split, not two copies
+    assert gap(weights(tmp_path / "one"), weights(Path(steps["base"]))) > 1e-3  # the steps moved the weights
+    assert_same_run(tmp_path / "one", tmp_path / "tp2", ("eval/loss", "eval/acc", "train/final_loss"), rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", ["dpo", "rm"])
