@@ -63,7 +63,7 @@ def test_a_dry_run_still_refuses_a_bad_config(untouched, capsys):
 
 @pytest.mark.parametrize("stage, argv", [
     ("ppo", ["--data.image_key", "images"]),
-    ("ppo", ["--ds_tensor_parallel_size", "2"]),
+    ("ppo", ["--actor.freeze_visual_encoder"]),
 ])
 def test_an_openrlhf_flag_of_a_feature_not_built_yet_is_refused_by_name(stage, argv, untouched, capsys):
     """Recognised (not `unrecognized arguments`) and refused with exit 2, saying what is not built."""
