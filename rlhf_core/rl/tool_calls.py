@@ -44,12 +44,14 @@ from rlhf_core.rl.tool_formats.json_lists import (
     parse_xlam,
 )
 from rlhf_core.rl.tool_formats.json_objects import (
+    GRANITE_FC_CALL,
     INTERNLM_CALL,
     LONGCAT_CALL,
     PYTHON_TAG,
     parse_ernie45,
     parse_gigachat3,
     parse_granite4,
+    parse_granite_20b_fc,
     parse_hermes,
     parse_internlm2,
     parse_llama3_json,
@@ -134,7 +136,11 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     # aliases: vLLM's step3p5 (Step-3.5, qwen3_xml's reader) and mimo (MiMo, the reader of qwen3_coder)
     # read Qwen3-Coder's XML calls; llama4_pythonic reads pythonic's calls, `<|python_start|>`
     # ... `<|python_end|>` wrapping dropped (which `parse_pythonic` drops too)
-    "step3p5": parse_qwen3_coder, "mimo": parse_qwen3_coder, "llama4_pythonic": parse_pythonic}
+    "step3p5": parse_qwen3_coder, "mimo": parse_qwen3_coder, "llama4_pythonic": parse_pythonic,
+    # vLLM's names for readers above: internlm (InternLM2's), llama4_json (Llama 3's JSON calls, which
+    # Llama 4's JSON templates write), qwen3_json (Qwen2.5/QwQ/Qwen3's JSON calls: Hermes' blocks)
+    "internlm": parse_internlm2, "llama4_json": parse_llama3_json, "qwen3_json": parse_hermes,
+    "granite-20b-fc": parse_granite_20b_fc}
 # formats that write every argument value as text
 TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "minimax_m2", "seed_oss",
                          "step3", "hy_v3", "hy_v4"})
@@ -168,10 +174,10 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # DeepSeek-V3.2's and V4's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
 # their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml),
 # as are FunctionGemma's <start_function_call>, dots.llm's <dots_function_call> and Hy3's <tool_sep>
-# (found before GLM's <arg_key>, which it writes too). Step-3.5's and MiMo's templates read as
-# qwen3_coder's, Llama 4's as pythonic's (the same calls); MiniMax-M1's <tool_calls>, Qwen2.5-Coder's
-# <tools>, Hunyuan v4's and GigaChat 3's markers are not their own: name minimax, qwen2_5_coder,
-# hy_v4 or gigachat3.
+# (found before GLM's <arg_key>, which it writes too), and granite-20b-fc's <function_call> (looked
+# for last). Step-3.5's and MiMo's templates read as qwen3_coder's, Llama 4's as pythonic's (the same
+# calls); MiniMax-M1's <tool_calls>, Qwen2.5-Coder's <tools>, Hunyuan v4's and GigaChat 3's markers
+# are not their own: name minimax, qwen2_5_coder, hy_v4 or gigachat3.
 _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("gemma4", GEMMA_CALL),
             ("kimi_k3", XTML_OPEN), ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
             ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("hy_v3", HY_SEP),
@@ -181,7 +187,8 @@ _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CAL
             ("cohere_command4", COHERE_TEXT), ("cohere_command3", COHERE_ACTION), ("jamba", "<tool_definitions>"), ("hermes", START), ("hunyuan_a13b", TOOL_CALLS),
             ("olmo3", OLMO3_CALLS), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
             ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS), ("phi4_mini_json", PHI4_CALLS + "["),
-            ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG))
+            ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG),
+            ("granite-20b-fc", GRANITE_FC_CALL))
 
 
 def detect(chat_template: str | None) -> str | None:

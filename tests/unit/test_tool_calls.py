@@ -25,6 +25,7 @@ from rlhf_core.rl.tool_formats.json_objects import (
     parse_ernie45,
     parse_gigachat3,
     parse_granite4,
+    parse_granite_20b_fc,
     parse_hermes,
     parse_internlm2,
     parse_llama3_json,
@@ -497,6 +498,30 @@ def test_aliases_read_the_syntax_they_share():
         assert PARSERS[fmt]("no calls") == ("no calls", []) and PARSERS[fmt](bad) == (bad, [])
 
 
+def test_vllms_other_names_for_the_json_readers():
+    """vLLM 0.32 registers internlm for InternLM2's reader, llama4_json for Llama 3's JSON calls and
+    qwen3_json for Hermes' blocks: the same readings here."""
+    for alias, reader, text in (
+            ("internlm", parse_internlm2, 'Let me see.<|action_start|><|plugin|>{"name": "f", "parameters": {"a": 1}}'),
+            ("llama4_json", parse_llama3_json, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'),
+            ("qwen3_json", parse_hermes, 'Hm.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')):
+        assert PARSERS[alias](text) == reader(text) and reader(text)[1] == [("f", '{"a": 1}')], alias
+
+
+def test_granite_20b_fc_reads_a_json_object_after_each_marker():
+    """granite-20b-functioncalling: `<function_call>` then `{"name": ..., "arguments": ...}` per call;
+    what trails an object before the next marker is passed over (as in vLLM); the text before the
+    first marker is the content. A call without `arguments`, or no JSON object, is no call."""
+    text = ('I will look.<function_call> {"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '<function_call> {"name": "now", "arguments": {}} done')
+    assert parse_granite_20b_fc(text) == ("I will look.", [("get_weather", '{"city": "Paris"}'), ("now", "{}")])
+    assert PARSERS["granite-20b-fc"]('<function_call>{"name": "f", "arguments": {"a": [1, 2]}}') == \
+        (None, [("f", '{"a": [1, 2]}')])
+    for bad in ("no call here", '<function_call> {"name": "f"}', "<function_call> f(a=1)",
+                '<function_call> {"name": "f", "arguments": {}} <function_call> {"arguments": {}}'):
+        assert parse_granite_20b_fc(bad) == (bad, []), bad
+
+
 def test_minimax_m1_reads_json_lines_outside_the_thinking():
     text = ('<think>Maybe <tool_calls>\n{"name": "no", "arguments": {}}\n</tool_calls> first.</think>\nChecking.\n'
             '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\nnot json\n'
@@ -652,6 +677,7 @@ def test_gigachat3_reads_one_call_after_either_header():
     ("{{- '<start_function_call>call:' + name + '{' }}{{- key + ':<escape>' + value + '<escape>' }}", "functiongemma"),
     ("{{- '<dots_function_call>\n<invoke name=\"' + name + '\">' }}", "dots"),
     ("{{- '<tool_calls><tool_call>' + name + '<tool_sep>' }}{{- '<arg_key>' + key + '</arg_key>' }}", "hy_v3"),
+    ('{{- "<function_call> " + call | tojson }}', "granite-20b-fc"),
     ("{{ messages }}", None), (None, None)])
 def test_a_templates_format_is_found_by_its_markers(template, expected):
     assert detect(template) == expected

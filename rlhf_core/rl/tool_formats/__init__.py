@@ -4,7 +4,7 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `common`: what every format shares (`Calls`, the error for a text that is no call, Hermes'
   `<tool_call>` block, the `<tool_calls>` section's markers, reading a JSON call object).
 - `json_objects`: each call one JSON object, in or after a marker (hermes, longcat, ernie45, granite4,
-  internlm2, llama3_json, gigachat3).
+  internlm2, llama3_json, gigachat3, granite-20b-fc).
 - `json_lists`: the calls a JSON list after or inside a marker (mistral, granite, jamba, hunyuan_a13b,
   xlam, phi4_mini_json, apertus, minimax, qwen2_5_coder).
 - `python_calls`: Python-list calls with literal keyword arguments (pythonic, olmo3, lfm2).
@@ -17,5 +17,6 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `xtml`: Kimi K3's channels, the calls its `tools` channel's (kimi_k3).
 - `gemma`: Gemma's `call:NAME{...}` calls in its own notation of values (gemma4, functiongemma).
 - Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's
-  calls, llama4_pythonic pythonic's.
+  calls, llama4_pythonic pythonic's; internlm, llama4_json and qwen3_json are vLLM's names for the
+  internlm2, llama3_json and hermes readers.
 """

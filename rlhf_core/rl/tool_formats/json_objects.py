@@ -13,6 +13,8 @@ or after a marker (pure).
 - `granite4` (Granite 4): Hermes' closed `<tool_call>` blocks; all the text outside them is the content.
 - `gigachat3` (GigaChat 3, 3.1): one call object, the rest of the completion after `function
   call<|role_sep|>` (3) or `<|function_call|>` (3.1); the text before is the content.
+- `granite-20b-fc` (granite-20b-functioncalling): each call a JSON object after its own
+  `<function_call>`; the text before the first is the content.
 """
 
 from __future__ import annotations
@@ -173,3 +175,26 @@ def parse_gigachat3(text: str) -> Calls:
     end = _GIGACHAT_CONTENT_END.search(body)
     content = body[: end.start() if end else call.start()].strip() or None
     return content, [(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))]
+
+
+GRANITE_FC_CALL = "<function_call>"
+_GRANITE_FC_CALL = re.compile(re.escape(GRANITE_FC_CALL) + r"\s*")
+
+
+def parse_granite_20b_fc(text: str) -> Calls:
+    """granite-20b-functioncalling: each call `<function_call>` then a JSON object with both `name`
+    and `arguments` (what follows the object, up to the next `<function_call>`, is passed over, as
+    vLLM's reader does); the text before the first marker is the content."""
+    marks = list(_GRANITE_FC_CALL.finditer(text))
+    if not marks:
+        return text, []
+    calls = []
+    try:
+        for mark, after in zip(marks, [*marks[1:], None], strict=True):
+            obj, _ = _DECODER.raw_decode(text[mark.end() : after.start() if after else None])
+            if not isinstance(obj, dict) or "arguments" not in obj:
+                raise _NotACall(obj)
+            calls.append(_named_call(obj))
+    except ValueError:
+        return text, []
+    return text[: marks[0].start()].strip() or None, calls
