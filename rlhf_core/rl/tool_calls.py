@@ -69,6 +69,7 @@ from rlhf_core.rl.tool_formats.xml_calls import (
     DOTS_CALLS,
     DSML_FUNCTION_CALLS,
     DSML_TOOL_CALLS,
+    DSML_V41_CALLS,
     HY_SEP,
     MINIMAX_CALLS,
     SEED_CALL,
@@ -76,6 +77,7 @@ from rlhf_core.rl.tool_formats.xml_calls import (
     Typing,
     parse_deepseek_v4,
     parse_deepseek_v32,
+    parse_deepseek_v41,
     parse_dots,
     parse_glm45,
     parse_glm47,
@@ -128,7 +130,7 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "olmo3": parse_olmo3, "ernie45": parse_ernie45, "openai": parse_openai, "granite4": parse_granite4,
     "lfm2": parse_lfm2, "apertus": parse_apertus, "cohere_command3": parse_cohere_command3,
     "cohere_command4": parse_cohere_command4, "glm47": parse_glm47, "deepseek_v32": parse_deepseek_v32,
-    "deepseek_v4": parse_deepseek_v4, "kimi_k3": parse_kimi_k3, "gemma4": parse_gemma4,
+    "deepseek_v4": parse_deepseek_v4, "deepseek_v41": parse_deepseek_v41, "kimi_k3": parse_kimi_k3, "gemma4": parse_gemma4,
     "minimax": parse_minimax, "qwen2_5_coder": parse_qwen2_5_coder, "hy_v3": parse_hy_v3, "hy_v4": parse_hy_v4,
     "functiongemma": parse_functiongemma, "dots": parse_dots, "gigachat3": parse_gigachat3,
     # vLLM's qwen3_xml reads Qwen3-Coder's calls (with an XML reader of its own): the same syntax
@@ -148,6 +150,7 @@ TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45",
 TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
     "deepseek_v32": lambda text, typed: read_dsml(text, DSML_FUNCTION_CALLS, typed),
     "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed),
+    "deepseek_v41": lambda text, typed: read_dsml(text, DSML_V41_CALLS, typed),
     "dots": read_dots}  # its invokes' values are text, its JSON calls' typed as written
 
 
@@ -171,14 +174,15 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>;
 # Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
 # <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
-# DeepSeek-V3.2's and V4's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
+# DeepSeek-V3.2's, V4's and V4.1's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
 # their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml),
 # as are FunctionGemma's <start_function_call>, dots.llm's <dots_function_call> and Hy3's <tool_sep>
 # (found before GLM's <arg_key>, which it writes too), and granite-20b-fc's <function_call> (looked
 # for last). Step-3.5's and MiMo's templates read as qwen3_coder's, Llama 4's as pythonic's (the same
 # calls); MiniMax-M1's <tool_calls>, Qwen2.5-Coder's <tools>, Hunyuan v4's and GigaChat 3's markers
 # are not their own: name minimax, qwen2_5_coder, hy_v4 or gigachat3.
-_MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("gemma4", GEMMA_CALL),
+_MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("deepseek_v41", DSML_V41_CALLS),
+            ("gemma4", GEMMA_CALL),
             ("kimi_k3", XTML_OPEN), ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
             ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("hy_v3", HY_SEP),
             ("glm45", "<arg_key>"),

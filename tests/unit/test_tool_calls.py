@@ -36,6 +36,7 @@ from rlhf_core.rl.tool_formats.sectioned import parse_deepseek_v3, parse_deepsee
 from rlhf_core.rl.tool_formats.xml_calls import (
     parse_deepseek_v4,
     parse_deepseek_v32,
+    parse_deepseek_v41,
     parse_dots,
     parse_glm45,
     parse_glm47,
@@ -438,11 +439,28 @@ def test_deepseek_v32_and_v4_read_dsml_invokes_in_their_own_sections():
     obj = f"<{D}tool_calls>" + dsml_call("f", ("opts", False, '{"k": [1, 2]}')) + f"</{D}tool_calls>"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"opts": {"type": "object"}}}}}]
     assert read_calls("deepseek_v4", obj, tools) == (None, [("f", '{"opts": {"k": [1, 2]}}')])
+    # a parameter without its `string` attribute reads as a typed one (vLLM 0.32 keeps it so)
+    bare = f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="opts">{{"k": 1}}</{D}parameter></{D}invoke></{D}tool_calls>'
+    assert read_calls("deepseek_v4", bare, tools) == (None, [("f", '{"opts": {"k": 1}}')])
     for bad in ("no calls", f"<{D}tool_calls>\n{calls}",  # never closed: passed over, as vLLM does
                 f"<{D}tool_calls>stray{calls}</{D}tool_calls>", f"<{D}tool_calls></{D}tool_calls>",
-                f'<{D}tool_calls><{D}invoke name="f"><{D}parameter name="a">1</{D}parameter></{D}invoke></{D}tool_calls>',
                 f'<{D}tool_calls><{D}invoke name="f">text</{D}invoke></{D}tool_calls>'):
         assert parse_deepseek_v4(bad) == (bad, []) and read_calls("deepseek_v4", bad, tools) == (bad, []), bad
+
+
+def test_deepseek_v41_reads_v4s_calls_with_a_space_in_every_tag():
+    """DeepSeek-V4.1 writes V4's DSML with a space after the marker: `<｜DSML｜ calls>`, `<｜DSML｜
+    invoke ...>`, `<｜DSML｜ parameter ...>`; V4's unspaced section is not its, nor its V4's."""
+    s = D + " "
+    v41 = (f'Checking.<{s}calls>\n<{s}invoke name="get_weather">\n<{s}parameter name="city" string="true">Hangzhou'
+           f'</{s}parameter>\n<{s}parameter name="days" string="false">3</{s}parameter>\n</{s}invoke>\n</{s}calls>')
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": {
+        "days": {"type": "integer"}}}}}]
+    assert parse_deepseek_v41(v41) == ("Checking.", [("get_weather", '{"city": "Hangzhou", "days": "3"}')])
+    assert read_calls("deepseek_v41", v41, tools) == ("Checking.", [("get_weather", '{"city": "Hangzhou", "days": 3}')])
+    v4 = f"<{D}tool_calls>" + dsml_call("now") + f"</{D}tool_calls>"
+    assert parse_deepseek_v41(v4) == (v4, []) and parse_deepseek_v4(v41) == (v41, [])
+    assert detect("{{- '<" + s + "calls>' }}") == "deepseek_v41"
 
 
 def test_kimi_k3_reads_the_tools_channel_typed_by_each_arguments_type():

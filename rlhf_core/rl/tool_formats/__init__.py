@@ -9,7 +9,7 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
   xlam, phi4_mini_json, apertus, minimax, qwen2_5_coder).
 - `python_calls`: Python-list calls with literal keyword arguments (pythonic, olmo3, lfm2).
 - `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45, glm47,
-  minimax_m2, step3, hy_v3, hy_v4, dots, and DeepSeek's DSML: deepseek_v32, deepseek_v4).
+  minimax_m2, step3, hy_v3, hy_v4, dots, and DeepSeek's DSML: deepseek_v32, deepseek_v4, deepseek_v41).
 - `sectioned`: a section of calls, each between its own begin and end tokens (deepseek_v3,
   deepseek_v31, kimi_k2).
 - `harmony`: gpt-oss's harmony messages (openai).

@@ -18,9 +18,12 @@ types the values by the request's tool schemas (`TEXT_VALUED`, `typed_arguments`
 - `deepseek_v32` (DeepSeek-V3.2's DSML): between `<｜DSML｜function_calls>` and `</｜DSML｜function_calls>`,
   each call `<｜DSML｜invoke name="NAME">` with `<｜DSML｜parameter name="KEY" string="true|false">VALUE
   </｜DSML｜parameter>`s, `</｜DSML｜invoke>`; `deepseek_v4` (DeepSeek-V4): the same calls between
-  `<｜DSML｜tool_calls>` and `</｜DSML｜tool_calls>`. A `string="true"` value is a string as written; a
-  `string="false"` one (the template writes it as JSON) is text typed by the request's tool schema,
-  as above (`read_dsml`, which `read_calls` gives the typing). The text before the calls is the content.
+  `<｜DSML｜tool_calls>` and `</｜DSML｜tool_calls>`; `deepseek_v41` (DeepSeek-V4.1): V4's calls with a
+  space after the marker in every tag, `<｜DSML｜ calls>`, `<｜DSML｜ invoke name=...>`, `<｜DSML｜
+  parameter ...>`. A `string="true"` value is a string as written; a `string="false"` one (the
+  template writes it as JSON), or one without the attribute (vLLM 0.32 reads it so), is text typed
+  by the request's tool schema, as above (`read_dsml`, which `read_calls` gives the typing). The
+  text before the calls is the content.
 - `hy_v3` (Hy3, Hunyuan v3): in `<tool_calls>`, each call `<tool_call>NAME<tool_sep>` then GLM's
   `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs, `</tool_call>`; `hy_v4` (Hunyuan v4):
   `<tool_calls>` then GLM-4.5's calls, `<tool_call>NAME<arg_key>...</tool_call>`, `</tool_calls>`
@@ -193,19 +196,31 @@ def parse_step3(text: str) -> Calls:
 
 
 DSML = "｜DSML｜"  # fullwidth bars, as DeepSeek's markup writes them
+DSML_V41 = DSML + " "  # DeepSeek-V4.1's tags: a space after the marker
 DSML_FUNCTION_CALLS, DSML_TOOL_CALLS = f"<{DSML}function_calls>", f"<{DSML}tool_calls>"
-_DSML_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]+)"\s*>(.*?)</{DSML}invoke>', re.DOTALL)
-_DSML_PARAMETER = re.compile(rf'<{DSML}parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>',
-                             re.DOTALL)
+DSML_V41_CALLS = f"<{DSML_V41}calls>"
 Typing = Callable[[str, str], str]  # (name, arguments as JSON) -> the arguments typed by the request's schema
 
 
-def _dsml_call(name: str, body: str, typed: Typing | None) -> tuple[str, str]:
-    """An invoke's (name, arguments): `string="true"` values as written; the others, text, typed by
-    `typed` where it is given. Anything but parameters in the body: _NotACall."""
-    if _DSML_PARAMETER.sub("", body).strip():
+def _dsml_tags(tag: str) -> tuple[re.Pattern, re.Pattern]:
+    """A DSML dialect's invoke and parameter (the `string` attribute optional, as vLLM 0.32 reads it)."""
+    return (re.compile(rf'<{tag}invoke\s+name="([^"]+)"\s*>(.*?)</{tag}invoke>', re.DOTALL),
+            re.compile(rf'<{tag}parameter\s+name="([^"]+)"(?:\s+string="(true|false)")?\s*>(.*?)</{tag}parameter>',
+                       re.DOTALL))
+
+
+# each section marker's invoke and parameter tags
+_DSML_DIALECTS = {DSML_FUNCTION_CALLS: _dsml_tags(DSML), DSML_TOOL_CALLS: _dsml_tags(DSML),
+                  DSML_V41_CALLS: _dsml_tags(DSML_V41)}
+
+
+def _dsml_call(name: str, body: str, typed: Typing | None, parameter: re.Pattern) -> tuple[str, str]:
+    """An invoke's (name, arguments): `string="true"` values as written; the others (`string="false"`
+    or no attribute), text, typed by `typed` where it is given. Anything but parameters in the body:
+    _NotACall."""
+    if parameter.sub("", body).strip():
         raise _NotACall(body)
-    written = [(key, as_string == "true", value) for key, as_string, value in _DSML_PARAMETER.findall(body)]
+    written = [(key, as_string == "true", value) for key, as_string, value in parameter.findall(body)]
     strings = {key: value for key, as_string, value in written if as_string}
     others = {key: value for key, as_string, value in written if not as_string}
     if typed is not None and others:
@@ -215,18 +230,19 @@ def _dsml_call(name: str, body: str, typed: Typing | None) -> tuple[str, str]:
 
 
 def read_dsml(text: str, begin: str, typed: Typing | None = None) -> Calls:
-    """DeepSeek's DSML calls in each closed section from `begin` (`<｜DSML｜function_calls>` or
-    `<｜DSML｜tool_calls>`) to its closing tag, a section left open passed over, as vLLM does; each
-    section holds invokes and nothing else, each invoke `<｜DSML｜parameter>`s (a parameter without
-    its `string` attribute is malformed: vLLM drops it). The text before the first section is the content."""
+    """DeepSeek's DSML calls in each closed section from `begin` (`<｜DSML｜function_calls>`,
+    `<｜DSML｜tool_calls>` or V4.1's `<｜DSML｜ calls>`) to its closing tag, a section left open passed
+    over, as vLLM does; each section holds invokes and nothing else, each invoke parameters in the
+    section's dialect. The text before the first section is the content."""
     end = "</" + begin[1:]
+    invoke, parameter = _DSML_DIALECTS[begin]
     sections = re.findall(re.escape(begin) + "(.*?)" + re.escape(end), text, re.DOTALL)
     calls = []
     try:
         for section in sections:
-            if _DSML_INVOKE.sub("", section).strip():
+            if invoke.sub("", section).strip():
                 raise _NotACall(section)  # a section holds calls and nothing else
-            calls += [_dsml_call(name.strip(), body, typed) for name, body in _DSML_INVOKE.findall(section)]
+            calls += [_dsml_call(name.strip(), body, typed, parameter) for name, body in invoke.findall(section)]
     except ValueError:
         return text, []
     return (text[: text.index(begin)].strip() or None, calls) if calls else (text, [])
@@ -238,6 +254,10 @@ def parse_deepseek_v32(text: str) -> Calls:
 
 def parse_deepseek_v4(text: str) -> Calls:
     return read_dsml(text, DSML_TOOL_CALLS)
+
+
+def parse_deepseek_v41(text: str) -> Calls:
+    return read_dsml(text, DSML_V41_CALLS)
 
 
 HY_SEP = "<tool_sep>"
