@@ -61,9 +61,11 @@ from rlhf_core.rl.tool_formats.python_calls import OLMO3_CALLS, parse_lfm2, pars
 from rlhf_core.rl.tool_formats.sectioned import (
     DEEPSEEK_CALLS,
     KIMI_CALLS,
+    PLAMO_CALLS,
     parse_deepseek_v3,
     parse_deepseek_v31,
     parse_kimi_k2,
+    parse_plamo3,
 )
 from rlhf_core.rl.tool_formats.xml_calls import (
     DOTS_CALLS,
@@ -142,10 +144,12 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     # vLLM's names for readers above: internlm (InternLM2's), llama4_json (Llama 3's JSON calls, which
     # Llama 4's JSON templates write), qwen3_json (Qwen2.5/QwQ/Qwen3's JSON calls: Hermes' blocks)
     "internlm": parse_internlm2, "llama4_json": parse_llama3_json, "qwen3_json": parse_hermes,
-    "granite-20b-fc": parse_granite_20b_fc}
+    "granite-20b-fc": parse_granite_20b_fc, "plamo3": parse_plamo3,
+    # vLLM's ling3 (Ling 3) reads GLM-4.7's calls
+    "ling3": parse_glm47}
 # formats that write every argument value as text
-TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "minimax_m2", "seed_oss",
-                         "step3", "hy_v3", "hy_v4"})
+TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "ling3", "minimax_m2",
+                         "seed_oss", "step3", "hy_v3", "hy_v4"})
 # formats that mark which values are strings: read with the typing of the others (`read_dsml`)
 TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
     "deepseek_v32": lambda text, typed: read_dsml(text, DSML_FUNCTION_CALLS, typed),
@@ -192,7 +196,7 @@ _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CAL
             ("olmo3", OLMO3_CALLS), ("deepseek_v31", DEEPSEEK_CALLS), ("kimi_k2", KIMI_CALLS),
             ("granite", GRANITE_MARKERS[0]), ("mistral", MISTRAL_CALLS), ("phi4_mini_json", PHI4_CALLS + "["),
             ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("), ("llama3_json", PYTHON_TAG),
-            ("granite-20b-fc", GRANITE_FC_CALL))
+            ("granite-20b-fc", GRANITE_FC_CALL), ("plamo3", PLAMO_CALLS))
 
 
 def detect(chat_template: str | None) -> str | None:

@@ -32,7 +32,12 @@ from rlhf_core.rl.tool_formats.json_objects import (
     parse_longcat,
 )
 from rlhf_core.rl.tool_formats.python_calls import parse_lfm2, parse_olmo3, parse_pythonic
-from rlhf_core.rl.tool_formats.sectioned import parse_deepseek_v3, parse_deepseek_v31, parse_kimi_k2
+from rlhf_core.rl.tool_formats.sectioned import (
+    parse_deepseek_v3,
+    parse_deepseek_v31,
+    parse_kimi_k2,
+    parse_plamo3,
+)
 from rlhf_core.rl.tool_formats.xml_calls import (
     parse_deepseek_v4,
     parse_deepseek_v32,
@@ -538,6 +543,31 @@ def test_granite_20b_fc_reads_a_json_object_after_each_marker():
     for bad in ("no call here", '<function_call> {"name": "f"}', "<function_call> f(a=1)",
                 '<function_call> {"name": "f", "arguments": {}} <function_call> {"arguments": {}}'):
         assert parse_granite_20b_fc(bad) == (bad, []), bad
+
+
+PLAMO_REQUEST = ("<|plamo:begin_tool_request:plamo|><|plamo:begin_tool_name:plamo|>{name}<|plamo:end_tool_name:plamo|>"
+                 "<|plamo:begin_tool_arguments:plamo|><|plamo:constrain|>json<|plamo:msg|>{args}"
+                 "<|plamo:end_tool_arguments:plamo|><|plamo:end_tool_request:plamo|>")
+
+
+def test_plamo3_reads_named_requests_with_json_arguments_in_their_section():
+    section = ("<|plamo:begin_tool_requests:plamo|>" + PLAMO_REQUEST.format(name="get_weather", args='{"city": "Tokyo"}')
+               + "\n" + PLAMO_REQUEST.format(name="now", args="") + "<|plamo:end_tool_requests:plamo|>")
+    assert parse_plamo3("Let me check." + section) == ("Let me check.", [("get_weather", '{"city": "Tokyo"}'),
+                                                                         ("now", "{}")])
+    assert PARSERS["plamo3"](section) == (None, [("get_weather", '{"city": "Tokyo"}'), ("now", "{}")])
+    for bad in ("no calls", "<|plamo:begin_tool_requests:plamo|>stray<|plamo:end_tool_requests:plamo|>",
+                "<|plamo:begin_tool_requests:plamo|>" + PLAMO_REQUEST.format(name="f", args="[1]"),
+                "<|plamo:begin_tool_requests:plamo|>" + PLAMO_REQUEST.format(name="", args="{}")):
+        assert parse_plamo3(bad) == (bad, []), bad
+    assert detect("{{- '<|plamo:begin_tool_requests:plamo|>' }}") == "plamo3"
+
+
+def test_ling3_reads_glm47s_calls_typed_by_the_schema():
+    text = "Adding.<tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    assert PARSERS["ling3"](text) == PARSERS["glm47"](text) == ("Adding.", [("add", '{"a": "1"}')])
+    assert read_calls("ling3", text, tools) == ("Adding.", [("add", '{"a": 1}')])
 
 
 def test_minimax_m1_reads_json_lines_outside_the_thinking():

@@ -11,12 +11,12 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `xml_calls`: XML-like calls whose values are written as text (qwen3_coder, seed_oss, glm45, glm47,
   minimax_m2, step3, hy_v3, hy_v4, dots, and DeepSeek's DSML: deepseek_v32, deepseek_v4, deepseek_v41).
 - `sectioned`: a section of calls, each between its own begin and end tokens (deepseek_v3,
-  deepseek_v31, kimi_k2).
+  deepseek_v31, kimi_k2, plamo3).
 - `harmony`: gpt-oss's harmony messages (openai).
 - `cohere`: Cohere Command's action sections (cohere_command3, cohere_command4).
 - `xtml`: Kimi K3's channels, the calls its `tools` channel's (kimi_k3).
 - `gemma`: Gemma's `call:NAME{...}` calls in its own notation of values (gemma4, functiongemma).
 - Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's
   calls, llama4_pythonic pythonic's; internlm, llama4_json and qwen3_json are vLLM's names for the
-  internlm2, llama3_json and hermes readers.
+  internlm2, llama3_json and hermes readers; ling3 reads glm47's calls.
 """

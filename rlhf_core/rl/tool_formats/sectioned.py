@@ -8,6 +8,11 @@ its arguments a JSON object (pure).
 - `kimi_k2`: between `<|tool_calls_section_begin|>` and `<|tool_calls_section_end|>`, each call
   `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>`
   (the name is the header's last dotted part before `:INDEX`); the text before is the content.
+- `plamo3` (PLaMo 3): between `<|plamo:begin_tool_requests:plamo|>` and its `end_` tag, each call
+  `<|plamo:begin_tool_request:plamo|>`, the name between `begin_tool_name` and `end_tool_name`, the
+  arguments (JSON) after `<|plamo:begin_tool_arguments:plamo|><|plamo:constrain|>json<|plamo:msg|>`
+  up to `end_tool_arguments`, then `<|plamo:end_tool_request:plamo|>`; the text before is the
+  content (the thinking in it, as the other formats keep theirs).
 """
 
 from __future__ import annotations
@@ -86,3 +91,21 @@ def _kimi_call(body: str) -> tuple[str, str]:
 
 def parse_kimi_k2(text: str) -> Calls:
     return _sectioned(text, KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, _kimi_call)
+
+
+PLAMO_CALLS, PLAMO_CALLS_END = "<|plamo:begin_tool_requests:plamo|>", "<|plamo:end_tool_requests:plamo|>"
+PLAMO_CALL, PLAMO_CALL_END = "<|plamo:begin_tool_request:plamo|>", "<|plamo:end_tool_request:plamo|>"
+_PLAMO_CALL = re.compile(r"\s*<\|plamo:begin_tool_name:plamo\|>(.*?)<\|plamo:end_tool_name:plamo\|>\s*"
+                         r"<\|plamo:begin_tool_arguments:plamo\|><\|plamo:constrain\|>json<\|plamo:msg\|>"
+                         r"(.*?)<\|plamo:end_tool_arguments:plamo\|>\s*", re.DOTALL)
+
+
+def _plamo_call(body: str) -> tuple[str, str]:
+    match = _PLAMO_CALL.fullmatch(body)
+    if match is None or not match[1].strip():
+        raise _NotACall(body)
+    return match[1].strip(), _json_arguments(match[2].strip() or "{}")
+
+
+def parse_plamo3(text: str) -> Calls:
+    return _sectioned(text, PLAMO_CALLS, PLAMO_CALLS_END, PLAMO_CALL, PLAMO_CALL_END, _plamo_call)
