@@ -359,7 +359,7 @@ class TrainSection(TrainLoopConfig):
                                     "kimi_k3", "gemma4", "qwen3_xml", "llama4_pythonic", "minimax",
                                     "qwen2_5_coder", "step3p5", "hy_v3", "hy_v4", "functiongemma", "mimo",
                                     "dots", "gigachat3", "internlm", "llama4_json", "qwen3_json",
-                                    "granite-20b-fc", "deepseek_v41", "plamo3", "ling3"] = Field(
+                                    "granite-20b-fc", "deepseek_v41", "plamo3", "ling3", "minimax_m3"] = Field(
         "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
         "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
         "the chat template teaches, hermes if it shows none (docs/flags.md)")

@@ -57,6 +57,7 @@ from rlhf_core.rl.tool_formats.json_objects import (
     parse_llama3_json,
     parse_longcat,
 )
+from rlhf_core.rl.tool_formats.minimax_m3 import MINIMAX_M3_NS, parse_minimax_m3, read_minimax_m3
 from rlhf_core.rl.tool_formats.python_calls import OLMO3_CALLS, parse_lfm2, parse_olmo3, parse_pythonic
 from rlhf_core.rl.tool_formats.sectioned import (
     DEEPSEEK_CALLS,
@@ -95,14 +96,20 @@ from rlhf_core.rl.tool_formats.xml_calls import (
 from rlhf_core.rl.tool_formats.xtml import XTML_OPEN, parse_kimi_k3
 
 
-def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
-    """A text-valued format's (TEXT_VALUED) string values as the request's tool schema types them (a
-    number, a boolean, an object or array as JSON); a value that does not read as its type stays a string."""
+def tool_properties(name: str, tools: list[dict] | None) -> dict | None:
+    """The schemas of the parameters of the request's tool `name` (None where it declares none)."""
     schema = next((t.get("function", {}).get("parameters") for t in tools or ()
                    if isinstance(t, dict) and isinstance(t.get("function"), dict)
                    and t["function"].get("name") == name), None)
     properties = schema.get("properties") if isinstance(schema, dict) else None
-    if not isinstance(properties, dict):
+    return properties if isinstance(properties, dict) else None
+
+
+def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
+    """A text-valued format's (TEXT_VALUED) string values as the request's tool schema types them (a
+    number, a boolean, an object or array as JSON); a value that does not read as its type stays a string."""
+    properties = tool_properties(name, tools)
+    if properties is None:
         return arguments
     values = json.loads(arguments)
     for key, value in values.items():
@@ -144,7 +151,7 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     # vLLM's names for readers above: internlm (InternLM2's), llama4_json (Llama 3's JSON calls, which
     # Llama 4's JSON templates write), qwen3_json (Qwen2.5/QwQ/Qwen3's JSON calls: Hermes' blocks)
     "internlm": parse_internlm2, "llama4_json": parse_llama3_json, "qwen3_json": parse_hermes,
-    "granite-20b-fc": parse_granite_20b_fc, "plamo3": parse_plamo3,
+    "granite-20b-fc": parse_granite_20b_fc, "plamo3": parse_plamo3, "minimax_m3": parse_minimax_m3,
     # vLLM's ling3 (Ling 3) reads GLM-4.7's calls
     "ling3": parse_glm47}
 # formats that write every argument value as text
@@ -156,12 +163,17 @@ TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
     "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed),
     "deepseek_v41": lambda text, typed: read_dsml(text, DSML_V41_CALLS, typed),
     "dots": read_dots}  # its invokes' values are text, its JSON calls' typed as written
+# formats of nested elements whose shape (object, array, scalar) the schema decides: read with the
+# request's parameter schemas of each tool
+SHAPED_BY_SCHEMA = {"minimax_m3": read_minimax_m3}
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
     """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text
     has them typed by the request's tool schemas (`typed_arguments`), all of them (TEXT_VALUED) or
-    those it does not mark as strings (TYPED_AS_READ)."""
+    those it does not mark as strings (TYPED_AS_READ), or shaped by them, nested (SHAPED_BY_SCHEMA)."""
+    if fmt in SHAPED_BY_SCHEMA:
+        return SHAPED_BY_SCHEMA[fmt](text, lambda name: tool_properties(name, tools))
     if fmt in TYPED_AS_READ:
         return TYPED_AS_READ[fmt](text, lambda name, arguments: typed_arguments(name, arguments, tools))
     content, calls = PARSERS[fmt](text)
@@ -178,7 +190,8 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # writing both <tool_call> and <tool_calls> stays Hermes'). ERNIE-4.5 writes only Hermes' <tool_call>;
 # Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
 # <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
-# DeepSeek-V3.2's, V4's and V4.1's DSML sections, Gemma 4's <|tool_call> and Kimi K3's <|open|> channels are
+# DeepSeek-V3.2's, V4's and V4.1's DSML sections, Gemma 4's <|tool_call>, Kimi K3's <|open|> channels and
+# MiniMax-M3's marker (its templates write <tool_call> after it) are
 # their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml),
 # as are FunctionGemma's <start_function_call>, dots.llm's <dots_function_call> and Hy3's <tool_sep>
 # (found before GLM's <arg_key>, which it writes too), and granite-20b-fc's <function_call> (looked
@@ -186,8 +199,8 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # calls); MiniMax-M1's <tool_calls>, Qwen2.5-Coder's <tools>, Hunyuan v4's and GigaChat 3's markers
 # are not their own: name minimax, qwen2_5_coder, hy_v4 or gigachat3.
 _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("deepseek_v41", DSML_V41_CALLS),
-            ("gemma4", GEMMA_CALL),
-            ("kimi_k3", XTML_OPEN), ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
+            ("gemma4", GEMMA_CALL), ("kimi_k3", XTML_OPEN), ("minimax_m3", MINIMAX_M3_NS),
+            ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
             ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("hy_v3", HY_SEP),
             ("glm45", "<arg_key>"),
             ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),

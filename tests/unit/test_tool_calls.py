@@ -570,6 +570,37 @@ def test_ling3_reads_glm47s_calls_typed_by_the_schema():
     assert read_calls("ling3", text, tools) == ("Adding.", [("add", '{"a": 1}')])
 
 
+M3 = "]<]minimax[>["
+
+
+def test_minimax_m3_reads_nested_elements_shaped_by_the_tool_schema():
+    """MiniMax-M3: every tag after its marker; an invoke's parameters are elements that may nest. The
+    request's schema shapes them (as vLLM 0.32's reader does, checked on these texts): arrays of
+    `<item>`s, scalars coerced, an empty element a `{}` where an object is wanted; without a schema,
+    elements with children are objects, a repeated name a list, text stays text."""
+    order = (f"Placing it.{M3}<tool_call>\n{M3}<invoke name=\"create_order\">\n{M3}<user_id>42{M3}</user_id>\n"
+             f"{M3}<items>{M3}<item>{M3}<sku>book-001{M3}</sku>{M3}<qty>2{M3}</qty>{M3}</item>{M3}</items>\n"
+             f"{M3}<gift>true{M3}</gift>{M3}<note>null{M3}</note>{M3}<meta>{M3}</meta>\n{M3}</invoke>\n"
+             f"{M3}<invoke name='now'>{M3}</invoke>\n{M3}</tool_call>text after the calls is not read")
+    tools = [{"type": "function", "function": {"name": "create_order", "parameters": {"type": "object", "properties": {
+        "user_id": {"type": "integer"}, "items": {"type": "array", "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer"}}}}, "gift": {"type": "boolean"},
+        "note": {"type": ["string", "null"]}, "meta": {"type": "object"}}}}}]
+    shaped = {"user_id": 42, "items": [{"sku": "book-001", "qty": 2}], "gift": True, "note": None, "meta": {}}
+    assert read_calls("minimax_m3", order, tools) == ("Placing it.", [("create_order", json.dumps(shaped)), ("now", "{}")])
+    as_written = {"user_id": "42", "items": {"item": {"sku": "book-001", "qty": "2"}}, "gift": "true", "note": "null",
+                  "meta": ""}
+    assert PARSERS["minimax_m3"](order) == ("Placing it.", [("create_order", json.dumps(as_written)), ("now", "{}")])
+    repeated = f"{M3}<tool_call>{M3}<invoke name=f>{M3}<tag>a{M3}</tag>{M3}<tag>b{M3}</tag>{M3}<x>1{M3}<y>2{M3}</y>{M3}</x>" \
+        f"{M3}</invoke>{M3}</tool_call>"
+    assert PARSERS["minimax_m3"](repeated) == (None, [("f", '{"tag": ["a", "b"], "x": {"y": "2", "$text": "1"}}')])
+    for bad in ("no calls", f"{M3}<tool_call>{M3}<invoke name=\"f\">{M3}<a>1",  # left open
+                f"{M3}<tool_call>{M3}<invoke name=\"f\">{M3}<a>1{M3}</b>{M3}</invoke>{M3}</tool_call>",
+                f"{M3}<tool_call>stray{M3}<invoke name=\"f\">{M3}</invoke>"):
+        assert PARSERS["minimax_m3"](bad) == (bad, []) and read_calls("minimax_m3", bad, tools) == (bad, []), bad
+    assert detect("{{- ']<]minimax[>[<tool_call>' }}") == "minimax_m3"
+
+
 def test_minimax_m1_reads_json_lines_outside_the_thinking():
     text = ('<think>Maybe <tool_calls>\n{"name": "no", "arguments": {}}\n</tool_calls> first.</think>\nChecking.\n'
             '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\nnot json\n'

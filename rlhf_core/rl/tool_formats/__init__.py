@@ -16,6 +16,8 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `cohere`: Cohere Command's action sections (cohere_command3, cohere_command4).
 - `xtml`: Kimi K3's channels, the calls its `tools` channel's (kimi_k3).
 - `gemma`: Gemma's `call:NAME{...}` calls in its own notation of values (gemma4, functiongemma).
+- `minimax_m3`: MiniMax-M3's nested elements after its `]<]minimax[>[` marker, shaped by the
+  request's tool schema (minimax_m3).
 - Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's
   calls, llama4_pythonic pythonic's; internlm, llama4_json and qwen3_json are vLLM's names for the
   internlm2, llama3_json and hermes readers; ling3 reads glm47's calls.
