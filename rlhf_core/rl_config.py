@@ -414,6 +414,9 @@ class RLDSConfig(DSConfig, ValueHead, RingAttention, TensorParallel):
                                   "(padding-free, the same numbers as padded batches), given or not",
                                   json_schema_extra=flat("packing_samples", noop="the RL passes always pack"))
 
+    def problems(self) -> list[str]:
+        return super().problems() + self.tensor_parallel_problems()
+
 
 class PromptDataConfig(TokenizingOptions):
     prompt_dataset: str | None = Field(None, description="Prompts: jsonl/json/parquet files, json@DIR or hub "
@@ -545,13 +548,21 @@ class PPOConfig(TrainingStageConfig):
     def uses_ref(self) -> bool:
         return self.algo.kl.init_coef > 0 or self.algo.kl.use_loss
 
-    def duplicates(self, role: str) -> int:
-        """How many of `role`'s ranks take the same samples: a ring's, and for a trained role (AutoTP
-        splits only what DeepSpeed trains) a tensor-parallel group's; a role of one rank has neither."""
-        placement = {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward}[role]
-        if placement.world_size == 1:
-            return 1
-        return self.ds.ring_attn_size * (self.ds.tensor_parallel_size if role in TRAINED_ROLES else 1)
+    def ring_of(self, world_size: int) -> int:
+        """The ranks of a ring of a role of `world_size` ranks (`--ds.ring_attn_size`; one rank: none)."""
+        return self.ds.ring_attn_size if world_size > 1 else 1
+
+    def tensor_parallel_of(self, role: str, world_size: int) -> int:
+        """The ranks of a tensor-parallel group of `role` ("actor", "critic", "ref", "reward") on
+        `world_size` ranks: AutoTP splits only what DeepSpeed trains (TRAINED_ROLES); one rank: none."""
+        return self.ds.tensor_parallel_size if role in TRAINED_ROLES and world_size > 1 else 1
+
+    def duplicates(self, role: str, world_size: int | None = None) -> int:
+        """How many of `role`'s ranks take the same samples: a ring's, times a tensor-parallel
+        group's; `world_size`: the role's ranks (default: its placement's)."""
+        if world_size is None:
+            world_size = {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward}[role].world_size
+        return self.ring_of(world_size) * self.tensor_parallel_of(role, world_size)
 
     @model_validator(mode="after")
     def _resolve_and_check(self) -> PPOConfig:
@@ -769,7 +780,7 @@ class PPOConfig(TrainingStageConfig):
             problems.append(f"--rollout.backend transformers contradicts --vllm.num_engines {vllm.num_engines}: "
                             "give one of them")
 
-        problems += self.ckpt.problems() + self.ds.problems() + self.ds.tensor_parallel_problems()
+        problems += self.ckpt.problems() + self.ds.problems()
 
         if problems:
             raise ValueError("\n  ".join(problems))

@@ -417,6 +417,21 @@ def _tensor_parallel_state_dict(module, rank: int, every_rank: bool = False, dev
     return state
 
 
+def split_weights(module) -> bool:
+    """Whether each rank holds only its part of `module`'s weights: ZeRO-3's partitions, AutoTP's slices."""
+    from rlhf_core.models.lean import tensor_parallel
+
+    return partitioned(module) or tensor_parallel(module)
+
+
+def whole_state_dict(module, rank: int) -> dict[str, torch.Tensor] | None:
+    """The whole fp32 CPU state dict of a model whose weights are split (`split_weights`), on rank 0
+    (None elsewhere); every rank must call this."""
+    if partitioned(module):
+        return _gathered_state_dict(module, rank)
+    return _tensor_parallel_state_dict(module, rank)
+
+
 def checkpoint_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (the in-memory state dict of `model`, or of the model inside a DeepSpeed engine) in the
     names and layout `save_pretrained` writes, which vLLM's loaders read. transformers 5 converts
@@ -440,11 +455,8 @@ def export_model(module, rank: int):
             return None
         return plain_copy(module, merged_lora_state(module) if hasattr(module, "peft_config")
                           else dequantized_state(module))
-    from rlhf_core.models.lean import tensor_parallel
-
-    if partitioned(module) or tensor_parallel(module):
-        state = _gathered_state_dict(module, rank) if partitioned(module) else _tensor_parallel_state_dict(
-            module, rank)
+    if split_weights(module):
+        state = whole_state_dict(module, rank)
         if rank != 0:
             return None
         base = module.get_base_model() if hasattr(module, "get_base_model") else module

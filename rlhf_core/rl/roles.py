@@ -59,27 +59,16 @@ from rlhf_core.trainers.common import seed_everything
 from rlhf_core.trainers.loop import optimizer_step
 
 
-def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0, trained: bool = True
+def engine_settings(cfg, section, world_size: int, aux_loss_coef: float = 0.0, role: str = "actor"
                     ) -> EngineSettings:
-    """A role's engine: its `adam` and schedule (the actor's or the critic's section); `trained`: a
-    role DeepSpeed trains, whose layers `--ds.tensor_parallel_size` splits (a frozen one runs whole)."""
+    """`role`'s engine ("actor", "critic", "ref", "reward"): its `adam` and schedule (the actor's or
+    the critic's section), its ring and tensor-parallel group (`PPOConfig.ring_of`, `tensor_parallel_of`)."""
     # Micro-batches by tokens: any number a step (`optimizer_step` sets the boundary); DeepSpeed is told one
-    ring, tp = ring_size(cfg, world_size), tensor_parallel_size(cfg, world_size, trained)
+    ring, tp = cfg.ring_of(world_size), cfg.tensor_parallel_of(role, world_size)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // (world_size // (ring * tp))
     return EngineSettings(section.adam, section, cfg.ds, cfg.train.batch_size, micro, world_size,
                           section.muon if section.optim == "muon" else None, aux_loss_coef, tensor_parallel=tp,
                           ring=ring)
-
-
-def ring_size(cfg, world_size: int) -> int:
-    """The ranks of a role's ring (`--ds.ring_attn_size`; a role of one rank has none)."""
-    return cfg.ds.ring_attn_size if world_size > 1 else 1
-
-
-def tensor_parallel_size(cfg, world_size: int, trained: bool) -> int:
-    """The ranks of a trained role's tensor-parallel groups (`--ds.tensor_parallel_size`: DeepSpeed's
-    AutoTP splits what it trains; a frozen role, or one of one rank, has none)."""
-    return cfg.ds.tensor_parallel_size if trained and world_size > 1 else 1
 
 
 def units_of(samples: list[RolloutSample], mode: LossAggMode) -> float:
@@ -141,7 +130,7 @@ def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list
 class _Role:
     """Loading, batching and no-grad forward passes every role shares."""
 
-    trained = False  # DeepSpeed trains it: `--ds.tensor_parallel_size` splits its layers
+    role: str  # its name in the config ("actor", "critic", "ref", "reward": `PPOConfig.duplicates`)
 
     def __init__(self, cfg, pad_id: int, rank: int = 0, world_size: int = 1):
         self.cfg, self.pad_id, self.rank, self.world_size = cfg, pad_id, rank, world_size
@@ -162,13 +151,13 @@ class _Role:
             seed_everything(self.cfg.train.seed, self.cfg.train.full_determinism_enable)
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         # A ring's ranks split each row (models/ring.py); its groups form before any model loads.
-        self.ring_size = ring_size(self.cfg, self.world_size)
+        self.ring_size = self.cfg.ring_of(self.world_size)
         ring.setup(self.ring_size, self.cfg.ds.ring_attn_head_stride)
         # A tensor-parallel group's ranks split each linear layer (DeepSpeed forms its groups). The
         # ranks of a ring or of a group take the same samples; DeepSpeed averages the gradients
         # over the data-parallel ranks, the ring's among them, a group's ranks apart.
-        self.tensor_parallel = tensor_parallel_size(self.cfg, self.world_size, self.trained)
-        self.duplicates = self.ring_size * self.tensor_parallel
+        self.tensor_parallel = self.cfg.tensor_parallel_of(self.role, self.world_size)
+        self.duplicates = self.cfg.duplicates(self.role, self.world_size)
         self.averaged_over = self.world_size // self.tensor_parallel
         self.device = device()
         self._build()
@@ -296,8 +285,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     """The actor: recomputes the rollout's log-probs, trains with the clipped surrogate, hands out
     weights (and, on Ray, sends them to the rollout engines: `WeightSender`)."""
 
-    name = "actor"
-    trained = True
+    name, role = "actor", "actor"
 
     def __init__(self, cfg, pad_id: int, total_optimizer_steps: int, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
@@ -351,19 +339,18 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
     def has_best(self) -> bool:
         """Whether this rank holds its part of kept weights (a rank other than 0 holds none of a
         whole model)."""
-        kept = bool(getattr(self, "_best", None))
-        return kept or (not self._split_weights() and self.rank != 0)
+        from rlhf_core.models.loading import split_weights
 
-    def _split_weights(self) -> bool:
-        """Whether each rank holds its own part of the weights (ZeRO-3's partitions, AutoTP's slices)."""
-        module = self.engine.module
-        return partitioned(module) or tensor_parallel(module)
+        kept = bool(getattr(self, "_best", None))
+        return kept or (not split_weights(self.engine.module) and self.rank != 0)
 
     @torch.no_grad()
     def restore_best(self) -> None:
         """Put the kept weights back into the model (every rank; the optimizer is done with)."""
+        from rlhf_core.models.loading import split_weights
+
         module = self.engine.module
-        split, zero3 = self._split_weights(), partitioned(module)
+        split, zero3 = split_weights(module), partitioned(module)
         for name, param in module.named_parameters():
             target = param.ds_tensor if zero3 else param.data
             if split or self.rank == 0:
@@ -485,15 +472,13 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         return {k: v / n for k, v in totals.items()} if n else {}
 
     def weights(self, checkpoint_format: bool = False) -> dict[str, torch.Tensor]:
-        """The policy's current weights by Hugging Face name (gathered under ZeRO-3), on CPU; with
+        """The policy's current weights by Hugging Face name (gathered where split), on CPU; with
         `checkpoint_format`, named and laid out as a saved checkpoint holds them (vLLM's form)."""
-        from rlhf_core.models.loading import _gathered_state_dict, _tensor_parallel_state_dict
+        from rlhf_core.models.loading import split_weights, whole_state_dict
 
         module = self.engine.module
-        if partitioned(module):
-            state = _gathered_state_dict(module, self.rank) or {}
-        elif tensor_parallel(module):
-            state = _tensor_parallel_state_dict(module, self.rank) or {}
+        if split_weights(module):
+            state = whole_state_dict(module, self.rank) or {}
         else:
             state = plain_state(module) if self.rank == 0 else {}
         return self._as_checkpoint(state) if checkpoint_format and state else state
@@ -536,8 +521,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
 class CriticRole(_Checkpointed, _Role):
     """The value model: values before each response token, trained towards the returns (clipped)."""
 
-    name = "critic"
-    trained = True
+    name, role = "critic", "critic"
 
     def __init__(self, cfg, pad_id: int, model_path: str, total_optimizer_steps: int, rank: int = 0,
                  world_size: int = 1):
@@ -557,7 +541,7 @@ class CriticRole(_Checkpointed, _Role):
         model.config.use_cache = False
         # OpenRLHF's one --aux_loss_coef covers the critic too, where it is a Mixture of Experts
         aux = actor.aux_loss_coef if router_modules(model) else 0.0
-        self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size, aux),
+        self.engine = initialize(model, engine_settings(self.cfg, self.cfg.critic, self.world_size, aux, self.role),
                                  self.total_optimizer_steps)
 
     def _forward_model(self) -> tuple:
@@ -611,7 +595,7 @@ class CriticRole(_Checkpointed, _Role):
 class ReferenceRole(_Role):
     """The frozen reference policy (KL)."""
 
-    name = "reference"
+    name, role = "reference", "ref"
 
     def __init__(self, cfg, pad_id: int, model_path: str, rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
@@ -622,7 +606,7 @@ class ReferenceRole(_Role):
         from rlhf_core.models.loading import load_causal_lm, model_options
 
         self.model = initialize_frozen(load_causal_lm(self.model_path, **model_options(self.cfg.ds)),
-                                       engine_settings(self.cfg, self.cfg.actor, self.world_size, trained=False),
+                                       engine_settings(self.cfg, self.cfg.actor, self.world_size, role=self.role),
                                        offload=self.cfg.ref.offload)
 
     def _forward_model(self) -> tuple:
@@ -636,7 +620,7 @@ class ReferenceRole(_Role):
 class RewardModelRole(_Role):
     """Trained reward model(s) scoring each sample at its last token (several: their sum)."""
 
-    name = "reward_model"
+    name, role = "reward_model", "reward"
 
     def __init__(self, cfg, pad_id: int, model_paths: list[str], rank: int = 0, world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
@@ -655,7 +639,7 @@ class RewardModelRole(_Role):
             model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
             self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
                                path))
-            settings = engine_settings(cfg, cfg.actor, self.world_size, trained=False)
+            settings = engine_settings(cfg, cfg.actor, self.world_size, role=self.role)
             self.models.append(initialize_frozen(model, settings, offload=cfg.reward.offload, flag="reward.offload"))
         if cfg.reward.normalize_enable:
             missing = [p for mean, std, p in self.stats if mean is None or not std]
@@ -672,7 +656,7 @@ class RewardModelRole(_Role):
 
         cfg, (path,) = self.cfg, self.model_paths
         model = initialize_frozen(load_causal_lm(path, **model_options(cfg.ds)),
-                                  engine_settings(cfg, cfg.actor, self.world_size, trained=False),
+                                  engine_settings(cfg, cfg.actor, self.world_size, role=self.role),
                                   offload=cfg.reward.offload, flag="reward.offload")
         self.models = [model]
         self.prm = ProcessRewardModel(load_tokenizer(path, use_fast=not cfg.data.disable_fast_tokenizer),

@@ -245,7 +245,7 @@ def test_tensor_parallelism_splits_the_trained_roles_and_runs_the_frozen_ones_wh
     assert settings.data_parallel_size == 1 and settings.accumulation_steps == 2
     ds = deepspeed_config(settings)
     assert ds["tensor_parallel"]["autotp_size"] == 2 and ds["train_batch_size"] == 16
-    frozen = engine_settings(cfg, cfg.actor, 2, trained=False)  # the reference: two data-parallel ranks
+    frozen = engine_settings(cfg, cfg.actor, 2, role="ref")  # the reference: two data-parallel ranks
     assert frozen.data_parallel_size == 2 and "tensor_parallel" not in deepspeed_config(frozen, train=False)
     for flags, says in [("--ds_tensor_parallel_size 2 --actor_num_gpus_per_node 3",
                          r"--ds_tensor_parallel_size\) 2 must divide the actor ranks \(3"),
