@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlhf_core.data.batching import Batch, make_batch, pack_shared_prefix
@@ -41,6 +42,12 @@ class RolloutSample:
     extra: dict = field(default_factory=dict)
     action_mask: list[int] | None = None  # per response token, 1 where the policy sampled it (None: all)
 
+    def __getstate__(self) -> dict:
+        return {k: to_wire(v) for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({k: from_wire(v) for k, v in state.items()})
+
     @property
     def response_len(self) -> int:
         """Trained tokens: the length of every per-token tensor."""
@@ -55,6 +62,55 @@ class RolloutSample:
     def loss_mask(self) -> list[int]:
         """Per response token: 1 where it is trained."""
         return [1] * len(self.response_ids) if self.action_mask is None else list(self.action_mask)
+
+
+class _Wired:
+    """A CPU tensor in transit: its values as a numpy array (`dtype`: the tensor's, where numpy
+    has none, e.g. bfloat16, whose bits travel as int16)."""
+
+    __slots__ = ("array", "dtype")
+
+    def __init__(self, array: np.ndarray, dtype: torch.dtype | None):
+        self.array, self.dtype = array, dtype
+
+    def __reduce__(self):
+        return _Wired, (self.array, self.dtype)
+
+
+_BITS = {torch.bfloat16: torch.int16}
+
+
+def to_wire(value):
+    """What crosses a process boundary (Ray's calls between the controller and the roles) for a
+    sample's field: a CPU tensor as a numpy array, which pickles in microseconds (torch's own
+    pickling of a small tensor writes a whole serialized file per storage: for a step's samples
+    tens of milliseconds each way); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.requires_grad:
+        return value
+    bits = _BITS.get(value.dtype)
+    view = value.contiguous() if bits is None else value.contiguous().view(bits)
+    return _Wired(view.numpy(), None if bits is None else value.dtype)
+
+
+def from_wire(value):
+    """The inverse of `to_wire`: a tensor of its own memory (a received array may be a read-only
+    view of Ray's object store)."""
+    if not isinstance(value, _Wired):
+        return value
+    tensor = torch.from_numpy(np.array(value.array, copy=True))
+    return tensor if value.dtype is None else tensor.view(value.dtype)
+
+
+class TensorRows(list):
+    """A list of tensors (per-sample log-probs or values, as the roles return them) that pickles
+    through `to_wire`."""
+
+    def __reduce__(self):
+        return _rows, ([to_wire(t) for t in self],)
+
+
+def _rows(wired: list) -> list[torch.Tensor]:
+    return [from_wire(w) for w in wired]
 
 
 def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
@@ -127,7 +183,7 @@ def stack(values: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
 def unstack(matrix: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """The inverse of `stack`: row i cut to `lengths[i]` (along the last dimension), on CPU."""
     matrix = matrix.detach().float().cpu()
-    return [matrix[i, ..., :n].clone() for i, n in enumerate(lengths)]
+    return TensorRows(matrix[i, ..., :n].clone() for i, n in enumerate(lengths))
 
 
 def step_reward_matrix(samples: list[RolloutSample], width: int) -> tuple[torch.Tensor, torch.Tensor]:

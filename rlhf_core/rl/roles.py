@@ -51,7 +51,7 @@ from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model, partitioned, tensor_parallel
-from rlhf_core.rl.experience import RolloutSample, collate, stack, unstack
+from rlhf_core.rl.experience import RolloutSample, TensorRows, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
 from rlhf_core.trainers.checkpoints import rng_state
@@ -216,7 +216,7 @@ class _Role:
         top-k / top-p filtered distribution (what the engines sample from and report)."""
         lean = lean_model(model)
         rollout = self.cfg.rollout
-        out = []
+        out = TensorRows()
         with torch.no_grad(), (lean.reusing_weights() if lean is not None else contextlib.nullcontext()):
             for chunk in self._chunks(samples):
                 batch, index, mask = self._collate(chunk)
@@ -550,7 +550,7 @@ class CriticRole(_Checkpointed, _Role):
     @torch.no_grad()
     def values(self, samples: list[RolloutSample]) -> list[torch.Tensor]:
         self.engine.eval()
-        out = []
+        out = TensorRows()
         for chunk in self._chunks(samples):
             batch, index, mask = self._collate(chunk)
             with autocast(self.precision):

@@ -24,6 +24,33 @@ def test_a_chunk_collated_again_is_the_same_batch_and_other_tokens_are_not():
     assert collate(samples(9), 0, False, 64) is not first  # another layout
 
 
+def test_samples_and_returned_rows_cross_processes_as_arrays_and_arrive_equal_and_writable():
+    """What Ray pickles between the controller and the roles every step: no torch storage
+    serialization (a file written per small tensor, tens of milliseconds a step), and the values,
+    dtypes (bfloat16 too) and `None`s as they were, in tensors the receiver may modify."""
+    import pickle
+
+    from rlhf_core.rl.experience import RolloutSample, unstack
+
+    sample = RolloutSample([1, 5], [7, 8, 9], 3, torch.tensor([-0.5, -1.0, -2.0]), True, reward=0.25,
+                           old_logprobs=torch.tensor([-0.1, -0.2, -0.3], dtype=torch.bfloat16),
+                           advantages=torch.arange(3.0), extra={"penalty": -1.0})
+    wire = pickle.dumps([sample], protocol=5)
+    assert b"_rebuild_tensor" not in wire and b"_load_from_bytes" not in wire
+    (back,) = pickle.loads(wire)
+    assert back.old_logprobs.dtype == torch.bfloat16 and torch.equal(back.old_logprobs, sample.old_logprobs)
+    assert torch.equal(back.rollout_logprobs, sample.rollout_logprobs) and torch.equal(back.advantages,
+                                                                                         sample.advantages)
+    assert back.ref_logprobs is None and back.extra == {"penalty": -1.0} and back.reward == 0.25
+    back.advantages += 1  # its own memory
+    assert torch.equal(sample.advantages, torch.arange(3.0))
+
+    rows = unstack(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), [3, 1])
+    wire = pickle.dumps(rows, protocol=5)
+    assert b"_rebuild_tensor" not in wire
+    assert [r.tolist() for r in pickle.loads(wire)] == [[1.0, 2.0, 3.0], [4.0]]
+
+
 # A reward with variance inside every group (a digest of the response): group advantages are not
 # zero, so the PPO ratio, and through it the old log-probs, shape every update.
 REWARD_FILE = """
