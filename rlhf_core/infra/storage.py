@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -585,9 +585,11 @@ def read_manifest(uri: str) -> dict | None:
         return json.load(f)
 
 
-def local_copy(uri: str, cache_root: str | Path) -> str:
+def local_copy(uri: str, cache_root: str | Path, keep: Callable[[str], bool] | None = None) -> str:
     """A local path with the contents of `uri` (itself when local; else a cached download): a folder
     for a prefix, a file (under its own name) for a single object such as `s3://b/data/train.jsonl`.
+    `keep`: of a prefix, download only the files whose relative paths it accepts (a tokenizer's
+    files of a model folder, `tokenizer_file`).
 
     The cache key is the URI plus the remote listing (relative path, size, ETag or modification
     time), so a prefix rewritten in place is downloaded again, not served stale. A download is
@@ -603,8 +605,12 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
     fs = _fs(uri)
     root = uri.rstrip("/")
     downloads = Path(cache_root) / "downloads"
-    listing = remote_listing(fs, root)  # (a fresh listing: also what isfile asks next)
     single = fs.isfile(root)  # one object, not a prefix
+    pick = (lambda entries: entries) if keep is None or single else (
+        lambda entries: [e for e in entries if keep(e[0])])
+    listing = pick(remote_listing(fs, root))
+    if not listing:
+        raise FileNotFoundError(f"{uri}: none of its files is what is asked for here")
     made_room = False
     for _ in range(DOWNLOAD_ATTEMPTS):
         key = hashlib.sha256(json.dumps({"uri": root, "files": listing}).encode()).hexdigest()[:16]
@@ -619,6 +625,10 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
                 try:
                     if single:
                         fs.get_file(root, str(tmp / listing[0][0]))
+                    elif keep is not None:
+                        for rel, _, _ in listing:
+                            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                            fs.get_file(f"{root}/{rel}", str(tmp / rel))
                     else:
                         fs.get(root + "/", str(tmp), recursive=True)
                 except Exception as e:
@@ -632,7 +642,7 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
                     raise DiskFullError(f"{uri}: the disk is full (no space left) while downloading it into the cache "
                                         f"{downloads}; no entry of the cache that a running stage uses is left to remove. "
                                         "Free space there (see `df -h`), or set RLHF_HOME to a larger disk") from e
-                after = remote_listing(fs, root)
+                after = pick(remote_listing(fs, root))
                 if after != listing:  # rewritten while we fetched it: what we hold may mix both versions
                     listing = after
                     continue
@@ -651,6 +661,14 @@ def local_copy(uri: str, cache_root: str | Path) -> str:
 
 
 DOWNLOAD_ATTEMPTS = 3
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".onnx")
+
+
+def tokenizer_file(rel: str) -> bool:
+    """Whether a model folder's file (its path relative to the folder) is one its tokenizer may read:
+    at the top level, holding no weights."""
+    return "/" not in rel and not rel.endswith(_WEIGHT_SUFFIXES)
+
 COMPLETE = ".complete"
 
 

@@ -350,12 +350,12 @@ def written_prompts(cfg: BatchInferenceConfig, inputs: list[str], formatter) -> 
 
 def verifier_formatter(cfg: BatchInferenceConfig):
     """A verifier reads no model: `--pretrain` names the tokenizer whose chat template writes the
-    prompts (only its tokenizer is loaded)."""
+    prompts (only its tokenizer is loaded, and from s3:// only its files are fetched)."""
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.rollout.prompts import prompt_formatter
-    from rlhf_core.trainers.common import local_model_path
+    from rlhf_core.trainers.common import local_tokenizer_path
 
-    return prompt_formatter(load_tokenizer(local_model_path(cfg.pretrain), use_fast=not cfg.disable_fast_tokenizer),
+    return prompt_formatter(load_tokenizer(local_tokenizer_path(cfg.pretrain), use_fast=not cfg.disable_fast_tokenizer),
                             True)
 
 

@@ -133,6 +133,11 @@ def local_model_path(uri: str) -> str:
     return storage.local_copy(uri, state_dir() / "cache")
 
 
+def local_tokenizer_path(uri: str) -> str:
+    """A model's folder for its tokenizer only: on s3://, its top-level files without the weights."""
+    return storage.local_copy(uri, state_dir() / "cache", keep=storage.tokenizer_file)
+
+
 def prepare_trainable(model, cfg: TrainConfig, is_reward_model: bool = False):
     if cfg.ds.use_liger_kernel:
         apply_liger_kernel(model)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import socket
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -89,6 +90,30 @@ def test_a_rewritten_data_folder_is_downloaded_again(remote, tmp_path):
     assert storage.local_copy(uri, tmp_path) == second and len(downloads) == 3
     assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == sorted(
         p.rsplit("/", 1)[1] for p in (first, second, third))  # no temporary folders left behind
+
+
+def test_a_tokenizer_copy_of_a_model_folder_leaves_its_weights_behind(remote, tmp_path):
+    """What reads only a tokenizer (the verifier's prompt formatter in batch inference) fetches the
+    folder's top-level files without the weights, cached by those files alone."""
+    fs, _ = remote
+    uri = f"{PROTOCOL}://bucket/run/models/sft"
+    for name, body in (("tokenizer.json", b"{}"), ("tokenizer_config.json", b'{"a": 1}'), ("config.json", b"{}"),
+                       ("chat_template.jinja", b"{{ x }}"), ("model.safetensors", b"W" * 64),
+                       ("pytorch_model.bin", b"B" * 64), ("checkpoints/step-1/optim.pt", b"O")):
+        fs.pipe(f"{uri}/{name}", body)
+    first = storage.local_copy(uri, tmp_path, keep=storage.tokenizer_file)
+    got = sorted(p.name for p in Path(first).iterdir() if not p.name.startswith("."))
+    assert got == ["chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"]
+    fs.pipe(f"{uri}/model.safetensors", b"V" * 64)  # new weights: the tokenizer's copy still holds
+    assert storage.local_copy(uri, tmp_path, keep=storage.tokenizer_file) == first
+    fs.pipe(f"{uri}/tokenizer_config.json", b'{"a": 2}')  # a new tokenizer: fetched again
+    second = storage.local_copy(uri, tmp_path, keep=storage.tokenizer_file)
+    assert second != first and read(second, "tokenizer_config.json") == b'{"a": 2}'
+    whole = storage.local_copy(uri, tmp_path)  # the model itself: everything
+    assert read(whole, "model.safetensors") == b"V" * 64 and read(whole, "checkpoints/step-1/optim.pt") == b"O"
+    fs.pipe(f"{PROTOCOL}://bucket/run/models/weights-only/model.safetensors", b"W")
+    with pytest.raises(FileNotFoundError, match="weights-only: none of its files"):
+        storage.local_copy(f"{PROTOCOL}://bucket/run/models/weights-only", tmp_path, keep=storage.tokenizer_file)
 
 
 def test_dataset_digest_follows_a_rewritten_remote_folder(remote, tmp_path, monkeypatch):
