@@ -359,10 +359,12 @@ class TrainSection(TrainLoopConfig):
                                     "kimi_k3", "gemma4", "qwen3_xml", "llama4_pythonic", "minimax",
                                     "qwen2_5_coder", "step3p5", "hy_v3", "hy_v4", "functiongemma", "mimo",
                                     "dots", "gigachat3", "internlm", "llama4_json", "qwen3_json",
-                                    "granite-20b-fc", "deepseek_v41", "plamo3", "ling3", "minimax_m3"] = Field(
+                                    "granite-20b-fc", "deepseek_v41", "plamo3", "ling3", "minimax_m3",
+                                    "minicpm5", "k2_horizon", "inkling", "muse_glimmer", "poolside_v1", "hf"] = Field(
         "auto", description="With an agent file's OpenAIAgentExecutor: the format of the tool calls the policy "
         "writes, returned by its endpoint as OpenAI tool_calls (vLLM's --tool-call-parser names); auto: the one "
-        "the chat template teaches, hermes if it shows none (docs/flags.md)")
+        "the chat template teaches, else the tokenizer's response_template (hf) where it has one with tool calls, "
+        "hermes otherwise (docs/flags.md)")
     dynamic_batch_enable: bool = Field(False, description="Micro-batches by a token budget (train.max_tokens_per_gpu; "
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "

@@ -57,7 +57,8 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
-from rlhf_core.rl.tool_calls import PARSERS, detect, read_calls
+from rlhf_core.rl.tool_calls import PARSERS, RESPONSE_TEMPLATE, detect, read_calls
+from rlhf_core.rl.tool_formats.response_template import check_response_template, response_template_of
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,17 @@ class RequestError(ValueError):
         self.status = status
 
 
+def _serves_tool_calls(template: dict | None) -> bool:
+    """Whether a tokenizer's response_template is one the `hf` reader can serve tool calls from."""
+    if template is None:
+        return False
+    try:
+        check_response_template(template)
+    except ValueError:
+        return False
+    return True
+
+
 class PolicyServer:
     """The endpoint; `generate` is set by the rollout that uses it (`MicroBatcher.generate`)."""
 
@@ -166,14 +178,23 @@ class PolicyServer:
                  port: int = 0, tool_call_parser: str = "auto"):
         if not token:
             raise ValueError("the policy server needs a token")
-        if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser {tool_call_parser!r}: one of auto, {', '.join(PARSERS)}")
+        if tool_call_parser not in ("auto", RESPONSE_TEMPLATE, *PARSERS):
+            raise ValueError(f"tool_call_parser {tool_call_parser!r}: one of auto, {', '.join(PARSERS)}, "
+                             f"{RESPONSE_TEMPLATE}")
+        self.response_template = response_template_of(tokenizer)
         self.tool_call_format, self.tool_call_why = tool_call_parser, ""
+        if tool_call_parser == RESPONSE_TEMPLATE:  # as vLLM's `hf`: refused at start without a usable one
+            if self.response_template is None:
+                raise ValueError("tool_call_parser hf reads the tokenizer's response_template; this tokenizer "
+                                 "has none (tokenizer_config.json: response_template)")
+            check_response_template(self.response_template)
         if tool_call_parser == "auto":
             detected = detect(getattr(tokenizer, "chat_template", None))
+            if detected is None and _serves_tool_calls(self.response_template):
+                detected, self.tool_call_why = RESPONSE_TEMPLATE, ", the tokenizer's response_template"
             self.tool_call_format = detected or "hermes"
-            self.tool_call_why = (", which the chat template teaches" if detected
-                                  else "; the chat template shows none of the known ones")
+            self.tool_call_why = self.tool_call_why or (", which the chat template teaches" if detected
+                                                        else "; the chat template shows none of the known ones")
         self.tokenizer, self.model_name, self.max_length = tokenizer, model_name, max_length
         self.batcher = MicroBatcher()
         self.sessions: dict[str, Session] = {}
@@ -238,6 +259,10 @@ class PolicyServer:
         if call.finished and ids and not self.tokenizer.decode(ids[-1:], skip_special_tokens=True):
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prompt_text(self, call: Call) -> str:
+        """The prompt a completion continues, as the engine saw it (special tokens written)."""
+        return self.tokenizer.decode(call.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def issue_tool_calls(self, calls: list[tuple[str, str]], text: str) -> list[dict]:
         """OpenAI `tool_calls` for parsed calls, remembered with the completion's text."""
@@ -345,7 +370,9 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
     message: dict = {"role": "assistant", "content": text}
     if request.tool_choice == "auto":
         sampled = server.sampled_text(call)  # the markers of several formats are special tokens
-        content, calls = read_calls(server.tool_call_format, sampled, request.tools)
+        content, calls = read_calls(server.tool_call_format, sampled, request.tools, template=server.response_template,
+                                    prompt=server.prompt_text(call) if server.tool_call_format == RESPONSE_TEMPLATE
+                                    else "")
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, sampled)}
             finish = "tool_calls"

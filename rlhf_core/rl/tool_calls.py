@@ -27,6 +27,7 @@ from rlhf_core.rl.tool_formats.cohere import (
 from rlhf_core.rl.tool_formats.common import START, Calls
 from rlhf_core.rl.tool_formats.gemma import FUNCTIONGEMMA_CALL, GEMMA_CALL, parse_functiongemma, parse_gemma4
 from rlhf_core.rl.tool_formats.harmony import HARMONY_CHANNEL, parse_openai
+from rlhf_core.rl.tool_formats.inkling import INKLING_CALL, parse_inkling, read_inkling
 from rlhf_core.rl.tool_formats.json_lists import (
     APERTUS_CALLS,
     GRANITE_MARKERS,
@@ -57,8 +58,13 @@ from rlhf_core.rl.tool_formats.json_objects import (
     parse_llama3_json,
     parse_longcat,
 )
+from rlhf_core.rl.tool_formats.k2_horizon import K2_HORIZON_CALLS, parse_k2_horizon, read_k2_horizon
+from rlhf_core.rl.tool_formats.minicpm5 import MINICPM5_PARAM, parse_minicpm5, read_minicpm5
 from rlhf_core.rl.tool_formats.minimax_m3 import MINIMAX_M3_NS, parse_minimax_m3, read_minimax_m3
+from rlhf_core.rl.tool_formats.muse_glimmer import MUSE_CALLS, parse_muse_glimmer, read_muse_glimmer
+from rlhf_core.rl.tool_formats.poolside import POOLSIDE_TOOLS, parse_poolside_v1, read_poolside_v1
 from rlhf_core.rl.tool_formats.python_calls import OLMO3_CALLS, parse_lfm2, parse_olmo3, parse_pythonic
+from rlhf_core.rl.tool_formats.response_template import read_response_template
 from rlhf_core.rl.tool_formats.sectioned import (
     DEEPSEEK_CALLS,
     KIMI_CALLS,
@@ -103,6 +109,12 @@ def tool_properties(name: str, tools: list[dict] | None) -> dict | None:
                    and t["function"].get("name") == name), None)
     properties = schema.get("properties") if isinstance(schema, dict) else None
     return properties if isinstance(properties, dict) else None
+
+
+def tool_names(tools: list[dict] | None) -> set[str]:
+    """The names of the request's tools."""
+    return {t["function"]["name"] for t in tools or () if isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)}
 
 
 def typed_arguments(name: str, arguments: str, tools: list[dict] | None) -> str:
@@ -153,7 +165,8 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
     "internlm": parse_internlm2, "llama4_json": parse_llama3_json, "qwen3_json": parse_hermes,
     "granite-20b-fc": parse_granite_20b_fc, "plamo3": parse_plamo3, "minimax_m3": parse_minimax_m3,
     # vLLM's ling3 (Ling 3) reads GLM-4.7's calls
-    "ling3": parse_glm47}
+    "ling3": parse_glm47, "minicpm5": parse_minicpm5, "k2_horizon": parse_k2_horizon, "inkling": parse_inkling,
+    "muse_glimmer": parse_muse_glimmer, "poolside_v1": parse_poolside_v1}
 # formats that write every argument value as text
 TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "ling3", "minimax_m2",
                          "seed_oss", "step3", "hy_v3", "hy_v4"})
@@ -163,17 +176,42 @@ TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
     "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed),
     "deepseek_v41": lambda text, typed: read_dsml(text, DSML_V41_CALLS, typed),
     "dots": read_dots}  # its invokes' values are text, its JSON calls' typed as written
-# formats of nested elements whose shape (object, array, scalar) the schema decides: read with the
-# request's parameter schemas of each tool
-SHAPED_BY_SCHEMA = {"minimax_m3": read_minimax_m3}
+# formats read with the request's tools in their own way (as vLLM's reader of each does): values
+# typed or nested elements shaped by each tool's parameter schemas (`properties_of(name)`), a call
+# named after no tool of the request's refused (k2_horizon, where the request has tools), or a
+# doubled name `X.X` read as the tool `X` (muse_glimmer)
+BY_REQUEST: dict[str, Callable[[str, list[dict] | None], Calls]] = {
+    "minimax_m3": lambda text, tools: read_minimax_m3(text, _properties_of(tools)),
+    "minicpm5": lambda text, tools: read_minicpm5(text, _properties_of(tools)),
+    "inkling": lambda text, tools: read_inkling(text, _properties_of(tools)),
+    "poolside_v1": lambda text, tools: read_poolside_v1(text, _properties_of(tools)),
+    "k2_horizon": lambda text, tools: read_k2_horizon(
+        text, _properties_of(tools), known=tool_names(tools).__contains__ if tools else None),
+    "muse_glimmer": lambda text, tools: read_muse_glimmer(text, tool_names(tools))}
 
 
-def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
-    """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text
-    has them typed by the request's tool schemas (`typed_arguments`), all of them (TEXT_VALUED) or
-    those it does not mark as strings (TYPED_AS_READ), or shaped by them, nested (SHAPED_BY_SCHEMA)."""
-    if fmt in SHAPED_BY_SCHEMA:
-        return SHAPED_BY_SCHEMA[fmt](text, lambda name: tool_properties(name, tools))
+def _properties_of(tools: list[dict] | None) -> Callable[[str], dict | None]:
+    return lambda name: tool_properties(name, tools)
+
+
+# vLLM's `hf`: the format a tokenizer's `response_template` describes (`tool_formats/response_template`),
+# read with the prompt before the completion; a PolicyServer choice beside PARSERS' names
+RESPONSE_TEMPLATE = "hf"
+
+
+def read_calls(fmt: str, text: str, tools: list[dict] | None = None, *, template: dict | None = None,
+               prompt: str = "") -> Calls:
+    """`text`'s calls in format `fmt` (a name of PARSERS, or RESPONSE_TEMPLATE with the tokenizer's
+    `template` and the `prompt` the completion continues, special tokens written); a format that
+    writes values as text has them typed by the request's tool schemas (`typed_arguments`), all of
+    them (TEXT_VALUED) or those it does not mark as strings (TYPED_AS_READ); others read the
+    request's tools their own way (BY_REQUEST)."""
+    if fmt == RESPONSE_TEMPLATE:
+        if template is None:
+            raise ValueError("the hf tool-call format reads the tokenizer's response_template: none was given")
+        return read_response_template(text, template, prompt, tools)
+    if fmt in BY_REQUEST:
+        return BY_REQUEST[fmt](text, tools)
     if fmt in TYPED_AS_READ:
         return TYPED_AS_READ[fmt](text, lambda name, arguments: typed_arguments(name, arguments, tools))
     content, calls = PARSERS[fmt](text)
@@ -191,7 +229,10 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # Granite 4's write it with Granite's <|start_of_role|> (`detect`). Cohere's cmd4 templates write
 # <|START_TEXT|> besides the <|START_ACTION|> of cmd3's; LFM2's write their tool list's marker.
 # DeepSeek-V3.2's, V4's and V4.1's DSML sections, Gemma 4's <|tool_call>, Kimi K3's <|open|> channels and
-# MiniMax-M3's marker (its templates write <tool_call> after it) are
+# MiniMax-M3's marker (its templates write <tool_call> after it), MiniCPM5's <param name= (its
+# templates write Hy3's <tool_sep> too), K2 Horizon's <ifm|tool_calls>, Inkling's
+# <|content_invoke_tool_json|>, Muse's <atem:function_calls> and Laguna's (poolside_v1) <available_tools>
+# (its templates write <tool_call> and GLM's <arg_key> too) are
 # their own (GLM-4.7's templates read as glm45's, Qwen3's XML as qwen3_coder's: name glm47 or qwen3_xml),
 # as are FunctionGemma's <start_function_call>, dots.llm's <dots_function_call> and Hy3's <tool_sep>
 # (found before GLM's <arg_key>, which it writes too), and granite-20b-fc's <function_call> (looked
@@ -200,7 +241,9 @@ GRANITE_ROLE = "<|start_of_role|>"  # what Granite's templates write before each
 # are not their own: name minimax, qwen2_5_coder, hy_v4 or gigachat3.
 _MARKERS = (("deepseek_v32", DSML_FUNCTION_CALLS), ("deepseek_v4", DSML_TOOL_CALLS), ("deepseek_v41", DSML_V41_CALLS),
             ("gemma4", GEMMA_CALL), ("kimi_k3", XTML_OPEN), ("minimax_m3", MINIMAX_M3_NS),
-            ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
+            ("minicpm5", MINICPM5_PARAM), ("k2_horizon", K2_HORIZON_CALLS), ("inkling", INKLING_CALL),
+            ("muse_glimmer", MUSE_CALLS), ("functiongemma", FUNCTIONGEMMA_CALL), ("dots", DOTS_CALLS),
+            ("poolside_v1", POOLSIDE_TOOLS),
             ("seed_oss", SEED_CALL), ("step3", STEP3_CALLS), ("qwen3_coder", "<parameter="), ("hy_v3", HY_SEP),
             ("glm45", "<arg_key>"),
             ("minimax_m2", MINIMAX_CALLS), ("longcat", LONGCAT_CALL), ("internlm2", INTERNLM_CALL),

@@ -21,7 +21,7 @@ class CharTokenizer:
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": [ord(c) for c in text]}
 
-    def decode(self, ids, skip_special_tokens=False):
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0x2404))
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
@@ -348,6 +348,16 @@ class Qwen3CoderTokenizer(ToolTokenizer):
     chat_template = "... tools ... <tool_call>\n<function=...>\n<parameter=...>"
 
 
+class ResponseTemplateTokenizer(ToolTokenizer):
+    """A tokenizer whose config describes its replies (transformers' `response_template`, vLLM's `hf`
+    parser): its chat template shows no format's marker, so `auto` reads by the description."""
+
+    response_template = {"defaults": {"role": "assistant"}, "start_anchor": "<assistant>", "fields": {
+        "tool_calls": {"open_pattern": r"\s*<call>", "close": "</call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"content": "text"}}}
+
+
 # Qwen3-Coder writes values as text; the tool's schema types them (a string "1" without it)
 TYPED_ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}}}}
@@ -358,6 +368,7 @@ TYPED_ADD = {"type": "function", "function": {"name": "add", "parameters": {
     ("auto", Qwen3CoderTokenizer(), "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n"
      "</parameter>\n</function>\n</tool_call>", "qwen3_coder"),
     ("pythonic", ToolTokenizer(), "[add(a=1, b=2)]", "pythonic"),
+    ("auto", ResponseTemplateTokenizer(), 'ok<call>{"name": "add", "arguments": {"a": "1", "b": 2}}</call>', "hf"),
     ("auto", ToolTokenizer(), CALL, "hermes")])  # a template that shows no format's marker: hermes
 def test_calls_are_read_in_the_format_the_template_teaches_or_the_one_named(parser, tokenizer, text, fmt):
     server = PolicyServer(tokenizer, "policy", max_length=400, token="secret", tool_call_parser=parser)
@@ -374,7 +385,27 @@ def test_calls_are_read_in_the_format_the_template_teaches_or_the_one_named(pars
         # the same text read as another format is no call: the format chosen is the one that read it
         other = next(p for p in ("hermes", "pythonic") if p != fmt)
         assert PARSERS[other](text) == (text, [])
+        if fmt == "hf":  # a value the template writes as text, typed by the schema; content before the call
+            assert answer["choices"][0]["message"]["content"] == "ok"
     finally:
         server.close()
     with pytest.raises(ValueError, match="tool_call_parser 'qwen': one of auto, hermes"):
         PolicyServer(tokenizer, "policy", max_length=400, token="secret", tool_call_parser="qwen")
+
+
+def test_the_hf_format_needs_a_response_template_that_describes_tool_calls():
+    """As vLLM refuses `--tool-call-parser hf` at start: without the tokenizer's response_template, or
+    with one that has no tool_calls field; `auto` then keeps to the markers (hermes here)."""
+    with pytest.raises(ValueError, match="this tokenizer has none"):
+        PolicyServer(ToolTokenizer(), "policy", max_length=400, token="secret", tool_call_parser="hf")
+
+    class NoCalls(ResponseTemplateTokenizer):
+        response_template = {**ResponseTemplateTokenizer.response_template, "fields": {"content": {"content": "text"}}}
+
+    with pytest.raises(ValueError, match="tool_calls"):
+        PolicyServer(NoCalls(), "policy", max_length=400, token="secret", tool_call_parser="hf")
+    server = PolicyServer(NoCalls(), "policy", max_length=400, token="secret")
+    try:
+        assert server.tool_call_format == "hermes"
+    finally:
+        server.close()

@@ -791,4 +791,33 @@ def test_the_flag_offers_every_parser():
     from rlhf_core.rl_config import TrainSection
 
     choices = get_args(TrainSection.model_fields["agent_tool_call_parser"].annotation)
-    assert set(choices) == {"auto", *PARSERS}
+    assert set(choices) == {"auto", "hf", *PARSERS}
+
+
+def test_the_formats_read_with_the_requests_tools_get_them_through_read_calls():
+    """minicpm5, k2_horizon, inkling, muse_glimmer, poolside_v1: `read_calls` hands each the request's
+    tools its way (schemas; k2_horizon's refusal of a tool the request does not declare; Muse's doubled
+    name), and `detect` finds each by the marker its templates write."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string"}}}}}]
+    minicpm = '<function name="add"><param name="a">7</param><param name="b">7</param></function>'
+    assert read_calls("minicpm5", minicpm, tools) == (None, [("add", '{"a": 7, "b": "7"}')])
+    k2 = "<ifm|tool_calls><ifm|tool_call>add<ifm|arg_key>a</ifm|arg_key><ifm|arg_value>7</ifm|arg_value>" \
+         "</ifm|tool_call></ifm|tool_calls>"
+    assert read_calls("k2_horizon", k2, tools) == (None, [("add", '{"a": 7}')])
+    assert read_calls("k2_horizon", k2, None) == (None, [("add", '{"a": "7"}')])  # no schema: as written
+    other = [{"type": "function", "function": {"name": "mul"}}]
+    assert read_calls("k2_horizon", k2, other) == (k2, [])  # a tool the request does not declare
+    muse = ('<|start|>assistant to=add.add<|message|><atem:function_calls>\n<atem:invoke name="add.add">\n'
+            '<atem:parameter name="a">7</atem:parameter>\n</atem:invoke>\n</atem:function_calls><|eom|>')
+    assert read_calls("muse_glimmer", muse, tools) == (None, [("add", '{"a": 7}')])
+    assert read_calls("muse_glimmer", muse, None) == (None, [("add.add", '{"a": 7}')])
+    laguna = "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>7</arg_value>\n<arg_key>b</arg_key>\n" \
+             "<arg_value>7</arg_value>\n</tool_call>"
+    assert read_calls("poolside_v1", laguna, tools) == (None, [("add", '{"a": 7, "b": "7"}')])
+    inkling = '<|content_invoke_tool_json|>{"name": "add", "args": {"a": "7", "b": 7}}<|end_message|>'
+    assert read_calls("inkling", inkling, tools)[1] == [("add", '{"a": 7, "b": "7"}')]
+    for fmt, marker in (("minicpm5", '<param name="'), ("k2_horizon", "<ifm|tool_calls>"),
+                        ("inkling", "<|content_invoke_tool_json|>"), ("muse_glimmer", "<atem:function_calls>"),
+                        ("poolside_v1", "<available_tools>{{ tools }}</available_tools><tool_call>")):
+        assert detect("{{- '" + marker + "' }}<arg_key><tool_sep>") == fmt, fmt

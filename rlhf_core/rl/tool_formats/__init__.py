@@ -18,6 +18,15 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `gemma`: Gemma's `call:NAME{...}` calls in its own notation of values (gemma4, functiongemma).
 - `minimax_m3`: MiniMax-M3's nested elements after its `]<]minimax[>[` marker, shaped by the
   request's tool schema (minimax_m3).
+- `minicpm5`: MiniCPM5's `<function name=...><param name=...>` blocks, read as XML or by their tags,
+  values as JSON or Python literals (minicpm5).
+- `k2_horizon`: K2 Horizon's `<ifm|tool_calls>` group, key/value pairs or JSON calls (k2_horizon).
+- `inkling`: Inkling's `<|content_invoke_tool_json|>` blocks of JSON calls (inkling).
+- `muse_glimmer`: Muse's ATEM invokes in messages addressed to a tool (muse_glimmer).
+- `poolside`: Laguna's GLM-like `<arg_key>`/`<arg_value>` calls, values as JSON or Python literals
+  (poolside_v1).
+- `response_template`: the format a tokenizer's `response_template` describes (transformers' reply
+  parsing), read as vLLM's `hf` reads it, with the prompt before the completion (hf).
 - Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's
   calls, llama4_pythonic pythonic's; internlm, llama4_json and qwen3_json are vLLM's names for the
   internlm2, llama3_json and hermes readers; ling3 reads glm47's calls.
