@@ -489,11 +489,8 @@ class TensorParallel(StrictModel):
                                           "ds_tensor_parallel_size"))
 
     def tensor_parallel_problems(self) -> list[str]:
-        """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1), ring attention too."""
+        """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
         found = []
-        if self.ring_attn_size > 1 and self.tensor_parallel_size > 1:
-            found.append("--ds.ring_attn_size (--ring_attn_size) with --ds.tensor_parallel_size "
-                         "(--ds_tensor_parallel_size): not built together; use one")
         if self.tensor_parallel_size == 1:
             return found
         flag = "--ds.tensor_parallel_size (--ds_tensor_parallel_size)"

@@ -104,14 +104,15 @@ def forward_report(role: str, model, sequence_classifier: bool = False) -> tuple
     `lean (...)` or `transformers (<why not lean>)` (the rules of `lean_model`), the line
     `forward (<role>, <class>): <choice>`. A sequence classifier (reward model, critic) always runs
     transformers' body: its score head reads the last token. In a ring (`models/ring.py`), the
-    choice names it."""
+    choice names it, and its tensor-parallel layers where AutoTP split them too."""
     from rlhf_core.models import ring
 
     inner = unwrap(model)
     mine = ring.current()
     if mine is not None:
         choice = (f"transformers with ring attention ({mine.size} ranks split each row; keys and values gathered "
-                  f"{mine.head_stride} head(s) at a time)")
+                  f"{mine.head_stride} head(s) at a time)"
+                  + (" and tensor-parallel layers (--ds.tensor_parallel_size)" if tensor_parallel(inner) else ""))
         return choice, f"forward ({role}, {type(inner).__name__}): {choice}"
     if sequence_classifier:
         why = "a sequence classifier"

@@ -1,7 +1,8 @@
 """RingAttention: sequence parallelism over the ranks of a ring group (`--ds.ring_attn_size`).
 
-The ranks of a group (consecutive ranks, `ring_attn_size` of them) take the same micro-batch and
-split its width: rank r of the ring holds columns `[r c, (r + 1) c)` of every row (the batch
+The ranks of a group (consecutive ranks, `ring_attn_size` of them; with DeepSpeed's AutoTP beside
+it, every `tensor_parallel_size`-th rank, so that each ring position is a tensor-parallel group:
+`ring_ranks`) take the same micro-batch and split its width: rank r of the ring holds columns `[r c, (r + 1) c)` of every row (the batch
 padded to a multiple of the ring). Everything a token does alone (embedding, norms, projections,
 MLP, the head at the positions a loss reads) runs on the rank that holds it; attention needs every
 key of the row, so each layer all-gathers the keys and values, `ring_attn_head_stride` key/value
@@ -60,21 +61,32 @@ def current() -> Ring | None:
     return _CURRENT
 
 
-def setup(size: int, head_stride: int) -> Ring | None:
-    """Form the ring groups of `size` consecutive ranks (every rank calls this: forming a group is
-    collective) and register the attention function; returns this rank's ring (None for size 1)."""
+def ring_ranks(world: int, size: int, tensor_parallel: int = 1) -> list[list[int]]:
+    """The rings of `world` ranks (pure): blocks of `size x tensor_parallel` consecutive ranks take
+    the same batches; in a block, DeepSpeed's AutoTP groups `tensor_parallel` consecutive ranks (a
+    ring position's: they split each linear layer), and the ranks of one slice, one per position,
+    form a ring (every `tensor_parallel`-th rank). Without tensor parallelism: consecutive ranks."""
+    block = size * tensor_parallel
+    if world % block:
+        raise ValueError(f"--ds.ring_attn_size {size} x --ds.tensor_parallel_size {tensor_parallel} must divide "
+                         f"the ranks ({world})")
+    return [[start + position * tensor_parallel + t for position in range(size)]
+            for start in range(0, world, block) for t in range(tensor_parallel)]
+
+
+def setup(size: int, head_stride: int, tensor_parallel: int = 1) -> Ring | None:
+    """Form the ring groups (`ring_ranks`; every rank calls this: forming a group is collective) and
+    register the attention function; returns this rank's ring (None for size 1)."""
     global _CURRENT
     if size == 1:
         _CURRENT = None
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size:
-        raise ValueError(f"--ds.ring_attn_size {size} must divide the ranks ({world})")
     mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            mine = Ring(group, size, rank - start, head_stride)
+    for ranks in ring_ranks(world, size, tensor_parallel):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = Ring(group, size, ranks.index(rank), head_stride)
     register()
     _CURRENT = mine
     return mine

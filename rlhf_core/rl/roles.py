@@ -151,12 +151,12 @@ class _Role:
             seed_everything(self.cfg.train.seed, self.cfg.train.full_determinism_enable)
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         # A ring's ranks split each row (models/ring.py); its groups form before any model loads.
-        self.ring_size = self.cfg.ring_of(self.world_size)
-        ring.setup(self.ring_size, self.cfg.ds.ring_attn_head_stride)
         # A tensor-parallel group's ranks split each linear layer (DeepSpeed forms its groups). The
         # ranks of a ring or of a group take the same samples; DeepSpeed averages the gradients
         # over the data-parallel ranks, the ring's among them, a group's ranks apart.
+        self.ring_size = self.cfg.ring_of(self.world_size)
         self.tensor_parallel = self.cfg.tensor_parallel_of(self.role, self.world_size)
+        ring.setup(self.ring_size, self.cfg.ds.ring_attn_head_stride, self.tensor_parallel)
         self.duplicates = self.cfg.duplicates(self.role, self.world_size)
         self.averaged_over = self.world_size // self.tensor_parallel
         self.device = device()

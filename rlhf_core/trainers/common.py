@@ -82,7 +82,8 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(f"{world} ranks started for a config of {cfg.world_size} (--train.num_nodes x --train.num_gpus_per_node)")
-    ring.setup(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)  # before any model loads: their attention
+    # before any model loads: their attention
+    ring.setup(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride, cfg.ds.tensor_parallel_size)
     seed_everything(cfg.train.seed + rank, cfg.train.full_determinism_enable)
     precision = precision_of(cfg.ds).value  # the one actually used, next to the param_dtype asked for
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,

@@ -154,6 +154,19 @@ def test_a_ring_of_two_trains_sft_as_one_rank_and_resumes_to_the_same_weights(pr
     resume_from_step2(prepared, tmp_path, "sft", RING2, tmp_path / "ckpt", tmp_path / "ring2")
 
 
+def test_a_ring_of_tensor_parallel_pairs_trains_sft_as_one_rank(prepared, one_rank, tmp_path, monkeypatch, capfd):
+    """OpenRLHF's 3-D layout: four ranks, a ring of two positions, each a tensor-parallel pair (AutoTP
+    splits every linear layer between the pair; the ring splits each row's tokens between the
+    positions, each slice's keys gathered from its own slice on the other position): one rank's steps."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["train", "sft", *args(prepared, "sft"), "--num_gpus_per_node", "4", "--ds_tensor_parallel_size", "2",
+                 "--ring_attn_size", "2", "--ring_head_stride", "1", "--save_path", str(tmp_path / "both")]) == 0
+    err = capfd.readouterr().err
+    assert "ring attention (2 ranks" in err and "tensor-parallel layers (--ds.tensor_parallel_size)" in err, err[-3000:]
+    assert_same_run(one_rank("sft"), tmp_path / "both", ("eval_initial/loss", "eval/loss", "train/final_loss"),
+                    rel=1e-5)
+
+
 @pytest.mark.parametrize("stage, zero", [("dpo", "1"), ("rm", "3")])
 def test_a_ring_of_two_takes_one_ranks_preference_steps(stage, zero, prepared, one_rank, tmp_path, monkeypatch):
     """DPO (policy and reference in the ring, shared-prompt pairs) and the reward model (a score read

@@ -142,10 +142,14 @@ def test_two_actor_ranks_or_rings_of_two_make_the_same_updates_as_one(cluster, p
     # Intel Xeon with AMX, fp32)
     # Tensor parallelism: the actor's layers split over 2 ranks (all-reduced sums in another order,
     # 3.6e-5 apart after Adam's steps on an AMD EPYC, Zen 4 class, fp32); the rollout of step 2 is
-    # sampled by the weights gathered from the slices, the output saved whole from them.
+    # sampled by the weights gathered from the slices, the output saved whole from them. Both (four
+    # actor ranks: a ring of two tensor-parallel pairs): 1.4e-5 apart, the same machine.
     for name, flags, says, atol in [("two", ("--actor_num_gpus_per_node", "2"), "actor: 2 x", 1e-5),
                                     ("ring", ("--ring_attn_size", "2"), "with ring attention (2 ranks", 5e-5),
-                                    ("tp", ("--ds_tensor_parallel_size", "2"), "tensor-parallel layers", 5e-5)]:
+                                    ("tp", ("--ds_tensor_parallel_size", "2"), "tensor-parallel layers", 5e-5),
+                                    ("ring_tp", ("--ring_attn_size", "2", "--ds_tensor_parallel_size", "2"),
+                                     "with ring attention (2 ranks split each row; keys and values gathered 1 head(s) "
+                                     "at a time) and tensor-parallel layers", 5e-5)]:
         code, run, err = ppo(prepared, tmp_path, name, *grpo, *flags, capsys=capsys)
         assert code == 0, err[-3000:]
         assert says in err

@@ -66,11 +66,14 @@ def test_ring_ranks_share_batches_and_what_ring_attention_is_not_built_for_is_re
     dotted = build_config(DPOConfig, BASE, {"ds.ring_attn_size": 2, "ds.ring_attn_head_stride": 4})
     assert (dotted.world_size, dotted.ds.ring_attn_head_stride) == (2, 4)
     assert build_config(RMConfig, BASE, {"ring_attn_size": 2}).data_parallel_size == 1
+    both = build_config(SFTConfig, BASE, {"ring_attn_size": 2, "ds_tensor_parallel_size": 2})  # a ring of TP groups
+    assert (both.world_size, both.data_parallel_size, both.ds.duplicates) == (4, 1, 4)
     for config in (KTOConfig, KDConfig, PRMConfig):
         with pytest.raises(ConfigError, match=r"--ring_attn_size\) 2: not built for `rlhf train"):
             build_config(config, {**BASE, "teacher_model": "t"} if config is KDConfig else BASE, {"ring_attn_size": 2})
     for flags, says in [({"num_gpus_per_node": 3, "ring_attn_size": 2}, r"--ring_attn_size\) 2 must divide the ranks"),
-                        ({"ring_attn_size": 2, "ds_tensor_parallel_size": 2}, "not built together"),
+                        ({"ring_attn_size": 2, "ds_tensor_parallel_size": 2, "num_gpus_per_node": 6},
+                         r"--ds_tensor_parallel_size\) 2 x --ds.ring_attn_size \(--ring_attn_size\) 2 must divide"),
                         ({"ring_attn_size": 2, "aux_loss_coef": 0.01}, "router statistics")]:
         with pytest.raises(ConfigError, match=says):
             build_config(SFTConfig, BASE, flags)

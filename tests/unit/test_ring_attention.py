@@ -154,3 +154,15 @@ def test_ring_ranks_give_one_ranks_losses_and_their_gradients_sum_to_its(ring_re
         # Every rank did part of the work: none holds the whole gradient alone
         embed = {"scores": "rm", "window": "window"}.get(name.split("/")[0], "lm") + ".model.embed_tokens.weight"
         assert all(abs(share[embed]).sum() > 0 for share in shares), name
+
+
+def test_rings_beside_tensor_parallel_groups_are_one_slice_of_each_position():
+    """Ranks in blocks that take the same batches; in a block, AutoTP's groups are consecutive ranks
+    (one per ring position) and a ring joins the ranks holding the same slice."""
+    from rlhf_core.models.ring import ring_ranks
+
+    assert ring_ranks(4, 2) == [[0, 1], [2, 3]]
+    assert ring_ranks(4, 2, tensor_parallel=2) == [[0, 2], [1, 3]]
+    assert ring_ranks(12, 3, tensor_parallel=2) == [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]
+    with pytest.raises(ValueError, match="x --ds.tensor_parallel_size 2 must divide the ranks \\(6"):
+        ring_ranks(6, 2, tensor_parallel=2)
