@@ -392,7 +392,9 @@ class EvalSection(StrictModel):
                                        "eval.hacking_window evaluations; needs a held-out check and eval.steps")
     hacking_window: int = Field(3, ge=1, description="Evaluations the reward-hacking guard looks back over")
     hacking_min_drop: float = Field(0.02, ge=0, description="How far (absolute) the held-out check must fall over "
-                                    "the window for the guard to fire")
+                                    "the window for the guard to fire; an accuracy must also fall by more than the "
+                                    "noise of two evaluations on that many responses (twice the standard error of "
+                                    "their difference)")
     stop_on_hacking: bool = Field(False, description="Stop training when the reward-hacking guard fires (the "
                                   "last evaluation and the save still run)")
     selection_fraction: float = Field(0.25, ge=0, lt=1, description="With evaluations during training: the share of "

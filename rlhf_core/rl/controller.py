@@ -137,6 +137,9 @@ class RLController:
         self.eval_every = selection.eval_every(cfg.eval.steps, rollout_steps, watched)
         chosen, reported = selection.selection_split(len(self.eval_prompt_ids), cfg.eval.selection_fraction,
                                                      cfg.train.seed) if self.eval_every else ([], [])
+        if self.guard is not None:  # the responses of each evaluation during training, for the noise of a fall
+            on = len(chosen) if chosen else len(self.eval_prompt_ids)
+            self.guard.responses = on * (1 if "greedy" in self.guard.metric else cfg.eval.n_samples_per_prompt)
         self.selection: tuple[list, list] | None = None
         # which prompts the evaluations during training were on: a resume on others starts the best afresh
         self.evaluated_on = {"all": len(self.eval_prompt_ids)}

@@ -9,13 +9,17 @@ controller warns once, tags the MLflow run and, with `--eval.stop_on_hacking`, s
 
 Each evaluation is paired with the training reward of the policies around it: the mean
 `rollout/reward_mean` of the steps since the evaluation before (for the evaluation before training,
-the first step's rollout, sampled from the initial policy).
+the first step's rollout, sampled from the initial policy). A fall of the held-out accuracy counts
+where it is beyond the noise of two evaluations on that many responses: a run trained against the
+task's own verifier, which cannot be hacked, fired on a fall of 2 responses in 100 before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+
+from rlhf_core.rl.selection import beats_the_last
 
 
 @dataclass(frozen=True)
@@ -40,17 +44,21 @@ class Hacking:
                 f"{self.reward_rise:.4g} while held-out {metric} fell by {self.metric_drop:.4g}")
 
 
-def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: float) -> Hacking | None:
+def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: float, metric: str = "",
+                   responses: int = 0) -> Hacking | None:
     """Pure: whether the last `window` evaluations after `evaluations[-window - 1]` show the training
-    reward up (any rise) and the held-out metric down by at least `min_drop` (absolute); None while
-    fewer than `window + 1` evaluations, or their rewards, are known."""
+    reward up (any rise) and the held-out metric down by at least `min_drop` (absolute) and, for an
+    accuracy over `responses` responses an evaluation, by more than the noise of two such
+    evaluations (`selection.beats_the_last`: twice the standard error of their difference); None
+    while fewer than `window + 1` evaluations, or their rewards, are known."""
     if window < 1 or len(evaluations) < window + 1:
         return None
     first, last = evaluations[-window - 1], evaluations[-1]
     if first.reward is None or last.reward is None:
         return None
     rise, drop = last.reward - first.reward, first.metric - last.metric
-    if rise > 0 and drop >= min_drop:
+    if rise > 0 and drop >= min_drop and (responses <= 0 or beats_the_last(first.metric, last.metric, metric,
+                                                                            responses)):
         return Hacking(first.step, last.step, rise, drop)
     return None
 
@@ -58,8 +66,9 @@ def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: flo
 class HackingGuard:
     """A run's evaluations and the rewards between them; `evaluated` says when `reward_hacking` fires."""
 
-    def __init__(self, metric: str, window: int, min_drop: float):
+    def __init__(self, metric: str, window: int, min_drop: float, responses: int = 0):
         self.metric, self.window, self.min_drop = metric, window, min_drop
+        self.responses = responses  # of each evaluation: a drop must exceed their noise (0: not known)
         self.evaluations: list[Evaluation] = []
         self.rewards: list[float] = []  # rollout rewards since the last evaluation
         self.fired: Hacking | None = None  # the first detection (said once)
@@ -77,7 +86,7 @@ class HackingGuard:
         reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
         self.rewards = []
         self.evaluations.append(Evaluation(step, reward, metrics[self.metric]))
-        found = reward_hacking(self.evaluations, self.window, self.min_drop)
+        found = reward_hacking(self.evaluations, self.window, self.min_drop, self.metric, self.responses)
         if found is not None and self.fired is None:
             self.fired = found
         return found

@@ -23,6 +23,22 @@ def test_it_fires_only_when_the_reward_rises_and_the_check_falls_by_the_margin()
     assert reward_hacking(evaluations([None, 0.5, 0.7, 0.9], [0.6, 0.55, 0.5, 0.4]), 3, 0.02) is None
 
 
+def test_a_fall_within_the_noise_of_the_evaluations_does_not_fire():
+    """Measured: an online round trained against the task's own verifier (which cannot be hacked)
+    fired on 0.86 -> 0.84 over 100 responses while its reward rose by 0.003. Over 100 responses an
+    evaluation's noise is about 0.05: such a fall is a draw; a fall of 0.15 from there is not, and
+    over 1000 responses 0.04 is not either."""
+    noise = evaluations([0.800, 0.801, 0.802, 0.803], [0.86, 0.87, 0.85, 0.84])
+    assert reward_hacking(noise, 3, 0.02) is not None  # by the margin alone it fired
+    assert reward_hacking(noise, 3, 0.02, "eval/sampled_accuracy", responses=100) is None
+    fall = evaluations([0.8, 0.85, 0.9, 0.95], [0.86, 0.8, 0.76, 0.71])
+    assert reward_hacking(fall, 3, 0.02, "eval/sampled_accuracy", responses=100).metric_drop == pytest.approx(0.15)
+    assert reward_hacking(evaluations([0.8, 0.85, 0.9, 0.95], [0.86, 0.85, 0.84, 0.82]), 3, 0.02,
+                          "eval/sampled_accuracy", responses=1000) is not None
+    # a metric whose spread is not known (a held-out reward): the margin alone
+    assert reward_hacking(noise, 3, 0.02, "eval/reward", responses=100) is not None
+
+
 def test_the_guard_pairs_each_evaluation_with_the_rewards_before_it_and_resumes_its_window():
     g = HackingGuard("eval/acc", window=2, min_drop=0.05)
     assert g.evaluated(0, {"eval/acc": 0.8}) is None  # before training: its reward is the first rollout's
