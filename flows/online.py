@@ -2,7 +2,7 @@
 
 `rlhf train ppo` from the `champion` (else SFT, or SFT with `start_from: sft`) with SFT as the
 reference (the KL keeps the policy near SFT however many runs continue it) and the run's reward
-model -> `rlhf eval` against SFT -> a new `rlhf-policy` version, promoted to `champion` only when
+model (or, with `online.reward: verifier`, prep's task verifier) -> `rlhf eval` against SFT -> a new `rlhf-policy` version, promoted to `champion` only when
 `evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
 drawn per pipeline run unless `online.seed` pins it: fresh prompts, never the previous run's cache.
 The round stops where the reward-hacking guard fires (`online.stop_on_hacking`, default on): from
@@ -26,7 +26,10 @@ def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
     prep_outcome, sft = need("prep"), need("sft")
     policy = starting_policy(online.start_from, sft)
     seed = online.seed if online.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
-    cfg = PipelinePPOConfig.model_validate(_with_seed(ppo, seed))
+    values = _with_seed(ppo, seed)
+    if online.reward == "verifier" and not ppo.reward.sources:
+        values["reward"]["task"] = prep.task  # right or wrong by the task's verifier, not the reward model
+    cfg = PipelinePPOConfig.model_validate(values)
     trained = outcomes["ppo-online"] = run(ppo_job(ctx, settings, prep, cfg, need, name="ppo-online",
                                                    actor_from=policy, reference_from=sft,
                                                    stop_on_hacking=online.stop_on_hacking))

@@ -354,6 +354,9 @@ class OnlineRLParams(StrictModel):
     stop_on_hacking: bool = Field(True, description="Stop the round where the reward-hacking guard fires (the "
                                   "`ppo` section's eval.stop_on_hacking): a round that drives the champion off a "
                                   "cliff ends early, the report says why, and the champion stays")
+    reward: str = Field("reward_model", pattern="^(reward_model|verifier)$",
+                        description="What the round trains against where the `ppo` section names no reward: the "
+                        "run's reward model, or prep's task verifier (the critic then starts from the policy)")
 
 
 class PipelineSettings(StrictModel):

@@ -24,6 +24,7 @@ def test_every_deployment_validates_and_the_schedules_are_there():
     assert deployments["online-rl"]["parameters"]["settings"] == {"stages": ["online_rl"], "from_run": "champion"}
     assert deployments["iterative-dpo"]["schedules"][0]["cron"] == "0 3 * * *"
     assert deployments["online-rl"]["schedules"][0]["active"]
+    assert flow_parameters(deployments["online-rl"]["parameters"])["online"].reward == "verifier"  # it earns its schedule
     rounds = deployments["rejection-sampling-rounds"]
     assert rounds["schedules"][0]["cron"] == "0 5 * * *" and rounds["schedules"][0]["active"]
     params = flow_parameters(rounds["parameters"])

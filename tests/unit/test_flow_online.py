@@ -58,3 +58,9 @@ def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_
     stopped, (job, _) = go(0.7, ppo_metrics={"guard/stopped_step": 48.0})
     assert stopped["stopped_on_hacking_at_step"] == 48 and not stopped["promoted"]
     assert not yaml.safe_load(go(0.9, stop_on_hacking=False)[1][0].config_yaml)["eval"]["stop_on_hacking"]
+    # against the task's verifier: no reward model in the job, the critic from the policy it continues
+    assert cfg["reward"]["model_name_or_path"] == str(tmp_path / "rm") and ppo.upstream["reward"].name == "rm"
+    job = go(0.9, reward="verifier")[1][0]
+    verified = yaml.safe_load(job.config_yaml)
+    assert verified["reward"]["task"] == PrepParams().task and verified["reward"]["model_name_or_path"] is None
+    assert "reward" not in job.upstream and verified["critic"]["model_name_or_path"] == champion.output_uri
