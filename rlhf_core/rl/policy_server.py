@@ -58,7 +58,11 @@ from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
 from rlhf_core.rl.tool_calls import PARSERS, RESPONSE_TEMPLATE, detect, read_calls
-from rlhf_core.rl.tool_formats.response_template import check_response_template, response_template_of
+from rlhf_core.rl.tool_formats.response_template import (
+    check_response_template,
+    read_response_template,
+    response_template_of,
+)
 from rlhf_core.rollout.base import Sample
 
 log = logging.getLogger(__name__)
@@ -370,9 +374,9 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
     message: dict = {"role": "assistant", "content": text}
     if request.tool_choice == "auto":
         sampled = server.sampled_text(call)  # the markers of several formats are special tokens
-        content, calls = read_calls(server.tool_call_format, sampled, request.tools, template=server.response_template,
-                                    prompt=server.prompt_text(call) if server.tool_call_format == RESPONSE_TEMPLATE
-                                    else "")
+        content, calls = (read_response_template(sampled, server.response_template, server.prompt_text(call),
+                                                 request.tools) if server.tool_call_format == RESPONSE_TEMPLATE
+                          else read_calls(server.tool_call_format, sampled, request.tools))
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, sampled)}
             finish = "tool_calls"

@@ -6,8 +6,10 @@ written; its module's docstring describes it.
 
 Each parser returns `(content, [(name, arguments as a JSON string), ...])`, read as vLLM's parser
 of the same name reads a whole completion: if any call is malformed, nothing is a call and the
-whole text is content. DeepSeek's DSML formats and dots.llm's (`TYPED_AS_READ`) are given the typing
-as they read, since only the values they mark as not strings (dots: those of its XML calls) are typed.
+whole text is content, unless its module says otherwise (minicpm5, poolside_v1, muse_glimmer and hf
+keep the well-formed calls beside malformed ones, as vLLM's readers do). DeepSeek's DSML formats and
+dots.llm's (`TYPED_AS_READ`) are given the typing as they read, since only the values they mark as
+not strings (dots: those of its XML calls) are typed.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
 pythonic templates show the model `[func_name1(params_name1=params_value1, ...)]`).
@@ -64,7 +66,6 @@ from rlhf_core.rl.tool_formats.minimax_m3 import MINIMAX_M3_NS, parse_minimax_m3
 from rlhf_core.rl.tool_formats.muse_glimmer import MUSE_CALLS, parse_muse_glimmer, read_muse_glimmer
 from rlhf_core.rl.tool_formats.poolside import POOLSIDE_TOOLS, parse_poolside_v1, read_poolside_v1
 from rlhf_core.rl.tool_formats.python_calls import OLMO3_CALLS, parse_lfm2, parse_olmo3, parse_pythonic
-from rlhf_core.rl.tool_formats.response_template import read_response_template
 from rlhf_core.rl.tool_formats.sectioned import (
     DEEPSEEK_CALLS,
     KIMI_CALLS,
@@ -194,22 +195,16 @@ def _properties_of(tools: list[dict] | None) -> Callable[[str], dict | None]:
     return lambda name: tool_properties(name, tools)
 
 
-# vLLM's `hf`: the format a tokenizer's `response_template` describes (`tool_formats/response_template`),
-# read with the prompt before the completion; a PolicyServer choice beside PARSERS' names
+# vLLM's `hf`: the format a tokenizer's `response_template` describes, read with the prompt before the
+# completion (`tool_formats/response_template`, which the endpoint calls); a choice beside PARSERS' names
 RESPONSE_TEMPLATE = "hf"
 
 
-def read_calls(fmt: str, text: str, tools: list[dict] | None = None, *, template: dict | None = None,
-               prompt: str = "") -> Calls:
-    """`text`'s calls in format `fmt` (a name of PARSERS, or RESPONSE_TEMPLATE with the tokenizer's
-    `template` and the `prompt` the completion continues, special tokens written); a format that
-    writes values as text has them typed by the request's tool schemas (`typed_arguments`), all of
-    them (TEXT_VALUED) or those it does not mark as strings (TYPED_AS_READ); others read the
-    request's tools their own way (BY_REQUEST)."""
-    if fmt == RESPONSE_TEMPLATE:
-        if template is None:
-            raise ValueError("the hf tool-call format reads the tokenizer's response_template: none was given")
-        return read_response_template(text, template, prompt, tools)
+def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
+    """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text has
+    them typed by the request's tool schemas (`typed_arguments`), all of them (TEXT_VALUED) or those
+    it does not mark as strings (TYPED_AS_READ); others read the request's tools their own way
+    (BY_REQUEST)."""
     if fmt in BY_REQUEST:
         return BY_REQUEST[fmt](text, tools)
     if fmt in TYPED_AS_READ:

@@ -821,3 +821,16 @@ def test_the_formats_read_with_the_requests_tools_get_them_through_read_calls():
                         ("inkling", "<|content_invoke_tool_json|>"), ("muse_glimmer", "<atem:function_calls>"),
                         ("poolside_v1", "<available_tools>{{ tools }}</available_tools><tool_call>")):
         assert detect("{{- '" + marker + "' }}<arg_key><tool_sep>") == fmt, fmt
+
+
+def test_minimax_m3_types_values_by_vllms_schema_type_names():
+    """vLLM 0.32's type names (`float32`, `varchar`...) and its container rule read raw spellings: a
+    schema allowing `str` (not `string`) still makes an empty element the container (checked against
+    vLLM's reader); a `type` that is no name or list types nothing."""
+    def read(schema, value):
+        text = f"{M3}<tool_call>{M3}<invoke name=\"f\">{M3}<a>{value}{M3}</a>{M3}</invoke>{M3}</tool_call>"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": schema}}}}]
+        return json.loads(read_calls("minimax_m3", text, tools)[1][0][1])["a"]
+
+    assert json.dumps(read({"type": "float32"}, "1.0")) == "1" and read({"type": "varchar"}, "5") == "5"
+    assert read({"type": ["object", "str"]}, "") == {} and read({"type": {"integer": 1}}, "5") == "5"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlhf_core.rl.tool_calls import tool_properties
-from rlhf_core.rl.tool_formats.inkling import INKLING_CALL, parse_inkling, read_inkling, typed
+from rlhf_core.rl.tool_formats.inkling import parse_inkling, read_inkling, typed
 
 M, TEXT, THINK, CALL = "<|message_model|>", "<|content_text|>", "<|content_thinking|>", "<|content_invoke_tool_json|>"
 END, END_SAMPLING = "<|end_message|>", "<|content_model_end_sampling|>"
@@ -56,7 +56,7 @@ def test_arguments_typed_by_the_tool_schema_nested():
     shaped = {"city": "5", "days": 3, "metric": True, "where": {"lat": 1.5}, "tags": ["1", "b"], "other": "7"}
     assert parse_inkling(text) == (None, [("get_weather", json.dumps(as_written))])
     assert read_inkling(text, properties_of) == (None, [("get_weather", json.dumps(shaped))])
-    assert typed(2.0, {"type": "number"}) == 2 and typed(None, {"type": "string"}) == "null"
+    assert json.dumps(typed(2.0, {"type": "number"})) == "2" and typed(None, {"type": "string"}) == "null"
 
 
 def test_args_only_and_blocks_without_a_name_passed_over():
@@ -75,4 +75,3 @@ def test_args_only_and_blocks_without_a_name_passed_over():
     tool('{"name":"f","args":{"x":NaN}}'), tool('{"name":"now"}') + tool("oops")])
 def test_malformed_is_all_content(text):
     assert parse_inkling(text) == (text, [])
-    assert INKLING_CALL == "<|content_invoke_tool_json|>"

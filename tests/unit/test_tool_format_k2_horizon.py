@@ -7,14 +7,8 @@ import json
 import pytest
 
 from rlhf_core.rl.tool_calls import tool_properties
-from rlhf_core.rl.tool_formats.k2_horizon import (
-    K2_HORIZON_CALLS,
-    coerce_as,
-    parse_k2_horizon,
-    read_k2_horizon,
-    written_types,
-    xml_value,
-)
+from rlhf_core.rl.tool_formats.k2_horizon import parse_k2_horizon, read_k2_horizon, xml_value
+from rlhf_core.rl.tool_formats.schema_types import coerce, schema_types
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -109,9 +103,8 @@ def test_malformed_typed_or_json_calls_are_all_content(fmt, text):
 
 
 def test_vllms_coercion_of_a_text_value():
-    assert written_types({"anyOf": [{"type": "integer"}, {"enum": ["a", None]}]}) == {"integer", "string", "null"}
-    assert written_types(None) == written_types({}) == {"string"}
-    assert coerce_as("1.0", {"number"}) == 1 and coerce_as("1", {"bool"}) is True and coerce_as("x", {"integer"}) == "x"
-    assert coerce_as("inf", {"float"}) == "inf" and coerce_as(" 7 ", {"int64"}) == 7
-    assert xml_value(" 2 ", {"type": "integer"}, None) == 2 and xml_value(" 2 ", None, None) == " 2 "
-    assert K2_HORIZON_CALLS == "<ifm|tool_calls>"
+    assert schema_types({"anyOf": [{"type": "integer"}, {"enum": ["a", None]}]}) == {"integer", "string", "null"}
+    assert schema_types(None) == schema_types({}) == {"string"}
+    assert json.dumps(coerce("1.0", {"number"})) == "1" and coerce("1", {"bool"}) is True
+    assert coerce("x", {"integer"}) == "x" and coerce("inf", {"float"}) == "inf" and coerce(" 7 ", {"int64"}) == 7
+    assert json.dumps(xml_value(" 2 ", {"type": "integer"}, None)) == "2" and xml_value(" 2 ", None, None) == " 2 "

@@ -4,7 +4,7 @@ read as vLLM 0.32's minicpm5 parser reads a whole completion (checked against it
 import json
 
 from rlhf_core.rl.tool_calls import tool_properties
-from rlhf_core.rl.tool_formats.minicpm5 import MINICPM5_PARAM, parse_minicpm5, read_minicpm5
+from rlhf_core.rl.tool_formats.minicpm5 import parse_minicpm5, read_minicpm5
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
     "query": {"type": "string"}, "limit": {"type": "integer"}, "filters": {"type": "object"}}}}},
@@ -74,6 +74,3 @@ def test_malformed_texts_are_content():
                 '<function name="search"><param name="arguments">[1]</param></function>'):
         assert typed(bad) == (bad, []), bad
 
-
-def test_the_template_writes_its_param_marker():
-    assert MINICPM5_PARAM in "{{- '<param name=\"' ~ param_name ~ '\">' }}"

@@ -1,7 +1,7 @@
 """MuseGlimmer's tool calls (`rl/tool_formats/muse_glimmer.py`): ATEM invokes in messages to a tool,
 read as vLLM 0.32's muse_glimmer reads a whole completion (checked against it on these texts)."""
 
-from rlhf_core.rl.tool_formats.muse_glimmer import MUSE_CALLS, parse_muse_glimmer, read_muse_glimmer
+from rlhf_core.rl.tool_formats.muse_glimmer import parse_muse_glimmer, read_muse_glimmer
 
 NEXT = "<|start|>assistant"
 
@@ -60,4 +60,3 @@ def test_no_complete_named_invoke_leaves_the_whole_text_content():
                 f"{NEXT} to=f<|message|><atem:invoke>\n</atem:invoke>",  # no name
                 f"{NEXT} to=f<|message|>" + invoke("f", a="[" * 100_000)):  # nested too deep to read
         assert parse_muse_glimmer(bad) == (bad, []), bad[:80]
-    assert MUSE_CALLS == "<atem:function_calls>"

@@ -3,7 +3,7 @@ calls, values typed as vLLM's poolside_v1 types them (checked against vLLM 0.32 
 it reads alike but for a blank-named call: vLLM names it `""`, this passes it over)."""
 
 from rlhf_core.rl.tool_calls import tool_properties
-from rlhf_core.rl.tool_formats.poolside import POOLSIDE_TOOLS, parse_poolside_v1, read_poolside_v1
+from rlhf_core.rl.tool_formats.poolside import parse_poolside_v1, read_poolside_v1
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}}}]
@@ -62,7 +62,3 @@ def test_no_readable_call_or_a_value_that_is_no_json_leaves_the_whole_text_conte
     odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": True}}}}]
     assert read_poolside_v1(good, lambda name: tool_properties(name, odd)) == (good, [])  # vLLM fails on it
 
-
-def test_the_marker_laguna_templates_write():
-    template = "All available function signatures are listed below:\n<available_tools>\n{{ tools }}\n</available_tools>"
-    assert POOLSIDE_TOOLS in template

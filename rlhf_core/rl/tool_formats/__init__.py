@@ -25,6 +25,8 @@ written; `rl/tool_calls.py` names them (PARSERS) and is what the rest of the cod
 - `muse_glimmer`: Muse's ATEM invokes in messages addressed to a tool (muse_glimmer).
 - `poolside`: Laguna's GLM-like `<arg_key>`/`<arg_value>` calls, values as JSON or Python literals
   (poolside_v1).
+- `schema_types`: a text value typed by the tool schema as vLLM types nested or typed values
+  (minimax_m3, k2_horizon, inkling).
 - `response_template`: the format a tokenizer's `response_template` describes (transformers' reply
   parsing), read as vLLM's `hf` reads it, with the prompt before the completion (hf).
 - Aliases, named in `rl/tool_calls.py` (PARSERS): qwen3_xml, step3p5 and mimo read qwen3_coder's

@@ -27,7 +27,7 @@ call, the whole text content (vLLM reads what it can of a block, its name the fi
 With no call the whole text is the content (vLLM gives the text of the blocks).
 
 The request's tool schema types the arguments as vLLM does (`typed`): a value whose parameter it
-describes is read as its types (`coerce_as`; a value that is not text from its JSON), nested where
+describes is read as its types (`schema_types.coerce`; a value that is not text from its JSON), nested where
 the schema gives the `properties` of an object or the `items` of an array. vLLM also drops every
 special token of the tokenizer that is not Inkling's, and reads no call where the request has
 tools and its `tool_choice` is `none`.
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_core.rl.tool_formats.common import Calls, _NotACall
-from rlhf_core.rl.tool_formats.k2_horizon import coerce_as, written_types
+from rlhf_core.rl.tool_formats.schema_types import coerce, schema_types
 
 MESSAGE_MODEL = "<|message_model|>"
 CONTENT_TEXT, CONTENT_THINKING = "<|content_text|>", "<|content_thinking|>"
@@ -96,7 +96,7 @@ def typed(value: Any, schema: dict):
         items = schema.get("items")
         return [typed(item, items) for item in value] if isinstance(items, dict) else value
     written = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    return coerce_as(written, written_types(schema))
+    return coerce(written, schema_types(schema))
 
 
 def typed_object(values: dict, properties: dict) -> dict:

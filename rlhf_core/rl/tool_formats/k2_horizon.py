@@ -22,7 +22,7 @@ Values are typed as vLLM types them (`xml_value`, `json_value`): by the types th
 schema gives the parameter (one of them where the written type is among several), else by the
 written type (`any`: the text as written), else the text as written (`xml` values without a
 schema stay verbatim). A value is read as the first of null, integer, number, boolean, object,
-array, string that reads it (`coerce_as`), stripped unless a string is allowed, failing all JSON
+array, string that reads it (`schema_types.coerce`), stripped unless a string is allowed, failing all JSON
 where it reads, else the text. A JSON value with a schema is read so from its JSON (a string from
 its text). A number that is not finite is malformed.
 
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_core.rl.tool_formats.common import Calls, _NotACall
-from rlhf_core.rl.tool_formats.minimax_m3 import coerce
+from rlhf_core.rl.tool_formats.schema_types import coerce, schema_types
 
 K2_HORIZON_CALLS, K2_HORIZON_CALLS_END = "<ifm|tool_calls>", "</ifm|tool_calls>"
 K2_HORIZON_CALL, K2_HORIZON_CALL_END = "<ifm|tool_call>", "</ifm|tool_call>"
@@ -54,45 +54,13 @@ _PAIR = re.compile(rf"{re.escape(ARG_KEY)}(.*?){re.escape(ARG_KEY_END)}\s*"
                    rf"(?:{re.escape(ARG_TYPE)}(.*?){re.escape(ARG_TYPE_END)}\s*)?"
                    rf"{re.escape(ARG_VALUE)}(.*?){re.escape(ARG_VALUE_END)}", re.DOTALL)
 
-# the type names vLLM's coercion reads as JSON Schema's
-_ALIASES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
-            "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
-            "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
-            "float": "number", "float32": "number", "float64": "number", "double": "number",
-            "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array"}
-
 PropertiesOf = Callable[[str], dict | None]
-
-
-def written_types(schema: Any) -> set[str]:
-    """The types a schema allows, as it spells them (`type`, its `enum`'s values, anyOf/oneOf/allOf);
-    {"string"} where it gives none."""
-    if not isinstance(schema, dict):
-        return {"string"}
-    kind = schema.get("type")
-    types = {kind} if isinstance(kind, str) else set()
-    types |= {t for t in kind if isinstance(t, str)} if isinstance(kind, list) else set()
-    enum = schema.get("enum")
-    for value in enum if isinstance(enum, list) else ():
-        types.add("null" if value is None else "boolean" if isinstance(value, bool) else "integer"
-                  if isinstance(value, int) else "number" if isinstance(value, float) else "string"
-                  if isinstance(value, str) else "array" if isinstance(value, list) else "object"
-                  if isinstance(value, dict) else "")
-    for choices in ("anyOf", "oneOf", "allOf"):
-        for choice in schema.get(choices) if isinstance(schema.get(choices), list) else ():
-            types |= written_types(choice)
-    return (types - {""}) or {"string"}
-
-
-def coerce_as(text: str, types: set[str]):
-    """`text` read as the first of `types` (spelled as a schema or a model may spell them) that reads it."""
-    return coerce(text, {_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types})
 
 
 def xml_value(text: str, schema: Any, written: str | None):
     """An XML value as its schema (a dict, or None) and its written type (`xml_typed`) type it."""
     base = written.split("[", 1)[0].strip().lower() if written else None
-    types = written_types(schema)
+    types = schema_types(schema)
     if isinstance(schema, dict):
         if base in types and len(types) > 1:
             types = {base}
@@ -100,15 +68,15 @@ def xml_value(text: str, schema: Any, written: str | None):
         return text
     elif base:
         types = {base}
-    return coerce_as(text if "string" in types else text.strip(), types)
+    return coerce(text if "string" in types else text.strip(), types)
 
 
 def json_value(value: Any, schema: Any):
     """A JSON call's value as its schema types it: as written where there is none."""
     if not isinstance(schema, dict):
         return value
-    return coerce_as(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False),
-                     written_types(schema))
+    return coerce(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False),
+                  schema_types(schema))
 
 
 def _name(written: Any, known: Callable[[str], bool] | None) -> str:

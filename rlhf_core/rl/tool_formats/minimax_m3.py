@@ -22,10 +22,10 @@ parameters before the fault).
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from rlhf_core.rl.tool_formats.common import Calls, _NotACall
+from rlhf_core.rl.tool_formats.schema_types import coerce, schema_types
 
 MINIMAX_M3_NS = "]<]minimax[>["
 MINIMAX_M3_CALLS, MINIMAX_M3_CALLS_END = f"{MINIMAX_M3_NS}<tool_call>", f"{MINIMAX_M3_NS}</tool_call>"
@@ -79,75 +79,6 @@ def _parameters(body: str) -> list[tuple[str, Element]]:
         name, value, at = _element(body, at, 1)
         out.append((name, value))
     return out
-
-
-_ALIASES = {"str": "string", "text": "string", "enum": "string", "int": "integer", "long": "integer",
-            "float": "number", "double": "number", "bool": "boolean", "dict": "object", "list": "array",
-            "arr": "array"}
-_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
-
-
-def schema_types(schema: Any) -> set[str]:
-    """The JSON types a schema allows (`type`, an `enum`'s values, anyOf/oneOf/allOf); {"string"}
-    where it says none."""
-    if not isinstance(schema, dict):
-        return {"string"}
-    kind = schema.get("type")
-    types = {kind} if isinstance(kind, str) else {t for t in kind or () if isinstance(t, str)}
-    for value in schema.get("enum") or ():
-        types.add("null" if value is None else "boolean" if isinstance(value, bool) else "integer"
-                  if isinstance(value, int) else "number" if isinstance(value, float) else "string"
-                  if isinstance(value, str) else "array" if isinstance(value, list) else "object")
-    for choices in ("anyOf", "oneOf", "allOf"):
-        for choice in schema.get(choices) or ():
-            types |= schema_types(choice)
-    return {_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types} or {"string"}
-
-
-def _finite(value) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(map(_finite, value))
-    if isinstance(value, dict):
-        return all(map(_finite, value.values()))
-    return True
-
-
-def coerce(text: str, types: set[str]):
-    """`text` as the first of `types` (in null, integer, number, boolean, object, array, string
-    order) that reads it; failing all, JSON if it is, else the text."""
-    for kind in (k for k in _PRIORITY if k in types):
-        if kind == "string":
-            return text
-        if kind == "null" and text.lower() == "null":
-            return None
-        if kind == "integer":
-            try:
-                return int(text)
-            except ValueError:
-                continue
-        if kind == "number":
-            try:
-                number = float(text)
-            except ValueError:
-                continue
-            if math.isfinite(number):
-                return int(number) if number == int(number) else number
-        if kind == "boolean" and text.lower().strip() in ("true", "1", "false", "0"):
-            return text.lower().strip() in ("true", "1")
-        if kind in ("object", "array"):
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                continue
-            if _finite(parsed):
-                return parsed
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return text
-    return parsed if _finite(parsed) else text
 
 
 def _container(schema: dict) -> tuple[str, dict] | None:
