@@ -2,8 +2,8 @@
 
 `rlhf train ppo` from the `champion` (else SFT, or SFT with `start_from: sft`) with SFT as the
 reference (the KL keeps the policy near SFT however many runs continue it) and the run's reward
-model (or, with `online.reward: verifier`, prep's task verifier) -> `rlhf eval` against SFT -> a new `rlhf-policy` version, promoted to `champion` only when
-`evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
+model (or, with `online.reward: verifier`, prep's task verifier) -> `rlhf eval` against SFT -> a
+new `rlhf-policy` version, promoted to `champion` only when `evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
 drawn per pipeline run unless `online.seed` pins it: fresh prompts, never the previous run's cache.
 The round stops where the reward-hacking guard fires (`online.stop_on_hacking`, default on): from
 the default pipeline's champion, a round against the run's reward model trained the held-out
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 
-from flows.jobs import eval_job, policy_metric, ppo_job, starting_policy
+from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, starting_policy
 from flows.params import EvalParams, OnlineRLParams, PipelinePPOConfig, PipelineSettings, PrepParams
 from orchestration import lineage
 from orchestration.reports import publish_eval_report
@@ -27,7 +27,10 @@ def run_online(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
     policy = starting_policy(online.start_from, sft)
     seed = online.seed if online.seed is not None else zlib.crc32(ctx.parent_run_id.encode()) % 2**31
     values = _with_seed(ppo, seed)
-    if online.reward == "verifier" and not ppo.reward.sources:
+    if online.reward == "verifier":
+        if ppo.reward.sources:
+            raise PipelineError(f"online.reward verifier: the `ppo` section names its own reward "
+                                f"({', '.join(ppo.reward.sources)}); give one of them")
         values["reward"]["task"] = prep.task  # right or wrong by the task's verifier, not the reward model
     cfg = PipelinePPOConfig.model_validate(values)
     trained = outcomes["ppo-online"] = run(ppo_job(ctx, settings, prep, cfg, need, name="ppo-online",

@@ -488,6 +488,17 @@ class TensorParallel(StrictModel):
                                       "are the ranks / this); with ZeRO 0-2", json_schema_extra=flat(
                                           "ds_tensor_parallel_size"))
 
+    def layout_problem(self, ranks: int, where: str, tensor_parallel: bool = True) -> str | None:
+        """Why `ranks` ranks (`where`: what they are) cannot hold this layout's blocks of ranks that see
+        the same batches, a ring's times a tensor-parallel group's (`tensor_parallel`: where AutoTP
+        splits the model), or None."""
+        tp = self.tensor_parallel_size if tensor_parallel else 1
+        if ranks % (tp * self.ring_attn_size) == 0:
+            return None
+        sizes = [f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}"] * (tp > 1) + \
+            [f"--ds.ring_attn_size (--ring_attn_size) {self.ring_attn_size}"] * (self.ring_attn_size > 1)
+        return f"{' x '.join(sizes)} must divide the {where}"
+
     def tensor_parallel_problems(self) -> list[str]:
         """What DeepSpeed's AutoTP cannot combine with (`--ds.tensor_parallel_size` > 1)."""
         found = []
@@ -603,11 +614,10 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
             # OpenRLHF's launcher starts a rank per GPU of the node; here the ranks are asked for:
             # a tensor-parallel (or ring) size alone asks for one group of that many per node
             object.__setattr__(self.train, "num_gpus_per_node", tp * ring)
-        if self.world_size % (tp * ring):
-            sizes = [f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp}"] * (tp > 1) + \
-                [f"--ds.ring_attn_size (--ring_attn_size) {ring}"] * (ring > 1)
-            raise ValueError(f"{' x '.join(sizes)} must divide the ranks (--train.num_nodes x "
-                             f"--train.num_gpus_per_node = {self.world_size})")
+        layout = self.ds.layout_problem(self.world_size, f"ranks (--train.num_nodes x --train.num_gpus_per_node = "
+                                                         f"{self.world_size})")
+        if layout:
+            raise ValueError(layout)
         per_step = self.train.micro_batch_size * self.data_parallel_size
         if self.train.batch_size % per_step:
             raise ValueError(

@@ -715,16 +715,11 @@ class PPOConfig(TrainingStageConfig):
                 continue
             if placement.world_size == 1 and "num_gpus_per_node" not in placement.model_fields_set:
                 set_(placement, "num_gpus_per_node", ring * tp)
-            if placement.world_size % ring:
-                problems.append(f"--ds.ring_attn_size (--ring_attn_size) {ring} must divide the {role} ranks "
-                                f"({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
-            if role in TRAINED_ROLES and placement.world_size % tp:
-                problems.append(f"--ds.tensor_parallel_size (--ds_tensor_parallel_size) {tp} must divide the {role} "
-                                f"ranks ({placement.world_size}: --{role}.num_nodes x --{role}.num_gpus_per_node)")
-            elif role in TRAINED_ROLES and ring > 1 and placement.world_size % (ring * tp):
-                problems.append(f"--ds.ring_attn_size {ring} x --ds.tensor_parallel_size {tp} (a ring of tensor-parallel "
-                                f"groups) must divide the {role} ranks ({placement.world_size}: --{role}.num_nodes x "
-                                f"--{role}.num_gpus_per_node)")
+            layout = self.ds.layout_problem(placement.world_size, f"{role} ranks ({placement.world_size}: "
+                                            f"--{role}.num_nodes x --{role}.num_gpus_per_node)",
+                                            tensor_parallel=role in TRAINED_ROLES)
+            if layout:
+                problems.append(layout)
         if ring > 1 and actor.aux_loss_coef > 0:
             problems.append("--ds.ring_attn_size (--ring_attn_size) with --actor.aux_loss_coef (--aux_loss_coef): "
                             "each rank of a ring sees part of every row, so its router statistics are not the "

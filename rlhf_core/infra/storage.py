@@ -661,6 +661,7 @@ def local_copy(uri: str, cache_root: str | Path, keep: Callable[[str], bool] | N
 
 
 DOWNLOAD_ATTEMPTS = 3
+COMPLETE = ".complete"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".onnx")
 
 
@@ -668,8 +669,6 @@ def tokenizer_file(rel: str) -> bool:
     """Whether a model folder's file (its path relative to the folder) is one its tokenizer may read:
     at the top level, holding no weights."""
     return "/" not in rel and not rel.endswith(_WEIGHT_SUFFIXES)
-
-COMPLETE = ".complete"
 
 
 @contextmanager

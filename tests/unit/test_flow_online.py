@@ -64,3 +64,13 @@ def test_online_rl_continues_from_the_champion_against_sft_and_promotes_only_on_
     verified = yaml.safe_load(job.config_yaml)
     assert verified["reward"]["task"] == PrepParams().task and verified["reward"]["model_name_or_path"] is None
     assert "reward" not in job.upstream and verified["critic"]["model_name_or_path"] == champion.output_uri
+    # the verifier asked for beside a reward the `ppo` section names: refused, not silently dropped
+    import pytest
+
+    from flows.jobs import PipelineError
+
+    with pytest.raises(PipelineError, match=r"online.reward verifier: the `ppo` section names its own reward \(remote"):
+        online_flow.run_online(flow_ctx(tmp_path), PipelineSettings(), PrepParams(),
+                               PipelinePPOConfig.model_validate({"reward": {"remote_url": "r.py"}}), EvalParams(),
+                               OnlineRLParams(reward="verifier"), {n: outcome(n, tmp_path) for n in
+                                                                   ("prep", "sft", "rm")}.__getitem__, None, {})

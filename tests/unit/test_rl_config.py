@@ -252,7 +252,8 @@ def test_tensor_parallelism_splits_the_trained_roles_and_runs_the_frozen_ones_wh
                         ("--ds_tensor_parallel_size 2 --zero_stage 3", "does not shard its layers under ZeRO-3"),
                         ("--ds_tensor_parallel_size 2 --lora_rank 4", "AutoTP replaces the linear layers LoRA adapts"),
                         ("--ds_tensor_parallel_size 2 --ring_attn_size 2 --actor_num_gpus_per_node 6",
-                         r"a ring of tensor-parallel groups\) must divide the actor ranks \(6"),
+                         r"--ds_tensor_parallel_size\) 2 x --ds.ring_attn_size \(--ring_attn_size\) 2 must divide "
+                         r"the actor ranks \(6"),
                         ("--ds_tensor_parallel_size 2 --actor_num_gpus_per_node 4 --critic_num_gpus_per_node 4 "
                          "--train_batch_size 8 --micro_train_batch_size 8",
                          r"--train.micro_batch_size x actor ranks / --ds.tensor_parallel_size 2 \(8 x 2")]:
