@@ -22,7 +22,8 @@ after (200 prompts x 4 samples at T = 1; 67 more are the selection share). Runs
 alternate (sync, async, sync, ...); every run is printed, then the medians and the ratio. Nothing
 is asserted about time (benchmarks/README.md).
 
-Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--partial] [--work_dir DIR]
+Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--partial] [--default_micro_batches]
+       [--work_dir DIR]
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def run(side: str, args, setting: dict, work: Path, env: dict, index: int) -> di
            "--data.prompt_dataset", f"json@{setting['prompts']}", "--eval.dataset", f"json@{setting['prompts']}",
            "--eval.temperature", "1.0", "--eval.n_samples_per_prompt", "4", "--eval.task", "sort",
            "--reward.task", "sort", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
-           "--rollout.batch_size", "32", "--train.batch_size", "64", "--train.micro_batch_size", "32",
-           "--rollout.micro_batch_size", "64", "--actor.adam.lr", "1e-4", "--algo.kl.init_coef", "0",
+           "--rollout.batch_size", "32", "--train.batch_size", "64",
+           *([] if args.default_micro_batches else ["--train.micro_batch_size", "32", "--rollout.micro_batch_size", "64"]),
+           "--actor.adam.lr", "1e-4", "--algo.kl.init_coef", "0",
            "--train.max_steps", str(args.steps), "--ds.param_dtype", "fp32", "--train.seed", "0",
            "--logger.logging_steps", "1", "--use_mlflow", "false", "--ckpt.output_dir", str(out)]
     if side == "async":
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--queue", type=int, default=1, help="--train.async_queue_size of the async runs")
     p.add_argument("--partial", action="store_true", help="the async runs with --train.partial_rollout_enable")
+    p.add_argument("--default_micro_batches", action="store_true",
+                   help="no micro-batch flags: both sides size micro-batches by the default token budget")
     p.add_argument("--work_dir", default=None, help="kept between runs (the SFT model is reused)")
     args = p.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-async-")).resolve()
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
                             "greedy_after")}
            for side in ("sync", "async")}
     print(f"\nMachine: {describe_hardware()}; fp32; actor and engine on one CPU each (Ray); {args.steps} steps, "
-          f"queue {args.queue}{', partial rollouts' if args.partial else ''}, {args.repeats} run(s) a side")
+          f"queue {args.queue}{', partial rollouts' if args.partial else ''}"
+          f"{', default micro-batches' if args.default_micro_batches else ''}, {args.repeats} run(s) a side")
     print("| side | training steps/s | RL loop steps/s (with its evaluations) | whole process s | held-out sampled "
           "accuracy before -> after | greedy after |")
     print("|---|---|---|---|---|---|")
