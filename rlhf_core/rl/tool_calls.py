@@ -8,7 +8,7 @@ Each parser returns `(content, [(name, arguments as a JSON string), ...])`, read
 of the same name reads a whole completion: if any call is malformed, nothing is a call and the
 whole text is content, unless its module says otherwise (minicpm5, poolside_v1, muse_glimmer and hf
 keep the well-formed calls beside malformed ones, as vLLM's readers do). DeepSeek's DSML formats and
-dots.llm's (`TYPED_AS_READ`) are given the typing as they read, since only the values they mark as
+dots.llm's (`BY_REQUEST`) are given the typing as they read, since only the values they mark as
 not strings (dots: those of its XML calls) are typed.
 
 `detect(chat_template)` names the format a template teaches, by the markers it writes (Llama 3.2's
@@ -171,17 +171,17 @@ PARSERS: dict[str, Callable[[str], Calls]] = {
 # formats that write every argument value as text
 TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45", "glm47", "ling3", "minimax_m2",
                          "seed_oss", "step3", "hy_v3", "hy_v4"})
-# formats that mark which values are strings: read with the typing of the others (`read_dsml`)
-TYPED_AS_READ: dict[str, Callable[[str, Typing], Calls]] = {
-    "deepseek_v32": lambda text, typed: read_dsml(text, DSML_FUNCTION_CALLS, typed),
-    "deepseek_v4": lambda text, typed: read_dsml(text, DSML_TOOL_CALLS, typed),
-    "deepseek_v41": lambda text, typed: read_dsml(text, DSML_V41_CALLS, typed),
-    "dots": read_dots}  # its invokes' values are text, its JSON calls' typed as written
-# formats read with the request's tools in their own way (as vLLM's reader of each does): values
-# typed or nested elements shaped by each tool's parameter schemas (`properties_of(name)`), a call
-# named after no tool of the request's refused (k2_horizon, where the request has tools), or a
-# doubled name `X.X` read as the tool `X` (muse_glimmer)
+# formats read with the request's tools in their own way (as vLLM's reader of each does): DeepSeek's
+# DSML and dots.llm's mark which values are strings and type the others as they read (`read_dsml`,
+# `read_dots`: dots' invokes' values are text, its JSON calls' typed as written); values typed or
+# nested elements shaped by each tool's parameter schemas (`properties_of(name)`); a call named
+# after no tool of the request's refused (k2_horizon, where the request has tools); a doubled name
+# `X.X` read as the tool `X` (muse_glimmer)
 BY_REQUEST: dict[str, Callable[[str, list[dict] | None], Calls]] = {
+    "deepseek_v32": lambda text, tools: read_dsml(text, DSML_FUNCTION_CALLS, _typing(tools)),
+    "deepseek_v4": lambda text, tools: read_dsml(text, DSML_TOOL_CALLS, _typing(tools)),
+    "deepseek_v41": lambda text, tools: read_dsml(text, DSML_V41_CALLS, _typing(tools)),
+    "dots": lambda text, tools: read_dots(text, _typing(tools)),
     "minimax_m3": lambda text, tools: read_minimax_m3(text, _properties_of(tools)),
     "minicpm5": lambda text, tools: read_minicpm5(text, _properties_of(tools)),
     "inkling": lambda text, tools: read_inkling(text, _properties_of(tools)),
@@ -189,6 +189,10 @@ BY_REQUEST: dict[str, Callable[[str, list[dict] | None], Calls]] = {
     "k2_horizon": lambda text, tools: read_k2_horizon(
         text, _properties_of(tools), known=tool_names(tools).__contains__ if tools else None),
     "muse_glimmer": lambda text, tools: read_muse_glimmer(text, tool_names(tools))}
+
+
+def _typing(tools: list[dict] | None) -> Typing:
+    return lambda name, arguments: typed_arguments(name, arguments, tools)
 
 
 def _properties_of(tools: list[dict] | None) -> Callable[[str], dict | None]:
@@ -201,14 +205,11 @@ RESPONSE_TEMPLATE = "hf"
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
-    """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes values as text has
-    them typed by the request's tool schemas (`typed_arguments`), all of them (TEXT_VALUED) or those
-    it does not mark as strings (TYPED_AS_READ); others read the request's tools their own way
-    (BY_REQUEST)."""
+    """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes every value as text
+    has them typed by the request's tool schemas (TEXT_VALUED, `typed_arguments`); others read the
+    request's tools their own way (BY_REQUEST)."""
     if fmt in BY_REQUEST:
         return BY_REQUEST[fmt](text, tools)
-    if fmt in TYPED_AS_READ:
-        return TYPED_AS_READ[fmt](text, lambda name, arguments: typed_arguments(name, arguments, tools))
     content, calls = PARSERS[fmt](text)
     if fmt in TEXT_VALUED:
         calls = [(name, typed_arguments(name, arguments, tools)) for name, arguments in calls]
