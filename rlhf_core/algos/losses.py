@@ -534,6 +534,40 @@ def is_correction_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: 
     return torch.where(keep, weights, 0.0)
 
 
+def corrected_policy_loss(
+    surrogate,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    rollout_logprobs: Tensor | None = None,
+    correction: ISCorrectionType | str | None = None,
+    low: float = 0.5,
+    high: float = 5.0,
+    per_sequence: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The actor's per-token policy loss, corrected for the engine sampling from another policy.
+
+    surrogate: a `surrogate_loss(...)`; logprobs, old_logprobs, advantages, mask as `policy_loss`;
+    rollout_logprobs: `(B, T)` the engine's log-probs of the sampled tokens (its sampling
+    distribution: another kernel, or in asynchronous training an older policy). With no
+    `correction`, the surrogate of (logprobs, old_logprobs). With one: a per-token surrogate is
+    multiplied by `is_correction_weights(old_logprobs, rollout_logprobs, ...)`, so that samples
+    drawn from the engine's distribution weigh as if drawn from the trainer's old policy; a
+    per-sequence ratio (GSPO) takes the engine's log-probs as its old policy instead, without
+    weights. Returns `(loss, clipped, weights)`; `weights` is None where none were applied.
+    """
+    if correction is None:
+        return *surrogate(logprobs, old_logprobs, advantages, mask), None
+    if rollout_logprobs is None:
+        raise ValueError("an engine/trainer correction needs the engine's log-probs of the sampled tokens")
+    if per_sequence:
+        return *surrogate(logprobs, rollout_logprobs, advantages, mask), None
+    loss, clipped = surrogate(logprobs, old_logprobs, advantages, mask)
+    weights = is_correction_weights(old_logprobs, rollout_logprobs, mask, correction, low, high)
+    return loss * weights, clipped, weights
+
+
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None = None
 ) -> Tensor:

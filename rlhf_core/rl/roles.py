@@ -28,9 +28,9 @@ import torch
 from rlhf_core.algos.losses import (
     RATIO_LOG_CLAMP,
     aggregate_loss,
+    corrected_policy_loss,
     entropy_from_logits,
     gather_token_logprobs,
-    is_correction_weights,
     kl_penalty,
     loss_units,
     surrogate_loss,
@@ -416,16 +416,14 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             if bool(on_policy.any()):
                 old = torch.where(on_policy[:, None], logprobs.detach().float(), old)
             advantages = stack([s.advantages for s in chunk], width).to(self.device)
-            stats, behaviour = {}, old
+            stats, engine_lp, kind = {}, None, None
             if correction.is_correction_enable:  # the engine's log-probs: its sampling distribution
                 engine_lp = stack([s.rollout_logprobs for s in chunk], width).to(self.device)
                 stats["engine_gap_tokens"] = ((engine_lp - old) * mask).sum()  # OpenRLHF's vllm_kl
-                if sequence_ratio:  # GSPO: its sequence ratio against the engine's log-probs, no weights
-                    behaviour = engine_lp
-            loss, clipped = surrogate(logprobs, behaviour, advantages, mask)
-            if correction.is_correction_enable and not sequence_ratio:
-                weights = is_correction_weights(old, engine_lp, mask, correction.is_correction_type, *bounds)
-                loss = loss * weights
+                kind = correction.is_correction_type
+            loss, clipped, weights = corrected_policy_loss(surrogate, logprobs, old, advantages, mask, engine_lp, kind,
+                                                           *bounds, per_sequence=sequence_ratio)
+            if weights is not None:
                 stats["is_weight_tokens"] = (weights * mask).sum()
                 stats["is_dropped_tokens"] = ((weights == 0) * mask).sum()
             stats.update({"policy_loss": aggregate_loss(loss, mask, mode, norm_length).detach(),

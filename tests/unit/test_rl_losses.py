@@ -9,12 +9,14 @@ import torch
 from rlhf_core.algos.losses import (
     aggregate_loss,
     cispo_loss,
+    corrected_policy_loss,
     entropy_from_logits,
     gspo_loss,
     is_correction_weights,
     loss_units,
     policy_loss,
     sapo_loss,
+    surrogate_loss,
     value_loss,
 )
 from rlhf_core.algos.names import LossAggMode
@@ -352,3 +354,41 @@ def test_aggregate_loss_matches_loop_reference(mode):
     mask = right_padded_mask(lengths, T)
     got = aggregate_loss(torch.tensor(loss, dtype=torch.float64), mask, mode, L_max) / loss_units(mask.sum(-1), mode)
     assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def _expected_ascent(theta, behaviour, rewards, kind):
+    """The policy-gradient step direction the actor's loss gives, in expectation over samples that a
+    `behaviour` policy drew: one row per action, weighted (the mask) by the engine's probability of
+    sampling it, with GRPO's group baseline (the sampled rewards' mean). `kind` None: no correction."""
+    theta = theta.clone().requires_grad_()
+    logp = theta.log_softmax(0)[:, None]
+    engine_logp = behaviour.log()[:, None]
+    advantages = (rewards - (behaviour * rewards).sum())[:, None]
+    loss, _, weights = corrected_policy_loss(surrogate_loss("ppo"), logp, logp.detach(), advantages,
+                                             behaviour[:, None], engine_logp, kind)
+    aggregate_loss(loss, behaviour[:, None], "token-mean").backward()
+    return -theta.grad, weights
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_stale_samples_bias_the_update_and_the_correction_removes_it(kind):
+    """Asynchronous training with high staleness: the engine sampled with a policy several versions
+    old. Without correction the actor's update is the old policy's gradient, which here raises an
+    action that the current policy should lower (its reward 0.6 is below the current policy's mean
+    0.70, above the old one's 0.48). The correction makes the update the current policy's exact
+    gradient (every weight inside the thresholds, so none is clipped)."""
+    rewards = torch.tensor([1.0, 0.6, 0.0, 0.0])
+    theta = torch.tensor([0.58, 0.2, 0.11, 0.11]).log()  # the policy being trained
+    stale = torch.tensor([0.3, 0.3, 0.2, 0.2])  # the policy the engine sampled with
+    exact = theta.clone().requires_grad_()
+    (exact.softmax(0) * rewards).sum().backward()  # ∇ of the current policy's expected reward
+    on_policy = exact.grad
+
+    uncorrected, no_weights = _expected_ascent(theta, stale, rewards, None)
+    assert no_weights is None
+    assert on_policy[1] < 0 < uncorrected[1]  # the stale update raises the action it should lower
+    assert (uncorrected - on_policy).norm() > 0.3 * on_policy.norm()
+
+    corrected, weights = _expected_ascent(theta, stale, rewards, kind)
+    assert_close(weights.squeeze(1), theta.softmax(0) / stale)  # π/μ: none clipped or dropped
+    assert_close(corrected, on_policy, atol=1e-6, rtol=1e-5)
