@@ -365,7 +365,7 @@ class RLController:
                                *(("rollout/staleness",) if self.ahead.depth else ()), "train/policy_loss",
                                "train/value_loss", "perf/samples_per_s")
                               if k in metrics)
-            shown += " | s: " + " ".join(f"{k}={v:.1f}" for k, v in times.items())
+            shown += " | s: " + " ".join(f"{k}={v:.2f}" for k, v in times.items())
             print(f"[rl step {self.step + 1}/{self.rollout_steps}] {shown}", file=sys.stderr, flush=True)
         return metrics
 

@@ -113,6 +113,19 @@ def _rows(wired: list) -> list[torch.Tensor]:
     return [from_wire(w) for w in wired]
 
 
+class TensorDict(dict):
+    """Tensors by name (a model's weights, as the actor sends them to the engines through Ray's
+    object store) that pickle through `to_wire`: a small model's hundred tensors otherwise cost
+    a serialized file each, every weight sync."""
+
+    def __reduce__(self):
+        return _named, ({k: to_wire(v) for k, v in self.items()},)
+
+
+def _named(wired: dict) -> dict[str, torch.Tensor]:
+    return {k: from_wire(w) for k, w in wired.items()}
+
+
 def prompt_groups(samples: list[RolloutSample]) -> list[list[int]]:
     """Indices of `samples` grouped by prompt (same prompt index and ids), in order of first appearance."""
     groups: dict[tuple, list[int]] = {}

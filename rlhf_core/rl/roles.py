@@ -51,7 +51,7 @@ from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model, partitioned, tensor_parallel
-from rlhf_core.rl.experience import RolloutSample, TensorRows, collate, stack, unstack
+from rlhf_core.rl.experience import RolloutSample, TensorDict, TensorRows, collate, stack, unstack
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
 from rlhf_core.trainers.checkpoints import rng_state
@@ -479,7 +479,7 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
             state = whole_state_dict(module, self.rank) or {}
         else:
             state = plain_state(module) if self.rank == 0 else {}
-        return self._as_checkpoint(state) if checkpoint_format and state else state
+        return TensorDict(self._as_checkpoint(state) if checkpoint_format and state else state)
 
     def _as_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from rlhf_core.models.loading import checkpoint_state_dict

@@ -51,6 +51,23 @@ def test_samples_and_returned_rows_cross_processes_as_arrays_and_arrive_equal_an
     assert [r.tolist() for r in pickle.loads(wire)] == [[1.0, 2.0, 3.0], [4.0]]
 
 
+def test_weights_sent_to_the_engines_cross_as_arrays_and_load_as_they_were():
+    """The actor's `weights()` (each weight sync through Ray's object store): no torch storage
+    serialization; every tensor arrives equal, in its dtype, in memory the engine may load into."""
+    import pickle
+
+    from rlhf_core.rl.experience import TensorDict
+
+    state = TensorDict({"w": torch.randn(4, 3), "b": torch.randn(3).to(torch.bfloat16), "step": torch.tensor(7)})
+    wire = pickle.dumps(state, protocol=5)
+    assert b"_rebuild_tensor" not in wire and b"_load_from_bytes" not in wire
+    back = pickle.loads(wire)
+    assert back.keys() == state.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
+    back["w"].zero_()
+    assert state["w"].abs().sum() > 0
+
+
 # A reward with variance inside every group (a digest of the response): group advantages are not
 # zero, so the PPO ratio, and through it the old log-probs, shape every update.
 REWARD_FILE = """
