@@ -11,7 +11,9 @@ from __future__ import annotations
 
 
 def shards(items: list, world_size: int, *, pad: bool) -> list[list]:
-    """`items` in `world_size` equal contiguous shards (see the module docstring for `pad`)."""
+    """`items` in `world_size` equal contiguous shards (see the module docstring for `pad`), each of
+    the type of `items` where that is a list (a list type may pickle its own way)."""
+    kind = type(items) if isinstance(items, list) else list
     if pad:
         if not items:
             raise ValueError("an empty batch has nothing to shard")
@@ -19,7 +21,7 @@ def shards(items: list, world_size: int, *, pad: bool) -> list[list]:
         items = list(items) + [items[-1]] * (size * world_size - len(items))
     else:
         size = len(items) // world_size
-    return [items[r * size : (r + 1) * size] for r in range(world_size)]
+    return [kind(items[r * size : (r + 1) * size]) for r in range(world_size)]
 
 
 def share(items: list, rank: int, world_size: int) -> list:

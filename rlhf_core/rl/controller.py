@@ -40,7 +40,7 @@ from rlhf_core.infra.not_applied import not_applied, say_once
 from rlhf_core.rl import checkpoint, guard, selection
 from rlhf_core.rl.agents import agent_stats
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
-from rlhf_core.rl.experience import RolloutSample, stack, step_reward_matrix, unstack
+from rlhf_core.rl.experience import RolloutSample, Samples, stack, step_reward_matrix, unstack
 from rlhf_core.rl.partial import sample_in_segments, staleness_stats
 from rlhf_core.rl.plan import StepPlan
 from rlhf_core.rollout.base import Budget, budget_slice
@@ -453,12 +453,12 @@ class RLController:
         # In the first epoch's training order, so each chunk is packed once for every pass (`collate`).
         order = plan.experience_order(self.actor.data_parallel_size)
         left = plan.on_policy(self.actor.data_parallel_size)
-        arranged = [samples[i] for i in order]
+        arranged = Samples(samples[i] for i in order)
         recomputed = [i for i in order if i not in left]
         # With top-k/top-p the engines report log-probs of the filtered distribution: the policy's
         # pass gives those as well, to compare like with like (`roles.PolicyRole._logprobs`).
         sampled = filtering(cfg.rollout.top_k, cfg.rollout.top_p)
-        futures = {"old": self.actor.call_sharded_async("logprobs", [samples[i] for i in recomputed], sampled=sampled)}
+        futures = {"old": self.actor.call_sharded_async("logprobs", Samples(samples[i] for i in recomputed), sampled=sampled)}
         if self.ref is not None:
             futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
@@ -517,7 +517,7 @@ class RLController:
     @staticmethod
     def _train_role(group, samples: list[RolloutSample], plan: StepPlan, **kwargs):
         work = plan.work(group.data_parallel_size)  # the ranks of a ring (models/ring.py) take the same
-        return group.call_each_async("train_step", [(([samples[i] for i in w.samples], w.epochs), kwargs)
+        return group.call_each_async("train_step", [((Samples(samples[i] for i in w.samples), w.epochs), kwargs)
                                                     for w in work for _ in range(group.world_size // len(work))])
 
     def sync_weights(self, force: bool = False) -> None:

@@ -113,6 +113,55 @@ def _rows(wired: list) -> list[torch.Tensor]:
     return [from_wire(w) for w in wired]
 
 
+class Samples(list):
+    """RolloutSamples (a role's share of a step) that cross a process boundary column by column:
+    each per-token tensor field of every sample in one array with the samples' lengths, the other
+    fields as lists. A step's 128 samples pickle in a fraction of the time they take one by one
+    (each small array has its own fixed cost); they arrive as `RolloutSample`s equal to the sent."""
+
+    def __reduce__(self):
+        return _samples, (len(self), _columns(self))
+
+
+class _Column:
+    """One field's 1-D CPU tensors of every sample, concatenated (`to_wire`), and their lengths."""
+
+    __slots__ = ("lengths", "values")
+
+    def __init__(self, values, lengths: list[int]):
+        self.values, self.lengths = values, lengths
+
+    def __reduce__(self):
+        return _Column, (self.values, self.lengths)
+
+
+def _columns(samples: list[RolloutSample]) -> dict:
+    out = {}
+    for name in vars(samples[0]) if samples else ():
+        values = [vars(s)[name] for s in samples]
+        if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.device.type == "cpu" and not v.requires_grad
+               and v.dtype == values[0].dtype for v in values):
+            out[name] = _Column(to_wire(torch.cat(values)), [len(v) for v in values])
+        else:
+            out[name] = [to_wire(v) for v in values]
+    return out
+
+
+def _samples(count: int, columns: dict) -> list[RolloutSample]:
+    fields = {}
+    for name, column in columns.items():
+        if isinstance(column, _Column):
+            fields[name] = list(from_wire(column.values).split(column.lengths))  # views of one buffer of its own
+        else:
+            fields[name] = [from_wire(v) for v in column]
+    out = []
+    for i in range(count):
+        sample = RolloutSample.__new__(RolloutSample)
+        sample.__dict__.update({name: values[i] for name, values in fields.items()})
+        out.append(sample)
+    return Samples(out)
+
+
 class TensorDict(dict):
     """Tensors by name (a model's weights, as the actor sends them to the engines through Ray's
     object store) that pickle through `to_wire`: a small model's hundred tensors otherwise cost

@@ -51,6 +51,34 @@ def test_samples_and_returned_rows_cross_processes_as_arrays_and_arrive_equal_an
     assert [r.tolist() for r in pickle.loads(wire)] == [[1.0, 2.0, 3.0], [4.0]]
 
 
+def test_a_share_of_samples_crosses_column_by_column_and_arrives_equal():
+    """A role's share of a step (`Samples`): each per-token field of every sample in one array, the
+    rest as lists; the samples arrive equal (a field that is None in some samples too), in memory of
+    their own, and a shard of a `Samples` is one (`sharding.shards`)."""
+    import pickle
+
+    from rlhf_core.distributed.sharding import shards
+    from rlhf_core.rl.experience import RolloutSample, Samples, _Column
+
+    sent = Samples(RolloutSample([1, 5], list(range(n)), n, torch.randn(n), n % 2 == 0, reward=float(n),
+                                 old_logprobs=None if n == 3 else torch.randn(n).to(torch.bfloat16),
+                                 advantages=torch.randn(n), extra={"turn": n}) for n in (2, 3, 5))
+    wire = pickle.dumps(sent, protocol=5)
+    assert b"_rebuild_tensor" not in wire and b"_load_from_bytes" not in wire
+    assert isinstance(sent.__reduce__()[1][1]["advantages"], _Column)  # one array for the field
+    back = pickle.loads(wire)
+    assert isinstance(back, Samples) and len(back) == 3
+    for a, b in zip(sent, back, strict=True):
+        assert vars(a).keys() == vars(b).keys()
+        for k, v in vars(a).items():
+            assert (torch.equal(v, vars(b)[k]) and v.dtype == vars(b)[k].dtype) if isinstance(v, torch.Tensor) \
+                else v == vars(b)[k]
+    back[0].advantages.add_(1)
+    assert not torch.equal(back[0].advantages, sent[0].advantages)
+    assert torch.equal(back[1].advantages, sent[1].advantages)  # a view of its own sample's values only
+    assert all(isinstance(part, Samples) for part in shards(sent, 2, pad=True))
+
+
 def test_weights_sent_to_the_engines_cross_as_arrays_and_load_as_they_were():
     """The actor's `weights()` (each weight sync through Ray's object store): no torch storage
     serialization; every tensor arrives equal, in its dtype, in memory the engine may load into."""
