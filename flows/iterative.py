@@ -13,7 +13,9 @@ in bf16), the `dpo` section's 1e-4 (tuned from SFT) took the round to 72.5% at a
 SFT; 2e-5 held it at 78.5% (KL 0.17). Not measured in fp32 (a CPU without native bf16).
 
 A run starts from the `champion` (else SFT, or SFT with `start_from: sft`). Sampling is seeded per
-pipeline run unless `iterative.seed` pins it, so scheduled runs draw fresh pairs. Each round's
+pipeline run unless `iterative.seed` pins it, and the seed also picks which window of `n_prompts`
+training prompts a round samples (`prompt_window_index`), so scheduled runs draw fresh pairs on
+other prompts. Each round's
 stages name the previous policy as their upstream. A round that does not beat the champion ends
 the run (`iterative.stop_early`), and the summary says why (`stopped_early`). So does a round whose
 samples gave no pair (every prompt's samples scored alike, e.g. a policy the verifier never finds
@@ -44,6 +46,13 @@ def pairs_settings_hash(prep: PrepParams, iterative: IterativeDPOParams, round_s
     return params_hash(iterative, exclude=PAIRS_NOT_IN_KEY, task=prep.task, seed=round_seed)
 
 
+def prompt_window_index(prep: PrepParams, iterative: IterativeDPOParams, round_seed: int) -> int:
+    """Which window of `n_prompts` training prompts a round samples (`rlhf pairs --iter`): drawn by
+    the round's seed, so scheduled runs (a fresh seed each) and the rounds of one run (seed + r)
+    walk the training prompts rather than resampling the first `n_prompts` every time."""
+    return round_seed % max(1, prep.n_train // iterative.n_prompts)
+
+
 def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, dpo: DPOConfig,
                evaluation: EvalParams, iterative: IterativeDPOParams, need, run, outcomes: dict) -> dict:
     prep_outcome, sft = need("prep"), need("sft")
@@ -57,7 +66,8 @@ def run_rounds(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParam
         out = ctx.output(name)
         args = ["pairs", "--pretrain", policy.output_uri, "--dataset", paths["prompts"], "--task", prep.task,
                 "--reward", iterative.reward, "--n_samples_per_prompt", str(iterative.n_samples_per_prompt),
-                "--temperature", str(iterative.temperature), "--max_samples", str(iterative.n_prompts),
+                "--temperature", str(iterative.temperature),
+                "--iter", str(prompt_window_index(prep, iterative, seed + r)), "--rollout_batch_size", str(iterative.n_prompts),
                 "--num_engines", str(iterative.num_engines), "--allow_no_pairs",
                 "--seed", str(seed + r), "--save_path", out, "--mlflow_experiment", ctx.experiment,
                 "--mlflow_run_name", name]

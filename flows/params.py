@@ -278,7 +278,8 @@ class IterativeDPOParams(StrictModel):
     """Online DPO rounds: sample from the current policy, score, pair best vs worst, train DPO, evaluate."""
 
     rounds: int = Field(1, gt=0)
-    n_prompts: int = Field(512, gt=0, description="Training prompts sampled per round")
+    n_prompts: int = Field(512, gt=0, description="Training prompts sampled per round: a window of the training "
+                           "prompts that the round's sampling seed picks (scheduled runs sample other prompts)")
     n_samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
     num_engines: int = ROUND_ENGINES

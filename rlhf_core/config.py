@@ -1061,6 +1061,10 @@ def _check_policy_names(names: list[str]) -> None:
         raise ConfigError(f"--policy_names: {', '.join(repeated)} given more than once; names must be unique")
 
 
+PROMPT_WINDOW = Field(None, ge=0, description="Generate for prompts [iter x rollout_batch_size, (iter + 1) x "
+                      "rollout_batch_size) only")
+
+
 class PairsConfig(RolloutStageConfig):
     """`rlhf pairs`: sample the policy, score, keep (best, worst) per prompt: online/iterative DPO data."""
 
@@ -1076,6 +1080,8 @@ class PairsConfig(RolloutStageConfig):
     allow_no_pairs: bool = Field(False, description="Where every prompt's samples score alike, publish an empty "
                                  "train.jsonl (pairs/num_pairs 0) and exit 0 instead of failing with exit 2: an "
                                  "iterative-DPO round then ends the run, saying why")
+    iter: int | None = PROMPT_WINDOW
+    rollout_batch_size: int = Field(512, gt=0, description="Prompts per --iter window")
 
     @model_validator(mode="after")
     def _check_reward(self) -> PairsConfig:
@@ -1145,8 +1151,7 @@ class BatchInferenceConfig(StageConfig):
     num_engines: int = Field(1, ge=1, description="generate: rollout engines on Ray (a local one when no cluster is "
                              "given), each generating a contiguous share of the prompts; 1: one engine in this process")
     post_processor: PostProcessor | None = None
-    iter: int | None = Field(None, ge=0, description="Generate for prompts [iter x rollout_batch_size, (iter + 1) x "
-                             "rollout_batch_size) only")
+    iter: int | None = PROMPT_WINDOW
     rollout_batch_size: int = Field(2048, gt=0)
     normalize_reward: bool = Field(False, description="csft: z-score the rewards over all rows before writing them")
     reward_template: str | None = Field(None, description="csft: where {input} and {reward} go (default "

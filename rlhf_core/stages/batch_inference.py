@@ -54,6 +54,18 @@ def prompt_window(n_rows: int, iteration: int | None, rollout_batch_size: int) -
     return range(min(start, n_rows), min(start + rollout_batch_size, n_rows))
 
 
+def checked_window(n_rows: int, cfg) -> range:
+    """`prompt_window` of a stage's `--iter` and `--rollout_batch_size` over `--dataset`'s `n_rows`
+    prompts; a DataError naming them where the window starts past the last."""
+    window = prompt_window(n_rows, cfg.iter, cfg.rollout_batch_size)
+    if not window:
+        from rlhf_core.data.loading import DataError
+
+        raise DataError(f"--dataset {cfg.dataset}: {n_rows} prompts; --iter {cfg.iter} with "
+                        f"--rollout_batch_size {cfg.rollout_batch_size} starts at prompt {window.start + 1}, past them")
+    return window
+
+
 def _groups(rows: list[dict]) -> dict[str, list[dict]]:
     """Rows by their exact `input`, in order of first appearance."""
     groups: dict[str, list[dict]] = {}
@@ -244,12 +256,7 @@ def generate(cfg: BatchInferenceConfig) -> tuple[list[dict], list[dict]]:
 
     prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key, max_samples=cfg.max_samples,
                               seed=cfg.seed, chat=cfg.apply_chat_template, probs=mixing_probs(cfg.dataset_probs))
-    window = prompt_window(len(prompts.prompts), cfg.iter, cfg.rollout_batch_size)
-    if not window:
-        from rlhf_core.data.loading import DataError
-
-        raise DataError(f"--dataset {cfg.dataset}: {len(prompts.prompts)} prompts; --iter {cfg.iter} with "
-                        f"--rollout_batch_size {cfg.rollout_batch_size} starts at prompt {window.start + 1}, past them")
+    window = checked_window(len(prompts.prompts), cfg)
     path = local_model_path(cfg.pretrain)
     tokenizer = load_tokenizer(path, use_fast=not cfg.disable_fast_tokenizer)
     fmt = prompt_formatter(tokenizer, cfg.apply_chat_template, cfg.input_template)

@@ -13,10 +13,11 @@ publishes an empty `train.jsonl` with `pairs/num_pairs` 0, for a flow that decid
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from rlhf_core.config import PairsConfig, RewardSourceName
-from rlhf_core.stages.batch_inference import best_and_worst
+from rlhf_core.stages.batch_inference import best_and_worst, checked_window
 
 # The share of prompts that gave a pair; the pipeline's report shows it (orchestration/reports.py).
 PAIR_FRACTION = "pairs/pair_fraction"
@@ -59,6 +60,15 @@ def reward_source(cfg: PairsConfig):
     return RewardModelReward(local_model_path(cfg.reward_pretrain), cfg.apply_chat_template, cfg.normalize_reward)
 
 
+def windowed(prompts, cfg: PairsConfig):
+    """The prompts `--iter` takes (`batch_inference.prompt_window`): all of them without it."""
+    window = checked_window(len(prompts.prompts), cfg)
+    if len(window) == len(prompts.prompts):
+        return prompts
+    return dataclasses.replace(prompts, prompts=[prompts.prompts[i] for i in window],
+                               answers=[prompts.answers[i] for i in window])
+
+
 def run_pairs(cfg: PairsConfig) -> dict:
     """Sample, score and pair; publish `train.jsonl` + `stage.json` to `cfg.save_path`; returns the manifest."""
     from rlhf_core.infra import storage
@@ -72,6 +82,7 @@ def run_pairs(cfg: PairsConfig) -> dict:
     prompts = load_prompt_set(cfg.dataset, "train", cfg.input_key, cfg.label_key,
                               require_answers=cfg.reward == RewardSourceName.VERIFIER, max_samples=cfg.max_samples,
                               seed=cfg.seed, chat=cfg.apply_chat_template)
+    prompts = windowed(prompts, cfg)
     with stage_run(cfg, prompts.sources) as tracker:
         policy_path = local_model_path(cfg.pretrain)
         tokenizer = load_tokenizer(policy_path)

@@ -141,3 +141,26 @@ def test_a_round_whose_samples_give_no_pair_trains_nothing_and_says_why(tmp_path
     assert [j.name for j in jobs if j.stage == "dpo"] == ["dpo-round2"] and result["stopped_early"] is None
     assert [r.get("trained", True) for r in result["rounds"]] == [False, True, False]
     assert "round 3 made no preference pair" in result["rounds"][2]["skipped"]
+
+
+def test_rounds_and_scheduled_runs_sample_other_windows_of_the_training_prompts(tmp_path, monkeypatch):
+    """Each round's `rlhf pairs` samples the window of `n_prompts` training prompts its seed picks:
+    the rounds of one run, and runs with other seeds (every scheduled run), walk the prompts rather
+    than taking the first `n_prompts` every time; a window never starts past the last prompt."""
+    from flows.params import IterativeDPOParams, PrepParams
+
+    def windows(iterative, prep=PrepParams(), parent="parent-run"):
+        out = []
+        for job in round_jobs(tmp_path, monkeypatch, iterative, prep, parent, promote=lambda *a: (True, None)):
+            if job.stage == "pairs":
+                assert "--max_samples" not in job.args
+                size = int(job.args[job.args.index("--rollout_batch_size") + 1])
+                out.append(int(job.args[job.args.index("--iter") + 1]))
+                assert size == iterative.n_prompts and (out[-1] + 1) * size <= max(prep.n_train, size)
+        return out
+
+    three = windows(IterativeDPOParams(rounds=3, seed=7))
+    assert len(set(three)) == 3  # consecutive rounds: consecutive windows
+    runs = {tuple(windows(IterativeDPOParams(), parent=f"scheduled-{i}")) for i in range(6)}
+    assert len(runs) > 1  # scheduled runs (a seed drawn per run) sample other prompts
+    assert windows(IterativeDPOParams(rounds=2, n_prompts=4096), prep=PrepParams(n_train=4000)) == [0, 0]

@@ -113,6 +113,27 @@ def test_no_pairs_is_a_clear_failure_that_orchestrators_do_not_retry(prepared, t
     assert (tmp_path / "p" / "train.jsonl").read_text() == "" and (tmp_path / "p" / "stage.json").is_file()
 
 
+def test_iter_takes_a_window_of_the_prompts_and_one_past_them_is_refused(prepared, tmp_path, capsys):
+    """`--iter K --rollout_batch_size N` (an iterative-DPO round's window, as in batch_inference): the
+    prompts [K x N, (K + 1) x N) and their answers, nothing else; a window past the last prompt
+    exits 2 naming the flags, before the model loads."""
+    from rlhf_core.config import PairsConfig
+    from rlhf_core.rollout.prompts import PromptSet
+    from rlhf_core.stages.pairs import windowed
+
+    prompts = PromptSet(list("abcde"), list("ABCDE"), [])
+    cfg = PairsConfig(pretrain="m", dataset="d", save_path="o", task="sort", iter=1, rollout_batch_size=2)
+    taken = windowed(prompts, cfg)
+    assert (taken.prompts, taken.answers) == (["c", "d"], ["C", "D"])
+    assert windowed(prompts, cfg.model_copy(update={"iter": 2})).prompts == ["e"]
+    assert windowed(prompts, cfg.model_copy(update={"iter": None})) is prompts
+    code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"], "--task",
+                 "addition", "--iter", "100000", "--rollout_batch_size", "512", "--save_path", str(tmp_path / "p"),
+                 "--use_mlflow", "false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--iter 100000" in err and "--rollout_batch_size 512" in err and "past them" in err
+
+
 def test_verifier_needs_a_task(prepared, tmp_path, capsys):
     code = main(["pairs", "--pretrain", prepared["base"], "--dataset", prepared["prompts_test"],
                  "--max_new_tokens", "4", "--save_path", str(tmp_path / "p")])
