@@ -120,6 +120,8 @@ class Samples(list):
     (each small array has its own fixed cost); they arrive as `RolloutSample`s equal to the sent."""
 
     def __reduce__(self):
+        if any(vars(s).keys() != vars(self[0]).keys() for s in self):  # not one layout: sample by sample
+            return Samples, (list(self),)
         return _samples, (len(self), _columns(self))
 
 
@@ -136,6 +138,7 @@ class _Column:
 
 
 def _columns(samples: list[RolloutSample]) -> dict:
+    """Each field of samples that share one layout: a `_Column`, or the samples' values (`to_wire`)."""
     out = {}
     for name in vars(samples[0]) if samples else ():
         values = [vars(s)[name] for s in samples]

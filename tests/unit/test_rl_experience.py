@@ -77,6 +77,8 @@ def test_a_share_of_samples_crosses_column_by_column_and_arrives_equal():
     assert not torch.equal(back[0].advantages, sent[0].advantages)
     assert torch.equal(back[1].advantages, sent[1].advantages)  # a view of its own sample's values only
     assert all(isinstance(part, Samples) for part in shards(sent, 2, pad=True))
+    sent[1].late = 1  # a field one sample alone has: the share still arrives whole, sample by sample
+    assert [vars(s).get("late") for s in pickle.loads(pickle.dumps(sent))] == [None, 1, None]
 
 
 def test_weights_sent_to_the_engines_cross_as_arrays_and_load_as_they_were():
