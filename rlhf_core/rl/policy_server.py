@@ -27,6 +27,10 @@ completion (trained) and what the conversation added between two calls (not trai
   (`finish_reason` "tool_calls"); `tool_choice` may be auto or none (sampling is not constrained,
   so a required or named call cannot be enforced). When such an assistant message comes back in a
   later request, it is rendered as the completion's text as sampled, so the session still extends.
+- `chat_template_kwargs` (vLLM's extension: variables of the chat template, e.g. Qwen3's
+  `enable_thinking`) reach the template; K2 Horizon's `tool_call_format` also chooses how its calls
+  are read. Keys the endpoint sets itself (`tools`, `add_generation_prompt`, `tokenize`, ...) are
+  refused, as is a value the format cannot read, before anything is sampled.
 - `n` > 1 samples that many completions of a request without a session (a session is one chain
   of calls); `stream` answers with server-sent events (the whole completion in one chunk, since
   completions are generated whole; `stream_options.include_usage` adds the usage chunk).
@@ -57,7 +61,7 @@ import torch
 from rlhf_core.infra.json_http import BearerJsonHandler
 from rlhf_core.infra.not_applied import say_once
 from rlhf_core.rl.experience import RolloutSample
-from rlhf_core.rl.tool_calls import PARSERS, RESPONSE_TEMPLATE, detect, read_calls
+from rlhf_core.rl.tool_calls import PARSERS, RESPONSE_TEMPLATE, check_template_kwargs, detect, read_calls
 from rlhf_core.rl.tool_formats.response_template import (
     check_response_template,
     read_response_template,
@@ -71,6 +75,11 @@ BATCH_WINDOW_S = 0.005
 MAX_BODY_BYTES = 16 * 2**20
 MAX_N = 64  # completions one request may ask for
 # OpenAI request fields sampling here does not follow (said once when a request sets one)
+# apply_chat_template's own arguments, which the endpoint sets: a request's chat_template_kwargs may not
+SET_BY_THE_ENDPOINT = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools", "documents",
+                                 "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                                 "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                 "tokenizer_kwargs"})
 NOT_SERVED = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs", "response_format",
               "min_tokens", "repetition_penalty")
 
@@ -242,9 +251,10 @@ class PolicyServer:
                                "(its earlier messages and completions must come back unchanged)")
         return session.ids + list(encode(text[len(session.text):], add_special_tokens=False)["input_ids"])
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The chat template's prompt text; an assistant message with tool calls this endpoint
-        returned is rendered as its completion's text as sampled (the session then extends)."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None = None) -> str:
+        """The chat template's prompt text (`template_kwargs`: the request's chat-template variables);
+        an assistant message with tool calls this endpoint returned is rendered as its completion's
+        text as sampled (the session then extends)."""
         rendered = []
         for m in messages:
             calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
@@ -252,7 +262,7 @@ class PolicyServer:
             with self._lock:
                 sampled = next((self.tool_texts[i] for i in ids if i in self.tool_texts), None)
             rendered.append(m if sampled is None else {"role": "assistant", "content": sampled})
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
 
     def sampled_text(self, call: Call) -> str:
@@ -364,6 +374,7 @@ class Request:
     tool_choice: str | None  # None: no tools; "auto": calls are parsed; "none": tools shown, calls not parsed
     logprobs: bool
     tools: list[dict] | None = None
+    template_kwargs: dict | None = None  # the request's chat_template_kwargs
 
 
 def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str, chat: bool) -> tuple[dict, str]:
@@ -376,7 +387,7 @@ def _choice_fields(server: PolicyServer, request: Request, call: Call, text: str
         sampled = server.sampled_text(call)  # the markers of several formats are special tokens
         content, calls = (read_response_template(sampled, server.response_template, server.prompt_text(call),
                                                  request.tools) if server.tool_call_format == RESPONSE_TEMPLATE
-                          else read_calls(server.tool_call_format, sampled, request.tools))
+                          else read_calls(server.tool_call_format, sampled, request.tools, request.template_kwargs))
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": server.issue_tool_calls(calls, sampled)}
             finish = "tool_calls"
@@ -423,7 +434,24 @@ def stream_events(answer: dict, chat: bool, include_usage: bool) -> list[dict]:
 
 
 def _handler(server: PolicyServer, token: bytes):
-    def chat_text(body: dict) -> str:
+    def template_kwargs(body: dict, chat: bool) -> dict | None:
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is None:
+            return None
+        if not chat:
+            raise RequestError("chat_template_kwargs go with /v1/chat/completions (the chat template reads them)")
+        if not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object of the chat template's variables")
+        if taken := sorted(SET_BY_THE_ENDPOINT & kwargs.keys()):
+            raise RequestError(f"chat_template_kwargs {', '.join(taken)}: set by the endpoint itself (the request's "
+                               "tools, a generation prompt, text), not by a request")
+        try:
+            check_template_kwargs(server.tool_call_format, kwargs)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return kwargs
+
+    def chat_text(body: dict, kwargs: dict | None) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content}")
@@ -437,7 +465,7 @@ def _handler(server: PolicyServer, token: bytes):
             if "tools" not in template:
                 raise RequestError("tools: the policy's chat template does not render tools, so the policy would "
                                    "never see them; describe the tools in the messages instead")
-        return server.render_chat(messages, tools)
+        return server.render_chat(messages, tools, kwargs)
 
     def completion_text(body: dict) -> str:
         prompt = body.get("prompt")
@@ -473,11 +501,12 @@ def _handler(server: PolicyServer, token: bytes):
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise RequestError("max_tokens must be a positive integer")
         options = body.get("stream_options") or {}
-        text = chat_text(body) if chat else completion_text(body)
+        kwargs = template_kwargs(body, chat)
+        text = chat_text(body, kwargs) if chat else completion_text(body)
         return Request(text, body.get("session_id"), max_tokens, stop, n, bool(body.get("stream")),
                        bool(isinstance(options, dict) and options.get("include_usage")),
                        (tool_choice or "auto") if chat and body.get("tools") else None, bool(body.get("logprobs")),
-                       body.get("tools") or None)
+                       body.get("tools") or None, kwargs)
 
     routes = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
 

@@ -61,6 +61,8 @@ from rlhf_core.rl.tool_formats.json_objects import (
     parse_longcat,
 )
 from rlhf_core.rl.tool_formats.k2_horizon import K2_HORIZON_CALLS, parse_k2_horizon, read_k2_horizon
+from rlhf_core.rl.tool_formats.k2_horizon import TOOL_FORMATS as K2_TOOL_FORMATS
+from rlhf_core.rl.tool_formats.k2_horizon import XML as K2_XML
 from rlhf_core.rl.tool_formats.minicpm5 import MINICPM5_PARAM, parse_minicpm5, read_minicpm5
 from rlhf_core.rl.tool_formats.minimax_m3 import MINIMAX_M3_NS, parse_minimax_m3, read_minimax_m3
 from rlhf_core.rl.tool_formats.muse_glimmer import MUSE_CALLS, parse_muse_glimmer, read_muse_glimmer
@@ -177,18 +179,18 @@ TEXT_VALUED = frozenset({"qwen3_coder", "qwen3_xml", "step3p5", "mimo", "glm45",
 # nested elements shaped by each tool's parameter schemas (`properties_of(name)`); a call named
 # after no tool of the request's refused (k2_horizon, where the request has tools); a doubled name
 # `X.X` read as the tool `X` (muse_glimmer)
-BY_REQUEST: dict[str, Callable[[str, list[dict] | None], Calls]] = {
-    "deepseek_v32": lambda text, tools: read_dsml(text, DSML_FUNCTION_CALLS, _typing(tools)),
-    "deepseek_v4": lambda text, tools: read_dsml(text, DSML_TOOL_CALLS, _typing(tools)),
-    "deepseek_v41": lambda text, tools: read_dsml(text, DSML_V41_CALLS, _typing(tools)),
-    "dots": lambda text, tools: read_dots(text, _typing(tools)),
-    "minimax_m3": lambda text, tools: read_minimax_m3(text, _properties_of(tools)),
-    "minicpm5": lambda text, tools: read_minicpm5(text, _properties_of(tools)),
-    "inkling": lambda text, tools: read_inkling(text, _properties_of(tools)),
-    "poolside_v1": lambda text, tools: read_poolside_v1(text, _properties_of(tools)),
-    "k2_horizon": lambda text, tools: read_k2_horizon(
-        text, _properties_of(tools), known=tool_names(tools).__contains__ if tools else None),
-    "muse_glimmer": lambda text, tools: read_muse_glimmer(text, tool_names(tools))}
+BY_REQUEST: dict[str, Callable[[str, list[dict] | None, dict], Calls]] = {
+    "deepseek_v32": lambda text, tools, kw: read_dsml(text, DSML_FUNCTION_CALLS, _typing(tools)),
+    "deepseek_v4": lambda text, tools, kw: read_dsml(text, DSML_TOOL_CALLS, _typing(tools)),
+    "deepseek_v41": lambda text, tools, kw: read_dsml(text, DSML_V41_CALLS, _typing(tools)),
+    "dots": lambda text, tools, kw: read_dots(text, _typing(tools)),
+    "minimax_m3": lambda text, tools, kw: read_minimax_m3(text, _properties_of(tools)),
+    "minicpm5": lambda text, tools, kw: read_minicpm5(text, _properties_of(tools)),
+    "inkling": lambda text, tools, kw: read_inkling(text, _properties_of(tools)),
+    "poolside_v1": lambda text, tools, kw: read_poolside_v1(text, _properties_of(tools)),
+    "k2_horizon": lambda text, tools, kw: read_k2_horizon(
+        text, _properties_of(tools), k2_tool_format(kw), known=tool_names(tools).__contains__ if tools else None),
+    "muse_glimmer": lambda text, tools, kw: read_muse_glimmer(text, tool_names(tools))}
 
 
 def _typing(tools: list[dict] | None) -> Typing:
@@ -204,12 +206,33 @@ def _properties_of(tools: list[dict] | None) -> Callable[[str], dict | None]:
 RESPONSE_TEMPLATE = "hf"
 
 
-def read_calls(fmt: str, text: str, tools: list[dict] | None = None) -> Calls:
+def k2_tool_format(template_kwargs: dict) -> str:
+    """The syntax K2 Horizon's template writes calls in: the request's `tool_call_format` chat-template
+    argument (vLLM's k2_horizon reads it so), `xml` without one; ValueError for another value."""
+    value = template_kwargs.get("tool_call_format", K2_XML)
+    if not isinstance(value, str) or value not in K2_TOOL_FORMATS:
+        raise ValueError(f"chat_template_kwargs tool_call_format {value!r}: K2 Horizon's calls are written in one "
+                         f"of {', '.join(K2_TOOL_FORMATS)}")
+    return value
+
+
+# chat-template arguments that choose how a format's calls are written, checked before sampling
+TEMPLATE_ARGUMENTS: dict[str, Callable[[dict], object]] = {"k2_horizon": k2_tool_format}
+
+
+def check_template_kwargs(fmt: str, template_kwargs: dict) -> None:
+    """ValueError where a request's chat-template arguments name a call syntax format `fmt` has not."""
+    if fmt in TEMPLATE_ARGUMENTS:
+        TEMPLATE_ARGUMENTS[fmt](template_kwargs)
+
+
+def read_calls(fmt: str, text: str, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> Calls:
     """`text`'s calls in format `fmt` (a name of PARSERS); a format that writes every value as text
     has them typed by the request's tool schemas (TEXT_VALUED, `typed_arguments`); others read the
-    request's tools their own way (BY_REQUEST)."""
+    request's tools (and K2 Horizon the request's chat-template arguments) their own way
+    (BY_REQUEST)."""
     if fmt in BY_REQUEST:
-        return BY_REQUEST[fmt](text, tools)
+        return BY_REQUEST[fmt](text, tools, template_kwargs or {})
     content, calls = PARSERS[fmt](text)
     if fmt in TEXT_VALUED:
         calls = [(name, typed_arguments(name, arguments, tools)) for name, arguments in calls]

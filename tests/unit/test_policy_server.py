@@ -409,3 +409,57 @@ def test_the_hf_format_needs_a_response_template_that_describes_tool_calls():
         assert server.tool_call_format == "hermes"
     finally:
         server.close()
+
+
+class KwargsTokenizer(ToolTokenizer):
+    """A chat template with a variable of its own (Qwen3's `enable_thinking`) and K2 Horizon's marker."""
+
+    chat_template = "... tools ... <ifm|tool_calls> {% if enable_thinking is false %}"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, tools=None, **variables):
+        text = super().apply_chat_template(messages, tokenize, add_generation_prompt, tools)
+        return text + ("<no-think>" if variables.get("enable_thinking") is False else "") + \
+            "".join(f"<{k}={v}>" for k, v in sorted(variables.items()) if k != "enable_thinking")
+
+
+K2_JSON_CALL = '<ifm|tool_calls><ifm|tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</ifm|tool_call></ifm|tool_calls>'
+
+
+def test_chat_template_kwargs_reach_the_template_and_choose_how_k2_horizon_calls_are_read():
+    """vLLM's `chat_template_kwargs`: the template's own variables (the prompt the policy samples from
+    shows them); K2 Horizon's `tool_call_format` is also the syntax its calls are read in (json here;
+    the same text is no call in the default xml); a value it cannot read, a key the endpoint sets
+    itself, a non-object, or the field on /v1/completions: 400, and nothing is sampled."""
+    server = PolicyServer(KwargsTokenizer(), "policy", max_length=600, token="secret")
+    sampled = []
+
+    def generate(sequences, budgets):
+        sampled.extend("".join(map(chr, s)) for s in sequences)
+        return [within_budget(tuple(map(ord, K2_JSON_CALL)) + (EOT,), [-0.5] * (len(K2_JSON_CALL) + 1), m)
+                for m in budgets]
+
+    server.batcher.generate = generate
+    try:
+        assert server.tool_call_format == "k2_horizon"
+        messages = [{"role": "user", "content": "1+2?"}]
+        code, answer = post(server, "/chat/completions", {
+            "messages": messages, "tools": [ADD],
+            "chat_template_kwargs": {"enable_thinking": False, "tool_call_format": "json"}})
+        assert code == 200, answer
+        assert sampled[-1] == "<tools>add<user>1+2?<assistant><no-think><tool_call_format=json>"
+        (call,) = answer["choices"][0]["message"]["tool_calls"]
+        assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+        code, answer = post(server, "/chat/completions", {"messages": messages, "tools": [ADD]})
+        assert code == 200 and sampled[-1] == "<tools>add<user>1+2?<assistant>"
+        assert "tool_calls" not in answer["choices"][0]["message"]  # xml, the default: the JSON call is text
+        count = len(sampled)
+        for body, words in (({"tool_call_format": "yaml"}, "tool_call_format 'yaml'"),
+                            ({"tokenize": True, "tools": []}, "tokenize, tools: set by the endpoint"),
+                            ([1], "must be an object")):
+            code, answer = post(server, "/chat/completions", {"messages": messages, "chat_template_kwargs": body})
+            assert code == 400 and words in answer["error"]["message"], answer
+        code, answer = post(server, "/completions", {"prompt": "1+2?", "chat_template_kwargs": {"x": 1}})
+        assert code == 400 and "/v1/chat/completions" in answer["error"]["message"]
+        assert len(sampled) == count
+    finally:
+        server.close()
