@@ -46,6 +46,20 @@ def prep_job(ctx: PipelineContext, prep: PrepParams, distills: bool = False) -> 
                     params_hash(resolved, exclude=frozenset() if student else frozenset({"student_size"})))
 
 
+def prep_made(earlier: StageOutcome, given: PrepParams) -> PrepParams:
+    """The prep section of a run that takes prep's output from `from_run`: the settings that output
+    was made with (its manifest's config: task, n_train, ...), which the stages reading its data
+    (verifier, prompt windows, token budgets) must use rather than this run's defaults. A field this
+    run sets to another value is refused: it would describe data that is not there."""
+    recorded = {k: v for k, v in (earlier.manifest.get("config") or {}).items() if k in PrepParams.model_fields}
+    clash = [f"prep.{k} {getattr(given, k)!r} (its prep made {recorded[k]!r})"
+             for k in sorted(given.model_fields_set & recorded.keys()) if getattr(given, k) != recorded[k]]
+    if clash:
+        raise PipelineError(f"prep is taken from from_run ({earlier.output_uri}), not run here, yet this run gives "
+                            f"{'; '.join(clash)}: drop those or add prep to settings.stages")
+    return given.model_copy(update=recorded)
+
+
 def prep_paths(prep_outcome: StageOutcome) -> dict[str, str]:
     root = prep_outcome.output_uri.rstrip("/")  # a local path or an s3:// URI: join as strings
     return {"base": f"{root}/base", "student": f"{root}/student", "sft": f"json@{root}/data/sft",

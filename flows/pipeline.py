@@ -34,7 +34,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows import embedded, user_errors
-from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, train_job
+from flows.jobs import PipelineError, eval_job, policy_metric, ppo_job, prep_job, prep_made, train_job
 from flows.params import (
     EVALUATED_STAGES,
     POLICY_STAGES,
@@ -114,6 +114,8 @@ def rlhf(settings: PipelineSettings = PipelineSettings(), prep: PrepParams = Pre
     stages = [s for s in ORDER if s in set(settings.stages)]
     flow_run_id = str(flow_run.id or "local")
     earlier = _earlier_outcomes(settings) if settings.from_run else {}
+    if Stage.PREP not in stages and "prep" in earlier:  # the data is from_run's: so are its settings
+        prep = prep_made(earlier["prep"], prep)
     _close_orphans(settings.experiment, logger)
     parent = lineage.start_pipeline_run(
         settings.experiment, name=f"pipeline-{flow_run.name or 'local'}",

@@ -164,3 +164,24 @@ def test_rounds_and_scheduled_runs_sample_other_windows_of_the_training_prompts(
     runs = {tuple(windows(IterativeDPOParams(), parent=f"scheduled-{i}")) for i in range(6)}
     assert len(runs) > 1  # scheduled runs (a seed drawn per run) sample other prompts
     assert windows(IterativeDPOParams(rounds=2, n_prompts=4096), prep=PrepParams(n_train=4000)) == [0, 0]
+
+
+def test_a_run_taking_prep_from_an_earlier_run_uses_the_settings_that_prep_was_made_with(tmp_path):
+    """A scheduled round (`from_run: champion`, no prep section) reads prep's data as it was made:
+    its task and its number of training prompts (the prompt windows), not this run's defaults; a
+    prep field this run sets otherwise is refused, naming both values."""
+    import pytest
+
+    from flows.iterative import prompt_window_index
+    from flows.jobs import PipelineError, prep_made
+    from flows.params import IterativeDPOParams, PrepParams
+    from tests.unit.flow_helpers import outcome
+
+    earlier = outcome("prep", tmp_path)
+    earlier.manifest["config"] = {"task": "addition", "n_train": 1024, "n_test": 32, "seed": 0, "vocab_size": 384}
+    prep = prep_made(earlier, PrepParams())
+    assert (prep.task, prep.n_train, prep.n_test) == ("addition", 1024, 32)
+    assert all(prompt_window_index(prep, IterativeDPOParams(), seed) < 2 for seed in range(50))  # 1024 // 512
+    assert prep_made(earlier, PrepParams(n_train=1024, demo_error_rate=0.1)).demo_error_rate == 0.1  # not recorded
+    with pytest.raises(PipelineError, match="prep.task 'sort' \\(its prep made 'addition'\\)"):
+        prep_made(earlier, PrepParams(task="sort"))
