@@ -3,9 +3,9 @@
 `rlhf train ppo` from the `champion` (else SFT, or SFT with `start_from: sft`) with SFT as the
 reference (the KL keeps the policy near SFT however many runs continue it) and the run's reward
 model (or, with `online.reward: verifier`, prep's task verifier) -> `rlhf eval` against SFT -> a
-new `rlhf-policy` version, promoted to `champion` only when `evaluation.promote_metric` beats it, so the schedule can run unattended. The training seed is
-drawn per pipeline run unless `online.seed` pins it: fresh prompts, never the previous run's cache.
-The round stops where the reward-hacking guard fires (`online.stop_on_hacking`, default on): from
+new `rlhf-policy` version, promoted to `champion` only when `evaluation.promote_metric` beats it,
+so the schedule can run unattended. The training seed is drawn per pipeline run unless
+`online.seed` pins it: fresh prompts, never the previous run's cache. The round stops where the reward-hacking guard fires (`online.stop_on_hacking`, default on): from
 the default pipeline's champion, a round against the run's reward model trained the held-out
 accuracy down while its reward rose (benchmarks/README.md, "Scheduled rounds from the champion").
 """

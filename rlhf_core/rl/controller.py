@@ -126,20 +126,20 @@ class RLController:
         # is chosen by where it is one, else the sampled accuracy (a held-out reward would be the
         # training reward's own judge).
         key = cfg.ckpt.best_metric_key
-        watched = key if key.endswith("_accuracy") else checkpoint.BestMetric.AUTO
-        self.guard = guard.HackingGuard(watched, cfg.eval.hacking_window, cfg.eval.hacking_min_drop) \
-            if cfg.eval.hacking_guard_enable else None
-        self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
+        metric = key if key.endswith("_accuracy") else checkpoint.BestMetric.AUTO
         # Evaluations during training (the guard's, the best policy's): every `eval_every` steps, on the
         # selection prompts where there are some; the evaluations before and after, on the rest (`rl/selection.py`).
         watched = bool(self.eval_prompt_ids) and cfg.eval.task is not None and \
-            (self.guard is not None or cfg.eval.publish_best)
+            (cfg.eval.hacking_guard_enable or cfg.eval.publish_best)
         self.eval_every = selection.eval_every(cfg.eval.steps, rollout_steps, watched)
         chosen, reported = selection.selection_split(len(self.eval_prompt_ids), cfg.eval.selection_fraction,
                                                      cfg.train.seed) if self.eval_every else ([], [])
-        if self.guard is not None:  # the responses of each evaluation during training, for the noise of a fall
-            on = len(chosen) if chosen else len(self.eval_prompt_ids)
-            self.guard.responses = on * (1 if "greedy" in self.guard.metric else cfg.eval.n_samples_per_prompt)
+        # the responses of each evaluation during training: a fall must exceed their noise
+        responses = selection.responses_per_evaluation(len(chosen) or len(self.eval_prompt_ids), metric,
+                                                       cfg.eval.n_samples_per_prompt)
+        self.guard = guard.HackingGuard(metric, cfg.eval.hacking_window, cfg.eval.hacking_min_drop, responses) \
+            if cfg.eval.hacking_guard_enable else None
+        self.stopped_by_guard: int | None = None  # the step training stopped at (--eval.stop_on_hacking)
         self.selection: tuple[list, list] | None = None
         # which prompts the evaluations during training were on: a resume on others starts the best afresh
         self.evaluated_on = {"all": len(self.eval_prompt_ids)}
@@ -268,7 +268,7 @@ class RLController:
         if not self.publishing or best.step is None or best.step == self.step:
             return self.step
         metric = best.metric
-        responses = len(self.selection[0]) * (1 if "greedy" in metric else self.cfg.eval.n_samples_per_prompt)
+        responses = selection.responses_per_evaluation(len(self.selection[0]), metric, self.cfg.eval.n_samples_per_prompt)
         if metric in last and not selection.beats_the_last(best.value, last[metric], metric, responses):
             print(f"rlhf: the best evaluation (step {best.step}, {metric}={best.value:.4f}) is within the noise of the "
                   f"last ({last[metric]:.4f} over {responses} responses on the selection prompts): the last policy is "

@@ -39,6 +39,12 @@ def selection_split(num_prompts: int, fraction: float, seed: int) -> tuple[list[
     return sorted(order[:k]), sorted(order[k:])
 
 
+def responses_per_evaluation(prompts: int, metric: str, n_samples_per_prompt: int) -> int:
+    """The responses an evaluation of `metric` on `prompts` prompts scores: one each for a greedy
+    metric, `n_samples_per_prompt` each for a sampled one (the noise `beats_the_last` weighs)."""
+    return prompts * (1 if "greedy" in metric else n_samples_per_prompt)
+
+
 def beats_the_last(best: float, last: float, metric: str, samples: int) -> bool:
     """Whether the best evaluation beat the last one by more than their noise, so that publishing
     the best is a choice rather than a draw: for an accuracy over `samples` responses each, by

@@ -216,14 +216,11 @@ def k2_tool_format(template_kwargs: dict) -> str:
     return value
 
 
-# chat-template arguments that choose how a format's calls are written, checked before sampling
-TEMPLATE_ARGUMENTS: dict[str, Callable[[dict], object]] = {"k2_horizon": k2_tool_format}
-
-
 def check_template_kwargs(fmt: str, template_kwargs: dict) -> None:
-    """ValueError where a request's chat-template arguments name a call syntax format `fmt` has not."""
-    if fmt in TEMPLATE_ARGUMENTS:
-        TEMPLATE_ARGUMENTS[fmt](template_kwargs)
+    """ValueError where a request's chat-template arguments name a call syntax format `fmt` has not
+    (K2 Horizon's `tool_call_format`: the only format whose syntax a request chooses)."""
+    if fmt == "k2_horizon":
+        k2_tool_format(template_kwargs)
 
 
 def read_calls(fmt: str, text: str, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> Calls:
