@@ -5,7 +5,10 @@ The setting is the RL tests' (tests/rl_setting.py): the sort task, a tiny Llama 
 demonstrations of which 30% are wrong, so it answers right greedily but often wrong when
 sampled, and RL has room. Both sides run `rlhf train ppo` as a user would, with the same flags
 and seed: GRPO against the task's verifier, 4 samples x 32 prompts a step, one optimizer step of
-64 samples twice a step, no KL term (so the job has two roles: the actor and the engine), fp32,
+64 samples twice a step, no KL term (so the job has two roles: the actor and the engine), in the
+precision `auto` picks on this machine (`--param_dtype` to pin one; the RL tests' setting is fp32),
+micro-batches at the defaults (by token budget; `--setting_micro_batches` gives the setting's
+32 / 64 instead),
 `--steps` steps, evaluated before and after on 200 held-out prompts x 4 samples at temperature 1.
 
 Where they run: a local Ray of 2 CPUs started here (`ray start --head`), `RAY_ADDRESS` pointing at
@@ -22,7 +25,8 @@ after (200 prompts x 4 samples at T = 1; 67 more are the selection share). Runs
 alternate (sync, async, sync, ...); every run is printed, then the medians and the ratio. Nothing
 is asserted about time (benchmarks/README.md).
 
-Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--partial] [--default_micro_batches]
+Usage: python benchmarks/bench_async.py [--steps 60] [--repeats 1] [--queue 1] [--partial] [--setting_micro_batches]
+       [--param_dtype auto|bf16|fp32]
        [--work_dir DIR]
 """
 
@@ -76,9 +80,9 @@ def run(side: str, args, setting: dict, work: Path, env: dict, index: int) -> di
            "--eval.temperature", "1.0", "--eval.n_samples_per_prompt", "4", "--eval.task", "sort",
            "--reward.task", "sort", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
            "--rollout.batch_size", "32", "--train.batch_size", "64",
-           *([] if args.default_micro_batches else ["--train.micro_batch_size", "32", "--rollout.micro_batch_size", "64"]),
+           *(["--train.micro_batch_size", "32", "--rollout.micro_batch_size", "64"] if args.setting_micro_batches else []),
            "--actor.adam.lr", "1e-4", "--algo.kl.init_coef", "0",
-           "--train.max_steps", str(args.steps), "--ds.param_dtype", "fp32", "--train.seed", "0",
+           "--train.max_steps", str(args.steps), "--ds.param_dtype", args.param_dtype, "--train.seed", "0",
            "--logger.logging_steps", "1", "--use_mlflow", "false", "--ckpt.output_dir", str(out)]
     if side == "async":
         cmd += ["--train.async_enable", "--train.async_queue_size", str(args.queue)]
@@ -121,8 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--queue", type=int, default=1, help="--train.async_queue_size of the async runs")
     p.add_argument("--partial", action="store_true", help="the async runs with --train.partial_rollout_enable")
-    p.add_argument("--default_micro_batches", action="store_true",
-                   help="no micro-batch flags: both sides size micro-batches by the default token budget")
+    p.add_argument("--setting_micro_batches", action="store_true",
+                   help="the RL tests' micro-batches (train 32, rollout 64) instead of the default token budget")
+    p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"])
     p.add_argument("--work_dir", default=None, help="kept between runs (the SFT model is reused)")
     args = p.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-async-")).resolve()
@@ -146,15 +151,16 @@ def main(argv=None) -> int:
                 print(json.dumps(r), flush=True)
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
-    from rlhf_core.infra.precision import describe_hardware
+    from rlhf_core.infra.precision import describe_hardware, resolve_here
 
     med = {side: {k: statistics.median(r[k] for r in results if r["side"] == side)
                   for k in ("train_steps_per_s", "steps_per_s", "wall_s", "sampled_before", "sampled_after",
                             "greedy_after")}
            for side in ("sync", "async")}
-    print(f"\nMachine: {describe_hardware()}; fp32; actor and engine on one CPU each (Ray); {args.steps} steps, "
+    batches = "the setting's micro-batches" if args.setting_micro_batches else "default micro-batches"
+    print(f"\nMachine: {describe_hardware()}; {resolve_here(args.param_dtype).value}; actor and engine on one CPU each (Ray); {args.steps} steps, "
           f"queue {args.queue}{', partial rollouts' if args.partial else ''}"
-          f"{', default micro-batches' if args.default_micro_batches else ''}, {args.repeats} run(s) a side")
+          f", {batches}, {args.repeats} run(s) a side")
     print("| side | training steps/s | RL loop steps/s (with its evaluations) | whole process s | held-out sampled "
           "accuracy before -> after | greedy after |")
     print("|---|---|---|---|---|---|")
