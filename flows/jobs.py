@@ -50,10 +50,13 @@ def prep_made(earlier: StageOutcome, given: PrepParams) -> PrepParams:
     """The prep section of a run that takes prep's output from `from_run`: the settings that output
     was made with (its manifest's config: task, n_train, ...), which the stages reading its data
     (verifier, prompt windows, token budgets) must use rather than this run's defaults. A field this
-    run sets to another value is refused: it would describe data that is not there."""
+    run sets to another value is refused: it would describe data that is not there. A field given at
+    its default counts as not given: the Prefect UI's custom-run form submits every field's default."""
     recorded = {k: v for k, v in (earlier.manifest.get("config") or {}).items() if k in PrepParams.model_fields}
+    chosen = {k for k in given.model_fields_set & recorded.keys()
+              if getattr(given, k) != PrepParams.model_fields[k].get_default(call_default_factory=True)}
     clash = [f"prep.{k} {getattr(given, k)!r} (its prep made {recorded[k]!r})"
-             for k in sorted(given.model_fields_set & recorded.keys()) if getattr(given, k) != recorded[k]]
+             for k in sorted(chosen) if getattr(given, k) != recorded[k]]
     if clash:
         raise PipelineError(f"prep is taken from from_run ({earlier.output_uri}), not run here, yet this run gives "
                             f"{'; '.join(clash)}: drop those or add prep to settings.stages")

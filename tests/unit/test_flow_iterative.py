@@ -183,5 +183,8 @@ def test_a_run_taking_prep_from_an_earlier_run_uses_the_settings_that_prep_was_m
     assert (prep.task, prep.n_train, prep.n_test) == ("addition", 1024, 32)
     assert all(prompt_window_index(prep, IterativeDPOParams(), seed) < 2 for seed in range(50))  # 1024 // 512
     assert prep_made(earlier, PrepParams(n_train=1024, demo_error_rate=0.1)).demo_error_rate == 0.1  # not recorded
-    with pytest.raises(PipelineError, match="prep.task 'sort' \\(its prep made 'addition'\\)"):
-        prep_made(earlier, PrepParams(task="sort"))
+    with pytest.raises(PipelineError, match="prep.n_train 2048 \\(its prep made 1024\\)"):
+        prep_made(earlier, PrepParams(n_train=2048))
+    # The Prefect UI's custom-run form submits every field at its default: those are not choices
+    ui_form = PrepParams(**PrepParams().model_dump())
+    assert (prep_made(earlier, ui_form).task, prep_made(earlier, ui_form).n_train) == ("addition", 1024)
