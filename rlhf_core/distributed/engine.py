@@ -338,11 +338,20 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def all_reduce(value: torch.Tensor, op=None) -> torch.Tensor:
+    """`value` reduced over the ranks (SUM by default), on the device it came from; itself with one
+    rank. NCCL reduces CUDA tensors only: a CPU tensor (the trainers' statistics) goes through the
+    rank's GPU there."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    out = value.to(torch.device("cuda", torch.cuda.current_device()), copy=True) if on_gpu else value.clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM if op is None else op)
+    return out.to(value.device)
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        value = value.clone()
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
-    return value
+    return all_reduce(value)
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ Choices, and why:
 - The engine's log-probs are kept next to the trainer's recomputation (`old_logprobs`), and their
   mean absolute difference per token is logged (`rollout/logprob_mismatch`).
 - The experience passes run in the first epoch's training order, so a chunk is packed once for
-  every pass (`experience.collate`); the first optimizer step's old log-probs are left to its
-  training forward where nothing reads them before (`plan_step`).
+  every pass (`experience.collate`). Where nothing reads the old log-probs before training (the KL
+  outside the reward), the actor computes them at the start of its training call, and the first
+  optimizer step's are its training forward's own (`plan_step`).
 - Dynamic filtering drops prompts whose samples all score the same (no signal for a group
   estimator) and draws more prompts until the rollout is full, giving up after
   `MAX_FILTER_ROUNDS` rounds with what it has (at least one group).
@@ -348,6 +349,7 @@ class RLController:
         t = time.perf_counter()
         train_stats = self.train(samples, plan)
         times["train"] = time.perf_counter() - t
+        experience_stats.update({k: train_stats.pop(k) for k in list(train_stats) if k.startswith("rollout/")})
         t = time.perf_counter()
         with self.ahead.held_for_sync():  # the weights of the batches sampled ahead are kept until then
             times["ahead_wait"] = time.perf_counter() - t
@@ -436,15 +438,21 @@ class RLController:
 
     # -- experience -------------------------------------------------------------------------
     def plan_step(self, count: int) -> StepPlan:
-        """This step's epoch orders, and whether the first optimizer step's old log-probs are left to
-        its training forward. Only with one epoch (a later one revisits the samples after updates),
-        an actor that trains this step, the KL outside the reward (which needs them before
-        training), and a second optimizer step to keep the KL and mismatch metrics measured."""
+        """This step's epoch orders, and where the old log-probs come from. The first optimizer
+        step's are left to its training forward only with one epoch (a later one revisits the
+        samples after updates), an actor that trains this step, the KL outside the reward (which
+        needs them before training), and a second optimizer step to keep the KL and mismatch
+        metrics measured. The others are computed by the actor at the start of its training
+        (`PolicyRole.train_step`), not in a pass of their own, whenever it trains this step and
+        the KL is outside the reward: nothing on the controller reads them before training, and
+        one call fewer a step leaves the actor less idle."""
         cfg = self.cfg
         seeds = tuple(cfg.train.seed * 1_000_003 + self.step * 101 + e for e in range(cfg.train.max_epochs))
-        leave = (cfg.train.max_epochs == 1 and self.step >= cfg.critic.freezing_steps
-                 and count >= 2 * cfg.train.batch_size and (self.ref is None or cfg.algo.kl.use_loss))
-        return StepPlan(count, cfg.train.batch_size, cfg.rollout.n_samples_per_prompt, seeds, leave)
+        kl_outside_reward = self.ref is None or cfg.algo.kl.use_loss
+        trains = self.step >= cfg.critic.freezing_steps
+        leave = cfg.train.max_epochs == 1 and trains and count >= 2 * cfg.train.batch_size and kl_outside_reward
+        return StepPlan(count, cfg.train.batch_size, cfg.rollout.n_samples_per_prompt, seeds, leave,
+                        old_in_training=trains and kl_outside_reward)
 
     def make_experience(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:
         """Old log-probs (actor), reference log-probs, values, then advantages and returns, set on
@@ -454,17 +462,20 @@ class RLController:
         order = plan.experience_order(self.actor.data_parallel_size)
         left = plan.on_policy(self.actor.data_parallel_size)
         arranged = Samples(samples[i] for i in order)
-        recomputed = [i for i in order if i not in left]
+        recomputed = [] if plan.old_in_training else [i for i in order if i not in left]
         # With top-k/top-p the engines report log-probs of the filtered distribution: the policy's
         # pass gives those as well, to compare like with like (`roles.PolicyRole._logprobs`).
         sampled = filtering(cfg.rollout.top_k, cfg.rollout.top_p)
-        futures = {"old": self.actor.call_sharded_async("logprobs", Samples(samples[i] for i in recomputed), sampled=sampled)}
+        futures = {}
+        if recomputed:
+            futures["old"] = self.actor.call_sharded_async("logprobs", Samples(samples[i] for i in recomputed),
+                                                           sampled=sampled)
         if self.ref is not None:
             futures["ref"] = self.ref.call_sharded_async("logprobs", arranged)
         if self.critic is not None:
             futures["values"] = self.critic.call_sharded_async("values", arranged)
         results = {k: pending.gather() for k, pending in futures.items()}
-        old_of = dict(zip(recomputed, results["old"], strict=True))
+        old_of = dict(zip(recomputed, results.get("old", []), strict=True))
         engine_view = {}  # the policy's log-probs under the engines' (filtered) distribution
         if sampled:
             engine_view = {i: both[1] for i, both in old_of.items()}
@@ -476,15 +487,23 @@ class RLController:
             s.values = results["values"][j] if "values" in results else None
         lengths = [s.response_len for s in samples]
         mask = stack([torch.ones(n) for n in lengths])
-        # The KL and mismatch metrics are over the samples whose old log-probs were computed here: all
-        # of them, unless the first optimizer step's are left to training.
-        measured = [i for i, s in enumerate(samples) if s.old_logprobs is not None]
-        width, seen = mask.shape[1], mask[measured]
-        old = stack([samples[i].old_logprobs for i in measured], width)
+        width = mask.shape[1]
         kl = torch.zeros_like(mask)  # rows left out only where the KL is not in the reward (`plan_step`)
-        if self.ref is not None:
-            kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
-                                      "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
+        stats = {}  # with old_in_training, the actor reports the KL and mismatch metrics
+        if recomputed:
+            # The KL and mismatch metrics are over the samples whose old log-probs were computed here:
+            # all of them, unless the first optimizer step's are left to training.
+            measured = [i for i, s in enumerate(samples) if s.old_logprobs is not None]
+            seen = mask[measured]
+            old = stack([samples[i].old_logprobs for i in measured], width)
+            if self.ref is not None:
+                kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
+                                          "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
+            rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
+            trainer_lp = stack([engine_view[i] for i in measured], width) if sampled else old
+            stats = {"rollout/kl": kl[measured].sum(-1).mean().item(),
+                     "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item()
+                     / seen.sum().item()}
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
         steps = step_reward_matrix(samples, width) if self.step_rewards else None
         advantages, returns = compute_advantages(
@@ -495,10 +514,6 @@ class RLController:
             step_rewards=steps)
         for s, a, r in zip(samples, unstack(advantages, lengths), unstack(returns, lengths), strict=True):
             s.advantages, s.returns = a, r
-        rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
-        trainer_lp = stack([engine_view[i] for i in measured], width) if sampled else old
-        stats = {"rollout/kl": kl[measured].sum(-1).mean().item(),
-                 "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item() / seen.sum().item()}
         if steps is not None:  # the rewards per sample the advantages were computed from
             stats["rollout/step_rewards_per_sample"] = steps[1].sum().item() / len(samples)
         return stats
@@ -506,19 +521,29 @@ class RLController:
     # -- training ---------------------------------------------------------------------------
     def train(self, samples: list[RolloutSample], plan: StepPlan) -> dict[str, float]:
         """Every trainable role's PPO epochs: each rank gets its samples and epoch orders once and
-        loops over the epochs itself; the stats are rank 0's (every rank's are all-reduced)."""
+        loops over the epochs itself; the stats are rank 0's (every rank's are all-reduced). With
+        `plan.old_in_training` the actor first computes its samples' old log-probs and reports the
+        step's KL and mismatch metrics (`rollout/...`)."""
         calls = []
         if self.step >= self.cfg.critic.freezing_steps:
-            calls.append(self._train_role(self.actor, samples, plan, kl_coef=self.kl.value))
+            ranks = None
+            if plan.old_in_training:
+                sampled = filtering(self.cfg.rollout.top_k, self.cfg.rollout.top_p)
+                ranks = [{"old_for": positions, "sampled": sampled}
+                         for positions in plan.old_positions(self.actor.data_parallel_size)]
+            calls.append(self._train_role(self.actor, samples, plan, ranks, kl_coef=self.kl.value))
         if self.critic is not None:
             calls.append(self._train_role(self.critic, samples, plan))
-        return {f"train/{k}": v for pending in calls for k, v in pending.first().items()}
+        return {k if k.startswith("rollout/") else f"train/{k}": v for pending in calls for k, v in pending.first().items()}
 
     @staticmethod
-    def _train_role(group, samples: list[RolloutSample], plan: StepPlan, **kwargs):
+    def _train_role(group, samples: list[RolloutSample], plan: StepPlan, ranks: list[dict] | None = None, **kwargs):
+        """`ranks`: keyword arguments of each data-parallel rank's own, beside `kwargs`."""
         work = plan.work(group.data_parallel_size)  # the ranks of a ring (models/ring.py) take the same
-        return group.call_each_async("train_step", [((Samples(samples[i] for i in w.samples), w.epochs), kwargs)
-                                                    for w in work for _ in range(group.world_size // len(work))])
+        ranks = ranks or [{}] * len(work)
+        return group.call_each_async("train_step", [((Samples(samples[i] for i in w.samples), w.epochs), {**kwargs, **own})
+                                                    for w, own in zip(work, ranks, strict=True)
+                                                    for _ in range(group.world_size // len(work))])
 
     def sync_weights(self, force: bool = False) -> None:
         """Every rollout engine gets the actor's new weights (none while the actor is frozen;

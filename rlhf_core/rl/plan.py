@@ -45,6 +45,9 @@ class StepPlan:
     group_size: int  # samples per prompt, next to each other
     epoch_seeds: tuple[int, ...]  # one permutation per PPO epoch
     leave_first_step: bool  # the first optimizer step's old log-probs come from its training forward
+    # the actor computes the other old log-probs itself, before its first update, where nothing
+    # before training reads them (no KL in the reward): no separate experience pass for the policy
+    old_in_training: bool = False
     _orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (epoch, world) -> orders
 
     def orders(self, epoch: int, world_size: int) -> list[list[int]]:
@@ -82,3 +85,9 @@ class StepPlan:
             return set()
         per_rank = self.batch_size // world_size
         return {i for rank in self.orders(0, world_size) for i in rank[:per_rank]}
+
+    def old_positions(self, world_size: int) -> list[list[int]]:
+        """With `old_in_training`: per rank, the positions into its `work` samples whose old
+        log-probs it computes before training (all but the on-policy ones), in training order."""
+        left = self.on_policy(world_size)
+        return [[p for p, i in enumerate(w.samples) if i not in left] for w in self.work(world_size)]

@@ -41,6 +41,8 @@ from rlhf_core.algos.nucleus import filter_logits
 from rlhf_core.data.token_budget import balanced_groups, budget_chunks, micro_batch_count
 from rlhf_core.distributed.engine import (
     EngineSettings,
+    all_reduce,
+    all_reduce_sum,
     autocast,
     device,
     init_distributed,
@@ -114,11 +116,7 @@ def plain_state(module) -> dict[str, torch.Tensor]:
 
 def all_reduce_max(value: int) -> int:
     """The largest `value` over the role's ranks (itself with one rank)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return value
-    t = torch.tensor([value])
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
+    return int(all_reduce(torch.tensor([value]), torch.distributed.ReduceOp.MAX).item())
 
 
 def optimizer_steps(samples: list, per_rank_batch: int, micro: int) -> list[list[list]]:
@@ -386,9 +384,31 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         self.engine.eval()
         return self._logprobs(self.engine, samples, sampled)
 
-    def train_step(self, samples: list[RolloutSample], epochs: list[list[int]], kl_coef: float) -> dict[str, float]:
-        """This rank's PPO epochs over its samples (`plan.RankWork`); the stats averaged over epochs."""
-        return mean_over_epochs([self._train_epoch([samples[i] for i in order], kl_coef) for order in epochs])
+    def train_step(self, samples: list[RolloutSample], epochs: list[list[int]], kl_coef: float,
+                   old_for: list[int] | None = None, sampled: bool = False) -> dict[str, float]:
+        """This rank's PPO epochs over its samples (`plan.RankWork`); the stats averaged over epochs.
+        `old_for` (`StepPlan.old_in_training`): first the old log-probs of the samples at those
+        positions, with the step's `rollout/kl` and `rollout/logprob_mismatch` over them."""
+        measured = self._old_logprobs([samples[p] for p in old_for], sampled) if old_for is not None else {}
+        return {**mean_over_epochs([self._train_epoch([samples[i] for i in order], kl_coef) for order in epochs]),
+                **measured}
+
+    def _old_logprobs(self, samples: list[RolloutSample], sampled: bool) -> dict[str, float]:
+        """Set each sample's old log-probs (this policy's, before its update); the KL to the
+        reference (where the samples carry its log-probs) per sample and the engine/trainer
+        log-prob mismatch per token, over every rank's samples (the controller's metrics)."""
+        totals = torch.zeros(4, dtype=torch.float64)  # |mismatch| sum, tokens, KL sum, samples
+        for s, lp in zip(samples, self.logprobs(samples, sampled), strict=True):
+            s.old_logprobs, engine_view = (lp[0], lp[1]) if sampled else (lp, lp)
+            totals[0] += (s.rollout_logprobs.float() - engine_view.float()).abs().sum().item()
+            totals[1] += s.response_len
+            if s.ref_logprobs is not None:
+                totals[2] += kl_penalty(s.old_logprobs.float(), s.ref_logprobs.float(),
+                                        self.cfg.algo.kl.estimator).sum().item()
+            totals[3] += 1
+        totals = all_reduce_sum(totals) / self.duplicates
+        return {"rollout/logprob_mismatch": (totals[0] / totals[1].clamp(min=1)).item(),
+                "rollout/kl": (totals[2] / totals[3].clamp(min=1)).item()}
 
     def _train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""

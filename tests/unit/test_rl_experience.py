@@ -111,8 +111,16 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 @pytest.mark.slow
 def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path, monkeypatch, capsys):
+    """Where the old log-probs come from changes no update and no metric: a separate experience
+    pass of the actor (before this controller's change, and still with the KL in the reward), the
+    actor's training call computing them first (`StepPlan.old_in_training`), and the first optimizer
+    step's left to its training forward. The control, old log-probs 0.2 off, changes the updates."""
+    import dataclasses
+    import re
+
     from safetensors.torch import load_file
 
+    from rlhf_core.rl.controller import RLController
     from rlhf_core.rl.plan import StepPlan
     from rlhf_core.rl.roles import PolicyRole
 
@@ -121,13 +129,18 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
     recomputed = []
     logprobs = PolicyRole.logprobs
     on_policy = StepPlan.on_policy
-    weights = {}
-    # all: every old log-prob from a separate pass; left: the first step's left to the training
-    # forward; shifted (the control): all from a separate pass, each 0.2 off.
-    for name, skip, shift in (("all", False, 0.0), ("left", True, 0.0), ("shifted", False, 0.2)):
+    plan_step = RLController.plan_step
+    weights, metrics = {}, {}
+    # separate: every old log-prob from a pass of their own; all: from the training call, before its
+    # first update; left: the first step's left to the training forward; shifted (the control): as
+    # `all`, each 0.2 off.
+    for name, skip, shift, in_training in (("separate", False, 0.0, False), ("all", False, 0.0, True),
+                                           ("left", True, 0.0, True), ("shifted", False, 0.2, True)):
         monkeypatch.setattr(StepPlan, "on_policy", on_policy if skip else lambda self, world: set())
         monkeypatch.setattr(PolicyRole, "logprobs", lambda self, samples, sampled=False, shift=shift:
                             recomputed.append(len(samples)) or [lp + shift for lp in logprobs(self, samples, sampled)])
+        monkeypatch.setattr(RLController, "plan_step", lambda self, count, keep=in_training: dataclasses.replace(
+            plan_step(self, count), old_in_training=keep and plan_step(self, count).old_in_training))
         recomputed.clear()
         code = main(["train", "ppo", "--pretrain", prepared["base"], "--prompt_data", f"json@{prepared['prompts']}",
                      "--remote_rm_url", str(reward), "--eval.task", "addition", "--advantage_estimator", "group_norm",
@@ -136,13 +149,18 @@ def test_old_log_probs_left_to_training_give_the_same_updates(prepared, tmp_path
                      "--micro_rollout_batch_size", "8", "--generate_max_len", "6", "--use_kl_loss",
                      "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-3", "--param_dtype", "fp32",
                      "--max_steps", "2", "--use_mlflow", "false", "--save_path", str(tmp_path / name)])
-        assert code == 0, capsys.readouterr().err[-3000:]
+        err = capsys.readouterr().err
+        assert code == 0, err[-3000:]
         weights[name] = load_file(str(tmp_path / name / "model.safetensors"))
+        metrics[name] = re.findall(r"\[rl step \d+/\d+\] .*?(kl=\S+ logprob_mismatch=\S+)", err)
         # 32 samples a rollout in optimizer steps of 16: the first step's 16 are not recomputed.
         assert sum(recomputed) == (16 + 16 if skip else 32 + 32), recomputed
-    assert weights["all"].keys() == weights["left"].keys()
-    for key, value in weights["all"].items():
-        assert torch.equal(value, weights["left"][key]), key
+    assert len(metrics["separate"]) == 2 and "kl=0," not in metrics["separate"][1], metrics
+    for name in ("all", "left"):
+        assert weights["separate"].keys() == weights[name].keys()
+        for key, value in weights["separate"].items():
+            assert torch.equal(value, weights[name][key]), (name, key)
+    assert metrics["all"] == metrics["separate"], metrics  # the step's KL to the reference and the mismatch
     assert any(not torch.equal(value, weights["shifted"][key]) for key, value in weights["all"].items()), \
         "old log-probs 0.2 off changed no update: the check above would hold whatever they are"
 
