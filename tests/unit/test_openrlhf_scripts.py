@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,57 @@ def test_the_async_agent_script_with_partial_rollouts_and_is_correction_trains_o
     metrics = json.loads(out.out[out.out.index("{"):])["metrics"]
     assert metrics["train/steps"] == 2 and metrics["rollout/agent_failed_frac"] == 0.0
     assert "rollout/staleness_max" in metrics and "rollout/agent/dummy_scores" in metrics
+
+
+# The other RL scripts of both eras that use the engine/trainer correction or an agent file: each
+# scaled down like the others (its hub models, data, reward file, checkpoint and log folders swapped
+# for local ones; rings of 2 ranks one rank), every other flag as written.
+IS_AND_AGENT_SCRIPTS = ("train_dapo_ray_hybrid_engine.sh", "train_ppo_ray_hybrid_engine.sh",
+                        "train_prorlv2_math_hybrid_engine.sh", "train_reinforce_baseline_hybrid_engine.sh")
+
+
+# (v0.9.10's DAPO script passes `--vllm_enable_is_correction`, which OpenRLHF's parser rejects at that tag)
+SCRIPT_RUNS = [(tag, dotted, script) for tag, dotted in (("v0.9.10", False), ("v0.11.0", True))
+               for script in IS_AND_AGENT_SCRIPTS
+               if not (command(tag, script)["openrlhf_unrecognized"] or command(tag, script)["openrlhf_error"])]
+
+
+@pytest.mark.parametrize("tag, dotted, script", SCRIPT_RUNS)
+def test_each_is_correction_and_agent_script_trains_on_the_cpu(tag, dotted, script, prepared, tmp_path, monkeypatch,
+                                                               capsys, one_torch_thread):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "reward_func.py").write_text(NEW_ERA_REWARD if dotted else OLD_ERA_REWARD)
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(AGENT_FILE.format(init="def __init__(self, *args, **kwargs):"))
+    stage, argv = scaled_down(tag, script, prepared, tmp_path, None, dotted)
+
+    def flag(dotted_name: str, flat_name: str) -> str:
+        return dotted_name if dotted else flat_name
+
+    given = set(argv)
+    reward_model = tmp_path / "rm"  # the tiny base as `rlhf train rm` saves a reward model: with its score statistics
+    shutil.copytree(prepared["base"], reward_model)
+    config = json.loads((reward_model / "config.json").read_text())
+    (reward_model / "config.json").write_text(json.dumps({**config, "reward_mean": 0.0, "reward_std": 1.0}))
+    swaps = {flag("--ckpt.path", "--ckpt_path"): str(tmp_path / "ckpt"),
+             flag("--data.label_key", "--label_key"): "answer",
+             flag("--rollout.max_new_tokens", "--max_new_tokens"): "6",
+             flag("--train.agent_func_path", "--agent_func_path"): str(agent),
+             flag("--ds.ring_attn_size", "--ring_attn_size"): "1",
+             flag("--eval.dataset", "--eval_dataset"): f"json@{prepared['prompts']}",
+             flag("--logger.tensorboard_dir", "--use_tensorboard"): str(tmp_path / "runs"),
+             flag("--reward.model_name_or_path", "--reward_pretrain"): str(reward_model),
+             flag("--reward.num_gpus_per_node", "--reward_num_gpus_per_node"): "1"}
+    argv = replaced(argv, {k: v for k, v in swaps.items() if k in given})
+    if flag("--reward.model_name_or_path", "--reward_pretrain") in given or flag(
+            "--train.agent_func_path", "--agent_func_path") in given:  # the script has no reward file
+        dropped = {"--remote_rm_url", "--reward.remote_url"}
+        argv = [a for i, a in enumerate(argv) if not (a in dropped or (i and argv[i - 1] in dropped))]
+    code = main(["train", stage, *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    metrics = json.loads(out.out[out.out.index("{"):])["metrics"]
+    assert metrics["train/steps"] == 2, metrics
+    if flag("--train.agent_func_path", "--agent_func_path") in given:
+        assert metrics["rollout/agent_failed_frac"] == 0.0 and "rollout/agent/dummy_scores" in metrics, metrics
