@@ -145,3 +145,6 @@ def test_a_policy_a_weak_reward_model_drives_off_a_cliff_is_caught_and_not_publi
     assert m["select/sampled_accuracy"] < sft - 0.3, m  # the last policy collapsed
     assert m["published/step"] < 64 and f"publishing the policy of step {m['published/step']}" in err
     assert m["eval/sampled_accuracy"] >= sft - 0.02, m  # what is published did not
+    print(f"\nguard proof: SFT {sft:.1%} sampled (reported prompts); last policy {m['select/sampled_accuracy']:.1%} "
+          f"(selection prompts), training reward +{m['guard/reward_rise']:.2f}; published step {m['published/step']}: "
+          f"{m['eval/sampled_accuracy']:.1%} (reported prompts)")
