@@ -397,15 +397,18 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         """Set each sample's old log-probs (this policy's, before its update); the KL to the
         reference (where the samples carry its log-probs) per sample and the engine/trainer
         log-prob mismatch per token, over every rank's samples (the controller's metrics)."""
-        totals = torch.zeros(4, dtype=torch.float64)  # |mismatch| sum, tokens, KL sum, samples
+        views = []
         for s, lp in zip(samples, self.logprobs(samples, sampled), strict=True):
-            s.old_logprobs, engine_view = (lp[0], lp[1]) if sampled else (lp, lp)
-            totals[0] += (s.rollout_logprobs.float() - engine_view.float()).abs().sum().item()
-            totals[1] += s.response_len
-            if s.ref_logprobs is not None:
-                totals[2] += kl_penalty(s.old_logprobs.float(), s.ref_logprobs.float(),
-                                        self.cfg.algo.kl.estimator).sum().item()
-            totals[3] += 1
+            s.old_logprobs, view = (lp[0], lp[1]) if sampled else (lp, lp)
+            views.append(view)
+        totals = torch.zeros(4, dtype=torch.float64)  # |mismatch| sum, tokens, KL sum, samples
+        if samples:  # one pass over the step's tokens, not one per sample
+            old = torch.cat([s.old_logprobs for s in samples]).float()
+            totals[0] = (torch.cat([s.rollout_logprobs for s in samples]).float() - torch.cat(views).float()).abs().sum()
+            totals[1], totals[3] = old.numel(), len(samples)
+            if samples[0].ref_logprobs is not None:
+                totals[2] = kl_penalty(old, torch.cat([s.ref_logprobs for s in samples]).float(),
+                                       self.cfg.algo.kl.estimator).sum()
         totals = all_reduce_sum(totals) / self.duplicates
         return {"rollout/logprob_mismatch": (totals[0] / totals[1].clamp(min=1)).item(),
                 "rollout/kl": (totals[2] / totals[3].clamp(min=1)).item()}
