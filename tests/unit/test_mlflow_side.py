@@ -138,8 +138,8 @@ from rlhf_core.infra import mlflow_side
 mlflow_side.start()
 from rlhf_core.infra.tracking import Tracker
 t = Tracker(True, "side", "sft", None)
-print(t.run_id, flush=True)
-try:
+try:  # the Ctrl-C may land while the id is still being printed: inside the stage's try, as in a stage
+    print(t.run_id, flush=True)
     time.sleep(120)  # training
 except KeyboardInterrupt:  # as a stage does on any BaseException
     t.finish("FAILED")
