@@ -96,7 +96,36 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_details(cpuinfo: str) -> str:
+    """Pure: what a figure should name beside a CPU's model name, which on a cloud VM is often just
+    the vendor's line ("AMD EPYC"): its family and model numbers and the widest matrix ISA its
+    flags list (AMX, AVX-512 with bf16, AVX-512, AVX2), from /proc/cpuinfo's text ('' if none)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if not line.strip():  # the first processor's block only
+            break
+        fields.setdefault(key, value.strip())
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 with bf16, no AMX"),
+                                        ("avx512f", "AVX-512 without bf16"), ("avx2", "AVX2, no AVX-512"))
+                if flag in flags), "")
+    family = f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields \
+        else ""
+    return ", ".join(part for part in (family, isa) if part)
+
+
 def describe_hardware() -> str:
-    """One line for benchmark and README figures: CPU (or GPU) model and whether bf16 is native."""
+    """One line for benchmark and README figures: CPU (or GPU) model (a CPU's family, model and
+    matrix ISA too) and whether bf16 is native."""
     hw = this_hardware()
-    return f"{hw.name} ({hw.device_type}, native bf16: {'yes' if hw.native_bf16 else 'no'})"
+    details = ""
+    if hw.device_type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                details = cpu_details(f.read())
+        except OSError:
+            pass
+    details = f"{details}; " if details else ""
+    return f"{hw.name} ({details}{hw.device_type}, native bf16: {'yes' if hw.native_bf16 else 'no'})"

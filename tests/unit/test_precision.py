@@ -100,6 +100,20 @@ def test_manifest_records_the_precision_used_and_hashes_it_instead_of_auto():
     assert json.loads(json.dumps(bf16))["config"]["ds"]["param_dtype"] == "auto"  # what was asked for stays visible
 
 
+def test_a_cpu_is_named_with_its_family_model_and_matrix_isa():
+    """On a cloud VM the model name is often the vendor's line alone ("AMD EPYC"): figures name the
+    family, model and ISA beside it, from the first processor's block of /proc/cpuinfo."""
+    def block(family, model, flags):
+        return f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: {family}\nmodel\t\t: {model}\nflags\t\t: {flags}\n"
+
+    assert precision.cpu_details(block(25, 17, "fpu avx2 avx512f avx512_bf16")) == \
+        "family 25 model 17, AVX-512 with bf16, no AMX"
+    assert precision.cpu_details(block(6, 143, "avx2 avx512f avx512_bf16 amx_bf16 amx_tile")) == "family 6 model 143, AMX"
+    assert precision.cpu_details(block(23, 49, "avx2") + "\n" + block(25, 17, "avx512f")) == \
+        "family 23 model 49, AVX2, no AVX-512"  # the first block
+    assert precision.cpu_details("model name : something\n") == ""
+
+
 def test_this_machine_reports_what_onednn_reports_and_auto_follows_it():
     import torch
 
