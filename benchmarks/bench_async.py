@@ -112,6 +112,18 @@ def run(side: str, args, setting: dict, work: Path, env: dict, index: int) -> di
             "staleness": metrics.get("rollout/staleness", 0.0)}
 
 
+def work_and_env(work_dir: str | None, prefix: str) -> tuple[Path, dict]:
+    """The benchmark's folder (`work_dir`, else a new temporary one) and the environment of the
+    `rlhf` processes it starts: this checkout's code, their own RLHF_HOME in the folder, no
+    progress bars, no Ray cluster inherited."""
+    work = Path(work_dir or tempfile.mkdtemp(prefix=prefix)).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, RLHF_HOME=str(work / ".rlhf"), RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))
+    env.pop("RAY_ADDRESS", None)
+    return work, env
+
+
 def start_ray(env: dict) -> None:
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
     subprocess.run(["ray", "start", "--head", "--num-cpus", "2", "--num-gpus", "0", "--temp-dir", str(temp),
@@ -130,11 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"])
     p.add_argument("--work_dir", default=None, help="kept between runs (the SFT model is reused)")
     args = p.parse_args(argv)
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-async-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, RLHF_HOME=str(work / ".rlhf"), RLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))
-    env.pop("RAY_ADDRESS", None)
+    work, env = work_and_env(args.work_dir, "rlhf-bench-async-")
     t = time.perf_counter()
     setting = prepare(work, env)
     print(f"setting ready in {time.perf_counter() - t:.0f} s: {setting['sft']}", flush=True)

@@ -207,7 +207,8 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
 
     Upstream roles (lineage tags and cache-key inputs): `model` (the actor), `reference`,
     `reward`, `critic` (its initialisation) and `data` (prep). A model the config names is an
-    input by URI (`rlhf.input.<role>`) instead. `stop_on_hacking`: training stops where the
+    input by URI (`rlhf.input.<role>`) instead, and so is a gold reward model checking held-out
+    responses (`gold_reward`). `stop_on_hacking`: training stops where the
     reward-hacking guard fires (where the guard is on; the held-out check is prep's, filled here).
     """
     import yaml
@@ -250,6 +251,9 @@ def ppo_job(ctx: PipelineContext, settings: PipelineSettings, prep: PrepParams, 
         external["reward"] = cfg.reward.remote_url
         if cfg.reward.remote_url.endswith(".py"):
             reward_file_digest = _file_digest(cfg.reward.remote_url)
+
+    if cfg.eval.reward_model_name_or_path:  # the held-out check's model: an input of the run's lineage
+        external["gold_reward"] = cfg.eval.reward_model_name_or_path
 
     if cfg.uses_critic:
         if cfg.critic.model_name_or_path is None:  # a process reward model has no value head: the actor then

@@ -17,6 +17,7 @@ controller reads plain values: the critic's and the reference's starting models,
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -386,10 +387,18 @@ class EvalSection(StrictModel):
     n_samples_per_prompt: int = Field(4, ge=1, json_schema_extra=flat("eval_n_samples_per_prompt"))
     task: str | None = Field(None, description="Built-in task whose exact verifier measures held-out accuracy "
                              "(default: --reward.task); the training reward may come from a reward model")
+    reward_model_name_or_path: str | None = Field(None, description="A gold reward model scoring the held-out "
+                                                  "responses (eval/sampled_gold_reward, its spread in _std): a "
+                                                  "held-out check for the guard and the best policy, one the "
+                                                  "training never optimises (a larger reward model, or one "
+                                                  "trained on other data; not one of --reward.model_name_or_path)",
+                                                  json_schema_extra=NOT_SEMANTIC)  # in a pipeline: an input by URI
     hacking_guard_enable: bool = Field(True, description="Warn (log, MLflow tag and metric) when the training "
-                                       "reward rises while the held-out check (--ckpt.best_metric_key's metric, "
-                                       "default the verifier's sampled accuracy) falls over the last "
-                                       "eval.hacking_window evaluations; needs a held-out check and eval.steps")
+                                       "reward rises while the held-out check (--ckpt.best_metric_key's metric "
+                                       "where it is one, else the verifier's sampled accuracy, else the gold "
+                                       "reward model's sampled reward) falls over the last eval.hacking_window "
+                                       "evaluations; needs a held-out check (eval.task or "
+                                       "eval.reward_model_name_or_path) and evaluations during training")
     hacking_window: int = Field(3, ge=1, description="Evaluations the reward-hacking guard looks back over")
     hacking_min_drop: float = Field(0.02, ge=0, description="How far (absolute) the held-out check must fall over "
                                     "the window for the guard to fire; an accuracy must also fall by more than the "
@@ -456,14 +465,18 @@ class PromptDataConfig(TokenizingOptions):
 
 
 # The held-out metrics of the RL stage's evaluation (`rl/controller.py`), for --ckpt.best_metric_key
-EVAL_METRICS = ("sampled_accuracy", "greedy_accuracy", "sampled_reward", "greedy_reward")
+EVAL_METRICS = ("sampled_accuracy", "greedy_accuracy", "sampled_reward", "greedy_reward", "sampled_gold_reward",
+                "greedy_gold_reward")
+# Those that are held-out checks: a verifier's, a gold reward model's (the others are the training reward's own)
+CHECK_METRICS = tuple(m for m in EVAL_METRICS if m.endswith(("_accuracy", "_gold_reward")))
 
 
 class RLCkptConfig(CkptConfig):
     best_metric_key: str = Field("", description="Keep the checkpoint of the best held-out evaluation as "
                                  "best_global_step<N> under --ckpt.path (the previous best removed, never rotated): "
                                  "'' the sampled accuracy where a verifier scores the evaluation (OpenRLHF's first "
-                                 f"pass@1 metric), else none; one of {', '.join(EVAL_METRICS)} (with or without eval/; "
+                                 "pass@1 metric), else the sampled gold reward where --eval.reward_model_name_or_path "
+                                 f"scores it, else none; one of {', '.join(EVAL_METRICS)} (with or without eval/; "
                                  "OpenRLHF's <source>_pass1 is sampled_accuracy); 'none': off",
                                  json_schema_extra=flat("best_metric_key", **NOT_SEMANTIC))
 
@@ -552,6 +565,22 @@ class PPOConfig(TrainingStageConfig):
     def uses_ref(self) -> bool:
         return self.algo.kl.init_coef > 0 or self.algo.kl.use_loss
 
+    @property
+    def reward_models(self) -> list[str]:
+        """The reward models trained against (`--reward.model_name_or_path`, comma-separated)."""
+        return [m.strip() for m in (self.reward.model_name_or_path or "").split(",") if m.strip()]
+
+    @property
+    def uses_reward_role(self) -> bool:
+        """Whether the reward role starts: reward models to train against, or a gold one to check with
+        (placed by `--reward.*` either way)."""
+        return bool(self.reward_models or self.eval.reward_model_name_or_path)
+
+    @property
+    def has_held_out_check(self) -> bool:
+        """A check of held-out responses the training reward is not: a verifier or a gold reward model."""
+        return self.eval.task is not None or self.eval.reward_model_name_or_path is not None
+
     def ring_of(self, world_size: int) -> int:
         """The ranks of a ring of a role of `world_size` ranks (`--ds.ring_attn_size`; one rank: none)."""
         return self.ds.ring_attn_size if world_size > 1 else 1
@@ -619,7 +648,7 @@ class PPOConfig(TrainingStageConfig):
                                 f"(got {adv.gamma})")
         if self.uses_critic:
             if critic.model_name_or_path is None:
-                reward_models = [m.strip() for m in (reward.model_name_or_path or "").split(",") if m.strip()]
+                reward_models = self.reward_models
                 set_(critic, "model_name_or_path", reward_models[0] if reward_models else actor.model_name_or_path)
         elif critic.model_name_or_path is not None:
             problems.append(f"--critic.model_name_or_path: only --algo.advantage.estimator gae trains a critic "
@@ -690,11 +719,20 @@ class PPOConfig(TrainingStageConfig):
                 problems.append(f"--data.max_len ({self.data.max_len}) leaves no room to generate after "
                                 f"--data.prompt_max_len ({self.data.prompt_max_len}): give --rollout.max_new_tokens")
         guard = self.eval
+        gold = guard.reward_model_name_or_path
+        if gold is not None and ("," in gold or os.path.normpath(gold.strip()) in map(os.path.normpath,
+                                                                                    self.reward_models)):
+            problems.append(f"--eval.reward_model_name_or_path {gold}: give one reward model, not one trained against "
+                            "(--reward.model_name_or_path): a check the policy is optimised for cannot see it game it")
+        if self.ckpt.best_metric_key.endswith("_gold_reward") and gold is None:
+            problems.append(f"--ckpt.best_metric_key {self.ckpt.best_metric_key} is a gold reward model's score: give "
+                            "--eval.reward_model_name_or_path")
         if guard.stop_on_hacking:
             needs = [what for what, missing in (
                 ("the guard on (--eval.hacking_guard_enable)", not guard.hacking_guard_enable),
                 ("held-out prompts (--eval.dataset)", guard.dataset is None),
-                ("a held-out check (--eval.task, a verifier)", guard.task is None)) if missing]
+                ("a held-out check (--eval.task, a verifier, or --eval.reward_model_name_or_path)",
+                 not self.has_held_out_check)) if missing]
             if needs:
                 problems.append(f"--eval.stop_on_hacking needs {' and '.join(needs)}")
         try:
@@ -709,7 +747,7 @@ class PPOConfig(TrainingStageConfig):
         # as many ranks). Given alone, a ring's or a group's ranks per role.
         ring, tp = self.ds.ring_attn_size, self.ds.tensor_parallel_size
         models = {"actor": actor, "critic": critic if self.uses_critic else None,
-                  "ref": self.ref if self.uses_ref else None, "reward": reward if reward.model_name_or_path else None}
+                  "ref": self.ref if self.uses_ref else None, "reward": reward if self.uses_reward_role else None}
         for role, placement in models.items():
             if placement is None or ring * tp == 1:
                 continue
@@ -755,12 +793,12 @@ class PPOConfig(TrainingStageConfig):
                 (actor.num_nodes, actor.num_gpus_per_node) != (self.ref.num_nodes, self.ref.num_gpus_per_node):
             problems.append("colocating actor and reference (--train.colocate_actor_ref or --train.colocate_all) "
                             "needs the same --actor.num_nodes/num_gpus_per_node and --ref.num_nodes/num_gpus_per_node")
-        if (train.colocate_critic_reward or train.colocate_all) and self.uses_critic and reward.model_name_or_path \
+        if (train.colocate_critic_reward or train.colocate_all) and self.uses_critic and self.uses_reward_role \
                 and (critic.num_nodes, critic.num_gpus_per_node) != (reward.num_nodes, reward.num_gpus_per_node):
             problems.append("colocating critic and reward model (--train.colocate_critic_reward or "
                             "--train.colocate_all) needs the same --critic.num_nodes/num_gpus_per_node and "
                             "--reward.num_nodes/num_gpus_per_node")
-        started = {"critic": self.uses_critic, "ref": self.uses_ref, "reward": bool(reward.model_name_or_path)}
+        started = {"critic": self.uses_critic, "ref": self.uses_ref, "reward": self.uses_reward_role}
         for role, used in started.items():
             if getattr(self, role).resources and not used:
                 problems.append(f"--{role}.resources: this run starts no {role} role (its estimator, KL or reward "
@@ -791,7 +829,8 @@ class PPOConfig(TrainingStageConfig):
 
     def check_complete(self) -> None:
         """Raise ConfigError naming every input/output a run still needs: the actor, the prompts, the
-        output directory and a reward source (a pipeline fills them in from upstream stages)."""
+        output directory, a reward source and, for a gold reward model, held-out prompts (a pipeline
+        fills them in from upstream stages)."""
         missing = [f"{spellings_of(type(self)).flag_name((path,))}: required"
                    for path, value in (("actor.model_name_or_path", self.actor.model_name_or_path),
                                        ("data.prompt_dataset", self.data.prompt_dataset),
@@ -800,6 +839,9 @@ class PPOConfig(TrainingStageConfig):
             missing.append("a reward source is required: --reward.model_name_or_path (--reward_pretrain), "
                            "--reward.remote_url (--remote_rm_url), --reward.task (--task) or an agent "
                            "(--train.agent_func_path)")
+        if self.eval.reward_model_name_or_path and not self.eval.dataset:
+            missing.append("--eval.reward_model_name_or_path scores held-out responses: --eval.dataset "
+                           "(--eval_dataset) is required")
         if missing:
             raise ConfigError(f"{self.stage}: " + "; ".join(missing))
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.infra.not_applied import say_once
+from rlhf_core.rl.selection import spread_of
 from rlhf_core.trainers import checkpoints
 from rlhf_core.trainers.checkpoints import rng_state, set_rng_state
 
@@ -40,18 +41,20 @@ CONTROLLER = "controller.pt"
 
 
 class BestMetric:
-    """The best held-out evaluation so far, by `--ckpt.best_metric_key` ('': the sampled accuracy
-    where the evaluation has one; 'none': off). Part of the checkpoint: a resumed run keeps it."""
+    """The best held-out evaluation so far, by `--ckpt.best_metric_key` ('': `auto`, the run's
+    default held-out check, the sampled accuracy where a verifier scores the evaluation; 'none':
+    off). Part of the checkpoint: a resumed run keeps it."""
 
     AUTO = "eval/sampled_accuracy"
 
-    def __init__(self, key: str):
-        self.key, self.value, self.step = key, float("-inf"), None
+    def __init__(self, key: str, auto: str = AUTO):
+        self.key, self.auto = key, auto
+        self.value, self.step, self.spread = float("-inf"), None, None
 
     @property
     def metric(self) -> str:
-        """The evaluation metric it compares ('' resolved to the sampled accuracy)."""
-        return self.AUTO if self.key == "" else self.key
+        """The evaluation metric it compares ('' resolved to `auto`)."""
+        return self.auto if self.key == "" else self.key
 
     def improves(self, metrics: dict[str, float], step: int) -> bool:
         """Whether `metrics` (one evaluation's, at `step`) beat the best so far; if so, it becomes it."""
@@ -63,15 +66,17 @@ class BestMetric:
             return False
         if metrics[key] <= self.value:
             return False
-        self.value, self.step = metrics[key], step
+        self.value, self.step, self.spread = metrics[key], step, spread_of(metrics, key)
         return True
 
     def state_dict(self) -> dict:
-        return {"key": self.key, "value": self.value, "step": self.step}
+        return {"key": self.metric if self.key == "" else self.key, "value": self.value, "step": self.step,
+                "spread": self.spread}
 
     def load_state_dict(self, state: dict | None) -> None:
-        if state and state.get("key") == self.key:  # a resume asking for another metric starts its own best
-            self.value, self.step = state["value"], state["step"]
+        """A resume asking for another metric starts its own best."""
+        if state and state.get("key") in (self.key, self.metric):
+            self.value, self.step, self.spread = state["value"], state["step"], state.get("spread")
 
 
 def _state(controller) -> dict:

@@ -2,16 +2,19 @@
 
 A policy that learns to please its reward model (or a flawed reward function) rather than to solve
 the task shows it in two numbers that part ways: the reward it is trained on keeps rising, and a
-check the training never sees (the task's verifier on held-out prompts, `--eval.task`) falls.
+check the training never sees falls: the task's verifier on held-out prompts (`--eval.task`), or
+a gold reward model, one other than the rewards trained against (`--eval.reward_model_name_or_path`).
 `reward_hacking` (pure) reads a run's evaluations for that; `HackingGuard` keeps them as the run
 goes (part of the RL checkpoint, so a resumed run keeps its window) and says when it fires. The
 controller warns once, tags the MLflow run and, with `--eval.stop_on_hacking`, stops training.
 
 Each evaluation is paired with the training reward of the policies around it: the mean
 `rollout/reward_mean` of the steps since the evaluation before (for the evaluation before training,
-the first step's rollout, sampled from the initial policy). A fall of the held-out accuracy counts
-where it is beyond the noise of two evaluations on that many responses: a run trained against the
-task's own verifier, which cannot be hacked, fired on a fall of 2 responses in 100 before.
+the first step's rollout, sampled from the initial policy). A fall of the held-out check counts
+where it is beyond the noise of two evaluations on that many responses (an accuracy's from its
+own value; a gold reward model's from the spread of its scores, logged beside its mean): a run
+trained against the task's own verifier, which cannot be hacked, fired on a fall of 2 responses
+in 100 before.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from rlhf_core.rl.selection import beats_the_last
+from rlhf_core.rl.selection import beats_the_last, spread_of
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Evaluation:
     step: int
     reward: float | None  # the training reward of the policies since the previous evaluation
     metric: float  # the held-out check (higher is better)
+    spread: float | None = None  # the per-response standard deviation of a reward check (None: an accuracy)
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,8 @@ def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: flo
                    responses: int = 0) -> Hacking | None:
     """Pure: whether the last `window` evaluations after `evaluations[-window - 1]` show the training
     reward up (any rise) and the held-out metric down by at least `min_drop` (absolute) and, for an
-    accuracy over `responses` responses an evaluation, by more than the noise of two such
-    evaluations (`selection.beats_the_last`: twice the standard error of their difference); None
+    `responses` responses an evaluation, by more than the noise of two such evaluations
+    (`selection.beats_the_last`: twice the standard error of their difference); None
     while fewer than `window + 1` evaluations, or their rewards, are known."""
     if window < 1 or len(evaluations) < window + 1:
         return None
@@ -57,8 +61,8 @@ def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: flo
     if first.reward is None or last.reward is None:
         return None
     rise, drop = last.reward - first.reward, first.metric - last.metric
-    if rise > 0 and drop >= min_drop and (responses <= 0 or beats_the_last(first.metric, last.metric, metric,
-                                                                            responses)):
+    if rise > 0 and drop >= min_drop and (responses <= 0 or beats_the_last(
+            first.metric, last.metric, metric, responses, (first.spread, last.spread))):
         return Hacking(first.step, last.step, rise, drop)
     return None
 
@@ -85,7 +89,7 @@ class HackingGuard:
             return None
         reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
         self.rewards = []
-        self.evaluations.append(Evaluation(step, reward, metrics[self.metric]))
+        self.evaluations.append(Evaluation(step, reward, metrics[self.metric], spread_of(metrics, self.metric)))
         found = reward_hacking(self.evaluations, self.window, self.min_drop, self.metric, self.responses)
         if found is not None and self.fired is None:
             self.fired = found

@@ -15,23 +15,24 @@ from __future__ import annotations
 from rlhf_core.distributed.resources import Layout, colocation_groups, plan_layout
 
 
-def role_world_sizes(cfg, reward_paths: list[str]) -> dict[str, int]:
-    """Ranks per role this config needs (rollout: the engines), in the order pools are made."""
+def role_world_sizes(cfg, reward_role_models: list[str]) -> dict[str, int]:
+    """Ranks per role this config needs (rollout: the engines), in the order pools are made; the
+    reward role's where it has models (trained against, or a gold one checking held-out responses)."""
     sizes = {"actor": cfg.actor.world_size}
     if cfg.uses_ref:
         sizes["ref"] = cfg.ref.world_size
     if cfg.uses_critic:
         sizes["critic"] = cfg.critic.world_size
-    if reward_paths:
+    if reward_role_models:
         sizes["reward"] = cfg.reward.world_size
     sizes["rollout"] = max(1, cfg.vllm.num_engines)
     return sizes
 
 
-def rl_layout(cfg, reward_paths: list[str], devices) -> Layout:
+def rl_layout(cfg, reward_role_models: list[str], devices) -> Layout:
     """Pools and shares; a vLLM engine of `--vllm.tensor_parallel_size` tp is one rank of tp bundles
     (GPUs), so `--vllm.num_engines` E takes E x tp of them, colocated or in a pool of its own."""
-    sizes = role_world_sizes(cfg, reward_paths)
+    sizes = role_world_sizes(cfg, reward_role_models)
     # Asynchronous training samples while the models train: --train.colocate_all then colocates the
     # DeepSpeed models only, and the engines keep devices of their own (OpenRLHF's rule).
     colocated = [role for role in sizes if role != "rollout"] if cfg.train.async_enable else sizes

@@ -29,13 +29,18 @@ class TextRewardSource:
 
 
 class RewardModelSource:
-    """Reward models on a role group (`RewardModelRole.scores`): the score is the reward."""
+    """Reward models on a role group, read by `method`: `RewardModelRole.scores` (the models trained
+    against: the score is the reward) or `check_scores` (the gold reward model that checks
+    held-out responses, `--eval.reward_model_name_or_path`: a metric, never a reward)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, method: str = "scores"):
+        self.group, self.method = group, method
+
+    def scores(self, samples: list[RolloutSample]) -> list[float]:
+        return self.group.call_sharded(self.method, samples)
 
     def score(self, samples: list[RolloutSample], labels: list) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = torch.tensor(self.group.call_sharded("scores", samples), dtype=torch.float32)
+        raw = torch.tensor(self.scores(samples), dtype=torch.float32)
         return raw, raw
 
 

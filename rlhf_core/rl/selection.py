@@ -2,11 +2,11 @@
 
 Evaluations during training serve the reward-hacking guard (`rl/guard.py`) and the choice of the
 policy the stage publishes (the best by `--ckpt.best_metric_key`). Both read a held-out check, so
-where one is watched (a verifier, `--eval.task`) and `--eval.steps` is left at -1, the stage
-evaluates every tenth of the run. A policy chosen on the prompts its results are reported on
-would report a number biased upwards by the choice, so those evaluations take a selection share
-of the held-out prompts (`--eval.selection_fraction`) and the evaluations before and after
-training, the reported ones, the rest.
+where one is watched (a verifier, `--eval.task`; a gold reward model, `--eval.reward_model_name_or_path`)
+and `--eval.steps` is left at -1, the stage evaluates every tenth of the run. A policy chosen on
+the prompts its results are reported on would report a number biased upwards by the choice, so
+those evaluations take a selection share of the held-out prompts (`--eval.selection_fraction`)
+and the evaluations before and after training, the reported ones, the rest.
 """
 
 from __future__ import annotations
@@ -45,11 +45,22 @@ def responses_per_evaluation(prompts: int, metric: str, n_samples_per_prompt: in
     return prompts * (1 if "greedy" in metric else n_samples_per_prompt)
 
 
-def beats_the_last(best: float, last: float, metric: str, samples: int) -> bool:
+def beats_the_last(best: float, last: float, metric: str, samples: int,
+                   spreads: tuple[float, float] | None = None) -> bool:
     """Whether the best evaluation beat the last one by more than their noise, so that publishing
-    the best is a choice rather than a draw: for an accuracy over `samples` responses each, by
-    more than twice the standard error of the difference of two proportions; for another metric
-    (a reward, whose spread is not known here), by anything at all."""
-    if not metric.endswith("_accuracy") or samples <= 0:
+    the best is a choice rather than a draw: by more than twice the standard error of the
+    difference of two means over `samples` responses each. An accuracy's spread is its own
+    (p(1 - p)); another metric's (a gold reward model's score) is `spreads`, the standard
+    deviation of each evaluation's per-response values; without them, by anything at all."""
+    if samples <= 0:
         return best > last
-    return best - last > 2 * math.sqrt((best * (1 - best) + last * (1 - last)) / samples)
+    if metric.endswith("_accuracy"):
+        return best - last > 2 * math.sqrt((best * (1 - best) + last * (1 - last)) / samples)
+    if spreads is None or any(s is None for s in spreads):
+        return best > last
+    return best - last > 2 * math.sqrt((spreads[0] ** 2 + spreads[1] ** 2) / samples)
+
+
+def spread_of(metrics: dict[str, float], metric: str) -> float | None:
+    """The per-response standard deviation an evaluation logged beside `metric` (`<metric>_std`)."""
+    return metrics.get(f"{metric}_std")

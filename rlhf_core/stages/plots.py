@@ -154,7 +154,9 @@ STAGE_CURVES: dict[str, list[tuple[str, dict[str, str]]]] = {
             # the reward-hacking guard's two numbers (rl/guard.py): they part ways when the policy games its reward
             ("training reward against the held-out check", {"training reward": "rollout/reward_mean",
                                                             "held-out accuracy (selection)": "select/sampled_accuracy",
-                                                            "held-out accuracy": "eval/sampled_accuracy"})],
+                                                            "held-out accuracy": "eval/sampled_accuracy",
+                                                            "gold reward (selection)": "select/sampled_gold_reward",
+                                                            "gold reward": "eval/sampled_gold_reward"})],
 }
 DEFAULT_CURVES = [("loss", {"train": "train/loss", "held-out": "eval/loss"})]
 INITIAL_PREFIX = "eval_initial/"

@@ -123,16 +123,19 @@ class RoleGroups:
         self.pools = []
 
 
-def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int) -> dict[str, tuple]:
-    """Each model role this config needs and its constructor's arguments (after `cfg, pad_id`).
-    Models are named as given (s3:// too): each rank resolves them on its node (`models_on_this_node`)."""
+def role_specs(cfg, pad_id: int, reward_paths: list[str], optimizer_steps: int,
+               check_paths: list[str] = ()) -> dict[str, tuple]:
+    """Each model role this config needs and its constructor's arguments (after `cfg, pad_id`): the
+    reward role holds the reward models trained against and the gold one that checks held-out
+    responses. Models are named as given (s3:// too): each rank resolves them on its node
+    (`models_on_this_node`)."""
     specs = {"actor": (optimizer_steps,)}
     if cfg.uses_ref:
         specs["ref"] = (cfg.ref.model_name_or_path,)
     if cfg.uses_critic:
         specs["critic"] = (cfg.critic.model_name_or_path, optimizer_steps)
-    if reward_paths:
-        specs["reward"] = (reward_paths,)
+    if reward_paths or check_paths:
+        specs["reward"] = (reward_paths, list(check_paths))
     return {kind: (cfg, pad_id, *args) for kind, args in specs.items()}
 
 
@@ -196,7 +199,7 @@ def engine_options(cfg) -> tuple[str, dict]:
     return "transformers", {"batch_size": GENERATION_BATCH, "use_ms": cfg.use_ms}  # fp32 on CPU, bf16 on GPU
 
 
-def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list[str]) -> RoleGroups:
+def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_role_models: list[str]) -> RoleGroups:
     from rlhf_core.distributed.resources import create_pools, detect_devices
     from rlhf_core.distributed.role_group import RoleGroup, gather_all, start_together
     from rlhf_core.rl.engines import EngineWorker, RayEngines
@@ -204,7 +207,7 @@ def ray_roles(cfg, specs: dict[str, tuple], actor_model: str, reward_paths: list
     from rlhf_core.trainers.stage_worker import stage_timeout_s
 
     backend, options = engine_options(cfg)
-    layout = rl_layout(cfg, reward_paths, detect_devices())
+    layout = rl_layout(cfg, reward_role_models, detect_devices())
     pools = create_pools(layout)
     made: dict[str, RoleGroup] = {}
     try:
@@ -277,15 +280,17 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
             print(f"rlhf: {left_out} prompts longer than --data.prompt_max_len {cfg.data.prompt_max_len} tokens were "
                   "left out", file=sys.stderr, flush=True)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        reward_paths = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
-        specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps)
+        reward_paths = cfg.reward_models
+        check_paths = [cfg.eval.reward_model_name_or_path.strip()] if cfg.eval.reward_model_name_or_path else []
+        specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps, check_paths)
         if on_ray is None:
             on_ray = runs_on_ray(cfg)  # may connect to the cluster: inside, so a failure closes the run as FAILED
         if on_ray:
             from rlhf_core.distributed.cluster import ensure_ray
 
             started_ray = ensure_ray()
-            roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths)  # resolved on each node
+            # models are resolved on each node
+            roles = ray_roles(cfg, specs, cfg.actor.model_name_or_path, reward_paths + check_paths)
         else:
             roles = local_roles(cfg, specs, actor_path)
         if cfg.train.agent_func_path:
@@ -307,7 +312,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
         controller = RLController(cfg, prompt_ids, labels, eval_ids, eval_labels, tokenizer, roles.engines,
                                   roles.actor, roles.critic, roles.ref, rewards, tracker,
                                   kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon), steps,
-                                  agent=agent)
+                                  agent=agent, check=RewardModelSource(roles.reward_model, "check_scores") if check_paths else None)
         metrics = controller.run()
         manifest = save_policy(cfg, roles.actor, tokenizer, metrics, sources + eval_sources, tracker, precision,
                                resume=controller.resume, critic=roles.critic)

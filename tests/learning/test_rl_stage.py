@@ -118,25 +118,35 @@ def test_the_tokenizer_chat_template_flag_formats_the_prompts(prepared):
     assert ids[0] != default_ids[0]
 
 
-def test_a_policy_a_weak_reward_model_drives_off_a_cliff_is_caught_and_not_published(rl_setting, tmp_path, capsys):
-    """The reward-hacking guard's proof (issue 26's setting): a reward model trained for 40 steps
-    only (about 63% of held-out pairs ranked right), REINFORCE with baseline at a high learning
-    rate. The training reward rises while the verifier's held-out accuracy collapses; the guard
-    warns, and the stage publishes its best evaluated policy (chosen on the selection prompts),
-    which on the reported prompts is within 2 points of SFT, where the last policy, what a run
-    without the choice publishes, has lost most of its accuracy."""
-    weak = tmp_path / "weak_rm"
+@pytest.fixture(scope="module")
+def weak_rm(rl_setting, tmp_path_factory):
+    """A reward model trained for 40 steps only: about 63% of held-out pairs ranked right."""
+    weak = tmp_path_factory.mktemp("weak") / "weak_rm"
     preference = Path(rl_setting["root"]) / "prep" / "data" / "preference"
     assert main(["train", "rm", "--pretrain", rl_setting["sft"], "--dataset", f"json@{preference}",
                  "--save_path", str(weak), "--train_batch_size", "64", "--micro_train_batch_size", "32",
                  "--max_steps", "40", "--apply_chat_template", "--max_len", "64", "--packing_samples",
                  "--param_dtype", "fp32", "--lr_warmup_ratio", "0.05", "--seed", "0", "--use_mlflow", "false",
                  "--learning_rate", "1e-3", "--max_epochs", "50"]) == 0
+    return str(weak)
+
+
+# REINFORCE with baseline at a high learning rate against the weak reward model (issue 26's setting)
+OFF_A_CLIFF = ("--algo.advantage.estimator", "reinforce_baseline", "--rollout.n_samples_per_prompt", "4",
+               "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
+               "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", "64")
+
+
+def test_a_policy_a_weak_reward_model_drives_off_a_cliff_is_caught_and_not_published(rl_setting, weak_rm, tmp_path,
+                                                                                      capsys):
+    """The reward-hacking guard's proof (issue 26's setting): a reward model trained for 40 steps
+    only (about 63% of held-out pairs ranked right), REINFORCE with baseline at a high learning
+    rate. The training reward rises while the verifier's held-out accuracy collapses; the guard
+    warns, and the stage publishes its best evaluated policy (chosen on the selection prompts),
+    which on the reported prompts is within 2 points of SFT, where the last policy, what a run
+    without the choice publishes, has lost most of its accuracy."""
     capsys.readouterr()
-    manifest, err = ppo(rl_setting, tmp_path / "hacked", "--reward.model_name_or_path", str(weak),
-                        "--algo.advantage.estimator", "reinforce_baseline", "--rollout.n_samples_per_prompt", "4",
-                        "--rollout.batch_size", "16", "--train.batch_size", "64", "--train.micro_batch_size", "32",
-                        "--actor.adam.lr", "2e-4", "--algo.kl.init_coef", "0.01", "--train.max_steps", "64",
+    manifest, err = ppo(rl_setting, tmp_path / "hacked", "--reward.model_name_or_path", weak_rm, *OFF_A_CLIFF,
                         capsys=capsys)
     m = manifest["metrics"]
     assert "rlhf: WARNING reward hacking" in err and m["guard/reward_hacking"] == 1.0, err[-3000:]
@@ -148,3 +158,46 @@ def test_a_policy_a_weak_reward_model_drives_off_a_cliff_is_caught_and_not_publi
     print(f"\nguard proof: SFT {sft:.1%} sampled (reported prompts); last policy {m['select/sampled_accuracy']:.1%} "
           f"(selection prompts), training reward +{m['guard/reward_rise']:.2f}; published step {m['published/step']}: "
           f"{m['eval/sampled_accuracy']:.1%} (reported prompts)")
+
+
+def test_a_gold_reward_model_as_the_held_out_check_catches_the_same_cliff(rl_setting, weak_rm, tmp_path, capsys):
+    """The same run with a gold reward model as the guard's check instead of the verifier: the
+    setting's reward model (about 98% of held-out pairs), which the policy never trains against
+    (`--eval.reward_model_name_or_path`), watched by the guard and choosing the published policy
+    (`--ckpt.best_metric_key eval/sampled_gold_reward`; it is the default check where no verifier
+    exists: here the verifier only reports). Its score falls beyond the spread of its scores while
+    the training reward rises; the guard fires on it, and the policy it chooses keeps the
+    verifier's accuracy within 2 points of SFT."""
+    capsys.readouterr()
+    manifest, err = ppo(rl_setting, tmp_path / "gold", "--reward.model_name_or_path", weak_rm, *OFF_A_CLIFF,
+                        "--eval.reward_model_name_or_path", rl_setting["rm"],
+                        "--ckpt.best_metric_key", "eval/sampled_gold_reward", capsys=capsys)
+    m = manifest["metrics"]
+    assert "held-out eval/sampled_gold_reward fell by" in err and m["guard/reward_hacking"] == 1.0, err[-3000:]
+    assert m["select/sampled_gold_reward"] < m["eval_initial/sampled_gold_reward"] - 2, m  # the last policy fell
+    sft = m["eval_initial/sampled_accuracy"]
+    assert m["select/sampled_accuracy"] < sft - 0.3, m  # and so did its accuracy, which no choice read
+    assert m["published/step"] < 64 and f"publishing the policy of step {m['published/step']} " \
+        "(eval/sampled_gold_reward=" in err
+    assert m["eval/sampled_accuracy"] >= sft - 0.02, m
+    print(f"\ngold-check proof: gold reward {m['eval_initial/sampled_gold_reward']:.2f} (SFT, reported prompts) -> "
+          f"{m['select/sampled_gold_reward']:.2f} (last policy, selection prompts), guard fired at step "
+          f"{m['guard/fired_step']:.0f}; published step {m['published/step']}: {m['eval/sampled_accuracy']:.1%} "
+          f"sampled accuracy against SFT's {sft:.1%}")
+
+
+def test_with_the_guard_off_the_same_run_publishes_the_collapsed_policy(rl_setting, weak_rm, tmp_path, capsys):
+    """The control of the guard's proof: the same run with the guard and the choice off
+    (`--eval.hacking_guard_enable false --eval.publish_best false`), evaluated at the same steps
+    on the same prompts. Nothing warns, and the stage publishes its last policy: the collapse
+    reproduces on the reported prompts."""
+    capsys.readouterr()
+    manifest, err = ppo(rl_setting, tmp_path / "unguarded", "--reward.model_name_or_path", weak_rm, *OFF_A_CLIFF,
+                        "--eval.hacking_guard_enable", "false", "--eval.publish_best", "false", "--eval.steps", "7",
+                        capsys=capsys)
+    m = manifest["metrics"]
+    assert "reward hacking" not in err and "guard/reward_hacking" not in m, err[-3000:]
+    assert m["published/step"] == 64
+    sft = m["eval_initial/sampled_accuracy"]
+    assert m["eval/sampled_accuracy"] < sft - 0.3, m
+    print(f"\nguard off: SFT {sft:.1%} -> published (last) policy {m['eval/sampled_accuracy']:.1%} (reported prompts)")

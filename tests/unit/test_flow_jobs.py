@@ -191,7 +191,7 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
         "reward.resources", "logger.tensorboard_dir", "logger.wandb.group", "logger.wandb.key", "logger.wandb.mode",
         "logger.wandb.org", "logger.wandb.project", "logger.wandb.run_name", "local_rank", "data.dataloader_num_workers",
         "train.actor_init_on_gpu", "train.perf", "train.ptx_coef", "vllm.sync_with_ray", "ckpt.best_metric_key",
-        "use_ms"}
+        "use_ms", "eval.reward_model_name_or_path"}
     job, key, _, _ = ppo_job_for(tmp_path)
     assert ppo_job_for(tmp_path, ctx=flow_ctx(tmp_path / "elsewhere"))[1] == key  # not the output place
     for values in ({"train.max_steps": 81}, {"actor.adam.lr": 1e-4}, {"algo.kl.init_coef": 0.02},
@@ -204,6 +204,11 @@ def test_ppo_key_moves_with_settings_upstream_and_precision_not_with_places(tmp_
         assert ppo_job_for(tmp_path, values)[1] == key, values
     named, named_key, tags, _ = ppo_job_for(tmp_path, {"pretrain": "org/actor"})
     assert named_key != key and tags["rlhf.input.model"] == "org/actor" and "rlhf.upstream.model.run_id" not in tags
+    # a gold reward model checking held-out responses: an input by URI (lineage, the key, what prune keeps)
+    _, gold_key, tags, cfg = ppo_job_for(tmp_path, {"eval.reward_model_name_or_path": "org/gold"})
+    assert gold_key != key and tags["rlhf.input.gold_reward"] == "org/gold"
+    assert cfg["eval"]["reward_model_name_or_path"] == "org/gold"
+    assert ppo_job_for(tmp_path, {"eval.reward_model_name_or_path": "org/gold-2"})[1] != gold_key
 
 
 def test_ppo_gets_a_checkpoint_folder_it_resumes_from_only_under_its_own_key(tmp_path):

@@ -70,3 +70,30 @@ def test_stage_panels_read_the_stage_keys_and_its_initial_evaluation():
     assert plots.training_curves_png("sft", "sft", {"train/lr": [(1, 1e-3)]}) is None
     assert "eval_initial/sampled_accuracy" in plots.curve_keys("ppo") and "rollout/kl" in plots.curve_keys("ppo")
     png_size(plots.training_curves_png("ppo", "ppo", {"rollout/kl": [(s, s / 100) for s in range(30)]}))
+
+
+def test_the_guard_panel_draws_the_training_reward_against_each_held_out_check():
+    """The reward-hacking guard's two numbers on one chart (issue 26): the training reward and the
+    held-out checks (the verifier's accuracy and a gold reward model's score, on the selection
+    prompts during training and the reported ones before and after), and the chart follows them."""
+    rising = [(s, 0.4 + 0.03 * s) for s in range(1, 41)]
+    history = {"rollout/reward_mean": rising,
+               "select/sampled_accuracy": [(s, 0.6 - 0.01 * s) for s in range(0, 41, 4)],
+               "eval_initial/sampled_accuracy": [(0, 0.62)], "eval/sampled_accuracy": [(40, 0.2)],
+               "select/sampled_gold_reward": [(s, 1.0 - 0.05 * s) for s in range(0, 41, 4)],
+               "eval/sampled_gold_reward": [(40, -1.0)], "eval_initial/sampled_gold_reward": [(0, 1.1)]}
+    panels = dict(plots.stage_panels("ppo", history))
+    guard = panels["training reward against the held-out check"]
+    assert guard["training reward"] == rising
+    assert guard["held-out accuracy (selection)"] == history["select/sampled_accuracy"]
+    assert guard["held-out accuracy"] == [(40, 0.2), (0, 0.62)]  # before training too
+    assert guard["gold reward (selection)"] == history["select/sampled_gold_reward"]
+    assert guard["gold reward"] == [(40, -1.0), (0, 1.1)]
+    assert {"select/sampled_gold_reward", "eval_initial/sampled_gold_reward"} <= plots.curve_keys("ppo")
+    drawn = plots.training_curves_png("ppo", "ppo", history)
+    png_size(drawn)
+    held = {**history, "select/sampled_gold_reward": [(s, 1.0) for s in range(0, 41, 4)]}
+    assert plots.training_curves_png("ppo", "ppo", held) != drawn  # the check's curve is drawn
+    verifier_only = {k: v for k, v in history.items() if "gold" not in k}
+    assert set(dict(plots.stage_panels("ppo", verifier_only))["training reward against the held-out check"]) == {
+        "training reward", "held-out accuracy (selection)", "held-out accuracy"}

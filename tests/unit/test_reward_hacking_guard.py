@@ -56,6 +56,33 @@ def test_the_guard_pairs_each_evaluation_with_the_rewards_before_it_and_resumes_
     assert len(g.evaluations) == 3
 
 
+def test_a_gold_reward_model_check_fires_beyond_the_spread_of_its_scores_and_keeps_it_on_resume():
+    """Watching a gold reward model's held-out score (`eval/sampled_gold_reward`): a fall counts
+    where it is beyond the noise of two evaluations, read from the spread each evaluation logs
+    beside the mean (`_std`); the spread is part of the window a resume keeps."""
+    gold = "eval/sampled_gold_reward"
+
+    def run(spread: float, guard: HackingGuard | None = None) -> HackingGuard:
+        g = guard or HackingGuard(gold, window=2, min_drop=0.02, responses=100)
+        for step, (reward, score) in enumerate([(0.1, 2.0), (0.5, 1.7), (0.9, 1.4)]):
+            g.rollout(reward)
+            g.evaluated(2 * step, {gold: score, f"{gold}_std": spread})
+        return g
+
+    assert run(1.0).fired == Hacking(0, 4, pytest.approx(0.8), pytest.approx(0.6))  # 0.6 against 2 x 0.14
+    assert run(3.0).fired is None  # against 2 x 0.42: within the noise
+    g = HackingGuard(gold, window=2, min_drop=0.02, responses=100)
+    g.rollout(0.1)
+    g.evaluated(0, {gold: 2.0, f"{gold}_std": 1.0})
+    restored = HackingGuard(gold, window=2, min_drop=0.02, responses=100)
+    restored.load_state_dict(g.state_dict())
+    assert restored.evaluations == g.evaluations and restored.evaluations[0].spread == 1.0
+    # a window saved before spreads were kept loads, and is read by the margin alone
+    old = {"metric": gold, "evaluations": [{"step": 0, "reward": 0.1, "metric": 2.0}], "rewards": [], "fired": None}
+    restored.load_state_dict(old)
+    assert restored.evaluations == [Evaluation(0, 0.1, 2.0)]
+
+
 # A reward that rises with every call (the policy "pleases" it more each step), whatever the text.
 RISING_REWARD = """
 from pathlib import Path
@@ -151,5 +178,34 @@ def test_stopping_on_hacking_needs_the_guard_and_evaluations(flags, named):
         values[flag.removeprefix("--")] = value
     with pytest.raises(ConfigError, match=re.escape(named)):
         build_ppo_config(values, {})
-    with pytest.raises(ConfigError, match=re.escape("a held-out check (--eval.task, a verifier)")):
+    check = "a held-out check (--eval.task, a verifier, or --eval.reward_model_name_or_path)"
+    with pytest.raises(ConfigError, match=re.escape(check)):
         build_ppo_config({**base, "reward.task": None, "reward.remote_url": "r.py"}, {})
+    # a gold reward model is a held-out check too: the guard can stop on it
+    gold = build_ppo_config({**base, "reward.task": None, "reward.model_name_or_path": "rm",
+                             "eval.reward_model_name_or_path": "gold"}, {})
+    assert gold.has_held_out_check and gold.eval.task is None
+
+
+def test_a_gold_reward_model_is_one_held_out_check_not_trained_against():
+    from rlhf_core.infra.settings import ConfigError
+    from rlhf_core.rl.ray_roles import role_world_sizes
+    from rlhf_core.rl_config import build_ppo_config
+
+    base = {"actor.model_name_or_path": "m", "data.prompt_dataset": "json@d", "ckpt.output_dir": "o",
+            "eval.dataset": "json@h", "algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 2,
+            "algo.kl.init_coef": 0}
+    verifier_trained = build_ppo_config({**base, "reward.task": "sort", "eval.reward_model_name_or_path": "gold"}, {})
+    assert verifier_trained.uses_reward_role and verifier_trained.reward_models == []
+    assert role_world_sizes(verifier_trained, ["gold"]) == {"actor": 1, "reward": 1, "rollout": 1}
+    assert not build_ppo_config({**base, "reward.task": "sort"}, {}).uses_reward_role
+    with pytest.raises(ConfigError, match=re.escape("a gold reward model's score: give --eval.reward_model_name_or_path")):
+        build_ppo_config({**base, "reward.task": "sort", "ckpt.best_metric_key": "sampled_gold_reward"}, {})
+    for gold, named in (("./rm_a", "not one trained against"), ("g1,g2", "give one reward model")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            build_ppo_config({**base, "reward.model_name_or_path": "rm_b, rm_a",
+                              "eval.reward_model_name_or_path": gold}, {})
+    with pytest.raises(ConfigError, match=re.escape("scores held-out responses: --eval.dataset (--eval_dataset) is "
+                                                    "required")):  # where a pipeline does not fill it in
+        build_ppo_config({**base, "eval.dataset": None, "reward.task": "sort", "eval.reward_model_name_or_path": "g"},
+                         {})

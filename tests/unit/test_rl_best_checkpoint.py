@@ -35,6 +35,23 @@ def test_the_best_metric_is_the_highest_evaluation_and_comes_back_on_resume():
     assert other.improves({"eval/greedy_reward": -5.0}, 4)
 
 
+def test_with_a_gold_reward_model_and_no_verifier_the_best_is_by_its_score_with_its_spread():
+    best = BestMetric("", "eval/sampled_gold_reward")  # the run's default check (no verifier)
+    assert best.metric == "eval/sampled_gold_reward"
+    assert not best.improves({"eval/sampled_reward": 9.0}, 1)  # the training reward's own judge: never
+    assert best.improves({"eval/sampled_gold_reward": 0.5, "eval/sampled_gold_reward_std": 2.0}, 2)
+    assert (best.step, best.value, best.spread) == (2, 0.5, 2.0)
+    resumed = BestMetric("", "eval/sampled_gold_reward")
+    resumed.load_state_dict(best.state_dict())
+    assert (resumed.step, resumed.value, resumed.spread) == (2, 0.5, 2.0)
+    named = BestMetric("eval/sampled_gold_reward")  # the same metric asked for by name: the same best
+    named.load_state_dict(best.state_dict())
+    assert named.step == 2
+    verifier = BestMetric("")  # a resume whose default check is the verifier's starts its own best
+    verifier.load_state_dict(best.state_dict())
+    assert verifier.step is None
+
+
 def test_best_checkpoints_are_never_rotated_and_replace_each_other(tmp_path):
     for step in (1, 2, 3):
         (tmp_path / f"global_step{step}").mkdir()
@@ -79,7 +96,7 @@ def test_ppo_keeps_the_checkpoint_of_its_best_evaluation(key, prepared, tmp_path
     import torch
 
     state = torch.load(ckpt / "global_step3" / "controller.pt", weights_only=False)["best"]  # what a resume reads
-    assert state == {"key": metric, "step": best_step,
+    assert state == {"key": metric, "step": best_step, "spread": None,
                      "value": pytest.approx(evaluations[best_step], abs=1e-4)}
     manifest = json.loads(out.out[out.out.index("{"):])
     assert manifest["metrics"]["best/step"] == best_step

@@ -32,3 +32,15 @@ def test_the_best_is_published_over_the_last_only_when_it_beat_it_by_more_than_t
     assert beats_the_last(0.66, 0.07, "eval/sampled_accuracy", 100)  # a collapse is no draw
     assert beats_the_last(0.83, 0.80, "eval/sampled_accuracy", 10_000)
     assert beats_the_last(0.9, 0.8, "eval/sampled_reward", 100) and not beats_the_last(0.8, 0.8, "eval/sampled_reward", 100)
+
+
+def test_a_gold_reward_beats_the_last_only_beyond_the_spread_of_its_scores():
+    """A gold reward model's score has no spread of its own (an accuracy's is p(1 - p)): the
+    evaluations log it (`_gold_reward_std`), and the same rule, twice the standard error of the
+    difference of two means, reads it; without it, any gain counts."""
+    gold = "eval/sampled_gold_reward"
+    assert beats_the_last(1.0, 0.5, gold, 100, (1.0, 1.0))  # 0.5 against 2 x 0.14
+    assert not beats_the_last(1.0, 0.5, gold, 100, (3.0, 3.0))  # against 2 x 0.42: a draw
+    assert beats_the_last(1.0, 0.5, gold, 10_000, (3.0, 3.0))
+    assert beats_the_last(1.0, 0.99, gold, 100) and beats_the_last(1.0, 0.99, gold, 100, (None, 1.0))
+    assert not beats_the_last(0.5, 0.5, gold, 100, (0.0, 0.0))
