@@ -41,9 +41,18 @@ from rlhf_core.infra.not_applied import not_applied, say_once
 from rlhf_core.rl import checkpoint, guard, selection
 from rlhf_core.rl.agents import agent_stats
 from rlhf_core.rl.ahead import Rollout, RolloutsAhead
-from rlhf_core.rl.experience import RolloutSample, Samples, stack, step_reward_matrix, unstack
+from rlhf_core.rl.experience import (
+    RolloutSample,
+    Samples,
+    old_logprob_metrics,
+    old_logprob_sums,
+    stack,
+    step_reward_matrix,
+    unstack,
+)
 from rlhf_core.rl.partial import sample_in_segments, staleness_stats
 from rlhf_core.rl.plan import StepPlan
+from rlhf_core.rl_config import CHECK_METRICS
 from rlhf_core.rollout.base import Budget, budget_slice
 
 log = logging.getLogger(__name__)
@@ -104,9 +113,10 @@ def as_eval(metrics: dict[str, float]) -> dict[str, float]:
 class RLController:
     def __init__(self, cfg, prompt_ids: list[list[int]], labels: list, eval_prompt_ids: list[list[int]] | None,
                  eval_labels: list | None, tokenizer, engines, actor, critic, ref, reward_source, tracker,
-                 kl_controller, rollout_steps: int, agent=None):
+                 kl_controller, rollout_steps: int, agent=None, check=None):
         self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
         self.agent = agent  # multi-turn episodes (`rl/agents.AgentRollouts`), or None: one response a prompt
+        self.check = check  # a gold reward model scoring held-out responses (`scoring.RewardModelSource` of `check_scores`), or None
         self.prompt_ids, self.labels = prompt_ids, labels
         self.eval_prompt_ids, self.eval_labels = eval_prompt_ids or [], eval_labels or []
         self.actor, self.critic, self.ref, self.reward_source = actor, critic, ref, reward_source
@@ -121,16 +131,20 @@ class RLController:
         # Where training started, recorded in stage.json: a --load_checkpoint that found nothing says so.
         self.resume = {"requested": bool(cfg.ckpt.load_enable), "checkpoint": None, "start_step": 0}
         self.checkpoint_run: str | None = None  # the run id this run's checkpoint tags are recorded under
-        self.best = checkpoint.BestMetric(cfg.ckpt.best_metric_key)  # the best evaluation's checkpoint
+        # The run's held-out check by default: the verifier's sampled accuracy, else the gold reward
+        # model's sampled score (`--eval.reward_model_name_or_path`).
+        default_check = checkpoint.BestMetric.AUTO if cfg.eval.task is not None or check is None \
+            else "eval/sampled_gold_reward"
+        self.best = checkpoint.BestMetric(cfg.ckpt.best_metric_key, default_check)  # the best evaluation's checkpoint
         self.history: list[dict] = []
-        # The reward-hacking guard watches a held-out accuracy (`rl/guard.py`): the one the best checkpoint
-        # is chosen by where it is one, else the sampled accuracy (a held-out reward would be the
+        # The reward-hacking guard watches a held-out check (`rl/guard.py`): the one the best checkpoint
+        # is chosen by where it is one, else the default (a held-out `sampled_reward` would be the
         # training reward's own judge).
         key = cfg.ckpt.best_metric_key
-        metric = key if key.endswith("_accuracy") else checkpoint.BestMetric.AUTO
+        metric = key if key.removeprefix("eval/") in CHECK_METRICS else default_check
         # Evaluations during training (the guard's, the best policy's): every `eval_every` steps, on the
         # selection prompts where there are some; the evaluations before and after, on the rest (`rl/selection.py`).
-        watched = bool(self.eval_prompt_ids) and cfg.eval.task is not None and \
+        watched = bool(self.eval_prompt_ids) and cfg.has_held_out_check and \
             (cfg.eval.hacking_guard_enable or cfg.eval.publish_best)
         self.eval_every = selection.eval_every(cfg.eval.steps, rollout_steps, watched)
         chosen, reported = selection.selection_split(len(self.eval_prompt_ids), cfg.eval.selection_fraction,
@@ -270,7 +284,8 @@ class RLController:
             return self.step
         metric = best.metric
         responses = selection.responses_per_evaluation(len(self.selection[0]), metric, self.cfg.eval.n_samples_per_prompt)
-        if metric in last and not selection.beats_the_last(best.value, last[metric], metric, responses):
+        if metric in last and not selection.beats_the_last(best.value, last[metric], metric, responses,
+                                                           (best.spread, selection.spread_of(last, metric))):
             print(f"rlhf: the best evaluation (step {best.step}, {metric}={best.value:.4f}) is within the noise of the "
                   f"last ({last[metric]:.4f} over {responses} responses on the selection prompts): the last policy is "
                   "published", file=sys.stderr, flush=True)
@@ -494,16 +509,14 @@ class RLController:
             # The KL and mismatch metrics are over the samples whose old log-probs were computed here:
             # all of them, unless the first optimizer step's are left to training.
             measured = [i for i, s in enumerate(samples) if s.old_logprobs is not None]
-            seen = mask[measured]
-            old = stack([samples[i].old_logprobs for i in measured], width)
-            if self.ref is not None:
-                kl[measured] = kl_penalty(old, stack([samples[i].ref_logprobs for i in measured], width),
-                                          "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator) * seen
-            rollout_lp = stack([samples[i].rollout_logprobs for i in measured], width)
-            trainer_lp = stack([engine_view[i] for i in measured], width) if sampled else old
-            stats = {"rollout/kl": kl[measured].sum(-1).mean().item(),
-                     "rollout/logprob_mismatch": ((rollout_lp - trainer_lp).abs() * seen).sum().item()
-                     / seen.sum().item()}
+            estimator = "k1" if not cfg.algo.kl.use_loss else cfg.algo.kl.estimator
+            old = [samples[i].old_logprobs for i in measured]
+            ref = [samples[i].ref_logprobs for i in measured] if self.ref is not None else None
+            if ref is not None:
+                kl[measured] = kl_penalty(stack(old, width), stack(ref, width), estimator) * mask[measured]
+            stats = old_logprob_metrics(old_logprob_sums(
+                old, [samples[i].rollout_logprobs for i in measured],
+                [engine_view[i] for i in measured] if sampled else old, ref, estimator))
         kl_in_reward = 0.0 if cfg.algo.kl.use_loss else self.kl.value
         steps = step_reward_matrix(samples, width) if self.step_rewards else None
         advantages, returns = compute_advantages(
@@ -558,8 +571,10 @@ class RLController:
     def evaluate(self, prefix: str = "eval/", prompt_ids: list | None = None, labels: list | None = None,
                  greedy: bool = True) -> dict[str, float]:
         """Held-out prompts (default: the reported ones), sampled at `--eval.temperature` and (with
-        `greedy`) greedy: the mean reward, and with a task verifier (`--eval.task`, default
-        `--reward.task`) the exact-match accuracy."""
+        `greedy`) greedy: the mean reward; with a task verifier (`--eval.task`, default
+        `--reward.task`) the exact-match accuracy; with a gold reward model its mean score
+        (`_gold_reward`) and their standard deviation (`_gold_reward_std`, the noise the guard and
+        the choice of the best policy weigh)."""
         prompt_ids = self.eval_prompt_ids if prompt_ids is None else prompt_ids
         labels = self.eval_labels if labels is None else labels
         if not prompt_ids:
@@ -572,6 +587,10 @@ class RLController:
             samples = self.draw(prompt_ids, list(range(len(prompt_ids))), labels, n, temperature, seed=cfg.train.seed + 17)
             self.score(samples, labels)
             out[f"{prefix}{name}_reward"] = sum(s.score for s in samples) / len(samples)
+            if self.check is not None:
+                gold = torch.tensor(self.check.scores(samples), dtype=torch.float64)
+                out[f"{prefix}{name}_gold_reward"] = gold.mean().item()
+                out[f"{prefix}{name}_gold_reward_std"] = gold.std(unbiased=False).item()
             out.update({f"{prefix}{name}_{k.removeprefix('rollout/')}": v for k, v in agent_stats(samples).items()})
             if verifier is not None:  # an episode's answer is its last action
                 responses = [s.extra["final_text"] if "final_text" in s.extra else

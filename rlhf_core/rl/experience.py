@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rlhf_core.algos.losses import kl_penalty
 from rlhf_core.data.batching import Batch, make_batch, pack_shared_prefix
 from rlhf_core.models.forward import response_index
 
@@ -192,8 +193,8 @@ _COLLATED: OrderedDict = OrderedDict()
 COLLATE_CACHE_SIZE = 32
 
 
-def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
-            ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None,
+            width_multiple: int = 1) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     """`(batch, index, mask)`: the samples' prompt+response sequences with the response tokens
     under the loss mask, and where those tokens sit (`index`, `mask`: `(N, T_max)`).
 
@@ -203,24 +204,24 @@ def collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capaci
     Packed, the samples of one prompt share its tokens (`pack_shared_prefix`), so a group computes
     its prompt once. Rows are at most twice the longest segment wide (and at most `row_capacity`):
     attention is dense within a row, so one row of a whole micro-batch costs more than the
-    padding it saves.
+    padding it saves. The width is rounded up to `width_multiple` (`Batch.widened`).
     """
-    key = (pad_id, packing, row_capacity,
+    key = (pad_id, packing, row_capacity, width_multiple,
            tuple((s.prompt_index, tuple(s.prompt_ids), tuple(s.response_ids),
                   None if s.action_mask is None else tuple(s.action_mask)) for s in samples))
     hit = _COLLATED.get(key)
     if hit is not None:
         _COLLATED.move_to_end(key)
         return hit
-    out = _collate(samples, pad_id, packing, row_capacity)
+    out = _collate(samples, pad_id, packing, row_capacity, width_multiple)
     _COLLATED[key] = out
     while len(_COLLATED) > COLLATE_CACHE_SIZE:
         _COLLATED.popitem(last=False)
     return out
 
 
-def _collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None
-             ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+def _collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capacity: int | None,
+             width_multiple: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     masks = [[0] * len(s.prompt_ids) + s.loss_mask for s in samples]
     groups = prompt_groups(samples)
@@ -232,6 +233,7 @@ def _collate(samples: list[RolloutSample], pad_id: int, packing: bool, row_capac
         longest = max(len(q) for q in seqs)
         capacity = None if row_capacity is None else max(longest, min(row_capacity, 2 * longest))
         batch = make_batch(seqs, masks, pad_id, packing, capacity)
+    batch = batch.widened(width_multiple, pad_id)
     index, mask = response_index(batch)
     return batch, index, mask
 
@@ -249,6 +251,29 @@ def unstack(matrix: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """The inverse of `stack`: row i cut to `lengths[i]` (along the last dimension), on CPU."""
     matrix = matrix.detach().float().cpu()
     return TensorRows(matrix[i, ..., :n].clone() for i, n in enumerate(lengths))
+
+
+def old_logprob_sums(old: list[torch.Tensor], engine: list[torch.Tensor], trainer: list[torch.Tensor],
+                     ref: list[torch.Tensor] | None, estimator: str) -> torch.Tensor:
+    """Pure: the sums behind a step's `rollout/logprob_mismatch` and `rollout/kl`, over samples'
+    response tokens: (sum of |engine - trainer| log-probs, tokens, sum of the KL estimate of `old`
+    against `ref`, samples), float64. Sums, so that ranks' shares add up (all-reduce) before
+    `old_logprob_metrics` divides. `trainer`: the policy's log-probs under the engine's sampling
+    distribution (the old log-probs themselves where it samples unfiltered); `ref` None: no KL."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    if not old:
+        return sums
+    sums[0] = (torch.cat(engine).double() - torch.cat(trainer).double()).abs().sum()
+    sums[1], sums[3] = sum(len(lp) for lp in old), len(old)
+    if ref is not None:
+        sums[2] = kl_penalty(torch.cat(old), torch.cat(ref), estimator).double().sum()
+    return sums
+
+
+def old_logprob_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """`rollout/logprob_mismatch` (per token) and `rollout/kl` (per sample) from `old_logprob_sums`."""
+    return {"rollout/logprob_mismatch": (sums[0] / sums[1].clamp(min=1)).item(),
+            "rollout/kl": (sums[2] / sums[3].clamp(min=1)).item()}
 
 
 def step_reward_matrix(samples: list[RolloutSample], width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,17 @@ from rlhf_core.infra.hubs import use_modelscope
 from rlhf_core.models import ring
 from rlhf_core.models.forward import response_logits, response_values
 from rlhf_core.models.lean import forward_report, lean_model, partitioned, tensor_parallel
-from rlhf_core.rl.experience import RolloutSample, TensorDict, TensorRows, collate, stack, unstack
+from rlhf_core.models.shapes import width_multiple
+from rlhf_core.rl.experience import (
+    RolloutSample,
+    TensorDict,
+    TensorRows,
+    collate,
+    old_logprob_metrics,
+    old_logprob_sums,
+    stack,
+    unstack,
+)
 from rlhf_core.rollout.weight_sync import WeightSender
 from rlhf_core.trainers import universal
 from rlhf_core.trainers.checkpoints import rng_state
@@ -172,12 +182,18 @@ class _Role:
         raise NotImplementedError
 
     def _collate(self, samples: list[RolloutSample]):
-        batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity)
+        batch, index, mask = collate(samples, self.pad_id, self.packing, row_capacity=self.row_capacity,
+                                     width_multiple=self.width_multiple)
         return batch.to(self.device), index.to(self.device), mask.to(self.device)
 
     @property
     def row_capacity(self) -> int:
         return self.cfg.data.max_len
+
+    @property
+    def width_multiple(self) -> int:
+        """Batch widths rounded up for few matmul shapes (`models/shapes.py`)."""
+        return width_multiple(self.device, self.precision)
 
     def _chunks(self, samples: list[RolloutSample]):
         """The experience passes' chunks (no gradients): `--rollout.micro_batch_size` samples where it
@@ -401,17 +417,10 @@ class PolicyRole(WeightSender, _Checkpointed, _Role):
         for s, lp in zip(samples, self.logprobs(samples, sampled), strict=True):
             s.old_logprobs, view = (lp[0], lp[1]) if sampled else (lp, lp)
             views.append(view)
-        totals = torch.zeros(4, dtype=torch.float64)  # |mismatch| sum, tokens, KL sum, samples
-        if samples:  # one pass over the step's tokens, not one per sample
-            old = torch.cat([s.old_logprobs for s in samples]).float()
-            totals[0] = (torch.cat([s.rollout_logprobs for s in samples]).float() - torch.cat(views).float()).abs().sum()
-            totals[1], totals[3] = old.numel(), len(samples)
-            if samples[0].ref_logprobs is not None:
-                totals[2] = kl_penalty(old, torch.cat([s.ref_logprobs for s in samples]).float(),
-                                       self.cfg.algo.kl.estimator).sum()
-        totals = all_reduce_sum(totals) / self.duplicates
-        return {"rollout/logprob_mismatch": (totals[0] / totals[1].clamp(min=1)).item(),
-                "rollout/kl": (totals[2] / totals[3].clamp(min=1)).item()}
+        with_ref = bool(samples) and samples[0].ref_logprobs is not None
+        sums = old_logprob_sums([s.old_logprobs for s in samples], [s.rollout_logprobs for s in samples], views,
+                                [s.ref_logprobs for s in samples] if with_ref else None, self.cfg.algo.kl.estimator)
+        return old_logprob_metrics(all_reduce_sum(sums) / self.duplicates)
 
     def _train_epoch(self, samples: list[RolloutSample], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's share of the rollout (in step order): a few optimizer steps."""
@@ -639,29 +648,29 @@ class ReferenceRole(_Role):
 
 
 class RewardModelRole(_Role):
-    """Trained reward model(s) scoring each sample at its last token (several: their sum)."""
+    """Trained reward model(s) scoring each sample at its last token (several: their sum), and the
+    gold reward model that checks held-out responses (`--eval.reward_model_name_or_path`), scored
+    on its own (`check_scores`)."""
 
     name, role = "reward_model", "reward"
 
-    def __init__(self, cfg, pad_id: int, model_paths: list[str], rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg, pad_id: int, model_paths: list[str], check_paths: list[str] = (), rank: int = 0,
+                 world_size: int = 1):
         super().__init__(cfg, pad_id, rank, world_size)
-        self.model_paths = model_paths
+        self.model_paths, self.check_paths = model_paths, list(check_paths)
 
     def _build(self) -> None:
-        from rlhf_core.distributed.engine import initialize_frozen
-        from rlhf_core.models.loading import load_reward_model, model_options
-
         cfg = self.cfg
         self.models, self.stats, self.prm = [], [], None
+        self.checks = [self._frozen_reward_model(path) for path in self.check_paths]
         if cfg.reward.placeholder_token is not None:
             self._build_process_reward_model()
             return
         for path in self.model_paths:
-            model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
-            self.stats.append((getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None),
-                               path))
-            settings = engine_settings(cfg, cfg.actor, self.world_size, role=self.role)
-            self.models.append(initialize_frozen(model, settings, offload=cfg.reward.offload, flag="reward.offload"))
+            model = self._frozen_reward_model(path)
+            config = getattr(model, "module", model).config
+            self.stats.append((getattr(config, "reward_mean", None), getattr(config, "reward_std", None), path))
+            self.models.append(model)
         if cfg.reward.normalize_enable:
             missing = [p for mean, std, p in self.stats if mean is None or not std]
             if missing:
@@ -686,7 +695,18 @@ class RewardModelRole(_Role):
                                       forward_context=lambda: autocast(self.precision),
                                       max_tokens=experience_budget(cfg))  # as the other roles' passes
 
+    def _frozen_reward_model(self, path: str):
+        from rlhf_core.distributed.engine import initialize_frozen
+        from rlhf_core.models.loading import load_reward_model, model_options
+
+        cfg = self.cfg
+        model = load_reward_model(path, self.pad_id, **model_options(cfg.ds))
+        settings = engine_settings(cfg, cfg.actor, self.world_size, role=self.role)
+        return initialize_frozen(model, settings, offload=cfg.reward.offload, flag="reward.offload")
+
     def _forward_model(self) -> tuple:
+        if not self.models:  # a gold reward model only
+            return self.checks[0], True
         return self.models[0], self.prm is None  # a PRM is a causal LM read at its placeholders
 
     @torch.no_grad()
@@ -698,20 +718,29 @@ class RewardModelRole(_Role):
     def scores(self, samples: list[RolloutSample]) -> list[float]:
         """The sum over reward models of each model's score (normalised with its stored mean/std with
         `--reward.normalize`), read at the sample's last token."""
-        from rlhf_core.models.forward import reward_scores
-
         total = torch.zeros(len(samples))
         for model, (mean, std, _) in zip(self.models, self.stats, strict=True):
-            out = []
-            for chunk in self._chunks(samples):
-                batch, _, _ = self._collate(chunk)
-                with autocast(self.precision):
-                    out.append(reward_scores(model, batch).float().cpu())
-            scores = torch.cat(out)
+            scores = self._scores(model, samples)
             if self.cfg.reward.normalize_enable:
                 scores = (scores - mean) / std
             total += scores
         return total.tolist()
+
+    @torch.no_grad()
+    def check_scores(self, samples: list[RolloutSample]) -> list[float]:
+        """The gold reward model's score of each sample, as it was trained (never normalised: its
+        scale is its own, and only its changes over the run are read)."""
+        return self._scores(self.checks[0], samples).tolist()
+
+    def _scores(self, model, samples: list[RolloutSample]) -> torch.Tensor:
+        from rlhf_core.models.forward import reward_scores
+
+        out = []
+        for chunk in self._chunks(samples):
+            batch, _, _ = self._collate(chunk)
+            with autocast(self.precision):
+                out.append(reward_scores(model, batch).float().cpu())
+        return torch.cat(out)
 
 
 def experience_budget(cfg) -> int | None:

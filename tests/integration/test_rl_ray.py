@@ -179,6 +179,34 @@ def test_a_failed_run_resumes_on_ray_to_the_same_weights(cluster, prepared, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_gold_reward_model_alone_starts_the_reward_role_and_is_the_held_out_check(cluster, prepared, tmp_path,
+                                                                                   capsys):
+    """No verifier, and a reward file trained against: `--eval.reward_model_name_or_path` starts the
+    reward role on Ray for the gold model alone; by default the stage evaluates every tenth of the
+    run (a check is watched), scores the held-out responses with it (mean and spread), and keeps
+    the best policy by its sampled score on the selection prompts."""
+    import re
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("\n".join(open(f"{prepared['prompts']}/test.jsonl").read().splitlines()[:16]) + "\n")
+    code, manifest, err = ppo(prepared, tmp_path, "gold", "--advantage_estimator", "group_norm",
+                              "--n_samples_per_prompt", "2", "--init_kl_coef", "0", "--max_steps", "10",
+                              "--eval_dataset", str(held_out), "--eval.reward_model_name_or_path", prepared["base"],
+                              capsys=capsys)
+    assert code == 0, err[-3000:]
+    placed = next(line for line in err.splitlines() if "RL roles on Ray" in line)
+    assert "reward: 1 x" in placed and "ref:" not in placed, placed
+    m = manifest["metrics"]
+    for prefix in ("eval_initial/", "eval/"):  # the reported prompts, before and after
+        assert m[f"{prefix}sampled_gold_reward_std"] > 0 and f"{prefix}sampled_gold_reward" in m, m
+        assert f"{prefix}sampled_accuracy" not in m  # no verifier
+    chosen = {int(step): float(value) for step, value in
+              re.findall(r"\[rl step (\d+)\] select/sampled_gold_reward=(-?[\d.]+)", err)}
+    assert sorted(chosen) == list(range(11)), chosen  # before training, every step, the last policy
+    best = max(chosen, key=lambda step: (chosen[step], -step))
+    assert m["best/step"] == best and m["best/value"] == pytest.approx(chosen[best], abs=1e-4)
+
+
 class StuckEngine:
     """An engine whose weight sync never ends on rank 1 and kills the process on rank 2."""
 

@@ -24,6 +24,27 @@ def test_a_chunk_collated_again_is_the_same_batch_and_other_tokens_are_not():
     assert collate(samples(9), 0, False, 64) is not first  # another layout
 
 
+def test_the_kl_and_mismatch_metrics_are_sums_that_ranks_add_before_one_division():
+    """`old_logprob_sums` (the controller's pass and the actor's training call both): per token
+    |engine - trainer|, per sample the summed KL estimate; two ranks' shares summed give the
+    whole batch's metrics, as the all-reduce does."""
+    from rlhf_core.rl.experience import old_logprob_metrics, old_logprob_sums
+
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    engine = [torch.tensor([-1.5, -2.0]), torch.tensor([-0.25])]
+    ref = [torch.tensor([-1.25, -1.0]), torch.tensor([-0.5])]
+    whole = old_logprob_metrics(old_logprob_sums(old, engine, old, ref, "k1"))
+    assert whole["rollout/logprob_mismatch"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert whole["rollout/kl"] == pytest.approx((0.25 - 1.0 + 0.0) / 2)  # k1: old - ref, summed per sample
+    halves = sum(old_logprob_sums(o, e, o, r, "k1") for o, e, r in (
+        (old[:1], engine[:1], ref[:1]), (old[1:], engine[1:], ref[1:])))
+    assert old_logprob_metrics(halves) == pytest.approx(whole)
+    no_ref = old_logprob_metrics(old_logprob_sums(old, engine, old, None, "k1"))
+    assert no_ref["rollout/kl"] == 0.0 and no_ref["rollout/logprob_mismatch"] == whole["rollout/logprob_mismatch"]
+    assert old_logprob_metrics(old_logprob_sums([], [], [], None, "k1")) == {"rollout/logprob_mismatch": 0.0,
+                                                                           "rollout/kl": 0.0}
+
+
 def test_samples_and_returned_rows_cross_processes_as_arrays_and_arrive_equal_and_writable():
     """What Ray pickles between the controller and the roles every step: no torch storage
     serialization (a file written per small tensor, tens of milliseconds a step), and the values,
