@@ -40,6 +40,32 @@ class Batch:
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.position_ids), move(self.loss_mask),
                      move(self.seq_ids), self.num_samples, move(self.predecessors))
 
+    def widened(self, multiple: int, pad_id: int = 0) -> Batch:
+        """This batch with its width rounded up to a multiple of `multiple` (`models/shapes.py`): the
+        slots added are padding (no loss, sample -1) that attends only to padding, so every sample's
+        log-probs and scores are what they were."""
+        rows, width = self.input_ids.shape
+        extra = -width % multiple
+        if not extra:
+            return self
+        device = self.input_ids.device
+        # Padding continues a row's trailing padding, else starts its own run at position 0: a new
+        # packed sample to the restarted-position rule, and keys a 2-D mask hides.
+        ends_padded = self.seq_ids[:, -1:] < 0
+        start = torch.where(ends_padded, self.position_ids[:, -1:] + 1, torch.zeros_like(ends_padded, dtype=torch.long))
+        positions = start + torch.arange(extra, device=device)
+        mask = self.attention_mask
+        if mask is not None and mask.dim() == 2:
+            mask = torch.nn.functional.pad(mask, (0, extra))
+        elif mask is not None:  # (rows, 1, T, T): each added slot attends to itself alone
+            mask = torch.nn.functional.pad(mask, (0, extra, 0, extra))
+            added = torch.arange(width, width + extra, device=device)
+            mask[..., added, added] = True
+        return Batch(torch.nn.functional.pad(self.input_ids, (0, extra), value=pad_id), mask,
+                     torch.cat([self.position_ids, positions], dim=-1),
+                     torch.nn.functional.pad(self.loss_mask, (0, extra)),
+                     torch.nn.functional.pad(self.seq_ids, (0, extra), value=-1), self.num_samples, self.predecessors)
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """Flat index (into rows*T) of each sample's last token: `(num_samples,)`."""

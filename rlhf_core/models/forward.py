@@ -23,6 +23,7 @@ from rlhf_core.models.loading import backbone
 from rlhf_core.models.moe import note_tokens
 from rlhf_core.models.ring import at_positions
 from rlhf_core.models.ring import current as current_ring
+from rlhf_core.models.shapes import gathered_rows
 
 
 def token_logprobs(model, batch: Batch) -> torch.Tensor:
@@ -81,9 +82,10 @@ def loss_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     lean = lean_model(model)
     if lean is None:
         return targets, response_logits(model, batch, targets)
-    hidden = selected_hidden(lean, batch.input_ids, batch.position_ids, batch.attention_mask,
-                             predicting_index(batch, targets))
-    return targets, lean.logits(hidden)
+    select = predicting_index(batch, targets)
+    rows = gathered_rows(select, lean.dtypes(select.device)[1])  # few shapes for oneDNN (models/shapes.py)
+    hidden = selected_hidden(lean, batch.input_ids, batch.position_ids, batch.attention_mask, rows)
+    return targets, lean.logits(hidden)[: len(select)]
 
 
 def backbone_hidden(model, batch: Batch) -> torch.Tensor:
@@ -204,7 +206,10 @@ def position_logits(model, batch: Batch, index: torch.Tensor) -> torch.Tensor:
     lean = lean_model(model)
     if lean is not None:
         hidden = lean.hidden_states(batch.input_ids, batch.position_ids, batch.attention_mask)
-        return lean.logits(hidden.reshape(-1, hidden.shape[-1])[index])
+        flat = index.reshape(-1)
+        rows = gathered_rows(flat, lean.dtypes(flat.device)[1])  # few shapes for oneDNN (models/shapes.py)
+        logits = lean.logits(hidden.reshape(-1, hidden.shape[-1])[rows])
+        return logits[: flat.numel()].reshape(*index.shape, logits.shape[-1])
     head = _logits_head(model)
     ring = current_ring()
     if ring is not None:
