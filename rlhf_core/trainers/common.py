@@ -89,11 +89,15 @@ def start_stage(cfg: TrainConfig, data: StageData) -> StageContext:
     tracker = Tracker(cfg.use_mlflow and rank == 0, cfg.mlflow_experiment, cfg.mlflow_run_name or cfg.stage,
                       cfg.mlflow_parent_run_id, tags={"rlhf.stage": cfg.stage, "rlhf.code_version": code_version(),
                                                       "rlhf.precision": precision})
-    if rank == 0:
-        attach_dashboards(tracker, cfg)
-    tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
-    tracker.log_datasets(data.train_sources, "training")
-    tracker.log_datasets(data.eval_sources, "evaluation")
+    try:  # the recipe marks its run's end once it holds the context: until then, here
+        if rank == 0:
+            attach_dashboards(tracker, cfg)
+        tracker.log_params({**cfg.model_dump(mode="json"), "precision": precision})
+        tracker.log_datasets(data.train_sources, "training")
+        tracker.log_datasets(data.eval_sources, "evaluation")
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
     return StageContext(cfg, rank, world, device(), tracker)
 
 
@@ -176,12 +180,20 @@ def batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     from rlhf_core.data.batching import make_batch
 
     capacity = None if packs_into_one_row(cfg) else cfg.data.max_len
+    multiple = batch_width_multiple(cfg, device)
 
     def build(sequences):
         return make_batch([s.input_ids for s in sequences], [s.loss_mask for s in sequences], tokenizer.pad_token_id,
-                          cfg.ds.packing_samples, capacity).to(device)
+                          cfg.ds.packing_samples, capacity).widened(multiple, tokenizer.pad_token_id).to(device)
 
     return build
+
+
+def batch_width_multiple(cfg: TrainConfig, device: torch.device) -> int:
+    """What a stage's batch widths are rounded up to (`models/shapes.py`); 1 in one flash-attn row."""
+    from rlhf_core.models.shapes import width_multiple
+
+    return 1 if packs_into_one_row(cfg) else width_multiple(device, precision_of(cfg.ds))
 
 
 def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
@@ -196,11 +208,12 @@ def pair_batch_builder(cfg: TrainConfig, tokenizer, device: torch.device):
     plain = batch_builder(cfg, tokenizer, device)
     if not cfg.ds.packing_samples or packs_into_one_row(cfg):
         return lambda chosen, rejected: plain(list(chosen) + list(rejected))
+    multiple = batch_width_multiple(cfg, device)
 
     def build(chosen, rejected):
         return pack_pairs([s.input_ids for s in chosen], [s.input_ids for s in rejected],
                           [s.loss_mask for s in chosen], [s.loss_mask for s in rejected], 2 * cfg.data.max_len,
-                          tokenizer.pad_token_id).to(device)
+                          tokenizer.pad_token_id).widened(multiple, tokenizer.pad_token_id).to(device)
 
     return build
 

@@ -187,3 +187,46 @@ def test_a_checkpoint_learns_of_an_ended_run_at_once_and_never_waits_long_on_the
     started = time.monotonic()
     assert tracker.ended_elsewhere(wait_s=0.5) is None and time.monotonic() - started < 2
     assert tracking.Tracker(False, "checkpoints", "off", None).ended_elsewhere() is None
+
+
+def test_a_stage_whose_run_fails_to_record_its_params_marks_it_failed(monkeypatch):
+    """The recipe marks its run's end once it holds the stage's context; a failure while the run is
+    being filled (a refused param, an unreachable store, a Ctrl-C) must not leave it RUNNING."""
+    import os
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from rlhf_core.config import STAGE_CONFIGS, build_config
+    from rlhf_core.trainers import common
+
+    ends = []
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def attach_sinks(self, sinks):
+            pass
+
+        def log_params(self, params):
+            pass
+
+        def log_datasets(self, sources, context):
+            raise RuntimeError("the store refused the dataset")
+
+        def finish(self, status="FINISHED"):
+            ends.append(status)
+
+    monkeypatch.setattr(common, "Tracker", Refusing)
+    # as a rank of a started group: joining one here would leave its rank variables in this
+    # worker's environment and DeepSpeed's communicator set, for every later test of the worker
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    cfg = build_config(STAGE_CONFIGS["sft"], None, {"pretrain": "/m", "dataset": "json@/d", "save_path": "/o"})
+    environment = dict(os.environ)
+    with pytest.raises(RuntimeError, match="refused the dataset"):
+        common.start_stage(cfg, SimpleNamespace(train_sources=[], eval_sources=[]))
+    assert ends == ["FAILED"] and dict(os.environ) == environment
