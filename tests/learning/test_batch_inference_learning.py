@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlhf_core.rl.selection import beats_the_last
+
 SAMPLED_GAIN = 0.06  # measured +0.129
 COMMON = ["--use_mlflow", "false", "--seed", "0"]
 
@@ -72,7 +74,11 @@ def test_conditional_sft_conditioned_on_a_high_score_beats_plain_sft_on_the_same
     recipe (same rows, steps and learning rate), and answers held-out prompts conditioned on the
     rows' 90th-percentile score. Measured on a 2-core AMD EPYC (Zen 4 class): plain SFT 0.91 greedy /
     0.65 sampled; conditioned high (z 1.08) 0.98 / 0.761; conditioned low (10th percentile, z -1.62)
-    0.95 / 0.591: the model reads the score it is given."""
+    0.95 / 0.591: the model reads the score it is given. On a 2-core Intel Xeon (AMX, bf16 scoring)
+    one run gave plain 0.66 and high 0.708 over 4 samples a prompt, another 0.661 and 0.754 over 8:
+    the gain moves with the run, so plain and high are sampled 8 times a prompt and high must beat
+    plain by more than the noise of two such evaluations (the project's rule, twice the standard
+    error of the difference: about 0.033)."""
     from rlhf_core.cli import main
 
     root = Path(rl_setting["root"]) / "prep"
@@ -89,16 +95,16 @@ def test_conditional_sft_conditioned_on_a_high_score_beats_plain_sft_on_the_same
                  "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_steps", "1000", "--max_epochs",
                  "50", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.05", "--save_path", str(model), *COMMON]) == 0
 
-    def sampled(policy: str, dataset: str, chat: bool, name: str) -> float:
+    def sampled(policy: str, dataset: str, chat: bool, name: str, n: int = 4) -> float:
         assert main(["eval", "--pretrain", policy, "--dataset", dataset, "--apply_chat_template", str(chat).lower(),
-                     "--task", "sort", "--max_samples", "200", "--n_samples_per_prompt", "4", "--rollout_backend",
+                     "--task", "sort", "--max_samples", "200", "--n_samples_per_prompt", str(n), "--rollout_backend",
                      "transformers", *COMMON[:2], "--save_path", str(tmp_path / name)]) == 0
         return json.loads((tmp_path / name / "eval.json").read_text())["metrics"]["eval/policy/sampled_accuracy"]
 
-    plain = sampled(rl_setting["sft"], f"json@{rl_setting['prompts']}", True, "eval_sft")
+    plain = sampled(rl_setting["sft"], f"json@{rl_setting['prompts']}", True, "eval_sft", n=8)
     high = sampled(str(model), conditioned_prompts(tmp_path / "high", rl_setting["prompts"], str(model),
-                                                   scores[int(0.9 * len(scores))]), False, "eval_high")
+                                                   scores[int(0.9 * len(scores))]), False, "eval_high", n=8)
     low = sampled(str(model), conditioned_prompts(tmp_path / "low", rl_setting["prompts"], str(model),
                                                   scores[int(0.1 * len(scores))]), False, "eval_low")
-    assert high >= plain + 0.05, (plain, high)  # measured +0.111
+    assert beats_the_last(high, plain, "sampled_accuracy", 200 * 8), (plain, high)  # measured +0.111 (EPYC)
     assert high >= low + 0.08, (low, high)  # measured +0.17
