@@ -85,13 +85,6 @@ def run_engine(engine: str, model: str, prompts_file: str, repeats: int, dtype: 
     return {"start_s": started, "runs": runs, "torch_threads": torch.get_num_threads()}
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,small,100m")
@@ -104,9 +97,9 @@ def main() -> None:
         print(json.dumps(run_engine(*args._child, args.repeats, args.dtype)))
         return
     sizes = args.sizes.split(",")
-    flags = Path("/proc/cpuinfo").read_text()
-    bf16 = "amx_bf16" in flags or "avx512_bf16" in flags
-    print(f"machine: {cpu_name()}, native bf16: {'yes' if bf16 else 'no'}; {PROMPTS} prompts x {SAMPLES} samples, "
+    from rlhf_core.infra.precision import describe_hardware
+
+    print(f"machine: {describe_hardware()}; {PROMPTS} prompts x {SAMPLES} samples, "
           f"up to {MAX_NEW} new tokens, T={TEMPERATURE}, {args.dtype}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         models, prompts_file = build_models(Path(tmp), sizes)

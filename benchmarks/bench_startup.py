@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,13 +43,6 @@ def first_step(cmd: list[str], env: dict, cwd: Path) -> tuple[float, float]:
     if proc.wait() != 0 or first is None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{seen.decode(errors='replace')[-3000:]}")
     return first, time.perf_counter() - start
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:
@@ -80,7 +72,9 @@ def main() -> int:
                 result = first_step(cmd, variant_env, work)
                 if round_:
                     times[variant, stage].append(result)
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; medians of {args.repeats} runs")
+    from rlhf_core.infra.precision import describe_hardware
+
+    print(f"Machine: {describe_hardware()}, {os.cpu_count()} cores; medians of {args.repeats} runs")
     print(f"{'stage':6} {'variant':34} {'first step s':>13} {'exit s':>8}")
     for stage in stages:
         for variant in variants:

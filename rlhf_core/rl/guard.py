@@ -51,7 +51,7 @@ class Hacking:
 def reward_hacking(evaluations: Sequence[Evaluation], window: int, min_drop: float, metric: str = "",
                    responses: int = 0) -> Hacking | None:
     """Pure: whether the last `window` evaluations after `evaluations[-window - 1]` show the training
-    reward up (any rise) and the held-out metric down by at least `min_drop` (absolute) and, for an
+    reward up (any rise) and the held-out metric down by at least `min_drop` (absolute) and, with
     `responses` responses an evaluation, by more than the noise of two such evaluations
     (`selection.beats_the_last`: twice the standard error of their difference); None
     while fewer than `window + 1` evaluations, or their rewards, are known."""
