@@ -571,10 +571,16 @@ class PPOConfig(TrainingStageConfig):
         return [m.strip() for m in (self.reward.model_name_or_path or "").split(",") if m.strip()]
 
     @property
+    def gold_reward_models(self) -> list[str]:
+        """The gold reward model checking held-out responses (`--eval.reward_model_name_or_path`), or none."""
+        gold = (self.eval.reward_model_name_or_path or "").strip()
+        return [gold] if gold else []
+
+    @property
     def uses_reward_role(self) -> bool:
         """Whether the reward role starts: reward models to train against, or a gold one to check with
         (placed by `--reward.*` either way)."""
-        return bool(self.reward_models or self.eval.reward_model_name_or_path)
+        return bool(self.reward_models or self.gold_reward_models)
 
     @property
     def has_held_out_check(self) -> bool:

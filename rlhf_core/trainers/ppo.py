@@ -281,7 +281,7 @@ def run_ppo(cfg, on_ray: bool | None = None) -> dict:
                   "left out", file=sys.stderr, flush=True)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         reward_paths = cfg.reward_models
-        check_paths = [cfg.eval.reward_model_name_or_path.strip()] if cfg.eval.reward_model_name_or_path else []
+        check_paths = cfg.gold_reward_models
         specs = role_specs(cfg, pad_id, reward_paths, optimizer_steps, check_paths)
         if on_ray is None:
             on_ray = runs_on_ray(cfg)  # may connect to the cluster: inside, so a failure closes the run as FAILED
