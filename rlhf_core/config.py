@@ -318,8 +318,12 @@ class TrainLoopConfig(StrictModel):
 
     batch_size: int = Field(32, gt=0, description="Global batch: micro x accumulation x ranks",
                             json_schema_extra=flat("train_batch_size"))
-    micro_batch_size: int = Field(8, gt=0, description="Samples per forward/backward on one rank",
-                                  json_schema_extra=flat("micro_train_batch_size"))
+    micro_batch_size: int | None = Field(None, gt=0, description="Samples per forward/backward on one rank "
+                                         "(default: as many as train.max_tokens_per_gpu tokens hold)",
+                                         json_schema_extra=flat("micro_train_batch_size"))
+    max_tokens_per_gpu: int = Field(16192, gt=0, description="Token slots per training micro-batch on one rank when "
+                                    "micro-batches go by tokens (packed: their tokens; padded: rows x the longest; "
+                                    "OpenRLHF's default)", json_schema_extra=flat("train_max_tokens_per_gpu"))
     max_epochs: int = Field(1, ge=1, json_schema_extra=flat("max_epochs"))
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps",
                                   json_schema_extra=flat("max_steps"))
@@ -618,12 +622,15 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
                                                          f"{self.world_size})")
         if layout:
             raise ValueError(layout)
-        per_step = self.train.micro_batch_size * self.data_parallel_size
-        if self.train.batch_size % per_step:
+        micro = self.train.micro_batch_size
+        if micro is None and self.train.batch_size % self.data_parallel_size:
+            raise ValueError(f"--train.batch_size (--train_batch_size) ({self.train.batch_size}) must be a multiple "
+                             f"of the data-parallel ranks ({self.data_parallel_size})")
+        if micro is not None and self.train.batch_size % (micro * self.data_parallel_size):
             raise ValueError(
                 f"--train.batch_size (--train_batch_size) ({self.train.batch_size}) must be a multiple of "
                 f"--train.micro_batch_size (--micro_train_batch_size) x data-parallel ranks "
-                f"({self.train.micro_batch_size} x {self.data_parallel_size})"
+                f"({micro} x {self.data_parallel_size})"
             )
         problems = self.ckpt.problems() + self.ds.problems()
         if problems:
@@ -656,7 +663,14 @@ class TrainConfig(TrainingStageConfig, Schedule, Optimiser):
 
     @property
     def accumulation_steps(self) -> int:
-        return self.train.batch_size // (self.train.micro_batch_size * self.data_parallel_size)
+        """Micro-batches per optimizer step on one rank; by tokens, any number (DeepSpeed is told 1:
+        `trainers/loop.optimizer_step` sets the boundary)."""
+        return self.train.batch_size // ((self.train.micro_batch_size or self.per_rank_batch) * self.data_parallel_size)
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Samples of an optimizer step on one data-parallel rank."""
+        return self.train.batch_size // self.data_parallel_size
 
 
 class SFTModelConfig(ModelConfig):

@@ -298,9 +298,6 @@ class AlgoConfig(StrictModel):
 class TrainSection(TrainLoopConfig):
     batch_size: int = Field(128, gt=0, description="Samples per optimizer step (all ranks)",
                             json_schema_extra=flat("train_batch_size"))
-    micro_batch_size: int | None = Field(None, gt=0, description="Samples per forward/backward on one rank "
-                                         "(default: as many as train.max_tokens_per_gpu tokens hold)",
-                                         json_schema_extra=flat("micro_train_batch_size"))
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout",
                             json_schema_extra=flat("max_epochs"))
     num_episodes: int = Field(1, ge=1, description="Passes over the prompts",
@@ -370,9 +367,6 @@ class TrainSection(TrainLoopConfig):
                                        "the experience passes: rollout.max_tokens_per_gpu) even where micro-batch sizes "
                                        "are given (without them it is the default): the same loss, fewer and fuller "
                                        "passes", json_schema_extra=flat("use_dynamic_batch"))
-    max_tokens_per_gpu: int = Field(16192, gt=0, description="Tokens (prompt + response) per training micro-batch "
-                                    "on one rank when micro-batches go by tokens (OpenRLHF's default)",
-                                    json_schema_extra=flat("train_max_tokens_per_gpu"))
 
 
 class EvalSection(StrictModel):

@@ -19,6 +19,8 @@ from functools import lru_cache
 
 import torch
 
+from rlhf_core.data.token_budget import step_micro_batches
+
 
 @dataclass
 class Batch:
@@ -257,14 +259,20 @@ def make_batch(seqs, loss_masks, pad_id: int, packing: bool, row_capacity: int |
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Which example indices rank `rank` uses at each optimizer step of each epoch."""
+    """Which example indices rank `rank` uses at each optimizer step of each epoch: micro-batches of
+    `micro_batch` examples, or (`micro_batch` None) by `token_budget` token slots, from each
+    example's sequence `lengths` (`data/token_budget.step_micro_batches`; `padded`: a micro-batch
+    costs its rows x its longest sequence)."""
 
     num_examples: int
     global_batch: int
-    micro_batch: int
+    micro_batch: int | None
     rank: int
     world_size: int
     seed: int
+    lengths: tuple[tuple[int, ...], ...] = ()
+    token_budget: int = 0
+    padded: bool = False
 
     @property
     def steps_per_epoch(self) -> int:
@@ -274,8 +282,13 @@ class BatchPlan:
         order = _epoch_order(self.num_examples, self.seed + epoch)
         batch = order[step * self.global_batch : (step + 1) * self.global_batch].tolist()
         per_rank = self.global_batch // self.world_size
-        mine = batch[self.rank * per_rank : (self.rank + 1) * per_rank]
-        return [mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
+        shares = [batch[r * per_rank : (r + 1) * per_rank] for r in range(self.world_size)]
+        mine = shares[self.rank]
+        if self.micro_batch is not None:
+            return [mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)]
+        groups = step_micro_batches([[self.lengths[i] for i in share] for share in shares], self.rank,
+                                    self.token_budget, self.padded)
+        return [[mine[j] for j in group] for group in groups]
 
 
 @lru_cache(maxsize=2)

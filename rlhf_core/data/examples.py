@@ -33,6 +33,11 @@ class Sequence:
 class SFTExample:
     seq: Sequence
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Its sequences' token counts (micro-batches by tokens: `data/token_budget.py`)."""
+        return (len(self.seq.input_ids),)
+
 
 @dataclass
 class PairExample:
@@ -40,11 +45,19 @@ class PairExample:
     rejected: Sequence
     margin: float = 0.0
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return len(self.chosen.input_ids), len(self.rejected.input_ids)
+
 
 @dataclass
 class UnpairedExample:
     seq: Sequence
     desirable: bool
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return (len(self.seq.input_ids),)
 
 
 @dataclass
@@ -56,6 +69,10 @@ class StepExample:
     seq: Sequence
     targets: list[int]
     soft: list[float] | None = None
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return (len(self.seq.input_ids),)
 
 
 def prompt_token_ids(tokenizer, text: str, templated: bool) -> list[int]:

@@ -58,3 +58,59 @@ def budget_chunks(lengths: list[int], budget: int, padded: bool = False) -> list
             chunks.append([i])
             total = longest = n
     return chunks
+
+
+# -- The supervised trainers' micro-batches: samples of one or more sequences (a pair: two) --------
+# A sample is its sequences' lengths. Packed, a micro-batch costs its tokens; padded, its rows x its
+# longest sequence (every sample of a stage has as many sequences, so a padded budget is one of
+# `budget // rows` slots per row).
+
+def _padded(samples: list[tuple[int, ...]], budget: int) -> tuple[list[int], int]:
+    """Each sample's longest sequence, and the budget per row."""
+    rows = max((len(s) for s in samples), default=1)
+    return [max(s) for s in samples], max(1, budget // rows)
+
+
+def step_micro_batches(shares: list[list[tuple[int, ...]]], rank: int, budget: int, padded: bool
+                       ) -> list[list[int]]:
+    """Rank `rank`'s share of an optimizer step in micro-batches within `budget` token slots (a
+    sample over it alone): positions into `shares[rank]`, each micro-batch in share order. Every
+    rank gets as many micro-batches as the share that needs most (ZeRO reduces at the boundary on
+    all ranks alike); every rank knows every share, so no collective is needed. Packed, near-equal
+    token sums (`balanced_groups`, in as many groups as first-fit decreasing needs, more where the
+    near-equal split would overrun the budget); padded, samples of similar length together (longest first), so
+    padding stays small. The shares are of equal size."""
+    if budget < 1:
+        raise ValueError(f"a token budget must be >= 1, got {budget}")
+    if not padded:
+        tokens = [[sum(s) for s in share] for share in shares]
+        count = max(micro_batch_count(t, budget) for t in tokens)
+
+        def over(t):  # a group of several samples above the budget: near-equal sums may miss what FFD found
+            return any(len(g) > 1 and sum(t[i] for i in g) > budget for g in balanced_groups(t, count))
+
+        while any(over(t) for t in tokens):
+            count += 1
+        return balanced_groups(tokens[rank], count)
+
+    def longest_first(share):
+        longest, per_row = _padded(share, budget)
+        order = sorted(range(len(share)), key=lambda i: (-longest[i], i))
+        return [[order[k] for k in run] for run in budget_chunks([longest[i] for i in order], per_row, padded=True)]
+
+    count = max(len(longest_first(share)) for share in shares)
+    runs = longest_first(shares[rank])
+    while len(runs) < count:  # split the run of most samples in two
+        k = max(range(len(runs)), key=lambda k: (len(runs[k]), -k))
+        half = (len(runs[k]) + 1) // 2
+        runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
+    return [sorted(run) for run in runs]
+
+
+def consecutive_chunks(samples: list[tuple[int, ...]], budget: int, padded: bool) -> list[list[int]]:
+    """Consecutive runs of sample indices within `budget` token slots (a longer sample alone): the
+    no-grad passes' chunks (evaluation), with nothing to keep in step across ranks."""
+    if padded:
+        longest, per_row = _padded(samples, budget)
+        return budget_chunks(longest, per_row, padded=True)
+    return budget_chunks([sum(s) for s in samples], budget)

@@ -52,8 +52,11 @@ class EngineSettings:
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> EngineSettings:
-        return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.world_size,
-                   cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef, cfg.ds.tensor_parallel_size, cfg.ds.ring_attn_size)
+        # micro-batches by tokens: any number a step (`trainers/loop.optimizer_step` sets the boundary);
+        # DeepSpeed is told one
+        return cls(cfg.adam, cfg, cfg.ds, cfg.train.batch_size, cfg.train.micro_batch_size or cfg.per_rank_batch,
+                   cfg.world_size, cfg.muon if cfg.optim == "muon" else None, cfg.model.aux_loss_coef,
+                   cfg.ds.tensor_parallel_size, cfg.ds.ring_attn_size)
 
 
 def device() -> torch.device:

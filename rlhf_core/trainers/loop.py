@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from rlhf_core.data.batching import BatchPlan
+from rlhf_core.data.token_budget import consecutive_chunks
 from rlhf_core.distributed.engine import all_reduce_sum, autocast, barrier, precision_of
 from rlhf_core.distributed.failures import FollowOnError
 from rlhf_core.distributed.sharding import share
@@ -64,8 +65,11 @@ class TrainLoop:
         self.duplicates = cfg.ds.duplicates
         self.dp_rank, self.dp_size = rank // self.duplicates, world_size // self.duplicates
         self.averaged_over = world_size // cfg.ds.tensor_parallel_size
+        by_tokens = cfg.train.micro_batch_size is None
         self.plan = BatchPlan(len(train_examples), cfg.train.batch_size, cfg.train.micro_batch_size,
-                              self.dp_rank, self.dp_size, cfg.train.seed)
+                              self.dp_rank, self.dp_size, cfg.train.seed,
+                              tuple(e.lengths for e in train_examples) if by_tokens else (),
+                              cfg.train.max_tokens_per_gpu, padded=not cfg.ds.packing_samples)
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"{len(train_examples)} training examples are fewer than one global batch "
                              f"(--train.batch_size {cfg.train.batch_size})")
@@ -138,8 +142,7 @@ class TrainLoop:
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         units = 0
         self.engine.eval()
-        micro = [mine[i : i + self.cfg.train.micro_batch_size]
-                 for i in range(0, len(mine), self.cfg.train.micro_batch_size)]
+        micro = no_grad_chunks(self.cfg, mine)
         prepare = getattr(self.recipe, "prepare_step", None)
         if prepare is not None:
             with autocast(precision_of(self.cfg.ds)):
@@ -344,6 +347,18 @@ def optimizer_step(engine, micro_batches: list, count, micro_step, world_size: i
     keys = sorted(sums)
     totals = all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))])) / duplicates
     return dict(zip(keys, totals[:-1], strict=True)), units, int(totals[-1].item())
+
+
+def no_grad_chunks(cfg, examples: list) -> list[list]:
+    """`examples` in consecutive chunks for the passes without gradients (evaluation, statistics):
+    `--train.micro_batch_size` each where it is given, else within `--train.max_tokens_per_gpu`
+    token slots (`data/token_budget.consecutive_chunks`)."""
+    micro = cfg.train.micro_batch_size
+    if micro is not None:
+        return [examples[i : i + micro] for i in range(0, len(examples), micro)]
+    runs = consecutive_chunks([e.lengths for e in examples], cfg.train.max_tokens_per_gpu,
+                              padded=not cfg.ds.packing_samples)
+    return [[examples[i] for i in run] for run in runs]
 
 
 KILL_ENV = "RLHF_TEST_KILL_AT_STEP"

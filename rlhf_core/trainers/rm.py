@@ -30,7 +30,7 @@ from rlhf_core.trainers.common import (
     save_stage,
     start_stage,
 )
-from rlhf_core.trainers.loop import total_steps
+from rlhf_core.trainers.loop import no_grad_chunks, total_steps
 
 
 def load_data(cfg: RMConfig):
@@ -86,12 +86,11 @@ class RewardModelRecipe:
     def reward_statistics(self) -> tuple[float, float]:
         """Mean and std of the rewards of all training sequences (chosen and rejected)."""
         self.engine.eval()
-        micro, duplicates = self.cfg.train.micro_batch_size, self.cfg.ds.duplicates  # a ring's ranks share batches
+        duplicates = self.cfg.ds.duplicates  # a ring's ranks share batches
         # as the loop's evaluation shards (distributed/sharding.py)
         mine = share(self.data.train, self.ctx.rank // duplicates, self.ctx.world_size // duplicates)
         total = torch.zeros(3, dtype=torch.float64)
-        for i in range(0, len(mine), micro):
-            chunk = mine[i : i + micro]
+        for chunk in no_grad_chunks(self.cfg, mine):
             with autocast(precision_of(self.cfg.ds)):
                 r = self.scores(self.engine, [e.chosen for e in chunk] + [e.rejected for e in chunk]).double().cpu()
             total += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])

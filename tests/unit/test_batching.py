@@ -69,6 +69,22 @@ def test_batch_plan_partitions_each_global_batch_across_ranks():
     assert one.micro_batches(1, 2) == BatchPlan(n, global_batch, 4, 0, 1, seed=3).micro_batches(1, 2)
 
 
+def test_a_batch_plan_by_tokens_partitions_each_step_alike_on_every_rank():
+    """No micro-batch size: each rank cuts its share by the token budget into as many micro-batches
+    as the rank that needs most; the step's data is the fixed-size plan's."""
+    n, global_batch = 64, 16
+    lengths = tuple((5 + (7 * i) % 40,) for i in range(n))
+    fixed = BatchPlan(n, global_batch, 4, 0, 1, seed=3)
+    ranks = [BatchPlan(n, global_batch, None, r, 2, seed=3, lengths=lengths, token_budget=60) for r in range(2)]
+    for step in range(fixed.steps_per_epoch):
+        split = [p.micro_batches(0, step) for p in ranks]
+        assert len(split[0]) == len(split[1]) > 1
+        assert sorted(i for mbs in split for mb in mbs for i in mb) == sorted(i for mb in fixed.micro_batches(0, step)
+                                                                              for i in mb)
+    one = BatchPlan(n, global_batch, None, 0, 1, seed=3, lengths=lengths, token_budget=16192)
+    assert len(one.micro_batches(0, 0)) == 1  # the whole step fits one
+
+
 def test_packed_rows_take_the_width_that_wastes_least():
     from rlhf_core.data.batching import first_fit_rows, least_padded_rows
 

@@ -21,6 +21,12 @@ def test_batch_arithmetic_and_accumulation():
     assert cfg.world_size == 2 and cfg.accumulation_steps == 4
     with pytest.raises(ConfigError, match="train_batch_size"):
         build_config(SFTConfig, BASE, {"train_batch_size": 60, "micro_train_batch_size": 8})
+    # no micro-batch size: micro-batches by tokens, any number a step; DeepSpeed is told one
+    cfg = build_config(SFTConfig, BASE, {"train_batch_size": 60, "num_gpus_per_node": 2})
+    assert cfg.train.micro_batch_size is None and cfg.per_rank_batch == 30 and cfg.accumulation_steps == 1
+    assert cfg.train.max_tokens_per_gpu == 16192
+    with pytest.raises(ConfigError, match="multiple of the data-parallel ranks"):
+        build_config(SFTConfig, BASE, {"train_batch_size": 61, "num_gpus_per_node": 2})
 
 
 def test_tensor_parallel_ranks_share_batches_and_what_autotp_cannot_combine_with_is_refused():

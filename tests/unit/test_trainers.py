@@ -200,6 +200,34 @@ def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
 
 
+@pytest.mark.parametrize(("stage", "packing"), [("sft", True), ("dpo", False)])
+def test_micro_batches_by_a_token_budget_give_the_updates_of_fixed_ones(prepared, tmp_path, monkeypatch, stage,
+                                                                        packing):
+    """No micro-batch size given (the default): micro-batches by `--train_max_tokens_per_gpu` token
+    slots, any number a step, with the loss and weights of fixed micro-batches of the same data."""
+    from rlhf_core.trainers import loop
+
+    counts, step = [], loop.optimizer_step
+    monkeypatch.setattr(loop, "optimizer_step", lambda engine, micro, *a, **k: counts.append(len(micro)) or
+                        step(engine, micro, *a, **k))
+    common = dict(max_steps=2, use_mlflow=False, packing_samples=packing, max_eval_samples=16)
+    runs = {}
+    for name, flags in (("fixed", {"micro_train_batch_size": 8}),
+                        ("budget", {"micro_train_batch_size": None, "train_max_tokens_per_gpu": 200}),
+                        ("default", {"micro_train_batch_size": None})):
+        counts.clear()
+        runs[name] = (train(stage, prepared, tmp_path / name, **common, **flags), list(counts))
+    assert runs["fixed"][1] == [4, 4] and runs["default"][1] == [1, 1]  # 32 short rows fit 16192 slots
+    assert all(c > 1 for c in runs["budget"][1]) and runs["budget"][1] != [4, 4], runs["budget"][1]
+    reference = _weights(runs["fixed"][0]["output_uri"])
+    for name in ("budget", "default"):
+        manifest = runs[name][0]
+        assert manifest["metrics"]["train/final_loss"] == pytest.approx(runs["fixed"][0]["metrics"]["train/final_loss"],
+                                                                        abs=1e-5)
+        weights = _weights(manifest["output_uri"])
+        assert max((weights[k] - reference[k]).abs().max().item() for k in reference) < 1e-4, name
+
+
 @pytest.mark.parametrize("stage", ["sft", "kto"])
 def test_one_cpu_rank_at_stage_0_trains_like_zero_2(prepared, tmp_path, monkeypatch, stage):
     """`effective_zero_stage` runs one CPU rank's ZeRO-2 as stage 0: the weights must not notice."""
