@@ -9,6 +9,13 @@ import pytest
 
 os.environ.setdefault("RLHF_NO_PROGRESS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray starts its workers (every actor and task) at niceness 15, below "user processes" (its
+# worker_niceness). Here the user processes are the other pytest-xdist worker's tests: while those
+# kept both cores busy, a Ray actor of this worker got a few percent of one (a vLLM engine's start
+# took 123 s beside two busy processes instead of 14 s alone; at niceness 0, 22 s). Every local
+# cluster the tests start (each reads this from its environment) runs its workers at 0, sharing the
+# cores evenly with the other worker; the settings' builder stays at 19 (tests/background.py).
+os.environ.setdefault("RAY_worker_niceness", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers share the cores: a torch or OpenMP pool of more than one thread per process (this
     # one and all it starts) only contends with the other worker's (tiny models: 10-40x slower)

@@ -193,7 +193,10 @@ def test_sleep_mode_is_refused_on_a_cpu_engine_naming_the_flag(prepared):
 
 def rlhf(*args: str) -> subprocess.CompletedProcess:
     """The `rlhf` command in a process of its own (the vLLM engine binds the threads of its process)."""
-    env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
+    # vLLM's own CPU CI setting: its CPU build traces the model once and runs it eagerly instead of
+    # compiling it with inductor (10-12 s of each engine's start here). These commands sample and
+    # never sync weights; the RL runs on vLLM (tests/learning) keep the compiled default.
+    env = {**os.environ, "RLHF_NO_PROGRESS": "1", "VLLM_CPU_CI_ENV": "1"}
     return subprocess.run([sys.executable, "-c", "from rlhf_core.cli import entry; entry()", *args],
                           capture_output=True, text=True, env=env, timeout=900)
 
