@@ -43,6 +43,16 @@ def balanced_groups(lengths: list[int], count: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def group_count(lengths: list[int], budget: int) -> int:
+    """How many `balanced_groups` to cut `lengths` into so that none over `budget` holds more than one
+    sample: first-fit decreasing's count (`micro_batch_count`), more where the near-equal split
+    would overrun the budget that first-fit kept (it can: near-equal is not first-fit)."""
+    count = micro_batch_count(lengths, budget)
+    while count and any(len(g) > 1 and sum(lengths[i] for i in g) > budget for g in balanced_groups(lengths, count)):
+        count += 1
+    return count
+
+
 def budget_chunks(lengths: list[int], budget: int, padded: bool = False) -> list[list[int]]:
     """Consecutive runs of indices whose tokens fit `budget` (a longer sample alone): the no-grad
     passes' chunks, in order, with nothing to keep in step across ranks. `padded`: a chunk costs
@@ -77,21 +87,13 @@ def step_micro_batches(shares: list[list[tuple[int, ...]]], rank: int, budget: i
     sample over it alone): positions into `shares[rank]`, each micro-batch in share order. Every
     rank gets as many micro-batches as the share that needs most (ZeRO reduces at the boundary on
     all ranks alike); every rank knows every share, so no collective is needed. Packed, near-equal
-    token sums (`balanced_groups`, in as many groups as first-fit decreasing needs, more where the
-    near-equal split would overrun the budget); padded, samples of similar length together (longest first), so
-    padding stays small. The shares are of equal size."""
+    token sums (`balanced_groups` in `group_count` groups, the largest any share needs); padded,
+    samples of similar length together (longest first), so padding stays small. The shares are of equal size."""
     if budget < 1:
         raise ValueError(f"a token budget must be >= 1, got {budget}")
     if not padded:
         tokens = [[sum(s) for s in share] for share in shares]
-        count = max(micro_batch_count(t, budget) for t in tokens)
-
-        def over(t):  # a group of several samples above the budget: near-equal sums may miss what FFD found
-            return any(len(g) > 1 and sum(t[i] for i in g) > budget for g in balanced_groups(t, count))
-
-        while any(over(t) for t in tokens):
-            count += 1
-        return balanced_groups(tokens[rank], count)
+        return balanced_groups(tokens[rank], max(group_count(t, budget) for t in tokens))
 
     def longest_first(share):
         longest, per_row = _padded(share, budget)

@@ -38,7 +38,7 @@ from rlhf_core.algos.losses import (
 )
 from rlhf_core.algos.names import LossAggMode, PolicyLossType
 from rlhf_core.algos.nucleus import filter_logits
-from rlhf_core.data.token_budget import balanced_groups, budget_chunks, micro_batch_count
+from rlhf_core.data.token_budget import balanced_groups, budget_chunks, group_count
 from rlhf_core.distributed.engine import (
     EngineSettings,
     all_reduce,
@@ -218,7 +218,7 @@ class _Role:
         out = []
         for (step,) in steps:
             lengths = [s.sequence_len for s in step]
-            count = all_reduce_max(micro_batch_count(lengths, train.max_tokens_per_gpu))
+            count = all_reduce_max(group_count(lengths, train.max_tokens_per_gpu))
             out.append([[step[i] for i in group] for group in balanced_groups(lengths, count) if group])
         return out
 

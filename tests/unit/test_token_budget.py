@@ -8,6 +8,7 @@ from rlhf_core.data.token_budget import (
     balanced_groups,
     budget_chunks,
     consecutive_chunks,
+    group_count,
     micro_batch_count,
     step_micro_batches,
 )
@@ -31,6 +32,16 @@ def test_groups_cover_every_sample_once_in_order_with_near_equal_tokens():
     loads = [sum(lengths[i] for i in g) for g in groups]
     assert max(loads) - min(loads) <= max(lengths)
     assert balanced_groups([3, 1], 3) == [[0], [1], []]
+
+
+def test_the_group_count_keeps_near_equal_groups_within_the_budget():
+    # first-fit decreasing packs [6, 5, 4, 3, 2] into two of 10 (6+4, 5+3+2); near-equal groups of
+    # two would be 6+3+2 = 11 and 5+4: three groups are needed (what the RL roles and the
+    # supervised trainers both cut by)
+    assert micro_batch_count([6, 5, 4, 3, 2], 10) == 2 and balanced_groups([6, 5, 4, 3, 2], 2) == [[0, 3, 4], [1, 2]]
+    assert group_count([6, 5, 4, 3, 2], 10) == 3
+    assert all(sum([6, 5, 4, 3, 2][i] for i in g) <= 10 for g in balanced_groups([6, 5, 4, 3, 2], 3))
+    assert group_count([25, 3], 10) == 2 and group_count([], 10) == 0
 
 
 def test_chunks_keep_order_and_the_budget():
